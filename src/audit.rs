@@ -1,0 +1,184 @@
+//! The audit trail of rejected writes: one structured `tracing` event per rejection, and one
+//! row in `pgfence.audit`, written outside the caller's transaction.
+
+use std::time::Duration;
+
+use serde::Serialize;
+use sqlx::PgPool;
+use time::OffsetDateTime;
+
+use crate::Result;
+
+/// `tracing` target of the rejection events (WARN) and of audit-write failures (ERROR).
+///
+/// Fields of a rejection event: `resource`, `table`, `key`, `presented`, `current`, `holder`,
+/// `operation`. String fields are recorded as strings, so subscribers print them quoted and
+/// escaped: a hostile key cannot forge a log line.
+pub const LOG_TARGET: &str = "pgfence::audit";
+
+/// How long a rejection may wait for its audit row by default.
+pub const DEFAULT_AUDIT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A rejected write, as logged and audited.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Rejection {
+    pub resource: Option<String>,
+    pub table: Option<String>,
+    pub key: Option<String>,
+    pub presented: i64,
+    pub current: Option<i64>,
+    pub holder: Option<String>,
+    pub operation: &'static str,
+}
+
+/// Writes audit rows through its own pool, so they survive the caller's rollback.
+#[derive(Clone, Debug)]
+pub struct Auditor {
+    pool: PgPool,
+    timeout: Duration,
+}
+
+impl Auditor {
+    /// Audits through `pool` with [`DEFAULT_AUDIT_TIMEOUT`].
+    #[must_use]
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool, timeout: DEFAULT_AUDIT_TIMEOUT }
+    }
+
+    /// Bounds how long a rejection waits for its audit row (pool wait included). When it runs
+    /// out, the rejection is still returned to the caller and logged, and an ERROR event says
+    /// the audit row is missing.
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The pool audit rows are written through.
+    #[must_use]
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Logs and records `r`. Never fails: an audit failure is reported as an ERROR event and
+    /// must not hide the rejection itself.
+    pub(crate) async fn record(&self, r: &Rejection) {
+        let resource = r.resource.as_deref().unwrap_or("");
+        let table = r.table.as_deref().unwrap_or("");
+        let key = r.key.as_deref().unwrap_or("");
+        let holder = r.holder.as_deref().unwrap_or("");
+        tracing::warn!(
+            target: LOG_TARGET,
+            resource,
+            table,
+            key,
+            presented = r.presented,
+            current = r.current,
+            holder,
+            operation = r.operation,
+            "stale write rejected"
+        );
+        let insert = sqlx::query!(
+            "INSERT INTO pgfence.audit (resource, table_name, row_key, presented, current, holder, operation) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            r.resource,
+            r.table,
+            r.key,
+            r.presented,
+            r.current,
+            r.holder,
+            r.operation,
+        )
+        .execute(&self.pool);
+        let failure = match tokio::time::timeout(self.timeout, insert).await {
+            Ok(Ok(_)) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("timed out after {:?}", self.timeout),
+        };
+        tracing::error!(
+            target: LOG_TARGET,
+            resource,
+            table,
+            key,
+            presented = r.presented,
+            current = r.current,
+            holder,
+            operation = r.operation,
+            error = failure.as_str(),
+            "could not write the audit row for a rejected write"
+        );
+    }
+}
+
+/// One row of the audit trail.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct AuditEntry {
+    /// Row id (increasing).
+    pub id: i64,
+    /// When the rejection was recorded.
+    #[serde(with = "time::serde::rfc3339")]
+    pub at: OffsetDateTime,
+    /// The resource the token was issued for, when the writer said.
+    pub resource: Option<String>,
+    /// The table (quoted, schema-qualified) for row writes.
+    pub table: Option<String>,
+    /// The row key as a JSON array, for row writes.
+    pub key: Option<String>,
+    /// The token the rejected write carried.
+    pub presented: i64,
+    /// The fence it met.
+    pub current: Option<i64>,
+    /// Who held the token, when the writer said.
+    pub holder: Option<String>,
+    /// `update`, `upsert`, `delete` or `check`.
+    pub operation: String,
+}
+
+/// Filters for [`list`]. The default lists the 100 newest rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuditFilter {
+    /// Only rows recorded at or after this time.
+    pub since: Option<OffsetDateTime>,
+    /// Only rows for this resource.
+    pub resource: Option<String>,
+    /// At most this many rows (newest first).
+    pub limit: i64,
+}
+
+impl Default for AuditFilter {
+    fn default() -> Self {
+        Self { since: None, resource: None, limit: 100 }
+    }
+}
+
+/// Lists audit rows, newest first.
+///
+/// # Errors
+/// [`crate::Error::Database`].
+pub async fn list(pool: &PgPool, filter: &AuditFilter) -> Result<Vec<AuditEntry>> {
+    let rows = sqlx::query_as!(
+        AuditEntry,
+        r#"SELECT id AS "id!", at AS "at!", resource, table_name AS "table", row_key AS "key",
+                  presented AS "presented!", current, holder, operation AS "operation!"
+             FROM pgfence.audit
+            WHERE ($1::timestamptz IS NULL OR at >= $1)
+              AND ($2::text IS NULL OR resource = $2)
+            ORDER BY id DESC
+            LIMIT $3"#,
+        filter.since,
+        filter.resource,
+        filter.limit.max(0),
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows)
+}
+
+/// Deletes audit rows older than `older_than` and returns how many were deleted.
+///
+/// # Errors
+/// [`crate::Error::Database`].
+pub async fn prune(pool: &PgPool, older_than: OffsetDateTime) -> Result<u64> {
+    let done = sqlx::query!("DELETE FROM pgfence.audit WHERE at < $1", older_than).execute(pool).await?;
+    Ok(done.rows_affected())
+}

@@ -1,0 +1,374 @@
+//! Throwaway PostgreSQL and Redis servers started from the locally installed binaries, for
+//! `pgfence simulate` and for tests when no `DATABASE_URL` / `REDIS_URL` is given.
+//!
+//! Each server runs under a small `sh` supervisor that owns a fresh temporary directory. The
+//! supervisor's stdin is a pipe from this process: when this process exits — normally, by
+//! panic, or killed — the pipe closes and the supervisor stops the server and deletes the
+//! directory. Nothing is left behind, even without `Drop` running. The supervisor runs in its
+//! own process group, so a Ctrl-C at the terminal reaches only this process, which then shuts
+//! the servers down in order.
+//!
+//! PostgreSQL refuses to run as root; when this process is root the supervisor runs as the
+//! `postgres` user (through `runuser`).
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Why a throwaway server could not be started.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// The server binaries are not installed (or not where we look).
+    #[error("{what} not found: {hint}")]
+    NotInstalled {
+        /// What is missing.
+        what: &'static str,
+        /// What to install, or which URL to set instead.
+        hint: &'static str,
+    },
+    /// The server did not come up.
+    #[error("{what} did not start: {detail}")]
+    StartFailed {
+        /// Which server.
+        what: &'static str,
+        /// Its output, or what timed out.
+        detail: String,
+    },
+    /// Spawning or talking to the supervisor failed.
+    #[error("throwaway server I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+const PG_HINT: &str = "install the PostgreSQL server (Debian: apt-get install postgresql), \
+    set PGFENCE_PG_BINDIR to its bin directory, or set DATABASE_URL to use a running server";
+const REDIS_HINT: &str =
+    "install Redis (Debian: apt-get install redis-server), or set REDIS_URL to use a running server";
+
+/// Which kind of server a [`Server`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// PostgreSQL.
+    Postgres,
+    /// Redis (standalone or a cluster node).
+    Redis,
+}
+
+/// A running throwaway server. Dropping it stops the server and removes its directory.
+#[derive(Debug)]
+pub struct Server {
+    kind: Kind,
+    port: u16,
+    dir: PathBuf,
+    child: Child,
+    stdin: Option<ChildStdin>,
+}
+
+impl Server {
+    /// Starts a throwaway PostgreSQL (superuser `postgres`, trust auth, fsync off).
+    ///
+    /// # Errors
+    /// [`ServerError::NotInstalled`] when no PostgreSQL server binaries are found;
+    /// [`ServerError::StartFailed`] when it does not come up within 60 s.
+    pub async fn postgres() -> Result<Self, ServerError> {
+        let bindir = postgres_bindir()?;
+        let run_as_postgres = is_root();
+        retry_on_port_clash(|port| {
+            let script = format!(
+                r#"set -u
+umask 077
+dir=$(mktemp -d /tmp/pgfence-pg.XXXXXX) || exit 1
+trap 'rm -rf "$dir"' EXIT
+{bin}/initdb -D "$dir/data" -U postgres -A trust -E UTF8 --no-sync >"$dir/init.log" 2>&1 || {{ cat "$dir/init.log" >&2; exit 1; }}
+{supervise}"#,
+                bin = sh_quote(&bindir),
+                supervise = supervise(&format!(
+                    "{bin}/postgres -D \"$dir/data\" -p {port} -k \"$dir\" -c listen_addresses=127.0.0.1 \
+                     -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=400",
+                    bin = sh_quote(&bindir)
+                ), "INT"),
+            );
+            let mut cmd = if run_as_postgres {
+                let mut c = Command::new("runuser");
+                c.args(["-u", "postgres", "--", "sh", "-c", &script]);
+                c
+            } else {
+                let mut c = Command::new("sh");
+                c.args(["-c", &script]);
+                c
+            };
+            cmd.current_dir("/");
+            Self::spawn(Kind::Postgres, port, cmd)
+        })
+        .await
+    }
+
+    /// Starts a throwaway Redis that keeps nothing on disk.
+    ///
+    /// # Errors
+    /// As [`Server::postgres`].
+    pub async fn redis() -> Result<Self, ServerError> {
+        Self::redis_with(&[]).await
+    }
+
+    /// Starts a throwaway Redis with extra `redis-server` arguments (e.g. cluster mode).
+    ///
+    /// # Errors
+    /// As [`Server::postgres`].
+    pub async fn redis_with(extra: &[&str]) -> Result<Self, ServerError> {
+        let bin = find_in_path("redis-server")
+            .ok_or(ServerError::NotInstalled { what: "redis-server", hint: REDIS_HINT })?;
+        retry_on_port_clash(|port| {
+            let mut server = format!(
+                "{} --port {port} --bind 127.0.0.1 --save '' --appendonly no --dir \"$dir\" --daemonize no",
+                sh_quote(&bin)
+            );
+            for arg in extra {
+                server.push(' ');
+                server.push_str(&sh_quote(Path::new(arg)));
+            }
+            let script = format!(
+                r#"set -u
+dir=$(mktemp -d "${{TMPDIR:-/tmp}}/pgfence-redis.XXXXXX") || exit 1
+trap 'rm -rf "$dir"' EXIT
+{}"#,
+                supervise(&server, "TERM")
+            );
+            let mut cmd = Command::new("sh");
+            cmd.args(["-c", &script]).current_dir("/");
+            Self::spawn(Kind::Redis, port, cmd)
+        })
+        .await
+    }
+
+    fn spawn(kind: Kind, port: u16, mut cmd: Command) -> Result<Self, ServerError> {
+        cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+        let mut child = cmd.spawn()?;
+        let stdin = child.stdin.take();
+        // The supervisor prints its directory first, or exits with the reason on stderr.
+        let mut line = String::new();
+        let stdout = child.stdout.take().expect("stdout is piped");
+        BufReader::new(stdout).read_line(&mut line)?;
+        let Some(dir) = line.trim().strip_prefix("dir=").map(PathBuf::from) else {
+            let detail = failure_output(&mut child);
+            return Err(ServerError::StartFailed { what: kind.name(), detail });
+        };
+        Ok(Self { kind, port, dir, child, stdin })
+    }
+
+    /// Waits until the server accepts connections.
+    async fn wait_ready(&mut self, timeout: Duration) -> Result<(), ServerError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                let detail = format!("exited with {status}: {}", failure_output(&mut self.child));
+                return Err(ServerError::StartFailed { what: self.kind.name(), detail });
+            }
+            if self.accepts_connections() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(ServerError::StartFailed {
+                    what: self.kind.name(),
+                    detail: format!("not accepting connections after {timeout:?}"),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn accepts_connections(&self) -> bool {
+        let Ok(mut stream) = TcpStream::connect((Ipv4Addr::LOCALHOST, self.port)) else { return false };
+        match self.kind {
+            // A connection is accepted before recovery ends; the socket file shows readiness.
+            Kind::Postgres => self.dir.join(format!(".s.PGSQL.{}", self.port)).exists() && {
+                // postmaster.pid's 8th line is "ready" once it accepts queries.
+                std::fs::read_to_string(self.dir.join("data/postmaster.pid"))
+                    .map(|pid| pid.lines().nth(7).is_some_and(|l| l.trim() == "ready"))
+                    .unwrap_or(false)
+            },
+            Kind::Redis => {
+                use std::io::Write;
+                let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+                let mut buf = [0u8; 64];
+                stream.write_all(b"PING\r\n").is_ok()
+                    && stream.read(&mut buf).is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
+            }
+        }
+    }
+
+    /// The server's kind.
+    #[must_use]
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// TCP port on 127.0.0.1.
+    #[must_use]
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The server's temporary directory (removed when it stops).
+    #[must_use]
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A connection URL: `postgres://postgres@127.0.0.1:PORT/postgres` or
+    /// `redis://127.0.0.1:PORT`.
+    #[must_use]
+    pub fn url(&self) -> String {
+        match self.kind {
+            Kind::Postgres => format!("postgres://postgres@127.0.0.1:{}/postgres", self.port),
+            Kind::Redis => format!("redis://127.0.0.1:{}", self.port),
+        }
+    }
+
+    /// Restarts the server in place (same port and data directory), as a crash-restart would.
+    /// A Redis server comes back empty, like a failover that lost its writes.
+    ///
+    /// # Errors
+    /// [`ServerError`] when it does not come back.
+    pub async fn restart(&mut self) -> Result<(), ServerError> {
+        let pid = std::fs::read_to_string(self.dir.join("pid"))?;
+        let signal = if self.kind == Kind::Postgres { "-INT" } else { "-TERM" };
+        let status = Command::new("kill").args([signal, pid.trim()]).status()?;
+        if !status.success() {
+            return Err(ServerError::StartFailed { what: self.kind.name(), detail: "could not signal".into() });
+        }
+        // Wait for it to go down, then up again.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.accepts_connections() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.wait_ready(Duration::from_secs(60)).await
+    }
+
+    /// Stops the server and removes its directory, waiting until both are done.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        // Closing the pipe is the supervisor's signal to stop the server and clean up.
+        drop(self.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Postgres => "PostgreSQL",
+            Kind::Redis => "redis-server",
+        }
+    }
+}
+
+/// The supervisor loop shared by both servers: run `server` in the background, restart it
+/// when it exits cleanly without a stop request (that is [`Server::restart`]), stop it with
+/// `signal` when stdin closes, report its log on a failed start.
+fn supervise(server: &str, signal: &str) -> String {
+    format!(
+        r#"exec 3<&0
+( cat <&3 >/dev/null; touch "$dir/stop"; kill -{signal} "$(cat "$dir/pid")" 2>/dev/null ) &
+first=1
+while :; do
+  {server} >"$dir/server.log" 2>&1 &
+  echo $! >"$dir/pid"
+  if [ $first = 1 ]; then echo "dir=$dir"; first=0; fi
+  wait $!; status=$?
+  [ -e "$dir/stop" ] && exit 0
+  if [ $status -ne 0 ]; then cat "$dir/server.log" >&2; exit 1; fi
+done"#
+    )
+}
+
+async fn retry_on_port_clash(
+    mut start: impl FnMut(u16) -> Result<Server, ServerError>,
+) -> Result<Server, ServerError> {
+    let mut last = None;
+    for _ in 0..5 {
+        let port = free_port()?;
+        let mut server = start(port)?;
+        match server.wait_ready(Duration::from_secs(60)).await {
+            Ok(()) => return Ok(server),
+            // Another process may have taken the port between our probe and the bind.
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.expect("at least one attempt"))
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
+}
+
+fn failure_output(child: &mut Child) -> String {
+    let _ = child.wait();
+    let mut out = String::new();
+    if let Some(mut err) = child.stderr.take() {
+        let _ = err.read_to_string(&mut out);
+    }
+    let out = out.trim();
+    if out.is_empty() { "no output".to_owned() } else { out.chars().rev().take(2000).collect::<Vec<_>>().into_iter().rev().collect() }
+}
+
+fn is_root() -> bool {
+    std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false)
+}
+
+fn sh_quote(p: &Path) -> String {
+    format!("'{}'", p.to_string_lossy().replace('\'', r"'\''"))
+}
+
+fn find_in_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .chain(["/usr/sbin", "/usr/bin", "/usr/local/bin"].map(PathBuf::from))
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// Finds the PostgreSQL server binaries: `PGFENCE_PG_BINDIR`, else the newest
+/// `/usr/lib/postgresql/*/bin` (Debian/Ubuntu), else `initdb` on `PATH`.
+fn postgres_bindir() -> Result<PathBuf, ServerError> {
+    let has_server = |d: &Path| d.join("initdb").is_file() && d.join("postgres").is_file();
+    if let Some(dir) = std::env::var_os("PGFENCE_PG_BINDIR").map(PathBuf::from) {
+        return if has_server(&dir) {
+            Ok(dir)
+        } else {
+            Err(ServerError::NotInstalled { what: "initdb/postgres in PGFENCE_PG_BINDIR", hint: PG_HINT })
+        };
+    }
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let v = e.file_name().to_str()?.parse::<u32>().ok()?;
+            let bin = e.path().join("bin");
+            has_server(&bin).then_some((v, bin))
+        })
+        .collect();
+    versions.sort();
+    if let Some((_, bin)) = versions.pop() {
+        return Ok(bin);
+    }
+    find_in_path("initdb")
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+        .filter(|d| has_server(d))
+        .ok_or(ServerError::NotInstalled { what: "PostgreSQL server (initdb, postgres)", hint: PG_HINT })
+}

@@ -1,0 +1,197 @@
+//! SQL identifiers supplied by users, validated and quoted. This is the only place where SQL
+//! text is made from user-supplied names: every other module goes through [`Ident`] and
+//! [`TableName`].
+
+use std::fmt;
+
+use crate::{Error, Result};
+
+/// Postgres truncates identifiers to 63 bytes; a longer name would silently address a
+/// different object, so it is refused instead.
+pub const MAX_IDENT_LEN: usize = 63;
+
+/// A validated SQL identifier (schema, table or column name), exactly as stored in the catalog
+/// (case-sensitive: `Payments` and `payments` are different tables).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Ident(String);
+
+impl Ident {
+    /// Validates `name`: 1 to 63 bytes, no NUL. Any other character is allowed and quoted.
+    ///
+    /// # Errors
+    /// [`Error::InvalidIdentifier`].
+    pub fn new(name: impl Into<String>) -> Result<Self> {
+        let name = name.into();
+        let reason = if name.is_empty() {
+            Some("empty")
+        } else if name.len() > MAX_IDENT_LEN {
+            Some("longer than 63 bytes (Postgres would truncate it)")
+        } else if name.contains('\0') {
+            Some("contains a NUL byte")
+        } else {
+            None
+        };
+        match reason {
+            Some(reason) => Err(Error::InvalidIdentifier { name: display_name(&name), reason }),
+            None => Ok(Self(name)),
+        }
+    }
+
+    /// The name as stored in the catalog.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The identifier quoted for SQL text: `"name"` with inner `"` doubled.
+    #[must_use]
+    pub fn quoted(&self) -> String {
+        format!("\"{}\"", self.0.replace('"', "\"\""))
+    }
+}
+
+impl fmt::Display for Ident {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.quoted())
+    }
+}
+
+fn display_name(name: &str) -> String {
+    let mut s: String = name.chars().take(80).collect();
+    if s.len() < name.len() {
+        s.push('…');
+    }
+    s
+}
+
+/// A table name, optionally schema-qualified. Without a schema, `public` is assumed.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TableName {
+    schema: Ident,
+    name: Ident,
+}
+
+impl TableName {
+    /// A table in `schema`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidIdentifier`] for either part.
+    pub fn new(schema: &str, name: &str) -> Result<Self> {
+        Ok(Self { schema: Ident::new(schema)?, name: Ident::new(name)? })
+    }
+
+    /// Parses the command-line form: `table` or `schema.table`, where either part may be
+    /// double-quoted (with `""` for a literal quote) to contain dots or capitals as stored.
+    /// Unquoted parts are taken as written (no case folding), so `Payments` names the table
+    /// whose catalog name is `Payments`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidIdentifier`] for malformed input.
+    pub fn parse(s: &str) -> Result<Self> {
+        let parts = split_qualified(s)?;
+        match parts.as_slice() {
+            [name] => Self::new("public", name),
+            [schema, name] => Self::new(schema, name),
+            _ => Err(Error::InvalidIdentifier { name: display_name(s), reason: "expected table or schema.table" }),
+        }
+    }
+
+    /// The schema.
+    #[must_use]
+    pub fn schema(&self) -> &Ident {
+        &self.schema
+    }
+
+    /// The table's own name.
+    #[must_use]
+    pub fn name(&self) -> &Ident {
+        &self.name
+    }
+
+    /// `"schema"."table"`, for SQL text.
+    #[must_use]
+    pub fn quoted(&self) -> String {
+        format!("{}.{}", self.schema.quoted(), self.name.quoted())
+    }
+}
+
+impl fmt::Display for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.quoted())
+    }
+}
+
+fn split_qualified(s: &str) -> Result<Vec<String>> {
+    let bad = |reason| Error::InvalidIdentifier { name: display_name(s), reason };
+    let mut parts = Vec::new();
+    let mut chars = s.chars().peekable();
+    loop {
+        let mut part = String::new();
+        if chars.peek() == Some(&'"') {
+            chars.next();
+            loop {
+                match chars.next() {
+                    Some('"') if chars.peek() == Some(&'"') => {
+                        chars.next();
+                        part.push('"');
+                    }
+                    Some('"') => break,
+                    Some(c) => part.push(c),
+                    None => return Err(bad("unterminated quoted identifier")),
+                }
+            }
+        } else {
+            while let Some(&c) = chars.peek() {
+                if c == '.' {
+                    break;
+                }
+                if c == '"' {
+                    return Err(bad("stray quote in unquoted identifier"));
+                }
+                part.push(c);
+                chars.next();
+            }
+        }
+        parts.push(part);
+        match chars.next() {
+            None => return Ok(parts),
+            Some('.') => {}
+            Some(_) => return Err(bad("unexpected text after quoted identifier")),
+        }
+    }
+}
+
+/// Quotes `value` as an SQL string literal (`'...'` with inner `'` doubled). Used only for the
+/// migration files pgfence writes, where bind parameters do not exist.
+///
+/// # Errors
+/// [`Error::InvalidIdentifier`] when `value` contains a NUL byte.
+pub fn quote_literal(value: &str) -> Result<String> {
+    if value.contains('\0') {
+        return Err(Error::InvalidIdentifier { name: display_name(value), reason: "contains a NUL byte" });
+    }
+    Ok(format!("'{}'", value.replace('\'', "''")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoting() {
+        assert_eq!(Ident::new("a\"b").unwrap().quoted(), "\"a\"\"b\"");
+        assert_eq!(TableName::parse("t").unwrap().quoted(), "\"public\".\"t\"");
+        assert_eq!(TableName::parse("s.T").unwrap().quoted(), "\"s\".\"T\"");
+        assert_eq!(TableName::parse("\"a.b\".\"c\"\"d\"").unwrap().quoted(), "\"a.b\".\"c\"\"d\"");
+        assert_eq!(quote_literal("it's").unwrap(), "'it''s'");
+    }
+
+    #[test]
+    fn rejects() {
+        for bad in ["", "a.b.c", "\"x", "a\"b", "\"a\"b", &"x".repeat(64), "x\0"] {
+            assert!(TableName::parse(bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(Ident::new("é".repeat(31)).is_ok()); // 62 bytes
+        assert!(Ident::new("é".repeat(32)).is_err()); // 64 bytes
+    }
+}

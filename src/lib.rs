@@ -1,0 +1,22 @@
+#![doc = include_str!("../README.md")]
+
+pub mod audit;
+pub mod check;
+pub mod ephemeral;
+pub mod error;
+pub mod guard;
+pub mod ident;
+pub mod migrate;
+pub mod repository;
+pub mod resource;
+pub mod token;
+
+pub use audit::{AuditEntry, AuditFilter, Auditor};
+pub use check::{Fence, high_water};
+pub use error::{Error, Result, SQLSTATE_FENCE_TYPE, SQLSTATE_STALE};
+pub use guard::{guard, guarded_tables, unguard};
+pub use ident::{Ident, TableName};
+pub use migrate::{MigrationInfo, migrate};
+pub use repository::{FencedTable, Fencing, PgQuery, Repository, Upserted};
+pub use resource::Resource;
+pub use token::FenceToken;

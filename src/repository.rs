@@ -1,0 +1,404 @@
+//! The typed repository: fenced `update`, `upsert` and `delete` for tables declared with
+//! [`fenced_table!`](crate::fenced_table) (or a hand-written [`FencedTable`] impl).
+//!
+//! Each write is one statement. The same statement classifies its outcome: applied, stale
+//! (the row's fence is at least the presented token) or not found, so a concurrent change
+//! between "try" and "explain" cannot turn one into the other.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use sqlx::postgres::{PgArguments, PgRow};
+use sqlx::{AssertSqlSafe, PgExecutor, PgPool, Postgres, Row, SqlSafeStr, SqlStr};
+
+use crate::audit::{Auditor, Rejection};
+use crate::ident::{Ident, TableName};
+use crate::{Error, FenceToken, Resource, Result};
+
+/// A query under construction, as handed to [`FencedTable`]'s bind methods.
+pub type PgQuery = sqlx::query::Query<'static, Postgres, PgArguments>;
+
+/// A table whose rows are written only with a fence token.
+///
+/// Implement it with [`fenced_table!`](crate::fenced_table); by hand, the bind methods must
+/// bind exactly the columns listed, in order.
+pub trait FencedTable: Send + Sync + 'static {
+    /// The key, as passed to [`Repository::delete`]: a single value or a tuple.
+    type Key: Send + Sync;
+    /// Schema of the table (default `public`).
+    const SCHEMA: &'static str = "public";
+    /// Table name, as stored in the catalog.
+    const TABLE: &'static str;
+    /// Columns of the primary key (or another unique key, which `upsert` targets).
+    const KEY_COLUMNS: &'static [&'static str];
+    /// The other columns a write sets (not `fence`, which pgfence manages).
+    const COLUMNS: &'static [&'static str];
+    /// Binds this row's key columns, in [`Self::KEY_COLUMNS`] order.
+    fn bind_key(&self, query: PgQuery) -> PgQuery;
+    /// Binds this row's other columns, in [`Self::COLUMNS`] order.
+    fn bind_columns(&self, query: PgQuery) -> PgQuery;
+    /// Binds a bare key, in [`Self::KEY_COLUMNS`] order.
+    fn bind_key_value(key: &Self::Key, query: PgQuery) -> PgQuery;
+}
+
+/// Declares a struct as a fenced table: its field names are the column names.
+///
+/// ```
+/// #[derive(Debug, Clone)]
+/// struct Snapshot { sku: String, payload: String, qty: i32 }
+///
+/// pgfence::fenced_table!(Snapshot {
+///     table: "inventory_snapshot",
+///     key: sku: String,
+///     columns: [payload, qty],
+/// });
+///
+/// // Composite key, explicit schema:
+/// struct Line { batch: i64, line: i32, amount: i64 }
+/// pgfence::fenced_table!(Line {
+///     schema: "billing",
+///     table: "ledger_line",
+///     key: (batch: i64, line: i32),
+///     columns: [amount],
+/// });
+/// ```
+#[macro_export]
+macro_rules! fenced_table {
+    ($ty:ty { $(schema: $schema:literal,)? table: $table:literal,
+        key: ($($key:ident : $kty:ty),+ $(,)?), columns: [$($col:ident),* $(,)?] $(,)? }) => {
+        impl $crate::FencedTable for $ty {
+            type Key = ($($kty,)+);
+            $(const SCHEMA: &'static str = $schema;)?
+            const TABLE: &'static str = $table;
+            const KEY_COLUMNS: &'static [&'static str] = &[$(stringify!($key)),+];
+            const COLUMNS: &'static [&'static str] = &[$(stringify!($col)),*];
+            fn bind_key(&self, q: $crate::PgQuery) -> $crate::PgQuery { q $(.bind(&self.$key))+ }
+            fn bind_columns(&self, q: $crate::PgQuery) -> $crate::PgQuery { q $(.bind(&self.$col))* }
+            fn bind_key_value(key: &Self::Key, q: $crate::PgQuery) -> $crate::PgQuery {
+                #[allow(non_snake_case)]
+                let ($($key,)+) = key;
+                q $(.bind($key))+
+            }
+        }
+    };
+    ($ty:ty { $(schema: $schema:literal,)? table: $table:literal,
+        key: $key:ident : $kty:ty, columns: [$($col:ident),* $(,)?] $(,)? }) => {
+        impl $crate::FencedTable for $ty {
+            type Key = $kty;
+            $(const SCHEMA: &'static str = $schema;)?
+            const TABLE: &'static str = $table;
+            const KEY_COLUMNS: &'static [&'static str] = &[stringify!($key)];
+            const COLUMNS: &'static [&'static str] = &[$(stringify!($col)),*];
+            fn bind_key(&self, q: $crate::PgQuery) -> $crate::PgQuery { q.bind(&self.$key) }
+            fn bind_columns(&self, q: $crate::PgQuery) -> $crate::PgQuery { q $(.bind(&self.$col))* }
+            fn bind_key_value(key: &Self::Key, q: $crate::PgQuery) -> $crate::PgQuery { q.bind(key) }
+        }
+    };
+}
+
+/// What a write presents: the token, and for the audit trail the resource and holder it came
+/// from. Built from a [`FenceToken`] or (with the issuer) from a lease.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fencing {
+    /// The fence token.
+    pub token: FenceToken,
+    /// The resource the token was issued for, if known (recorded in the audit trail).
+    pub resource: Option<Resource>,
+    /// Who holds the token (lease owner id, job id...), if known.
+    pub holder: Option<String>,
+}
+
+impl Fencing {
+    /// A bare token with no audit context.
+    #[must_use]
+    pub fn new(token: FenceToken) -> Self {
+        Self { token, resource: None, holder: None }
+    }
+
+    /// Adds the resource the token was issued for.
+    #[must_use]
+    pub fn resource(mut self, resource: Resource) -> Self {
+        self.resource = Some(resource);
+        self
+    }
+
+    /// Adds the holder's identity.
+    #[must_use]
+    pub fn holder(mut self, holder: impl Into<String>) -> Self {
+        self.holder = Some(holder.into());
+        self
+    }
+}
+
+impl From<FenceToken> for Fencing {
+    fn from(token: FenceToken) -> Self {
+        Self::new(token)
+    }
+}
+
+impl From<&Fencing> for Fencing {
+    fn from(f: &Fencing) -> Self {
+        f.clone()
+    }
+}
+
+/// What an [`Repository::upsert`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Upserted {
+    /// The row did not exist and was inserted.
+    Inserted,
+    /// The row existed with an older fence and was updated.
+    Updated,
+}
+
+struct Statements {
+    update: SqlStr,
+    upsert: SqlStr,
+    delete: SqlStr,
+}
+
+/// Fenced writes to one table. Cheap to clone; build it once and share it.
+///
+/// Every method takes the executor to run on — `&PgPool`, or `&mut *tx` to join the caller's
+/// transaction — and a token (or a [`Fencing`] with audit context). Rejections are logged and
+/// audited through the repository's own pool, outside the caller's transaction.
+pub struct Repository<T> {
+    table: Arc<TableName>,
+    sql: Arc<Statements>,
+    auditor: Auditor,
+    _row: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for Repository<T> {
+    fn clone(&self) -> Self {
+        Self { table: self.table.clone(), sql: self.sql.clone(), auditor: self.auditor.clone(), _row: PhantomData }
+    }
+}
+
+impl<T: FencedTable> Repository<T> {
+    /// Validates `T`'s declaration and prepares its SQL. `pool` is used for audit records.
+    ///
+    /// # Errors
+    /// [`Error::InvalidIdentifier`] / [`Error::InvalidTable`] for a bad declaration.
+    pub fn new(pool: PgPool) -> Result<Self> {
+        Self::with_auditor(Auditor::new(pool))
+    }
+
+    pub(crate) fn with_auditor(auditor: Auditor) -> Result<Self> {
+        let table = TableName::new(T::SCHEMA, T::TABLE)?;
+        let keys = idents(T::KEY_COLUMNS)?;
+        let cols = idents(T::COLUMNS)?;
+        let invalid = |reason: &str| Error::InvalidTable { table: table.quoted(), reason: reason.to_owned() };
+        if keys.is_empty() {
+            return Err(invalid("no key columns"));
+        }
+        let mut all: Vec<&str> = keys.iter().chain(&cols).map(Ident::as_str).collect();
+        if all.contains(&"fence") {
+            return Err(invalid("`fence` is managed by pgfence and cannot be a declared column"));
+        }
+        all.sort_unstable();
+        if all.windows(2).any(|w| w[0] == w[1]) {
+            return Err(invalid("a column is declared twice"));
+        }
+        let sql = Statements::build(&table, &keys, &cols);
+        Ok(Self { table: Arc::new(table), sql: Arc::new(sql), auditor, _row: PhantomData })
+    }
+
+    /// The table this repository writes.
+    #[must_use]
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// Updates the existing row `row` (matched by its key) if its fence is older than the
+    /// token, setting the declared columns and `fence = token`.
+    ///
+    /// # Errors
+    /// [`Error::StaleToken`] when the row's fence is `>=` the token (audited and logged);
+    /// [`Error::NotFound`] when there is no such row; [`Error::Database`] otherwise.
+    ///
+    /// # Example
+    /// ```no_run
+    /// # #[derive(Clone)] struct Snapshot { sku: String, payload: String }
+    /// # pgfence::fenced_table!(Snapshot { table: "inventory_snapshot", key: sku: String, columns: [payload] });
+    /// # async fn f(pool: sqlx::PgPool, token: pgfence::FenceToken) -> pgfence::Result<()> {
+    /// let repo = pgfence::Repository::<Snapshot>::new(pool.clone())?;
+    /// let mut tx = pool.begin().await?;
+    /// repo.update(&mut *tx, token, &Snapshot { sku: "A-1".into(), payload: "{}".into() }).await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn update<'c, E: PgExecutor<'c>>(&self, exec: E, fencing: impl Into<Fencing>, row: &T) -> Result<()> {
+        let fencing = fencing.into();
+        let query = row.bind_columns(row.bind_key(sqlx::query(self.sql.update.clone())));
+        let out = query.bind(fencing.token.get()).fetch_one(exec).await?;
+        if out.try_get::<bool, _>(0)? {
+            return Ok(());
+        }
+        self.rejected(&out, 1, &fencing, "update").await
+    }
+
+    /// Inserts `row`, or updates it if it exists with an older fence. A row that a newer token
+    /// deleted through [`Repository::delete`] is not brought back.
+    ///
+    /// # Errors
+    /// [`Error::StaleToken`] when the existing row's fence (or the tombstone of a row a newer
+    /// token deleted) is `>=` the token; [`Error::Database`] otherwise.
+    pub async fn upsert<'c, E: PgExecutor<'c>>(
+        &self,
+        exec: E,
+        fencing: impl Into<Fencing>,
+        row: &T,
+    ) -> Result<Upserted> {
+        let fencing = fencing.into();
+        let query = row.bind_columns(row.bind_key(sqlx::query(self.sql.upsert.clone())));
+        let out = query.bind(fencing.token.get()).fetch_one(exec).await?;
+        match out.try_get::<Option<bool>, _>(0)? {
+            Some(true) => Ok(Upserted::Inserted),
+            Some(false) => Ok(Upserted::Updated),
+            None => {
+                // Column 3 is the tombstone's fence when the row is gone.
+                let tomb: Option<i64> = out.try_get(3)?;
+                if out.try_get::<Option<i64>, _>(1)?.is_none()
+                    && let Some(current) = tomb
+                {
+                    return self.stale(&out, &fencing, current, "upsert").await;
+                }
+                self.rejected(&out, 1, &fencing, "upsert").await
+            }
+        }
+    }
+
+    /// Deletes the row with `key` if its fence is older than the token, and records a
+    /// tombstone so that an older token's `upsert` cannot recreate it.
+    ///
+    /// # Errors
+    /// [`Error::StaleToken`] when the row's fence is `>=` the token; [`Error::NotFound`] when
+    /// there is no such row; [`Error::Database`] otherwise.
+    pub async fn delete<'c, E: PgExecutor<'c>>(
+        &self,
+        exec: E,
+        fencing: impl Into<Fencing>,
+        key: &T::Key,
+    ) -> Result<()> {
+        let fencing = fencing.into();
+        let query = T::bind_key_value(key, sqlx::query(self.sql.delete.clone()));
+        let out = query.bind(fencing.token.get()).fetch_one(exec).await?;
+        if out.try_get::<bool, _>(0)? {
+            return Ok(());
+        }
+        self.rejected(&out, 1, &fencing, "delete").await
+    }
+
+    /// Classifies a write that changed nothing from the probe columns: `current` at `col`,
+    /// the key (JSON text) at column 2.
+    async fn rejected<R>(&self, out: &PgRow, col: usize, fencing: &Fencing, operation: &'static str) -> Result<R> {
+        match out.try_get::<Option<i64>, _>(col)? {
+            None => Err(Error::NotFound { table: self.table.quoted(), key: key_text(out) }),
+            Some(current) if current >= fencing.token.get() => self.stale(out, fencing, current, operation).await,
+            // The row's latest version has an older fence yet the write did not apply: it
+            // changed (key update, delete and re-insert) while this statement ran.
+            Some(_) => Err(Error::Contended { table: self.table.quoted(), operation }),
+        }
+    }
+
+    async fn stale<R>(&self, out: &PgRow, fencing: &Fencing, current: i64, operation: &'static str) -> Result<R> {
+        let key = key_text(out);
+        let rejection = Rejection {
+            resource: fencing.resource.as_ref().map(|r| r.as_str().to_owned()),
+            table: Some(self.table.quoted()),
+            key: Some(key.clone()),
+            presented: fencing.token.get(),
+            current: Some(current),
+            holder: fencing.holder.clone(),
+            operation,
+        };
+        self.auditor.record(&rejection).await;
+        Err(Error::stale(format!("{} {key}", self.table), fencing.token, current))
+    }
+}
+
+fn key_text(out: &PgRow) -> String {
+    out.try_get::<Option<String>, _>(2).ok().flatten().unwrap_or_default()
+}
+
+fn idents(names: &[&str]) -> Result<Vec<Ident>> {
+    names.iter().map(|n| Ident::new(*n)).collect()
+}
+
+impl Statements {
+    /// Builds the three statements. Identifiers arrive validated and are quoted by
+    /// [`Ident::quoted`]; values are always bind parameters.
+    ///
+    /// Parameters: key columns `$1..$k`, then (update/upsert) data columns, then the token.
+    /// Every statement returns `(applied, current, key)`; upsert adds the tombstone fence.
+    /// `current` is read with `FOR SHARE`, which conflicts with any concurrent UPDATE, so
+    /// under READ COMMITTED it waits for it and follows the row to its latest committed version, so a write that lost a race reports the fence it lost
+    /// to rather than the one in its snapshot.
+    fn build(table: &TableName, keys: &[Ident], cols: &[Ident]) -> Self {
+        let t = table.quoted();
+        let k = keys.len();
+        let token = format!("${}", k + cols.len() + 1);
+        let key_params: Vec<String> = (1..=k).map(|i| format!("${i}")).collect();
+        let key_match = keys
+            .iter()
+            .zip(&key_params)
+            .map(|(c, p)| format!("{} = {p}", c.quoted()))
+            .collect::<Vec<_>>()
+            .join(" AND ");
+        let key_json = format!("jsonb_build_array({})::text", key_params.join(", "));
+        let probe = format!("(SELECT \"fence\" FROM {t} WHERE {key_match} FOR SHARE)");
+        let tombstone_rel = format!("{}::regclass::oid", crate::ident::quote_literal(&t).unwrap_or_default());
+        let set_cols: String = cols
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{} = ${}, ", c.quoted(), k + i + 1))
+            .collect();
+        let classify = format!(
+            "SELECT EXISTS (SELECT 1 FROM w) AS applied, \
+             CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {probe} END AS current, \
+             CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {key_json} END AS row_key"
+        );
+
+        let update = format!(
+            "WITH w AS (UPDATE {t} SET {set_cols}\"fence\" = {token} \
+             WHERE {key_match} AND \"fence\" < {token} RETURNING 1) {classify}"
+        );
+
+        let all_cols: Vec<String> = keys.iter().chain(cols).map(Ident::quoted).collect();
+        let all_params: Vec<String> = (1..=k + cols.len()).map(|i| format!("${i}")).collect();
+        let conflict_set: String =
+            cols.iter().map(|c| format!("{0} = EXCLUDED.{0}, ", c.quoted())).collect();
+        let key_cols: Vec<String> = keys.iter().map(Ident::quoted).collect();
+        let tomb_fence = format!(
+            "(SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel = {tombstone_rel} AND tb.row_key = {key_json})"
+        );
+        let upsert = format!(
+            "WITH w AS (INSERT INTO {t} AS cur ({cols}, \"fence\") \
+             SELECT {params}, {token} \
+             WHERE coalesce({tomb_fence} < {token}, true) OR EXISTS (SELECT 1 FROM {t} WHERE {key_match}) \
+             ON CONFLICT ({keys}) DO UPDATE SET {conflict_set}\"fence\" = EXCLUDED.\"fence\" \
+             WHERE cur.\"fence\" < EXCLUDED.\"fence\" \
+             RETURNING (xmax = 0) AS inserted) \
+             SELECT (SELECT inserted FROM w) AS inserted, \
+             CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {probe} END AS current, \
+             CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {key_json} END AS row_key, \
+             CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {tomb_fence} END AS tombstone",
+            cols = all_cols.join(", "),
+            params = all_params.join(", "),
+            keys = key_cols.join(", "),
+        );
+
+        let del_token = format!("${}", k + 1);
+        let delete = format!(
+            "WITH w AS (DELETE FROM {t} WHERE {key_match} AND \"fence\" < {del_token} RETURNING 1), \
+             tomb AS (INSERT INTO pgfence.tombstone AS tb (rel, row_key, fence) \
+             SELECT {tombstone_rel}, {key_json}, {del_token} FROM w \
+             ON CONFLICT (rel, row_key) DO UPDATE SET fence = greatest(tb.fence, EXCLUDED.fence), deleted_at = now()) \
+             {classify}"
+        );
+
+        let sql = |s: String| AssertSqlSafe(s).into_sql_str();
+        Self { update: sql(update), upsert: sql(upsert), delete: sql(delete) }
+    }
+}

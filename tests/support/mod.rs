@@ -1,0 +1,196 @@
+//! Shared test support: real servers, a fresh migrated database per test, log capture.
+//!
+//! `DATABASE_URL` / `REDIS_URL` select running servers; without them each test binary starts
+//! its own throwaway servers from the installed binaries (see `pgfence::ephemeral`).
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use pgfence::ephemeral::Server;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
+use tokio::sync::OnceCell;
+
+static PG: OnceCell<(String, Option<Server>)> = OnceCell::const_new();
+static REDIS: OnceCell<(String, Option<Server>)> = OnceCell::const_new();
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// URL of the Postgres server tests use (maintenance database).
+pub async fn pg_url() -> String {
+    PG.get_or_init(|| async {
+        match std::env::var("DATABASE_URL") {
+            Ok(url) if !url.is_empty() => (url, None),
+            _ => {
+                let server = Server::postgres().await.expect("start throwaway PostgreSQL");
+                (server.url(), Some(server))
+            }
+        }
+    })
+    .await
+    .0
+    .clone()
+}
+
+/// URL of the Redis server tests use.
+pub async fn redis_url() -> String {
+    REDIS
+        .get_or_init(|| async {
+            match std::env::var("REDIS_URL") {
+                Ok(url) if !url.is_empty() => (url, None),
+                _ => {
+                    let server = Server::redis().await.expect("start throwaway Redis");
+                    (server.url(), Some(server))
+                }
+            }
+        })
+        .await
+        .0
+        .clone()
+}
+
+/// A fresh database, migrated, dropped when the test ends.
+pub struct TestDb {
+    pub pool: PgPool,
+    pub options: PgConnectOptions,
+    pub name: String,
+    admin: PgConnectOptions,
+}
+
+impl TestDb {
+    /// A new database with pgfence's migrations applied.
+    pub async fn new() -> Self {
+        let db = Self::empty().await;
+        pgfence::migrate(&db.pool).await.expect("migrate");
+        db
+    }
+
+    /// A new database without pgfence's schema.
+    pub async fn empty() -> Self {
+        let admin = PgConnectOptions::from_str(&pg_url().await).expect("database URL");
+        let name = format!(
+            "pgfence_test_{}_{}_{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed),
+            rand::random::<u32>()
+        );
+        let mut conn = PgConnection::connect_with(&admin).await.expect("connect to Postgres");
+        sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE \"{name}\""))).execute(&mut conn).await.expect("create db");
+        conn.close().await.ok();
+        let options = admin.clone().database(&name);
+        let pool = PgPoolOptions::new().max_connections(20).connect_with(options.clone()).await.expect("pool");
+        Self { pool, options, name, admin }
+    }
+
+    /// Another pool on the same database (e.g. for an independent audit connection).
+    pub async fn pool(&self, max: u32) -> PgPool {
+        PgPoolOptions::new().max_connections(max).connect_with(self.options.clone()).await.expect("pool")
+    }
+
+    /// Runs SQL text (setup only).
+    pub async fn exec(&self, sql: &str) {
+        sqlx::raw_sql(AssertSqlSafe(sql.to_owned())).execute(&self.pool).await.expect(sql);
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let admin = self.admin.clone();
+        let name = self.name.clone();
+        // Drop needs async I/O; a short-lived thread with its own runtime does it.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            rt.block_on(async {
+                let mut conn = PgConnection::connect_with(&admin).await.ok()?;
+                sqlx::raw_sql(AssertSqlSafe(format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")))
+                    .execute(&mut conn)
+                    .await
+                    .ok()
+            })
+        })
+        .join();
+    }
+}
+
+/// Captured `tracing` output (JSON lines) for the current thread.
+///
+/// One global JSON subscriber is installed per test binary; its writer appends to the buffer
+/// of whichever test thread is capturing. (Scoped subscribers would race with tracing's
+/// per-callsite interest cache when tests run in parallel.)
+#[derive(Clone, Default)]
+pub struct Logs(Arc<Mutex<Vec<u8>>>);
+
+thread_local! {
+    static CAPTURE: std::cell::RefCell<Option<Logs>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Stops capturing on this thread when dropped.
+pub struct CaptureGuard;
+
+impl Drop for CaptureGuard {
+    fn drop(&mut self) {
+        CAPTURE.with(|c| c.borrow_mut().take());
+    }
+}
+
+/// Writes to the capturing thread's buffer, or nowhere.
+struct ThreadWriter;
+
+impl Write for ThreadWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        CAPTURE.with(|c| {
+            if let Some(logs) = c.borrow().as_ref() {
+                logs.0.lock().unwrap().extend_from_slice(buf);
+            }
+        });
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    /// Captures events emitted on this thread until the guard drops. Use with
+    /// `#[tokio::test]` (current-thread runtime) so every await stays on this thread.
+    pub fn capture() -> (Self, CaptureGuard) {
+        static INSTALL: std::sync::Once = std::sync::Once::new();
+        INSTALL.call_once(|| {
+            let subscriber = tracing_subscriber::fmt()
+                .json()
+                .with_max_level(tracing::Level::INFO)
+                .with_writer(|| ThreadWriter)
+                .finish();
+            tracing::subscriber::set_global_default(subscriber).expect("no other global subscriber");
+        });
+        let logs = Logs::default();
+        CAPTURE.with(|c| *c.borrow_mut() = Some(logs.clone()));
+        (logs, CaptureGuard)
+    }
+
+    /// Every captured event.
+    pub fn events(&self) -> Vec<serde_json::Value> {
+        let bytes = self.0.lock().unwrap().clone();
+        String::from_utf8(bytes)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("JSON log line"))
+            .collect()
+    }
+
+    /// Events with `target` and `level`.
+    pub fn with(&self, target: &str, level: &str) -> Vec<serde_json::Value> {
+        self.events().into_iter().filter(|e| e["target"] == target && e["level"] == level).collect()
+    }
+}
+
+/// Number of audit rows.
+pub async fn audit_count(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pgfence.audit").fetch_one(pool).await.unwrap()
+}
+
+pub fn token(n: i64) -> pgfence::FenceToken {
+    pgfence::FenceToken::new(n).unwrap()
+}
