@@ -42,7 +42,10 @@ impl Auditor {
     /// Audits through `pool` with [`DEFAULT_AUDIT_TIMEOUT`].
     #[must_use]
     pub fn new(pool: PgPool) -> Self {
-        Self { pool, timeout: DEFAULT_AUDIT_TIMEOUT }
+        Self {
+            pool,
+            timeout: DEFAULT_AUDIT_TIMEOUT,
+        }
     }
 
     /// Bounds how long a rejection waits for its audit row (pool wait included). When it runs
@@ -147,7 +150,11 @@ pub struct AuditFilter {
 
 impl Default for AuditFilter {
     fn default() -> Self {
-        Self { since: None, resource: None, limit: 100 }
+        Self {
+            since: None,
+            resource: None,
+            limit: 100,
+        }
     }
 }
 
@@ -179,6 +186,8 @@ pub async fn list(pool: &PgPool, filter: &AuditFilter) -> Result<Vec<AuditEntry>
 /// # Errors
 /// [`crate::Error::Database`].
 pub async fn prune(pool: &PgPool, older_than: OffsetDateTime) -> Result<u64> {
-    let done = sqlx::query!("DELETE FROM pgfence.audit WHERE at < $1", older_than).execute(pool).await?;
+    let done = sqlx::query!("DELETE FROM pgfence.audit WHERE at < $1", older_than)
+        .execute(pool)
+        .await?;
     Ok(done.rows_affected())
 }

@@ -19,7 +19,9 @@ impl Fence {
     /// A handle that audits through `pool`.
     #[must_use]
     pub fn new(pool: PgPool) -> Self {
-        Self { auditor: Auditor::new(pool) }
+        Self {
+            auditor: Auditor::new(pool),
+        }
     }
 
     /// A handle with a custom [`Auditor`] (for example a shorter audit timeout).
@@ -72,12 +74,20 @@ impl Fence {
         fencing: impl Into<Fencing>,
     ) -> Result<()> {
         let fencing = fencing.into();
-        let outcome = sqlx::query!("SELECT pgfence.check($1, $2)", resource.as_str(), fencing.token.get())
-            .fetch_one(exec)
-            .await;
+        let outcome = sqlx::query!(
+            "SELECT pgfence.check($1, $2)",
+            resource.as_str(),
+            fencing.token.get()
+        )
+        .fetch_one(exec)
+        .await;
         match outcome.map_err(Error::from) {
             Ok(_) => Ok(()),
-            Err(Error::StaleToken { target, presented, current }) => {
+            Err(Error::StaleToken {
+                target,
+                presented,
+                current,
+            }) => {
                 let rejection = Rejection {
                     resource: Some(resource.as_str().to_owned()),
                     table: None,
@@ -88,7 +98,11 @@ impl Fence {
                     operation: "check",
                 };
                 self.auditor.record(&rejection).await;
-                Err(Error::StaleToken { target, presented, current })
+                Err(Error::StaleToken {
+                    target,
+                    presented,
+                    current,
+                })
             }
             Err(e) => Err(e),
         }
@@ -108,8 +122,11 @@ impl Fence {
 /// # Errors
 /// [`Error::Database`].
 pub async fn high_water<'c, E: PgExecutor<'c>>(exec: E, resource: &Resource) -> Result<i64> {
-    let mark = sqlx::query_scalar!(r#"SELECT pgfence.high_water($1) AS "mark!""#, resource.as_str())
-        .fetch_one(exec)
-        .await?;
+    let mark = sqlx::query_scalar!(
+        r#"SELECT pgfence.high_water($1) AS "mark!""#,
+        resource.as_str()
+    )
+    .fetch_one(exec)
+    .await?;
     Ok(mark)
 }

@@ -46,8 +46,7 @@ pub enum ServerError {
 
 const PG_HINT: &str = "install the PostgreSQL server (Debian: apt-get install postgresql), \
     set PGFENCE_PG_BINDIR to its bin directory, or set DATABASE_URL to use a running server";
-const REDIS_HINT: &str =
-    "install Redis (Debian: apt-get install redis-server), or set REDIS_URL to use a running server";
+const REDIS_HINT: &str = "install Redis (Debian: apt-get install redis-server), or set REDIS_URL to use a running server";
 
 /// Which kind of server a [`Server`] is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,8 +119,10 @@ trap 'rm -rf "$dir"' EXIT
     /// # Errors
     /// As [`Server::postgres`].
     pub async fn redis_with(extra: &[&str]) -> Result<Self, ServerError> {
-        let bin = find_in_path("redis-server")
-            .ok_or(ServerError::NotInstalled { what: "redis-server", hint: REDIS_HINT })?;
+        let bin = find_in_path("redis-server").ok_or(ServerError::NotInstalled {
+            what: "redis-server",
+            hint: REDIS_HINT,
+        })?;
         retry_on_port_clash(|port| {
             let mut server = format!(
                 "{} --port {port} --bind 127.0.0.1 --save '' --appendonly no --dir \"$dir\" --daemonize no",
@@ -146,7 +147,10 @@ trap 'rm -rf "$dir"' EXIT
     }
 
     fn spawn(kind: Kind, port: u16, mut cmd: Command) -> Result<Self, ServerError> {
-        cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
         let mut child = cmd.spawn()?;
         let stdin = child.stdin.take();
         // The supervisor prints its directory first, or exits with the reason on stderr.
@@ -155,9 +159,18 @@ trap 'rm -rf "$dir"' EXIT
         BufReader::new(stdout).read_line(&mut line)?;
         let Some(dir) = line.trim().strip_prefix("dir=").map(PathBuf::from) else {
             let detail = failure_output(&mut child);
-            return Err(ServerError::StartFailed { what: kind.name(), detail });
+            return Err(ServerError::StartFailed {
+                what: kind.name(),
+                detail,
+            });
         };
-        Ok(Self { kind, port, dir, child, stdin })
+        Ok(Self {
+            kind,
+            port,
+            dir,
+            child,
+            stdin,
+        })
     }
 
     /// Waits until the server accepts connections.
@@ -166,7 +179,10 @@ trap 'rm -rf "$dir"' EXIT
         loop {
             if let Some(status) = self.child.try_wait()? {
                 let detail = format!("exited with {status}: {}", failure_output(&mut self.child));
-                return Err(ServerError::StartFailed { what: self.kind.name(), detail });
+                return Err(ServerError::StartFailed {
+                    what: self.kind.name(),
+                    detail,
+                });
             }
             if self.accepts_connections() {
                 return Ok(());
@@ -182,21 +198,27 @@ trap 'rm -rf "$dir"' EXIT
     }
 
     fn accepts_connections(&self) -> bool {
-        let Ok(mut stream) = TcpStream::connect((Ipv4Addr::LOCALHOST, self.port)) else { return false };
+        let Ok(mut stream) = TcpStream::connect((Ipv4Addr::LOCALHOST, self.port)) else {
+            return false;
+        };
         match self.kind {
             // A connection is accepted before recovery ends; the socket file shows readiness.
-            Kind::Postgres => self.dir.join(format!(".s.PGSQL.{}", self.port)).exists() && {
-                // postmaster.pid's 8th line is "ready" once it accepts queries.
-                std::fs::read_to_string(self.dir.join("data/postmaster.pid"))
-                    .map(|pid| pid.lines().nth(7).is_some_and(|l| l.trim() == "ready"))
-                    .unwrap_or(false)
-            },
+            Kind::Postgres => {
+                self.dir.join(format!(".s.PGSQL.{}", self.port)).exists() && {
+                    // postmaster.pid's 8th line is "ready" once it accepts queries.
+                    std::fs::read_to_string(self.dir.join("data/postmaster.pid"))
+                        .map(|pid| pid.lines().nth(7).is_some_and(|l| l.trim() == "ready"))
+                        .unwrap_or(false)
+                }
+            }
             Kind::Redis => {
                 use std::io::Write;
                 let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
                 let mut buf = [0u8; 64];
                 stream.write_all(b"PING\r\n").is_ok()
-                    && stream.read(&mut buf).is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
+                    && stream
+                        .read(&mut buf)
+                        .is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
             }
         }
     }
@@ -236,10 +258,17 @@ trap 'rm -rf "$dir"' EXIT
     /// [`ServerError`] when it does not come back.
     pub async fn restart(&mut self) -> Result<(), ServerError> {
         let pid = std::fs::read_to_string(self.dir.join("pid"))?;
-        let signal = if self.kind == Kind::Postgres { "-INT" } else { "-TERM" };
+        let signal = if self.kind == Kind::Postgres {
+            "-INT"
+        } else {
+            "-TERM"
+        };
         let status = Command::new("kill").args([signal, pid.trim()]).status()?;
         if !status.success() {
-            return Err(ServerError::StartFailed { what: self.kind.name(), detail: "could not signal".into() });
+            return Err(ServerError::StartFailed {
+                what: self.kind.name(),
+                detail: "could not signal".into(),
+            });
         }
         // Wait for it to go down, then up again.
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -264,6 +293,83 @@ trap 'rm -rf "$dir"' EXIT
 impl Drop for Server {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// A local Redis Cluster of throwaway masters (no replicas), for cluster tests.
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<Server>,
+}
+
+impl RedisCluster {
+    /// Starts `masters` (at least 3) cluster-enabled servers and joins them with
+    /// `redis-cli --cluster create`, then waits until every node reports `cluster_state:ok`.
+    ///
+    /// # Errors
+    /// [`ServerError`] when a node does not start or the cluster does not form.
+    pub async fn start(masters: usize) -> Result<Self, ServerError> {
+        let cli = find_in_path("redis-cli").ok_or(ServerError::NotInstalled {
+            what: "redis-cli",
+            hint: REDIS_HINT,
+        })?;
+        let mut nodes = Vec::with_capacity(masters);
+        for _ in 0..masters {
+            nodes.push(
+                Server::redis_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ])
+                .await?,
+            );
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
+        let out = Command::new(&cli)
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()?;
+        if !out.status.success() {
+            return Err(ServerError::StartFailed {
+                what: "redis cluster",
+                detail: String::from_utf8_lossy(&out.stdout).into_owned()
+                    + &String::from_utf8_lossy(&out.stderr),
+            });
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for node in &nodes {
+            loop {
+                let info = Command::new(&cli)
+                    .args(["-p", &node.port().to_string(), "cluster", "info"])
+                    .output()?;
+                if String::from_utf8_lossy(&info.stdout).contains("cluster_state:ok") {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(ServerError::StartFailed {
+                        what: "redis cluster",
+                        detail: "cluster_state never ok".into(),
+                    });
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        Ok(Self { nodes })
+    }
+
+    /// `redis://` URLs of every node.
+    #[must_use]
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(Server::url).collect()
     }
 }
 
@@ -312,7 +418,9 @@ async fn retry_on_port_clash(
 }
 
 fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
+        .local_addr()?
+        .port())
 }
 
 fn failure_output(child: &mut Child) -> String {
@@ -322,11 +430,23 @@ fn failure_output(child: &mut Child) -> String {
         let _ = err.read_to_string(&mut out);
     }
     let out = out.trim();
-    if out.is_empty() { "no output".to_owned() } else { out.chars().rev().take(2000).collect::<Vec<_>>().into_iter().rev().collect() }
+    if out.is_empty() {
+        "no output".to_owned()
+    } else {
+        out.chars()
+            .rev()
+            .take(2000)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect()
+    }
 }
 
 fn is_root() -> bool {
-    std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false)
+    std::fs::metadata("/proc/self")
+        .map(|m| m.uid() == 0)
+        .unwrap_or(false)
 }
 
 fn sh_quote(p: &Path) -> String {
@@ -350,7 +470,10 @@ fn postgres_bindir() -> Result<PathBuf, ServerError> {
         return if has_server(&dir) {
             Ok(dir)
         } else {
-            Err(ServerError::NotInstalled { what: "initdb/postgres in PGFENCE_PG_BINDIR", hint: PG_HINT })
+            Err(ServerError::NotInstalled {
+                what: "initdb/postgres in PGFENCE_PG_BINDIR",
+                hint: PG_HINT,
+            })
         };
     }
     let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
@@ -370,5 +493,8 @@ fn postgres_bindir() -> Result<PathBuf, ServerError> {
     find_in_path("initdb")
         .and_then(|p| p.parent().map(Path::to_path_buf))
         .filter(|d| has_server(d))
-        .ok_or(ServerError::NotInstalled { what: "PostgreSQL server (initdb, postgres)", hint: PG_HINT })
+        .ok_or(ServerError::NotInstalled {
+            what: "PostgreSQL server (initdb, postgres)",
+            hint: PG_HINT,
+        })
 }

@@ -122,7 +122,10 @@ impl Error {
             Error::Contended { .. } => true,
             Error::Database(e) => is_transient_sqlx(e),
             Error::Redis(e) => {
-                e.is_io_error() || e.is_connection_dropped() || e.is_timeout() || e.is_connection_refusal()
+                e.is_io_error()
+                    || e.is_connection_dropped()
+                    || e.is_timeout()
+                    || e.is_connection_refusal()
             }
             _ => false,
         }
@@ -161,7 +164,11 @@ impl From<sqlx::Error> for Error {
                         found: pg.detail().unwrap_or("?").to_owned(),
                     };
                 }
-                "42P01" => return Error::TableNotFound(pg.table().unwrap_or_else(|| pg.message()).to_owned()),
+                "42P01" => {
+                    return Error::TableNotFound(
+                        pg.table().unwrap_or_else(|| pg.message()).to_owned(),
+                    );
+                }
                 _ => {}
             }
         }
@@ -189,7 +196,11 @@ fn parse_stale_detail(detail: &str) -> Option<Error> {
 
 impl Error {
     pub(crate) fn stale(target: impl Into<String>, presented: FenceToken, current: i64) -> Self {
-        Error::StaleToken { target: target.into(), presented: presented.get(), current }
+        Error::StaleToken {
+            target: target.into(),
+            presented: presented.get(),
+            current,
+        }
     }
 }
 
@@ -200,7 +211,9 @@ mod tests {
     #[test]
     fn parses_trigger_detail() {
         let e = parse_stale_detail("presented=1 current=2 target=\"public\".\"t\"").unwrap();
-        assert!(matches!(e, Error::StaleToken { presented: 1, current: 2, ref target } if target == "\"public\".\"t\""));
+        assert!(
+            matches!(e, Error::StaleToken { presented: 1, current: 2, ref target } if target == "\"public\".\"t\"")
+        );
         assert!(parse_stale_detail("garbage").is_none());
     }
 }

@@ -3,8 +3,8 @@
 
 use sqlx::PgExecutor;
 
-use crate::ident::{TableName, quote_literal};
 use crate::Result;
+use crate::ident::{TableName, quote_literal};
 
 /// Guards `table`: adds `fence BIGINT NOT NULL DEFAULT 0` if missing (metadata-only, no table
 /// rewrite), and installs the trigger. Returns `true` if anything changed, `false` if the
@@ -37,7 +37,11 @@ pub async fn guard<'c, E: PgExecutor<'c>>(exec: E, table: &TableName) -> Result<
 ///
 /// # Errors
 /// [`crate::Error::TableNotFound`]; [`crate::Error::Database`].
-pub async fn unguard<'c, E: PgExecutor<'c>>(exec: E, table: &TableName, drop_column: bool) -> Result<bool> {
+pub async fn unguard<'c, E: PgExecutor<'c>>(
+    exec: E,
+    table: &TableName,
+    drop_column: bool,
+) -> Result<bool> {
     let changed = sqlx::query_scalar!(
         r#"SELECT pgfence.unguard($1, $2, $3) AS "changed!""#,
         table.schema().as_str(),
@@ -59,7 +63,9 @@ pub async fn guarded_tables<'c, E: PgExecutor<'c>>(exec: E) -> Result<Vec<TableN
     )
     .fetch_all(exec)
     .await?;
-    rows.into_iter().map(|r| TableName::new(&r.schema, &r.table)).collect()
+    rows.into_iter()
+        .map(|r| TableName::new(&r.schema, &r.table))
+        .collect()
 }
 
 /// The SQL of a migration that guards `table` (what [`guard`] does), for a user's own

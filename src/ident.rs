@@ -32,7 +32,10 @@ impl Ident {
             None
         };
         match reason {
-            Some(reason) => Err(Error::InvalidIdentifier { name: display_name(&name), reason }),
+            Some(reason) => Err(Error::InvalidIdentifier {
+                name: display_name(&name),
+                reason,
+            }),
             None => Ok(Self(name)),
         }
     }
@@ -77,7 +80,10 @@ impl TableName {
     /// # Errors
     /// [`Error::InvalidIdentifier`] for either part.
     pub fn new(schema: &str, name: &str) -> Result<Self> {
-        Ok(Self { schema: Ident::new(schema)?, name: Ident::new(name)? })
+        Ok(Self {
+            schema: Ident::new(schema)?,
+            name: Ident::new(name)?,
+        })
     }
 
     /// Parses the command-line form: `table` or `schema.table`, where either part may be
@@ -92,7 +98,10 @@ impl TableName {
         match parts.as_slice() {
             [name] => Self::new("public", name),
             [schema, name] => Self::new(schema, name),
-            _ => Err(Error::InvalidIdentifier { name: display_name(s), reason: "expected table or schema.table" }),
+            _ => Err(Error::InvalidIdentifier {
+                name: display_name(s),
+                reason: "expected table or schema.table",
+            }),
         }
     }
 
@@ -122,7 +131,10 @@ impl fmt::Display for TableName {
 }
 
 fn split_qualified(s: &str) -> Result<Vec<String>> {
-    let bad = |reason| Error::InvalidIdentifier { name: display_name(s), reason };
+    let bad = |reason| Error::InvalidIdentifier {
+        name: display_name(s),
+        reason,
+    };
     let mut parts = Vec::new();
     let mut chars = s.chars().peekable();
     loop {
@@ -168,7 +180,10 @@ fn split_qualified(s: &str) -> Result<Vec<String>> {
 /// [`Error::InvalidIdentifier`] when `value` contains a NUL byte.
 pub fn quote_literal(value: &str) -> Result<String> {
     if value.contains('\0') {
-        return Err(Error::InvalidIdentifier { name: display_name(value), reason: "contains a NUL byte" });
+        return Err(Error::InvalidIdentifier {
+            name: display_name(value),
+            reason: "contains a NUL byte",
+        });
     }
     Ok(format!("'{}'", value.replace('\'', "''")))
 }
@@ -182,7 +197,10 @@ mod tests {
         assert_eq!(Ident::new("a\"b").unwrap().quoted(), "\"a\"\"b\"");
         assert_eq!(TableName::parse("t").unwrap().quoted(), "\"public\".\"t\"");
         assert_eq!(TableName::parse("s.T").unwrap().quoted(), "\"s\".\"T\"");
-        assert_eq!(TableName::parse("\"a.b\".\"c\"\"d\"").unwrap().quoted(), "\"a.b\".\"c\"\"d\"");
+        assert_eq!(
+            TableName::parse("\"a.b\".\"c\"\"d\"").unwrap().quoted(),
+            "\"a.b\".\"c\"\"d\""
+        );
         assert_eq!(quote_literal("it's").unwrap(), "'it''s'");
     }
 

@@ -55,8 +55,13 @@ pub async fn migrate(pool: &PgPool) -> Result<Vec<MigrationInfo>> {
     // A dedicated connection: if anything fails, closing it releases the advisory lock.
     let mut conn = PgConnection::connect_with(&pool.connect_options()).await?;
     let result = async {
-        sqlx::query("SELECT pg_advisory_lock($1)").bind(MIGRATION_LOCK_KEY).execute(&mut conn).await?;
-        sqlx::raw_sql("CREATE SCHEMA IF NOT EXISTS pgfence").execute(&mut conn).await?;
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(MIGRATION_LOCK_KEY)
+            .execute(&mut conn)
+            .await?;
+        sqlx::raw_sql("CREATE SCHEMA IF NOT EXISTS pgfence")
+            .execute(&mut conn)
+            .await?;
         let report = runner(&migrations)
             .run_async(&mut RefineryConn(&mut conn))
             .await
@@ -93,7 +98,10 @@ pub async fn status(pool: &PgPool) -> Result<Vec<MigrationInfo>> {
         .map(|m| MigrationInfo {
             version: m.version(),
             name: m.name().to_owned(),
-            applied_on: applied.iter().find(|a| a.version() == m.version()).and_then(|a| a.applied_on().copied()),
+            applied_on: applied
+                .iter()
+                .find(|a| a.version() == m.version())
+                .and_then(|a| a.applied_on().copied()),
         })
         .collect())
 }
@@ -101,18 +109,26 @@ pub async fn status(pool: &PgPool) -> Result<Vec<MigrationInfo>> {
 fn embedded() -> Result<Vec<Migration>> {
     MIGRATIONS
         .iter()
-        .map(|(name, sql)| Migration::unapplied(name, sql).map_err(|e| Error::Migration(Box::new(e))))
+        .map(|(name, sql)| {
+            Migration::unapplied(name, sql).map_err(|e| Error::Migration(Box::new(e)))
+        })
         .collect()
 }
 
 fn runner(migrations: &[Migration]) -> Runner {
-    let mut runner = Runner::new(migrations).set_abort_divergent(true).set_abort_missing(true);
+    let mut runner = Runner::new(migrations)
+        .set_abort_divergent(true)
+        .set_abort_missing(true);
     runner.set_migration_table_name(HISTORY_TABLE);
     runner
 }
 
 fn info(m: &Migration) -> MigrationInfo {
-    MigrationInfo { version: m.version(), name: m.name().to_owned(), applied_on: m.applied_on().copied() }
+    MigrationInfo {
+        version: m.version(),
+        name: m.name().to_owned(),
+        applied_on: m.applied_on().copied(),
+    }
 }
 
 /// refinery's async driver traits, implemented for an sqlx connection.
@@ -130,7 +146,9 @@ impl AsyncTransaction for RefineryConn<'_> {
         for query in queries {
             // Migration SQL is embedded in the crate and refinery's history inserts are built
             // from it: no user input reaches this string.
-            sqlx::raw_sql(AssertSqlSafe(query)).execute(&mut *tx).await?;
+            sqlx::raw_sql(AssertSqlSafe(query))
+                .execute(&mut *tx)
+                .await?;
             count += 1;
         }
         tx.commit().await?;
@@ -141,7 +159,9 @@ impl AsyncTransaction for RefineryConn<'_> {
 impl AsyncQuery<Vec<Migration>> for RefineryConn<'_> {
     async fn query<'a>(&'a mut self, query: &'a str) -> Result<Vec<Migration>, Self::Error> {
         // The history query comes from refinery with only our constant table name in it.
-        let rows = sqlx::query(AssertSqlSafe(query)).fetch_all(&mut *self.0).await?;
+        let rows = sqlx::query(AssertSqlSafe(query))
+            .fetch_all(&mut *self.0)
+            .await?;
         rows.iter()
             .map(|row| {
                 let applied_on: String = row.try_get(2)?;
@@ -149,8 +169,11 @@ impl AsyncQuery<Vec<Migration>> for RefineryConn<'_> {
                 Ok(Migration::applied(
                     row.try_get(0)?,
                     row.try_get(1)?,
-                    OffsetDateTime::parse(&applied_on, &Rfc3339).map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
-                    checksum.parse::<u64>().map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
+                    OffsetDateTime::parse(&applied_on, &Rfc3339)
+                        .map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
+                    checksum
+                        .parse::<u64>()
+                        .map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
                 ))
             })
             .collect()

@@ -112,7 +112,11 @@ impl Fencing {
     /// A bare token with no audit context.
     #[must_use]
     pub fn new(token: FenceToken) -> Self {
-        Self { token, resource: None, holder: None }
+        Self {
+            token,
+            resource: None,
+            holder: None,
+        }
     }
 
     /// Adds the resource the token was issued for.
@@ -171,7 +175,12 @@ pub struct Repository<T> {
 
 impl<T> Clone for Repository<T> {
     fn clone(&self) -> Self {
-        Self { table: self.table.clone(), sql: self.sql.clone(), auditor: self.auditor.clone(), _row: PhantomData }
+        Self {
+            table: self.table.clone(),
+            sql: self.sql.clone(),
+            auditor: self.auditor.clone(),
+            _row: PhantomData,
+        }
     }
 }
 
@@ -188,20 +197,30 @@ impl<T: FencedTable> Repository<T> {
         let table = TableName::new(T::SCHEMA, T::TABLE)?;
         let keys = idents(T::KEY_COLUMNS)?;
         let cols = idents(T::COLUMNS)?;
-        let invalid = |reason: &str| Error::InvalidTable { table: table.quoted(), reason: reason.to_owned() };
+        let invalid = |reason: &str| Error::InvalidTable {
+            table: table.quoted(),
+            reason: reason.to_owned(),
+        };
         if keys.is_empty() {
             return Err(invalid("no key columns"));
         }
         let mut all: Vec<&str> = keys.iter().chain(&cols).map(Ident::as_str).collect();
         if all.contains(&"fence") {
-            return Err(invalid("`fence` is managed by pgfence and cannot be a declared column"));
+            return Err(invalid(
+                "`fence` is managed by pgfence and cannot be a declared column",
+            ));
         }
         all.sort_unstable();
         if all.windows(2).any(|w| w[0] == w[1]) {
             return Err(invalid("a column is declared twice"));
         }
         let sql = Statements::build(&table, &keys, &cols);
-        Ok(Self { table: Arc::new(table), sql: Arc::new(sql), auditor, _row: PhantomData })
+        Ok(Self {
+            table: Arc::new(table),
+            sql: Arc::new(sql),
+            auditor,
+            _row: PhantomData,
+        })
     }
 
     /// The table this repository writes.
@@ -228,7 +247,12 @@ impl<T: FencedTable> Repository<T> {
     /// tx.commit().await?;
     /// # Ok(()) }
     /// ```
-    pub async fn update<'c, E: PgExecutor<'c>>(&self, exec: E, fencing: impl Into<Fencing>, row: &T) -> Result<()> {
+    pub async fn update<'c, E: PgExecutor<'c>>(
+        &self,
+        exec: E,
+        fencing: impl Into<Fencing>,
+        row: &T,
+    ) -> Result<()> {
         let fencing = fencing.into();
         let query = row.bind_columns(row.bind_key(sqlx::query(self.sql.update.clone())));
         let out = query.bind(fencing.token.get()).fetch_one(exec).await?;
@@ -292,17 +316,37 @@ impl<T: FencedTable> Repository<T> {
 
     /// Classifies a write that changed nothing from the probe columns: `current` at `col`,
     /// the key (JSON text) at column 2.
-    async fn rejected<R>(&self, out: &PgRow, col: usize, fencing: &Fencing, operation: &'static str) -> Result<R> {
+    async fn rejected<R>(
+        &self,
+        out: &PgRow,
+        col: usize,
+        fencing: &Fencing,
+        operation: &'static str,
+    ) -> Result<R> {
         match out.try_get::<Option<i64>, _>(col)? {
-            None => Err(Error::NotFound { table: self.table.quoted(), key: key_text(out) }),
-            Some(current) if current >= fencing.token.get() => self.stale(out, fencing, current, operation).await,
+            None => Err(Error::NotFound {
+                table: self.table.quoted(),
+                key: key_text(out),
+            }),
+            Some(current) if current >= fencing.token.get() => {
+                self.stale(out, fencing, current, operation).await
+            }
             // The row's latest version has an older fence yet the write did not apply: it
             // changed (key update, delete and re-insert) while this statement ran.
-            Some(_) => Err(Error::Contended { table: self.table.quoted(), operation }),
+            Some(_) => Err(Error::Contended {
+                table: self.table.quoted(),
+                operation,
+            }),
         }
     }
 
-    async fn stale<R>(&self, out: &PgRow, fencing: &Fencing, current: i64, operation: &'static str) -> Result<R> {
+    async fn stale<R>(
+        &self,
+        out: &PgRow,
+        fencing: &Fencing,
+        current: i64,
+        operation: &'static str,
+    ) -> Result<R> {
         let key = key_text(out);
         let rejection = Rejection {
             resource: fencing.resource.as_ref().map(|r| r.as_str().to_owned()),
@@ -314,12 +358,19 @@ impl<T: FencedTable> Repository<T> {
             operation,
         };
         self.auditor.record(&rejection).await;
-        Err(Error::stale(format!("{} {key}", self.table), fencing.token, current))
+        Err(Error::stale(
+            format!("{} {key}", self.table),
+            fencing.token,
+            current,
+        ))
     }
 }
 
 fn key_text(out: &PgRow) -> String {
-    out.try_get::<Option<String>, _>(2).ok().flatten().unwrap_or_default()
+    out.try_get::<Option<String>, _>(2)
+        .ok()
+        .flatten()
+        .unwrap_or_default()
 }
 
 fn idents(names: &[&str]) -> Result<Vec<Ident>> {
@@ -348,7 +399,10 @@ impl Statements {
             .join(" AND ");
         let key_json = format!("jsonb_build_array({})::text", key_params.join(", "));
         let probe = format!("(SELECT \"fence\" FROM {t} WHERE {key_match} FOR SHARE)");
-        let tombstone_rel = format!("{}::regclass::oid", crate::ident::quote_literal(&t).unwrap_or_default());
+        let tombstone_rel = format!(
+            "{}::regclass::oid",
+            crate::ident::quote_literal(&t).unwrap_or_default()
+        );
         let set_cols: String = cols
             .iter()
             .enumerate()
@@ -367,8 +421,10 @@ impl Statements {
 
         let all_cols: Vec<String> = keys.iter().chain(cols).map(Ident::quoted).collect();
         let all_params: Vec<String> = (1..=k + cols.len()).map(|i| format!("${i}")).collect();
-        let conflict_set: String =
-            cols.iter().map(|c| format!("{0} = EXCLUDED.{0}, ", c.quoted())).collect();
+        let conflict_set: String = cols
+            .iter()
+            .map(|c| format!("{0} = EXCLUDED.{0}, ", c.quoted()))
+            .collect();
         let key_cols: Vec<String> = keys.iter().map(Ident::quoted).collect();
         let tomb_fence = format!(
             "(SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel = {tombstone_rel} AND tb.row_key = {key_json})"
@@ -399,6 +455,10 @@ impl Statements {
         );
 
         let sql = |s: String| AssertSqlSafe(s).into_sql_str();
-        Self { update: sql(update), upsert: sql(upsert), delete: sql(delete) }
+        Self {
+            update: sql(update),
+            upsert: sql(upsert),
+            delete: sql(delete),
+        }
     }
 }

@@ -39,7 +39,10 @@ impl Resource {
                 name.len()
             )));
         }
-        if let Some(c) = name.chars().find(|c| c.is_control() || c.is_whitespace() || matches!(c, '{' | '}')) {
+        if let Some(c) = name
+            .chars()
+            .find(|c| c.is_control() || c.is_whitespace() || matches!(c, '{' | '}'))
+        {
             return Err(Error::InvalidResource(format!(
                 "character {c:?} not allowed (no whitespace, control characters, '{{' or '}}')"
             )));

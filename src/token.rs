@@ -23,7 +23,11 @@ impl FenceToken {
     /// # Errors
     /// [`Error::InvalidToken`] when `value <= 0`.
     pub fn new(value: i64) -> Result<Self> {
-        if value > 0 { Ok(Self(value)) } else { Err(Error::InvalidToken(i128::from(value))) }
+        if value > 0 {
+            Ok(Self(value))
+        } else {
+            Err(Error::InvalidToken(i128::from(value)))
+        }
     }
 
     /// Validates a token that arrives as an unsigned number (for example from Redis or a CLI
@@ -32,7 +36,9 @@ impl FenceToken {
     /// # Errors
     /// [`Error::InvalidToken`] when `value` is `0` or larger than `i64::MAX`.
     pub fn from_u64(value: u64) -> Result<Self> {
-        i64::try_from(value).map_err(|_| Error::InvalidToken(i128::from(value))).and_then(Self::new)
+        i64::try_from(value)
+            .map_err(|_| Error::InvalidToken(i128::from(value)))
+            .and_then(Self::new)
     }
 
     /// The token as the `BIGINT` Postgres stores.
@@ -53,7 +59,9 @@ impl std::str::FromStr for FenceToken {
 
     fn from_str(s: &str) -> Result<Self> {
         let v: i128 = s.trim().parse().map_err(|_| Error::InvalidToken(0))?;
-        i64::try_from(v).map_err(|_| Error::InvalidToken(v)).and_then(Self::new)
+        i64::try_from(v)
+            .map_err(|_| Error::InvalidToken(v))
+            .and_then(Self::new)
     }
 }
 

@@ -32,7 +32,11 @@ async fn concurrent_runs_all_succeed_and_one_applies() {
         .collect();
     let mut applied = 0;
     for run in runs {
-        applied += run.await.unwrap().expect("every concurrent run succeeds").len();
+        applied += run
+            .await
+            .unwrap()
+            .expect("every concurrent run succeeds")
+            .len();
     }
     assert_eq!(applied, 1, "exactly one run applies V1");
 }
@@ -49,11 +53,15 @@ async fn existing_database_is_untouched() {
     )
     .await;
     let snapshot = || async {
-        let history: Vec<(i32, String)> = sqlx::query_as("SELECT version, name FROM refinery_schema_history ORDER BY 1")
-            .fetch_all(&db.pool)
+        let history: Vec<(i32, String)> =
+            sqlx::query_as("SELECT version, name FROM refinery_schema_history ORDER BY 1")
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        let orders: (i64, i64) = sqlx::query_as("SELECT count(*), sum(total)::bigint FROM orders")
+            .fetch_one(&db.pool)
             .await
             .unwrap();
-        let orders: (i64, i64) = sqlx::query_as("SELECT count(*), sum(total)::bigint FROM orders").fetch_one(&db.pool).await.unwrap();
         let columns: Vec<String> = sqlx::query_scalar(
             "SELECT table_name || '.' || column_name FROM information_schema.columns WHERE table_schema = 'public' ORDER BY 1",
         )
@@ -65,11 +73,16 @@ async fn existing_database_is_untouched() {
     let before = snapshot().await;
     pgfence::migrate(&db.pool).await.unwrap();
     assert_eq!(snapshot().await, before);
-    let ours: i64 = sqlx::query_scalar("SELECT count(*) FROM pgfence.refinery_schema_history").fetch_one(&db.pool).await.unwrap();
+    let ours: i64 = sqlx::query_scalar("SELECT count(*) FROM pgfence.refinery_schema_history")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
     assert_eq!(ours, 1);
 
     // Guarding adds only the column and the trigger.
-    pgfence::guard(&db.pool, &pgfence::TableName::parse("orders").unwrap()).await.unwrap();
+    pgfence::guard(&db.pool, &pgfence::TableName::parse("orders").unwrap())
+        .await
+        .unwrap();
     let (history, orders, columns) = snapshot().await;
     assert_eq!((history, orders), (before.0, before.1));
     assert_eq!(columns.len(), before.2.len() + 1);

@@ -16,7 +16,11 @@ struct Snapshot {
 pgfence::fenced_table!(Snapshot { table: "inventory_snapshot", key: sku: String, columns: [payload, qty] });
 
 fn snap(sku: &str, payload: &str) -> Snapshot {
-    Snapshot { sku: sku.into(), payload: payload.into(), qty: 1 }
+    Snapshot {
+        sku: sku.into(),
+        payload: payload.into(),
+        qty: 1,
+    }
 }
 
 async fn setup() -> (TestDb, Repository<Snapshot>) {
@@ -24,7 +28,9 @@ async fn setup() -> (TestDb, Repository<Snapshot>) {
     db.exec("CREATE TABLE inventory_snapshot (sku text PRIMARY KEY, payload text NOT NULL, qty int NOT NULL);
              INSERT INTO inventory_snapshot VALUES ('A-1', 'initial', 0);")
         .await;
-    pgfence::guard(&db.pool, &TableName::parse("inventory_snapshot").unwrap()).await.unwrap();
+    pgfence::guard(&db.pool, &TableName::parse("inventory_snapshot").unwrap())
+        .await
+        .unwrap();
     let repo = Repository::new(db.pool.clone()).unwrap();
     (db, repo)
 }
@@ -46,20 +52,30 @@ async fn seed_race_stale_holder_is_rejected_audited_and_logged() {
 
     // A takes token 1, opens its transaction and reads.
     let mut a_tx = db.pool.begin().await.unwrap();
-    let seen: String = sqlx::query_scalar("SELECT payload FROM inventory_snapshot WHERE sku = 'A-1'")
-        .fetch_one(&mut *a_tx)
-        .await
-        .unwrap();
+    let seen: String =
+        sqlx::query_scalar("SELECT payload FROM inventory_snapshot WHERE sku = 'A-1'")
+            .fetch_one(&mut *a_tx)
+            .await
+            .unwrap();
     assert_eq!(seen, "initial");
 
     // A "pauses"; its lease expires; B gets token 2 and writes.
-    repo.update(&db.pool, token(2), &snap("A-1", "written by B")).await.unwrap();
+    repo.update(&db.pool, token(2), &snap("A-1", "written by B"))
+        .await
+        .unwrap();
 
     // A wakes up and writes with token 1.
-    let a = Fencing::new(token(1)).resource(resource.clone()).holder("worker-a");
-    let err = repo.update(&mut *a_tx, a, &snap("A-1", "written by A")).await.unwrap_err();
+    let a = Fencing::new(token(1))
+        .resource(resource.clone())
+        .holder("worker-a");
+    let err = repo
+        .update(&mut *a_tx, a, &snap("A-1", "written by A"))
+        .await
+        .unwrap_err();
     match &err {
-        Error::StaleToken { presented, current, .. } => assert_eq!((*presented, *current), (1, 2)),
+        Error::StaleToken {
+            presented, current, ..
+        } => assert_eq!((*presented, *current), (1, 2)),
         other => panic!("expected StaleToken, got {other:?}"),
     }
     assert!(err.is_stale() && !err.is_retryable());
@@ -69,14 +85,19 @@ async fn seed_race_stale_holder_is_rejected_audited_and_logged() {
     assert_eq!(row(&db, "A-1").await, Some(("written by B".into(), 2)));
 
     // The audit row survived A's rollback.
-    let audit = pgfence::audit::list(&db.pool, &Default::default()).await.unwrap();
+    let audit = pgfence::audit::list(&db.pool, &Default::default())
+        .await
+        .unwrap();
     assert_eq!(audit.len(), 1);
     let entry = &audit[0];
     assert_eq!(entry.presented, 1);
     assert_eq!(entry.current, Some(2));
     assert_eq!(entry.resource.as_deref(), Some("inventory:A-1"));
     assert_eq!(entry.holder.as_deref(), Some("worker-a"));
-    assert_eq!(entry.table.as_deref(), Some("\"public\".\"inventory_snapshot\""));
+    assert_eq!(
+        entry.table.as_deref(),
+        Some("\"public\".\"inventory_snapshot\"")
+    );
     assert_eq!(entry.key.as_deref(), Some("[\"A-1\"]"));
     assert_eq!(entry.operation, "update");
 
@@ -97,19 +118,60 @@ async fn seed_race_stale_holder_is_rejected_audited_and_logged() {
 async fn missing_row_is_not_found_and_stale_row_is_stale() {
     let (db, repo) = setup().await;
 
-    let err = repo.update(&db.pool, token(5), &snap("nope", "x")).await.unwrap_err();
-    assert!(matches!(err, Error::NotFound { ref key, .. } if key == "[\"nope\"]"), "{err:?}");
-    let err = repo.delete(&db.pool, token(5), &"nope".to_owned()).await.unwrap_err();
+    let err = repo
+        .update(&db.pool, token(5), &snap("nope", "x"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::NotFound { ref key, .. } if key == "[\"nope\"]"),
+        "{err:?}"
+    );
+    let err = repo
+        .delete(&db.pool, token(5), &"nope".to_owned())
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::NotFound { .. }), "{err:?}");
-    assert_eq!(audit_count(&db.pool).await, 0, "not-found is not a rejection");
+    assert_eq!(
+        audit_count(&db.pool).await,
+        0,
+        "not-found is not a rejection"
+    );
 
-    repo.update(&db.pool, token(7), &snap("A-1", "seven")).await.unwrap();
-    let err = repo.update(&db.pool, token(3), &snap("A-1", "three")).await.unwrap_err();
-    assert!(matches!(err, Error::StaleToken { presented: 3, current: 7, .. }), "{err:?}");
+    repo.update(&db.pool, token(7), &snap("A-1", "seven"))
+        .await
+        .unwrap();
+    let err = repo
+        .update(&db.pool, token(3), &snap("A-1", "three"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::StaleToken {
+                presented: 3,
+                current: 7,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
 
     // The same token twice: rejected with current == presented.
-    let err = repo.update(&db.pool, token(7), &snap("A-1", "seven again")).await.unwrap_err();
-    assert!(matches!(err, Error::StaleToken { presented: 7, current: 7, .. }), "{err:?}");
+    let err = repo
+        .update(&db.pool, token(7), &snap("A-1", "seven again"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::StaleToken {
+                presented: 7,
+                current: 7,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     assert_eq!(row(&db, "A-1").await, Some(("seven".into(), 7)));
     assert_eq!(audit_count(&db.pool).await, 2);
 }
@@ -118,26 +180,87 @@ async fn missing_row_is_not_found_and_stale_row_is_stale() {
 async fn upsert_inserts_then_fences_and_delete_tombstones_the_row() {
     let (db, repo) = setup().await;
 
-    assert_eq!(repo.upsert(&db.pool, token(1), &snap("B-2", "one")).await.unwrap(), Upserted::Inserted);
-    assert_eq!(repo.upsert(&db.pool, token(3), &snap("B-2", "three")).await.unwrap(), Upserted::Updated);
-    let err = repo.upsert(&db.pool, token(2), &snap("B-2", "two")).await.unwrap_err();
-    assert!(matches!(err, Error::StaleToken { presented: 2, current: 3, .. }), "{err:?}");
+    assert_eq!(
+        repo.upsert(&db.pool, token(1), &snap("B-2", "one"))
+            .await
+            .unwrap(),
+        Upserted::Inserted
+    );
+    assert_eq!(
+        repo.upsert(&db.pool, token(3), &snap("B-2", "three"))
+            .await
+            .unwrap(),
+        Upserted::Updated
+    );
+    let err = repo
+        .upsert(&db.pool, token(2), &snap("B-2", "two"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::StaleToken {
+                presented: 2,
+                current: 3,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     assert_eq!(row(&db, "B-2").await, Some(("three".into(), 3)));
 
     // Delete is fenced.
-    let err = repo.delete(&db.pool, token(2), &"B-2".to_owned()).await.unwrap_err();
-    assert!(matches!(err, Error::StaleToken { presented: 2, current: 3, .. }), "{err:?}");
+    let err = repo
+        .delete(&db.pool, token(2), &"B-2".to_owned())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::StaleToken {
+                presented: 2,
+                current: 3,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     assert!(row(&db, "B-2").await.is_some());
-    repo.delete(&db.pool, token(5), &"B-2".to_owned()).await.unwrap();
+    repo.delete(&db.pool, token(5), &"B-2".to_owned())
+        .await
+        .unwrap();
     assert!(row(&db, "B-2").await.is_none());
 
     // A stale holder (token 4 < 5) cannot resurrect it...
-    let err = repo.upsert(&db.pool, token(4), &snap("B-2", "zombie")).await.unwrap_err();
-    assert!(matches!(err, Error::StaleToken { presented: 4, current: 5, .. }), "{err:?}");
+    let err = repo
+        .upsert(&db.pool, token(4), &snap("B-2", "zombie"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::StaleToken {
+                presented: 4,
+                current: 5,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     assert!(row(&db, "B-2").await.is_none());
     // ...nor can the deleting token itself, but a newer one can.
-    assert!(repo.upsert(&db.pool, token(5), &snap("B-2", "again")).await.unwrap_err().is_stale());
-    assert_eq!(repo.upsert(&db.pool, token(6), &snap("B-2", "six")).await.unwrap(), Upserted::Inserted);
+    assert!(
+        repo.upsert(&db.pool, token(5), &snap("B-2", "again"))
+            .await
+            .unwrap_err()
+            .is_stale()
+    );
+    assert_eq!(
+        repo.upsert(&db.pool, token(6), &snap("B-2", "six"))
+            .await
+            .unwrap(),
+        Upserted::Inserted
+    );
     assert_eq!(row(&db, "B-2").await, Some(("six".into(), 6)));
 
     let ops: Vec<String> = sqlx::query_scalar("SELECT operation FROM pgfence.audit ORDER BY id")
@@ -150,7 +273,9 @@ async fn upsert_inserts_then_fences_and_delete_tombstones_the_row() {
 #[tokio::test]
 async fn raw_sql_that_does_not_advance_the_fence_fails_with_the_documented_sqlstate() {
     let (db, repo) = setup().await;
-    repo.update(&db.pool, token(10), &snap("A-1", "ten")).await.unwrap();
+    repo.update(&db.pool, token(10), &snap("A-1", "ten"))
+        .await
+        .unwrap();
 
     for sql in [
         "UPDATE inventory_snapshot SET payload = 'raw' WHERE sku = 'A-1'", // keeps the fence
@@ -158,10 +283,17 @@ async fn raw_sql_that_does_not_advance_the_fence_fails_with_the_documented_sqlst
         "UPDATE inventory_snapshot SET payload = 'raw', fence = 10 WHERE sku = 'A-1'", // equal
     ] {
         let err = sqlx::query(sql).execute(&db.pool).await.unwrap_err();
-        let code = err.as_database_error().and_then(|e| e.code()).map(|c| c.into_owned());
+        let code = err
+            .as_database_error()
+            .and_then(|e| e.code())
+            .map(|c| c.into_owned());
         assert_eq!(code.as_deref(), Some(pgfence::SQLSTATE_STALE), "{sql}");
         match Error::from(err) {
-            Error::StaleToken { current: 10, presented, target } => {
+            Error::StaleToken {
+                current: 10,
+                presented,
+                target,
+            } => {
                 assert!(presented <= 10);
                 assert_eq!(target, "public.inventory_snapshot");
             }
@@ -185,7 +317,11 @@ async fn concurrent_writers_are_classified_stale_against_the_winner() {
     for t in 1..=40 {
         let (repo, pool) = (repo.clone(), db.pool.clone());
         tasks.push(tokio::spawn(async move {
-            (t, repo.update(&pool, token(t), &snap("A-1", &format!("t{t}"))).await)
+            (
+                t,
+                repo.update(&pool, token(t), &snap("A-1", &format!("t{t}")))
+                    .await,
+            )
         }));
     }
     let mut applied = 0;
@@ -193,7 +329,9 @@ async fn concurrent_writers_are_classified_stale_against_the_winner() {
         let (t, outcome) = task.await.unwrap();
         match outcome {
             Ok(()) => applied += 1,
-            Err(Error::StaleToken { presented, current, .. }) => {
+            Err(Error::StaleToken {
+                presented, current, ..
+            }) => {
                 assert_eq!(presented, t);
                 assert!(current > presented, "token {t} lost to {current}");
             }
@@ -218,17 +356,61 @@ pgfence::fenced_table!(Line { schema: "billing", table: "ledger_line", key: (bat
 async fn composite_keys_and_schemas() {
     let db = TestDb::new().await;
     db.exec("CREATE SCHEMA billing; CREATE TABLE billing.ledger_line (batch bigint, line int, amount bigint, PRIMARY KEY (batch, line));").await;
-    pgfence::guard(&db.pool, &TableName::parse("billing.ledger_line").unwrap()).await.unwrap();
+    pgfence::guard(&db.pool, &TableName::parse("billing.ledger_line").unwrap())
+        .await
+        .unwrap();
     let repo = Repository::<Line>::new(db.pool.clone()).unwrap();
 
-    let l = Line { batch: 42, line: 1, amount: 100 };
-    assert_eq!(repo.upsert(&db.pool, token(2), &l).await.unwrap(), Upserted::Inserted);
-    let err = repo.update(&db.pool, token(1), &Line { amount: 5, ..l.clone() }).await.unwrap_err();
-    assert!(matches!(err, Error::StaleToken { presented: 1, current: 2, .. }));
-    let err = repo.update(&db.pool, token(3), &Line { line: 2, ..l.clone() }).await.unwrap_err();
-    assert!(matches!(err, Error::NotFound { ref key, .. } if key == "[42, 2]"), "{err:?}");
+    let l = Line {
+        batch: 42,
+        line: 1,
+        amount: 100,
+    };
+    assert_eq!(
+        repo.upsert(&db.pool, token(2), &l).await.unwrap(),
+        Upserted::Inserted
+    );
+    let err = repo
+        .update(
+            &db.pool,
+            token(1),
+            &Line {
+                amount: 5,
+                ..l.clone()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        Error::StaleToken {
+            presented: 1,
+            current: 2,
+            ..
+        }
+    ));
+    let err = repo
+        .update(
+            &db.pool,
+            token(3),
+            &Line {
+                line: 2,
+                ..l.clone()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::NotFound { ref key, .. } if key == "[42, 2]"),
+        "{err:?}"
+    );
     repo.delete(&db.pool, token(3), &(42, 1)).await.unwrap();
-    assert!(repo.upsert(&db.pool, token(2), &l).await.unwrap_err().is_stale());
+    assert!(
+        repo.upsert(&db.pool, token(2), &l)
+            .await
+            .unwrap_err()
+            .is_stale()
+    );
 }
 
 /// A table and columns named to break naive SQL: quoting must make them plain names.
@@ -265,16 +447,45 @@ async fn hostile_identifiers_are_quoted_not_executed() {
     let table = TableName::new("public", Hostile::TABLE_NAME).unwrap();
     assert!(pgfence::guard(&db.pool, &table).await.unwrap());
     let repo = Repository::<Hostile>::new(db.pool.clone()).unwrap();
-    repo.update(&db.pool, token(1), &Hostile { id: 1, value: "z".into() }).await.unwrap();
-    let err = repo.update(&db.pool, token(1), &Hostile { id: 1, value: "y".into() }).await.unwrap_err();
+    repo.update(
+        &db.pool,
+        token(1),
+        &Hostile {
+            id: 1,
+            value: "z".into(),
+        },
+    )
+    .await
+    .unwrap();
+    let err = repo
+        .update(
+            &db.pool,
+            token(1),
+            &Hostile {
+                id: 1,
+                value: "y".into(),
+            },
+        )
+        .await
+        .unwrap_err();
     assert!(err.is_stale());
     repo.delete(&db.pool, token(2), &2).await.unwrap();
 
-    let victims: i64 = sqlx::query_scalar("SELECT count(*) FROM victim").fetch_one(&db.pool).await.unwrap();
+    let victims: i64 = sqlx::query_scalar("SELECT count(*) FROM victim")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
     assert_eq!(victims, 1, "victim table untouched");
     let rows: Vec<(i32, String, i64)> =
-        sqlx::query_as(r#"SELECT * FROM "weird""; DROP TABLE victim; --" ORDER BY 1"#).fetch_all(&db.pool).await.unwrap();
-    assert_eq!(rows, vec![(1, "z".to_owned(), 1)], "only row 1 updated, only row 2 deleted");
+        sqlx::query_as(r#"SELECT * FROM "weird""; DROP TABLE victim; --" ORDER BY 1"#)
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        rows,
+        vec![(1, "z".to_owned(), 1)],
+        "only row 1 updated, only row 2 deleted"
+    );
 }
 
 impl Hostile {
@@ -284,7 +495,8 @@ impl Hostile {
 struct Overlong;
 impl pgfence::FencedTable for Overlong {
     type Key = i32;
-    const TABLE: &'static str = "a_table_name_that_is_much_longer_than_sixty_three_bytes_and_would_be_truncated";
+    const TABLE: &'static str =
+        "a_table_name_that_is_much_longer_than_sixty_three_bytes_and_would_be_truncated";
     const KEY_COLUMNS: &'static [&'static str] = &["id"];
     const COLUMNS: &'static [&'static str] = &[];
     fn bind_key(&self, q: pgfence::PgQuery) -> pgfence::PgQuery {
@@ -318,10 +530,19 @@ impl pgfence::FencedTable for DeclaresFence {
 #[tokio::test]
 async fn bad_declarations_and_tokens_are_typed_errors() {
     let db = TestDb::new().await;
-    assert!(matches!(Repository::<Overlong>::new(db.pool.clone()), Err(Error::InvalidIdentifier { .. })));
-    assert!(matches!(Repository::<DeclaresFence>::new(db.pool.clone()), Err(Error::InvalidTable { .. })));
+    assert!(matches!(
+        Repository::<Overlong>::new(db.pool.clone()),
+        Err(Error::InvalidIdentifier { .. })
+    ));
+    assert!(matches!(
+        Repository::<DeclaresFence>::new(db.pool.clone()),
+        Err(Error::InvalidTable { .. })
+    ));
     assert!(matches!(FenceToken::new(0), Err(Error::InvalidToken(0))));
     assert!(matches!(FenceToken::new(-1), Err(Error::InvalidToken(-1))));
-    assert!(matches!(TableName::parse("bad\0name"), Err(Error::InvalidIdentifier { .. })));
+    assert!(matches!(
+        TableName::parse("bad\0name"),
+        Err(Error::InvalidIdentifier { .. })
+    ));
     assert_eq!(audit_count(&db.pool).await, 0);
 }

@@ -24,7 +24,9 @@ pub async fn pg_url() -> String {
         match std::env::var("DATABASE_URL") {
             Ok(url) if !url.is_empty() => (url, None),
             _ => {
-                let server = Server::postgres().await.expect("start throwaway PostgreSQL");
+                let server = Server::postgres()
+                    .await
+                    .expect("start throwaway PostgreSQL");
                 (server.url(), Some(server))
             }
         }
@@ -76,22 +78,43 @@ impl TestDb {
             COUNTER.fetch_add(1, Ordering::Relaxed),
             rand::random::<u32>()
         );
-        let mut conn = PgConnection::connect_with(&admin).await.expect("connect to Postgres");
-        sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE \"{name}\""))).execute(&mut conn).await.expect("create db");
+        let mut conn = PgConnection::connect_with(&admin)
+            .await
+            .expect("connect to Postgres");
+        sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
+            .execute(&mut conn)
+            .await
+            .expect("create db");
         conn.close().await.ok();
         let options = admin.clone().database(&name);
-        let pool = PgPoolOptions::new().max_connections(20).connect_with(options.clone()).await.expect("pool");
-        Self { pool, options, name, admin }
+        let pool = PgPoolOptions::new()
+            .max_connections(20)
+            .connect_with(options.clone())
+            .await
+            .expect("pool");
+        Self {
+            pool,
+            options,
+            name,
+            admin,
+        }
     }
 
     /// Another pool on the same database (e.g. for an independent audit connection).
     pub async fn pool(&self, max: u32) -> PgPool {
-        PgPoolOptions::new().max_connections(max).connect_with(self.options.clone()).await.expect("pool")
+        PgPoolOptions::new()
+            .max_connections(max)
+            .connect_with(self.options.clone())
+            .await
+            .expect("pool")
     }
 
     /// Runs SQL text (setup only).
     pub async fn exec(&self, sql: &str) {
-        sqlx::raw_sql(AssertSqlSafe(sql.to_owned())).execute(&self.pool).await.expect(sql);
+        sqlx::raw_sql(AssertSqlSafe(sql.to_owned()))
+            .execute(&self.pool)
+            .await
+            .expect(sql);
     }
 }
 
@@ -101,13 +124,18 @@ impl Drop for TestDb {
         let name = self.name.clone();
         // Drop needs async I/O; a short-lived thread with its own runtime does it.
         let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
             rt.block_on(async {
                 let mut conn = PgConnection::connect_with(&admin).await.ok()?;
-                sqlx::raw_sql(AssertSqlSafe(format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")))
-                    .execute(&mut conn)
-                    .await
-                    .ok()
+                sqlx::raw_sql(AssertSqlSafe(format!(
+                    "DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"
+                )))
+                .execute(&mut conn)
+                .await
+                .ok()
             })
         })
         .join();
@@ -163,7 +191,8 @@ impl Logs {
                 .with_max_level(tracing::Level::INFO)
                 .with_writer(|| ThreadWriter)
                 .finish();
-            tracing::subscriber::set_global_default(subscriber).expect("no other global subscriber");
+            tracing::subscriber::set_global_default(subscriber)
+                .expect("no other global subscriber");
         });
         let logs = Logs::default();
         CAPTURE.with(|c| *c.borrow_mut() = Some(logs.clone()));
@@ -182,15 +211,33 @@ impl Logs {
 
     /// Events with `target` and `level`.
     pub fn with(&self, target: &str, level: &str) -> Vec<serde_json::Value> {
-        self.events().into_iter().filter(|e| e["target"] == target && e["level"] == level).collect()
+        self.events()
+            .into_iter()
+            .filter(|e| e["target"] == target && e["level"] == level)
+            .collect()
     }
 }
 
 /// Number of audit rows.
 pub async fn audit_count(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM pgfence.audit").fetch_one(pool).await.unwrap()
+    sqlx::query_scalar("SELECT count(*) FROM pgfence.audit")
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
 
 pub fn token(n: i64) -> pgfence::FenceToken {
     pgfence::FenceToken::new(n).unwrap()
+}
+
+/// A resource name unique to this test run.
+pub fn unique_resource(prefix: &str) -> pgfence::Resource {
+    pgfence::Resource::new(format!("{prefix}:{}", rand::random::<u64>())).unwrap()
+}
+
+/// An issuer on the shared test Redis.
+pub async fn issuer() -> pgfence::Issuer {
+    pgfence::Issuer::connect(&redis_url().await)
+        .await
+        .expect("connect to Redis")
 }

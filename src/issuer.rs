@@ -1,0 +1,523 @@
+//! The Redis token issuer: a lock and its fence token in one atomic round trip, owner-safe
+//! release and extend, waiting, and recovery of the counter after a Redis failover.
+//!
+//! Keys for resource `R` are `pgfence:{R}:lock` and `pgfence:{R}:fence`; the `{R}` hash tag
+//! puts both in one Redis Cluster slot. The counter never expires and nothing here deletes
+//! it. Redis only hands out numbers: safety comes from Postgres rejecting old tokens, so a
+//! counter that goes backwards costs liveness (rejected writes) until it is reseeded, never
+//! correctness.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::{Script, Value};
+use sqlx::PgPool;
+use tokio::time::Instant;
+
+use crate::repository::Fencing;
+use crate::{Error, FenceToken, Resource, Result};
+
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/acquire.lua")));
+static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/release.lua")));
+static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/extend.lua")));
+static RAISE_FLOOR: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("lua/raise_floor.lua")));
+static REISSUE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/reissue.lua")));
+
+/// Shortest lease accepted.
+pub const MIN_TTL: Duration = Duration::from_millis(10);
+/// Longest lease accepted: a lease is a lease, not a reservation.
+pub const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// How many times an acquire is re-sent, with the same owner id, after a transport error.
+const ACQUIRE_ATTEMPTS: u32 = 3;
+
+/// The Redis key of `resource`'s lock.
+#[must_use]
+pub fn lock_key(resource: &Resource) -> String {
+    format!("pgfence:{{{resource}}}:lock")
+}
+
+/// The Redis key of `resource`'s fence counter.
+#[must_use]
+pub fn counter_key(resource: &Resource) -> String {
+    format!("pgfence:{{{resource}}}:fence")
+}
+
+/// Validates a lease TTL.
+///
+/// # Errors
+/// [`Error::InvalidDuration`] outside [`MIN_TTL`]`..=`[`MAX_TTL`].
+pub fn check_ttl(ttl: Duration) -> Result<Duration> {
+    if (MIN_TTL..=MAX_TTL).contains(&ttl) {
+        Ok(ttl)
+    } else {
+        Err(Error::InvalidDuration(format!(
+            "lease TTL {ttl:?} is outside {MIN_TTL:?}..={MAX_TTL:?}"
+        )))
+    }
+}
+
+fn ttl_millis(ttl: Duration) -> Result<u64> {
+    u64::try_from(check_ttl(ttl)?.as_millis())
+        .map_err(|_| Error::InvalidDuration(format!("{ttl:?}")))
+}
+
+/// A new unguessable owner id: 128 random bits from the OS-seeded CSPRNG, as hex.
+#[must_use]
+pub fn new_owner_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// A granted lock: who holds what, with which token, until when.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    resource: Resource,
+    owner: String,
+    token: FenceToken,
+    ttl: Duration,
+    deadline: Instant,
+}
+
+impl Lease {
+    /// The locked resource.
+    #[must_use]
+    pub fn resource(&self) -> &Resource {
+        &self.resource
+    }
+
+    /// The owner id (unguessable; only its holder can release or extend the lock).
+    #[must_use]
+    pub fn owner(&self) -> &str {
+        &self.owner
+    }
+
+    /// The fence token to present with every write made under this lease.
+    #[must_use]
+    pub fn token(&self) -> FenceToken {
+        self.token
+    }
+
+    /// The TTL the lease was granted (or last extended) with.
+    #[must_use]
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// Local deadline: measured from before the request was sent, on a monotonic clock, so
+    /// it can only be early, never late, relative to the server's expiry.
+    #[must_use]
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Time left before [`Lease::deadline`] (zero once passed). An efficiency hint only: a
+    /// pause can still land between this check and a write, which is why writes are fenced.
+    #[must_use]
+    pub fn remaining(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+
+    fn value(&self) -> String {
+        format!("{}:{}", self.owner, self.token)
+    }
+}
+
+impl From<&Lease> for Fencing {
+    fn from(lease: &Lease) -> Self {
+        Fencing::new(lease.token)
+            .resource(lease.resource.clone())
+            .holder(lease.owner.clone())
+    }
+}
+
+impl From<Lease> for Fencing {
+    fn from(lease: Lease) -> Self {
+        Fencing::from(&lease)
+    }
+}
+
+/// What [`Issuer::release`] or [`Issuer::extend`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseState {
+    /// The lease still held the lock (and was released / extended).
+    Held,
+    /// The lock had expired; nobody holds it.
+    Expired,
+    /// Another lease holds the lock now.
+    Taken,
+}
+
+impl LeaseState {
+    fn from_reply(code: i64) -> Self {
+        match code {
+            1 => LeaseState::Held,
+            0 => LeaseState::Expired,
+            _ => LeaseState::Taken,
+        }
+    }
+}
+
+/// The state of a resource's lock and counter, for status displays.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct LockStatus {
+    /// The resource.
+    pub resource: String,
+    /// Owner id of the current holder, if the lock is held.
+    pub owner: Option<String>,
+    /// Token of the current holder, if the lock is held.
+    pub token: Option<i64>,
+    /// Milliseconds until the lock expires, if held.
+    pub ttl_ms: Option<i64>,
+    /// The counter: the last token issued (0 if none).
+    pub counter: i64,
+}
+
+/// Issues leases and fence tokens from Redis.
+///
+/// Generic over the connection: [`Issuer::connect`] gives a reconnecting
+/// [`ConnectionManager`], [`Issuer::connect_cluster`] a Redis Cluster connection.
+#[derive(Clone)]
+pub struct Issuer<C = ConnectionManager> {
+    conn: C,
+    floor_source: Option<PgPool>,
+}
+
+impl Issuer<ConnectionManager> {
+    /// Connects to a standalone Redis (`redis://host:port/db`), reconnecting as needed.
+    ///
+    /// # Errors
+    /// [`Error::Redis`] for a malformed URL or an unreachable server.
+    pub async fn connect(url: &str) -> Result<Self> {
+        let client = redis::Client::open(url)?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(5)))
+            .set_response_timeout(Some(Duration::from_secs(5)))
+            .set_number_of_retries(2);
+        Ok(Self::new(
+            ConnectionManager::new_with_config(client, config).await?,
+        ))
+    }
+}
+
+impl Issuer<redis::cluster_async::ClusterConnection> {
+    /// Connects to a Redis Cluster through any of its nodes.
+    ///
+    /// # Errors
+    /// [`Error::Redis`].
+    pub async fn connect_cluster(nodes: &[String]) -> Result<Self> {
+        let client = redis::cluster::ClusterClient::new(nodes.to_vec())?;
+        Ok(Self::new(client.get_async_connection().await?))
+    }
+}
+
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
+    /// An issuer on an existing connection.
+    #[must_use]
+    pub fn new(conn: C) -> Self {
+        Self {
+            conn,
+            floor_source: None,
+        }
+    }
+
+    /// Makes counter loss recover by itself: when an acquire finds the counter missing (a new
+    /// resource, or a Redis that restarted or failed over without its data), the issuer reads
+    /// the resource's high-water mark from this database and, if it is not below the new
+    /// token, raises the counter past it and re-issues the token before returning the lease.
+    /// Costs one Postgres query per fresh counter, none on the common path.
+    #[must_use]
+    pub fn with_floor_source(mut self, pool: PgPool) -> Self {
+        self.floor_source = Some(pool);
+        self
+    }
+
+    /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`]`..=`[`MAX_TTL`] (nothing is
+    /// sent); [`Error::Redis`] when Redis fails after retries.
+    ///
+    /// # Example
+    /// ```no_run
+    /// # async fn f() -> pgfence::Result<()> {
+    /// use std::time::Duration;
+    /// let issuer = pgfence::Issuer::connect("redis://127.0.0.1:6379").await?;
+    /// let resource = pgfence::Resource::new("payments:batch:42")?;
+    /// if let Some(lease) = issuer.acquire(&resource, Duration::from_secs(30)).await? {
+    ///     println!("token {}", lease.token());
+    ///     issuer.release(&lease).await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
+        Ok(self.acquire_as(resource, &new_owner_id(), ttl).await?.ok())
+    }
+
+    /// Like [`Issuer::acquire`] with a caller-chosen owner id. Re-running it with the same
+    /// owner while the lease is held returns the same token (the idempotent retry after a lost
+    /// reply). Returns `Err(retry_in)` when another owner holds the lock.
+    ///
+    /// # Errors
+    /// As [`Issuer::acquire`]; [`Error::InvalidResource`] for an empty owner id.
+    pub async fn acquire_as(
+        &self,
+        resource: &Resource,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<std::result::Result<Lease, Duration>> {
+        let ttl_ms = ttl_millis(ttl)?;
+        if owner.is_empty() || owner.contains(':') {
+            return Err(Error::InvalidResource(
+                "owner ids are non-empty and contain no ':'".into(),
+            ));
+        }
+        let (lock, counter) = (lock_key(resource), counter_key(resource));
+        let mut attempt = 0;
+        let (reply, sent_at) = loop {
+            let sent_at = Instant::now();
+            let mut conn = self.conn.clone();
+            match ACQUIRE
+                .key(&lock)
+                .key(&counter)
+                .arg(owner)
+                .arg(ttl_ms)
+                .invoke_async::<Vec<Value>>(&mut conn)
+                .await
+            {
+                Ok(reply) => break (reply, sent_at),
+                // The same owner id makes a re-sent acquire return the token already issued.
+                Err(e) if attempt + 1 < ACQUIRE_ATTEMPTS && transient(&e) => attempt += 1,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        match reply.as_slice() {
+            [Value::Int(1), token, fresh] => {
+                let token = FenceToken::new(int(token)?)?;
+                let mut lease = Lease {
+                    resource: resource.clone(),
+                    owner: owner.to_owned(),
+                    token,
+                    ttl,
+                    deadline: sent_at + ttl,
+                };
+                if int(fresh)? == 1 {
+                    self.reseed_fresh(&mut lease).await?;
+                }
+                Ok(Ok(lease))
+            }
+            [Value::Int(0), pttl] => Ok(Err(Duration::from_millis(
+                u64::try_from(int(pttl)?).unwrap_or(0),
+            ))),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Waits up to `wait` for the lock, retrying with jittered exponential backoff (10 ms
+    /// doubling to 500 ms, never sleeping past the holder's remaining TTL). `Ok(None)` when
+    /// the wait ran out.
+    ///
+    /// # Errors
+    /// As [`Issuer::acquire`].
+    pub async fn acquire_wait(
+        &self,
+        resource: &Resource,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<Option<Lease>> {
+        check_ttl(ttl)?;
+        let give_up = Instant::now() + wait;
+        let owner = new_owner_id();
+        let mut backoff = Duration::from_millis(10);
+        loop {
+            let retry_in = match self.acquire_as(resource, &owner, ttl).await? {
+                Ok(lease) => return Ok(Some(lease)),
+                Err(retry_in) => retry_in,
+            };
+            let now = Instant::now();
+            if now >= give_up {
+                return Ok(None);
+            }
+            let jittered = backoff.mul_f64(0.5 + rand::random::<f64>() / 2.0);
+            let nap = jittered
+                .min(retry_in.max(Duration::from_millis(1)))
+                .min(give_up - now);
+            tokio::time::sleep(nap).await;
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Releases the lock if `lease` still holds it. The counter is left alone.
+    ///
+    /// # Errors
+    /// [`Error::Redis`].
+    pub async fn release(&self, lease: &Lease) -> Result<LeaseState> {
+        let mut conn = self.conn.clone();
+        let code: i64 = RELEASE
+            .key(lock_key(&lease.resource))
+            .arg(lease.value())
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(LeaseState::from_reply(code))
+    }
+
+    /// Extends the lock to `ttl` from now if `lease` still holds it, and moves the lease's
+    /// local deadline accordingly.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDuration`]; [`Error::Redis`].
+    pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
+        let ttl_ms = ttl_millis(ttl)?;
+        let sent_at = Instant::now();
+        let mut conn = self.conn.clone();
+        let code: i64 = EXTEND
+            .key(lock_key(&lease.resource))
+            .arg(lease.value())
+            .arg(ttl_ms)
+            .invoke_async(&mut conn)
+            .await?;
+        let state = LeaseState::from_reply(code);
+        if state == LeaseState::Held {
+            lease.ttl = ttl;
+            lease.deadline = sent_at + ttl;
+        }
+        Ok(state)
+    }
+
+    /// Reads the lock and counter of `resource`.
+    ///
+    /// # Errors
+    /// [`Error::Redis`].
+    pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
+        let mut conn = self.conn.clone();
+        let (lock, counter) = (lock_key(resource), counter_key(resource));
+        let (held, pttl, count): (Option<String>, i64, Option<i64>) = redis::pipe()
+            .get(&lock)
+            .pttl(&lock)
+            .get(&counter)
+            .query_async(&mut conn)
+            .await?;
+        let (owner, token) = match held.as_deref().and_then(|v| v.rsplit_once(':')) {
+            Some((o, t)) => (Some(o.to_owned()), t.parse().ok()),
+            None => (None, None),
+        };
+        Ok(LockStatus {
+            resource: resource.to_string(),
+            owner,
+            token,
+            ttl_ms: held.is_some().then_some(pttl),
+            counter: count.unwrap_or(0),
+        })
+    }
+
+    /// Raises `resource`'s counter to at least `floor` (never lowers it) and returns its value
+    /// afterwards. The next lease gets a token above `floor`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidToken`] for a negative floor; [`Error::Redis`].
+    pub async fn raise_floor(&self, resource: &Resource, floor: i64) -> Result<i64> {
+        if floor < 0 {
+            return Err(Error::InvalidToken(i128::from(floor)));
+        }
+        let mut conn = self.conn.clone();
+        let after: Value = RAISE_FLOOR
+            .key(counter_key(resource))
+            .arg(floor.to_string())
+            .invoke_async(&mut conn)
+            .await?;
+        int(&after)
+    }
+
+    /// Reseeds after a failover: raises `resource`'s counter to the high-water mark Postgres
+    /// recorded for it ([`crate::Fence::check`]), so the next lease is accepted. Returns the
+    /// counter afterwards.
+    ///
+    /// # Errors
+    /// [`Error::Database`]; [`Error::Redis`].
+    pub async fn reseed(&self, pool: &PgPool, resource: &Resource) -> Result<i64> {
+        let mark = crate::check::high_water(pool, resource).await?;
+        self.raise_floor(resource, mark).await
+    }
+
+    /// One-call recovery from a rejected write: if `err` is a [`Error::StaleToken`], raises
+    /// `resource`'s counter to the fence the write met, so the next lease's token is newer than
+    /// everything Postgres has seen on that path. Returns whether the counter was raised.
+    /// Use it when a freshly acquired lease is rejected (the counter went backwards).
+    ///
+    /// # Errors
+    /// [`Error::Redis`].
+    pub async fn recover_from(&self, resource: &Resource, err: &Error) -> Result<bool> {
+        match err {
+            Error::StaleToken { current, .. } => {
+                let before = self.status(resource).await?.counter;
+                Ok(self.raise_floor(resource, *current).await? > before)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    async fn reseed_fresh(&self, lease: &mut Lease) -> Result<()> {
+        let Some(pool) = &self.floor_source else {
+            return Ok(());
+        };
+        let mark = crate::check::high_water(pool, &lease.resource).await?;
+        if mark < lease.token.get() {
+            return Ok(());
+        }
+        let mut conn = self.conn.clone();
+        let reply: Value = REISSUE
+            .key(lock_key(&lease.resource))
+            .key(counter_key(&lease.resource))
+            .arg(lease.value())
+            .arg(&lease.owner)
+            .arg(mark.to_string())
+            .invoke_async(&mut conn)
+            .await?;
+        let token = int(&reply)?;
+        if token == 0 {
+            // The lease lapsed while we were reading Postgres: report what Redis would.
+            return Err(Error::stale(lease.resource.as_str(), lease.token, mark));
+        }
+        tracing::info!(
+            target: "pgfence::issuer",
+            resource = lease.resource.as_str(),
+            lost_token = lease.token.get(),
+            high_water = mark,
+            token,
+            "fence counter was lost; reseeded from Postgres"
+        );
+        lease.token = FenceToken::new(token)?;
+        Ok(())
+    }
+
+    /// Keeps `lease` alive in the background; see [`crate::keepalive::KeepAlive`].
+    #[must_use]
+    pub fn keep_alive(&self, lease: &Lease) -> crate::keepalive::KeepAlive {
+        crate::keepalive::KeepAlive::spawn(self.clone(), lease.clone())
+    }
+}
+
+fn transient(e: &redis::RedisError) -> bool {
+    e.is_io_error() || e.is_connection_dropped() || e.is_timeout()
+}
+
+fn int(v: &Value) -> Result<i64> {
+    match v {
+        Value::Int(i) => Ok(*i),
+        Value::BulkString(b) => std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| unexpected(&[v.clone()])),
+        Value::SimpleString(s) => s.parse().map_err(|_| unexpected(&[v.clone()])),
+        other => Err(unexpected(std::slice::from_ref(other))),
+    }
+}
+
+fn unexpected(v: &[Value]) -> Error {
+    Error::Redis(redis::RedisError::from((
+        redis::ErrorKind::UnexpectedReturnType,
+        "unexpected reply from a pgfence script",
+        format!("{v:?}"),
+    )))
+}

@@ -1,0 +1,124 @@
+//! Background lease renewal. An efficiency aid that lets long jobs keep their lock, not a
+//! correctness mechanism: a paused process stops renewing too, and fencing is what makes its
+//! late writes harmless.
+
+use std::time::Duration;
+
+use redis::aio::ConnectionLike;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::issuer::{Issuer, Lease, LeaseState};
+
+/// Why a kept-alive lease was lost.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LeaseLost {
+    /// The lock expired before a renewal reached Redis.
+    Expired,
+    /// Another lease took the lock.
+    Taken,
+    /// Redis could not be reached before the lease's local deadline.
+    Unreachable(String),
+}
+
+impl std::fmt::Display for LeaseLost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LeaseLost::Expired => f.write_str("the lock expired before it could be renewed"),
+            LeaseLost::Taken => f.write_str("another holder took the lock"),
+            LeaseLost::Unreachable(e) => {
+                write!(f, "Redis unreachable until the lease ran out: {e}")
+            }
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum State {
+    Held(Instant),
+    Lost(LeaseLost),
+}
+
+/// Renews a lease every TTL/3 until stopped or lost. Dropping it stops renewal (the lock then
+/// expires on its own unless released).
+///
+/// ```no_run
+/// # async fn f(issuer: pgfence::Issuer, lease: pgfence::Lease) {
+/// let mut keep = issuer.keep_alive(&lease);
+/// tokio::select! {
+///     lost = keep.lost() => eprintln!("lease lost: {lost}; writes will be fenced"),
+///     _ = tokio::time::sleep(std::time::Duration::from_secs(60)) => {}
+/// }
+/// keep.stop();
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct KeepAlive {
+    state: watch::Receiver<State>,
+    task: JoinHandle<()>,
+}
+
+impl KeepAlive {
+    pub(crate) fn spawn<C: ConnectionLike + Clone + Send + Sync + 'static>(
+        issuer: Issuer<C>,
+        mut lease: Lease,
+    ) -> Self {
+        let (tx, rx) = watch::channel(State::Held(lease.deadline()));
+        let task = tokio::spawn(async move {
+            let ttl = lease.ttl();
+            let every = (ttl / 3).max(Duration::from_millis(5));
+            loop {
+                tokio::time::sleep(every).await;
+                let lost = match issuer.extend(&mut lease, ttl).await {
+                    Ok(LeaseState::Held) => {
+                        let _ = tx.send(State::Held(lease.deadline()));
+                        continue;
+                    }
+                    Ok(LeaseState::Expired) => LeaseLost::Expired,
+                    Ok(LeaseState::Taken) => LeaseLost::Taken,
+                    // Keep trying while the lease may still be valid.
+                    Err(_) if Instant::now() + every < lease.deadline() => continue,
+                    Err(e) => LeaseLost::Unreachable(e.to_string()),
+                };
+                tracing::warn!(target: "pgfence::keepalive", resource = lease.resource().as_str(), reason = %lost, "lease lost");
+                let _ = tx.send(State::Lost(lost));
+                return;
+            }
+        });
+        Self { state: rx, task }
+    }
+
+    /// Resolves when the lease is lost. Cancel-safe: use it in `select!`.
+    pub async fn lost(&mut self) -> LeaseLost {
+        loop {
+            if let State::Lost(reason) = &*self.state.borrow_and_update() {
+                return reason.clone();
+            }
+            if self.state.changed().await.is_err() {
+                // The task ended without reporting (stopped): treat as never lost.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// The current local deadline of the lease, `None` once lost.
+    #[must_use]
+    pub fn deadline(&self) -> Option<Instant> {
+        match &*self.state.borrow() {
+            State::Held(d) => Some(*d),
+            State::Lost(_) => None,
+        }
+    }
+
+    /// Stops renewing.
+    pub fn stop(self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for KeepAlive {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -1,0 +1,30 @@
+-- Acquire a lock and its fence token in one atomic step.
+-- KEYS[1] = lock key, KEYS[2] = fence counter (same hash tag, so same cluster slot)
+-- ARGV[1] = owner id, ARGV[2] = TTL in milliseconds
+-- Lock value: "<owner>:<token>".
+-- Returns {1, token, fresh} when granted. `token` is the counter's exact decimal text (Lua
+-- numbers are doubles); `fresh` is 1 when the counter did not exist before (new resource, or
+-- a Redis that lost its data). Returns {0, pttl} when another owner holds the lock: a
+-- two-element reply starting with 0 is never a token.
+local held = redis.call('GET', KEYS[1])
+if held then
+  local owner, token = string.match(held, '^(.*):(%d+)$')
+  if owner == ARGV[1] then
+    -- The same owner retrying (its first reply was lost): same token, not a new one.
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return {1, token, 0}
+  end
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+local fresh = 0
+if redis.call('EXISTS', KEYS[2]) == 0 then fresh = 1 end
+local incr = redis.pcall('INCR', KEYS[2])
+if type(incr) == 'table' and incr.err then
+  return redis.error_reply('pgfence: fence counter unusable: ' .. incr.err)
+end
+local token = redis.call('GET', KEYS[2])
+if string.sub(token, 1, 1) == '-' or token == '0' then
+  return redis.error_reply('pgfence: fence counter is not positive')
+end
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. token, 'PX', ARGV[2])
+return {1, token, fresh}

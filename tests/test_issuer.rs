@@ -1,0 +1,509 @@
+//! The Redis token issuer against real Redis (and a real 3-master cluster).
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::Duration;
+
+use pgfence::ephemeral::{RedisCluster, Server};
+use pgfence::issuer::{counter_key, lock_key};
+use pgfence::{Error, Fence, Issuer, LeaseLost, LeaseState, Repository, Resource, TableName};
+use redis::AsyncCommands;
+use support::{Logs, TestDb, issuer, redis_url, unique_resource};
+
+const SEC: Duration = Duration::from_secs(1);
+
+async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// 16 tasks × 200 acquisitions: unique, strictly increasing tokens; one holder at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_acquisitions_are_exclusive_and_strictly_increasing() {
+    let issuer = issuer().await;
+    let resource = unique_resource("contended");
+    let inside = Arc::new(AtomicI32::new(0));
+    let granted = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (issuer, resource, inside, granted) = (
+            issuer.clone(),
+            resource.clone(),
+            inside.clone(),
+            granted.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut got = 0;
+            while got < 200 {
+                let Some(lease) = issuer.acquire(&resource, 10 * SEC).await.unwrap() else {
+                    tokio::task::yield_now().await;
+                    continue;
+                };
+                assert_eq!(
+                    inside.fetch_add(1, Ordering::SeqCst),
+                    0,
+                    "two holders at once"
+                );
+                granted.lock().unwrap().push(lease.token().get());
+                assert_eq!(inside.fetch_sub(1, Ordering::SeqCst), 1);
+                assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+                got += 1;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let granted = granted.lock().unwrap();
+    assert_eq!(granted.len(), 16 * 200);
+    assert!(
+        granted.windows(2).all(|w| w[0] < w[1]),
+        "tokens strictly increase in grant order"
+    );
+    assert_eq!(
+        issuer.status(&resource).await.unwrap().counter,
+        *granted.last().unwrap()
+    );
+}
+
+#[tokio::test]
+async fn expired_lease_cannot_release_or_extend_the_next_holders_lock() {
+    let issuer = issuer().await;
+    let resource = unique_resource("expiry");
+    let mut a = issuer
+        .acquire(&resource, Duration::from_millis(100))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        issuer.acquire(&resource, SEC).await.unwrap().is_none(),
+        "held by A"
+    );
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(a.remaining(), Duration::ZERO, "local deadline errs early");
+
+    let b = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
+    assert!(b.token() > a.token());
+    assert_eq!(issuer.release(&a).await.unwrap(), LeaseState::Taken);
+    assert_eq!(
+        issuer.extend(&mut a, 10 * SEC).await.unwrap(),
+        LeaseState::Taken
+    );
+    let status = issuer.status(&resource).await.unwrap();
+    assert_eq!(
+        (status.owner.as_deref(), status.token),
+        (Some(b.owner()), Some(b.token().get()))
+    );
+
+    assert_eq!(issuer.release(&b).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&b).await.unwrap(),
+        LeaseState::Expired,
+        "nobody holds it now"
+    );
+    // Release never touches the counter.
+    assert_eq!(
+        issuer.status(&resource).await.unwrap().counter,
+        b.token().get()
+    );
+    let ttl: i64 = raw(&redis_url().await)
+        .await
+        .ttl(counter_key(&resource))
+        .await
+        .unwrap();
+    assert_eq!(ttl, -1, "the counter never expires");
+}
+
+#[tokio::test]
+async fn owner_extend_keeps_the_lock_past_its_ttl() {
+    let issuer = issuer().await;
+    let resource = unique_resource("extend");
+    let mut lease = issuer
+        .acquire(&resource, Duration::from_millis(200))
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        issuer.extend(&mut lease, 2 * SEC).await.unwrap(),
+        LeaseState::Held
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(lease.remaining() > SEC);
+    assert!(
+        issuer.acquire(&resource, SEC).await.unwrap().is_none(),
+        "still held after the original TTL"
+    );
+    assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+}
+
+#[tokio::test]
+async fn retried_acquire_by_the_same_owner_returns_the_same_token() {
+    let issuer = issuer().await;
+    let resource = unique_resource("retry");
+    let owner = pgfence::issuer::new_owner_id();
+    assert_eq!(owner.len(), 32);
+    assert_ne!(owner, pgfence::issuer::new_owner_id());
+    let first = issuer
+        .acquire_as(&resource, &owner, 5 * SEC)
+        .await
+        .unwrap()
+        .unwrap();
+    let again = issuer
+        .acquire_as(&resource, &owner, 5 * SEC)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.token(), again.token());
+    assert_eq!(
+        issuer.status(&resource).await.unwrap().counter,
+        first.token().get(),
+        "no token burnt"
+    );
+    let other = issuer
+        .acquire_as(&resource, &pgfence::issuer::new_owner_id(), 5 * SEC)
+        .await
+        .unwrap();
+    assert!(other.is_err(), "another owner is refused");
+}
+
+#[tokio::test]
+async fn wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time() {
+    let issuer = issuer().await;
+    let resource = unique_resource("wait");
+    let held = issuer
+        .acquire(&resource, Duration::from_millis(300))
+        .await
+        .unwrap()
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    assert!(
+        issuer
+            .acquire_wait(&resource, SEC, Duration::from_millis(100))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(started.elapsed() >= Duration::from_millis(100));
+    let next = issuer
+        .acquire_wait(&resource, SEC, 5 * SEC)
+        .await
+        .unwrap()
+        .expect("lock frees after TTL");
+    assert!(next.token() > held.token());
+}
+
+#[tokio::test]
+async fn bad_ttls_and_names_are_refused_before_touching_redis() {
+    let issuer = issuer().await;
+    let resource = unique_resource("bad-ttl");
+    for ttl in [
+        Duration::ZERO,
+        Duration::from_millis(1),
+        Duration::from_secs(400 * 24 * 3600),
+    ] {
+        assert!(
+            matches!(
+                issuer.acquire(&resource, ttl).await,
+                Err(Error::InvalidDuration(_))
+            ),
+            "{ttl:?}"
+        );
+    }
+    let mut conn = raw(&redis_url().await).await;
+    let exists: i64 = conn
+        .exists(&[lock_key(&resource), counter_key(&resource)])
+        .await
+        .unwrap();
+    assert_eq!(exists, 0, "nothing written");
+    for bad in [
+        "",
+        "has space",
+        "a{b",
+        "b}c",
+        "new\nline",
+        "nul\0",
+        &"x".repeat(201),
+    ] {
+        assert!(
+            matches!(Resource::new(bad), Err(Error::InvalidResource(_))),
+            "{bad:?}"
+        );
+    }
+    assert!(issuer.acquire_as(&resource, "own:er", SEC).await.is_err());
+}
+
+/// A failover that loses the counter: safety from Postgres, liveness from reseeding.
+#[tokio::test]
+async fn counter_loss_is_safe_and_reseed_restores_liveness() {
+    let db = TestDb::new().await;
+    let fence = Fence::new(db.pool.clone());
+    let issuer = issuer().await;
+    let resource = unique_resource("failover");
+    for _ in 0..5 {
+        let lease = issuer.acquire(&resource, 5 * SEC).await.unwrap().unwrap();
+        fence.check(&db.pool, &resource, &lease).await.unwrap();
+        issuer.release(&lease).await.unwrap();
+    }
+    assert_eq!(fence.high_water(&resource).await.unwrap(), 5);
+
+    // The failover: the counter is gone.
+    let _: () = raw(&redis_url().await)
+        .await
+        .del(counter_key(&resource))
+        .await
+        .unwrap();
+    let lease = issuer.acquire(&resource, 5 * SEC).await.unwrap().unwrap();
+    assert_eq!(lease.token().get(), 1);
+    let err = fence.check(&db.pool, &resource, &lease).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::StaleToken {
+                presented: 1,
+                current: 5,
+                ..
+            }
+        ),
+        "safety: {err:?}"
+    );
+    issuer.release(&lease).await.unwrap();
+
+    // One call restores liveness.
+    assert_eq!(issuer.reseed(&db.pool, &resource).await.unwrap(), 5);
+    let lease = issuer.acquire(&resource, 5 * SEC).await.unwrap().unwrap();
+    assert_eq!(lease.token().get(), 6);
+    fence.check(&db.pool, &resource, &lease).await.unwrap();
+    issuer.release(&lease).await.unwrap();
+
+    // raise_floor only raises.
+    assert_eq!(issuer.raise_floor(&resource, 2).await.unwrap(), 6);
+    assert!(issuer.raise_floor(&resource, -1).await.is_err());
+}
+
+/// With a floor source the issuer recovers from a restarted, empty Redis by itself, and a row
+/// write rejected after partial loss recovers with one call.
+#[tokio::test]
+async fn restarted_redis_recovers_automatically_with_a_floor_source() {
+    let db = TestDb::new().await;
+    let fence = Fence::new(db.pool.clone());
+    let mut server = Server::redis().await.unwrap();
+    let issuer = Issuer::connect(&server.url())
+        .await
+        .unwrap()
+        .with_floor_source(db.pool.clone());
+    let resource = unique_resource("restart");
+    for _ in 0..3 {
+        let lease = issuer.acquire(&resource, 5 * SEC).await.unwrap().unwrap();
+        fence.check(&db.pool, &resource, &lease).await.unwrap();
+        issuer.release(&lease).await.unwrap();
+    }
+
+    server.restart().await.unwrap(); // no persistence: every key is gone
+    let lease = loop {
+        // The connection manager reconnects; early attempts may see the dropped connection.
+        match issuer.acquire(&resource, 5 * SEC).await {
+            Ok(l) => break l.unwrap(),
+            Err(e) if e.is_retryable() => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(
+        lease.token().get(),
+        4,
+        "reseeded past the high-water mark 3"
+    );
+    fence.check(&db.pool, &resource, &lease).await.unwrap();
+    issuer.release(&lease).await.unwrap();
+
+    // Partial loss on a row-only path: a rejected write tells recover_from what to raise to.
+    let other = unique_resource("rows");
+    let err = Error::StaleToken {
+        target: "t".into(),
+        presented: 1,
+        current: 40,
+    };
+    assert!(issuer.recover_from(&other, &err).await.unwrap());
+    assert_eq!(
+        issuer
+            .acquire(&other, SEC)
+            .await
+            .unwrap()
+            .unwrap()
+            .token()
+            .get(),
+        41
+    );
+}
+
+#[tokio::test]
+async fn keep_alive_outlives_several_ttls_and_reports_loss() {
+    let server = Server::redis().await.unwrap();
+    let issuer = Issuer::connect(&server.url()).await.unwrap();
+    let resource = unique_resource("keepalive");
+    let lease = issuer
+        .acquire(&resource, Duration::from_millis(300))
+        .await
+        .unwrap()
+        .unwrap();
+    let mut keep = issuer.keep_alive(&lease);
+    tokio::time::sleep(Duration::from_millis(1200)).await; // four TTLs
+    let status = issuer.status(&resource).await.unwrap();
+    assert_eq!(status.owner.as_deref(), Some(lease.owner()), "still held");
+    assert!(keep.deadline().unwrap() > lease.deadline());
+
+    drop(server); // Redis goes away
+    let lost = tokio::time::timeout(5 * SEC, keep.lost())
+        .await
+        .expect("loss signalled");
+    assert!(matches!(lost, LeaseLost::Unreachable(_)), "{lost:?}");
+    assert!(keep.deadline().is_none());
+}
+
+#[tokio::test]
+async fn keep_alive_reports_a_taken_lock() {
+    let issuer = issuer().await;
+    let resource = unique_resource("taken");
+    let lease = issuer
+        .acquire(&resource, Duration::from_millis(300))
+        .await
+        .unwrap()
+        .unwrap();
+    let mut keep = issuer.keep_alive(&lease);
+    // Someone deletes the lock and takes it (as an operator or a buggy client might).
+    let _: () = raw(&redis_url().await)
+        .await
+        .del(lock_key(&resource))
+        .await
+        .unwrap();
+    let _thief = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
+    assert_eq!(
+        tokio::time::timeout(5 * SEC, keep.lost()).await.unwrap(),
+        LeaseLost::Taken
+    );
+}
+
+#[tokio::test]
+async fn works_on_a_three_master_cluster() {
+    let cluster = RedisCluster::start(3).await.unwrap();
+    let db = TestDb::new().await;
+    let issuer = Issuer::connect_cluster(&cluster.urls()).await.unwrap();
+    let mut slots = std::collections::HashSet::new();
+    for i in 0..20 {
+        let resource = Resource::new(format!("cluster:{i}")).unwrap();
+        let mut lease = issuer.acquire(&resource, 5 * SEC).await.unwrap().unwrap();
+        assert_eq!(lease.token().get(), 1);
+        assert_eq!(
+            issuer.extend(&mut lease, 10 * SEC).await.unwrap(),
+            LeaseState::Held
+        );
+        assert_eq!(issuer.status(&resource).await.unwrap().token, Some(1));
+        assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+        sqlx::query("SELECT pgfence.check($1, 9)")
+            .bind(resource.as_str())
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(issuer.reseed(&db.pool, &resource).await.unwrap(), 9);
+        assert_eq!(
+            issuer
+                .acquire(&resource, SEC)
+                .await
+                .unwrap()
+                .unwrap()
+                .token()
+                .get(),
+            10
+        );
+
+        let mut node = raw(&cluster.urls()[0]).await;
+        let lock_slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(lock_key(&resource))
+            .query_async(&mut node)
+            .await
+            .unwrap();
+        let counter_slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(counter_key(&resource))
+            .query_async(&mut node)
+            .await
+            .unwrap();
+        assert_eq!(lock_slot, counter_slot);
+        slots.insert(lock_slot);
+    }
+    assert!(slots.len() > 10, "resources spread over the cluster");
+}
+
+/// The seed's race end to end, with real lease expiry.
+#[tokio::test]
+async fn seed_race_with_real_leases() {
+    let (logs, _guard) = Logs::capture();
+    let db = TestDb::new().await;
+    db.exec("CREATE TABLE inventory_snapshot (sku text PRIMARY KEY, payload text NOT NULL); INSERT INTO inventory_snapshot VALUES ('A-1', 'initial');").await;
+    pgfence::guard(&db.pool, &TableName::parse("inventory_snapshot").unwrap())
+        .await
+        .unwrap();
+    #[derive(Clone)]
+    struct Snapshot {
+        sku: String,
+        payload: String,
+    }
+    pgfence::fenced_table!(Snapshot { table: "inventory_snapshot", key: sku: String, columns: [payload] });
+    let repo = Repository::<Snapshot>::new(db.pool.clone()).unwrap();
+    let issuer = issuer().await;
+    let resource = unique_resource("inventory");
+
+    let a = issuer
+        .acquire(&resource, Duration::from_millis(100))
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await; // A pauses past its TTL
+    let b = issuer
+        .acquire(&resource, 5 * SEC)
+        .await
+        .unwrap()
+        .expect("lock expired");
+    repo.update(
+        &db.pool,
+        &b,
+        &Snapshot {
+            sku: "A-1".into(),
+            payload: "B".into(),
+        },
+    )
+    .await
+    .unwrap();
+    let err = repo
+        .update(
+            &db.pool,
+            &a,
+            &Snapshot {
+                sku: "A-1".into(),
+                payload: "A".into(),
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::StaleToken { presented, current, .. } if presented == a.token().get() && current == b.token().get())
+    );
+    let payload: String = sqlx::query_scalar("SELECT payload FROM inventory_snapshot")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(payload, "B");
+    let audit = pgfence::audit::list(&db.pool, &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(audit.len(), 1);
+    assert_eq!(audit[0].holder.as_deref(), Some(a.owner()));
+    assert_eq!(audit[0].resource.as_deref(), Some(resource.as_str()));
+    assert_eq!(logs.with(pgfence::audit::LOG_TARGET, "WARN").len(), 1);
+}
