@@ -119,6 +119,20 @@ impl Lease {
         self.deadline.saturating_duration_since(Instant::now())
     }
 
+    /// Rebuilds a lease handle from what another process printed (`pgfence lock acquire`),
+    /// to release or extend that lock from here. The local deadline is unknown, so it is set
+    /// to now: [`Lease::remaining`] is zero until a successful [`Issuer::extend`].
+    #[must_use]
+    pub fn resume(resource: Resource, owner: impl Into<String>, token: FenceToken) -> Self {
+        Self {
+            resource,
+            owner: owner.into(),
+            token,
+            ttl: MIN_TTL,
+            deadline: Instant::now(),
+        }
+    }
+
     fn value(&self) -> String {
         format!("{}:{}", self.owner, self.token)
     }

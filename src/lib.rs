@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 pub mod audit;
+pub mod chaos;
 pub mod check;
 pub mod ephemeral;
 pub mod error;

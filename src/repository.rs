@@ -193,8 +193,21 @@ impl<T: FencedTable> Repository<T> {
         Self::with_auditor(Auditor::new(pool))
     }
 
+    /// Like [`Repository::new`], but for `table` instead of `T::SCHEMA.T::TABLE`: one row
+    /// type for several tables of the same shape (per-tenant schemas, names chosen at run
+    /// time).
+    ///
+    /// # Errors
+    /// As [`Repository::new`].
+    pub fn for_table(pool: PgPool, table: TableName) -> Result<Self> {
+        Self::build(Auditor::new(pool), table)
+    }
+
     pub(crate) fn with_auditor(auditor: Auditor) -> Result<Self> {
-        let table = TableName::new(T::SCHEMA, T::TABLE)?;
+        Self::build(auditor, TableName::new(T::SCHEMA, T::TABLE)?)
+    }
+
+    fn build(auditor: Auditor, table: TableName) -> Result<Self> {
         let keys = idents(T::KEY_COLUMNS)?;
         let cols = idents(T::COLUMNS)?;
         let invalid = |reason: &str| Error::InvalidTable {

@@ -1,0 +1,102 @@
+//! `pgfence run`: flock-style, for cron jobs and shell scripts.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::Conn;
+use crate::util::{self, cell};
+
+/// Acquires the lock, runs `command` with `PGFENCE_TOKEN`, `PGFENCE_RESOURCE` and
+/// `PGFENCE_OWNER` in its environment while a keep-alive renews the lease, then releases the
+/// lock and exits with the command's status (128 + signal if it was killed).
+///
+/// SIGTERM and SIGHUP are forwarded to the command; SIGINT is not (a terminal already sends
+/// it to the whole foreground process group). Either way the lock is released once the
+/// command has exited. If the lease is lost while the command runs, a line on stderr says so;
+/// the command's writes are still fenced by Postgres.
+pub async fn run(
+    conn: &Conn,
+    resource: &str,
+    ttl: Duration,
+    wait: Option<Duration>,
+    command: &[String],
+) -> Result<ExitCode> {
+    let resource = util::resource(resource)?;
+    pgfence::issuer::check_ttl(ttl)?;
+    let Some(program) = command.first() else {
+        bail!("no command given after --")
+    };
+    let issuer = conn.issuer().await?;
+    let lease = match wait {
+        Some(wait) => issuer.acquire_wait(&resource, ttl, wait).await?,
+        None => issuer.acquire(&resource, ttl).await?,
+    };
+    let Some(lease) = lease else {
+        bail!("{} is locked by another holder", cell(resource.as_str()));
+    };
+
+    let spawned = tokio::process::Command::new(program)
+        .args(&command[1..])
+        .env("PGFENCE_TOKEN", lease.token().to_string())
+        .env("PGFENCE_RESOURCE", resource.as_str())
+        .env("PGFENCE_OWNER", lease.owner())
+        .spawn();
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            let _ = issuer.release(&lease).await;
+            return Err(e).with_context(|| format!("cannot run {:?}", cell(program)));
+        }
+    };
+
+    let mut keep = issuer.keep_alive(&lease);
+    let mut term = signal(SignalKind::terminate())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut lost_reported = false;
+    let status = loop {
+        tokio::select! {
+            status = child.wait() => break status?,
+            _ = term.recv() => forward(&child, "TERM"),
+            _ = hup.recv() => forward(&child, "HUP"),
+            _ = int.recv() => {} // the terminal delivered it to the command too
+            lost = keep.lost(), if !lost_reported => {
+                lost_reported = true;
+                eprintln!(
+                    "pgfence: lease on {} lost while the command runs: {lost}; its writes with token {} are still fenced by Postgres",
+                    cell(resource.as_str()), lease.token()
+                );
+            }
+        }
+    };
+    keep.stop();
+    match issuer.release(&lease).await {
+        Ok(_) => {}
+        Err(e) => eprintln!(
+            "pgfence: could not release {} ({e}); it expires on its own",
+            cell(resource.as_str())
+        ),
+    }
+    Ok(exit_code(status))
+}
+
+fn forward(child: &tokio::process::Child, signal: &str) {
+    if let Some(pid) = child.id() {
+        let _ = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status();
+    }
+}
+
+fn exit_code(status: std::process::ExitStatus) -> ExitCode {
+    use std::os::unix::process::ExitStatusExt;
+    let code = status
+        .code()
+        .or_else(|| status.signal().map(|s| 128 + s))
+        .unwrap_or(1);
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
+}
