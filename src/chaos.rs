@@ -1,0 +1,1 @@
+//! Race harness (work in progress).
