@@ -522,8 +522,8 @@ fn int(v: &Value) -> Result<i64> {
         Value::BulkString(b) => std::str::from_utf8(b)
             .ok()
             .and_then(|s| s.parse().ok())
-            .ok_or_else(|| unexpected(&[v.clone()])),
-        Value::SimpleString(s) => s.parse().map_err(|_| unexpected(&[v.clone()])),
+            .ok_or_else(|| unexpected(std::slice::from_ref(v))),
+        Value::SimpleString(s) => s.parse().map_err(|_| unexpected(std::slice::from_ref(v))),
         other => Err(unexpected(std::slice::from_ref(other))),
     }
 }

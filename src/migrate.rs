@@ -17,7 +17,7 @@ use crate::{Error, Result};
 pub const HISTORY_TABLE: &str = "pgfence.refinery_schema_history";
 
 /// Advisory lock key held while migrating ("pgfence" in ASCII).
-const MIGRATION_LOCK_KEY: i64 = 0x7067_6665_6e63_65;
+const MIGRATION_LOCK_KEY: i64 = 0x0070_6766_656e_6365;
 
 /// The migrations shipped with this version, in order: `(refinery name, SQL)`.
 const MIGRATIONS: &[(&str, &str)] = &[("V1__core", include_str!("../migrations/V1__core.sql"))];

@@ -59,7 +59,7 @@ async fn concurrent_acquisitions_are_exclusive_and_strictly_increasing() {
     for t in tasks {
         t.await.unwrap();
     }
-    let granted = granted.lock().unwrap();
+    let granted = granted.lock().unwrap().clone();
     assert_eq!(granted.len(), 16 * 200);
     assert!(
         granted.windows(2).all(|w| w[0] < w[1]),

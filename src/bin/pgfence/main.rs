@@ -1,6 +1,9 @@
 //! `pgfence`: migrate, guard tables, read the audit trail, take locks, run commands under a
 //! lock, reseed after a failover, and `simulate` the lock-expiry race.
 
+// A command-line tool: printing to stdout is its job.
+#![allow(clippy::print_stdout)]
+
 mod commands;
 mod run;
 mod simulate;
@@ -82,7 +85,7 @@ enum Command {
         /// The resource.
         resource: String,
         /// Raise to this value instead of the high-water mark.
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         floor: Option<i64>,
         /// JSON output.
         #[arg(long)]
@@ -116,7 +119,7 @@ enum AuditAction {
     /// Delete audit rows older than a duration.
     Prune {
         /// e.g. `30d`, `12h`.
-        #[arg(long, value_parser = util::parse_duration)]
+        #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
         older_than: Duration,
     },
 }
@@ -128,10 +131,10 @@ enum LockAction {
         /// The resource.
         resource: String,
         /// Lease TTL (`30s`, `500ms`, `5m`).
-        #[arg(long, value_parser = util::parse_duration)]
+        #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
         ttl: Duration,
         /// Wait up to this long for the lock instead of failing at once.
-        #[arg(long, value_parser = util::parse_duration)]
+        #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
         wait: Option<Duration>,
         /// JSON output.
         #[arg(long)]
@@ -167,10 +170,10 @@ struct RunArgs {
     #[arg(long)]
     resource: String,
     /// Lease TTL; renewed every TTL/3 while the command runs.
-    #[arg(long, value_parser = util::parse_duration)]
+    #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
     ttl: Duration,
     /// Wait up to this long for the lock (default: fail at once if held).
-    #[arg(long, value_parser = util::parse_duration)]
+    #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
     wait: Option<Duration>,
     /// The command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
