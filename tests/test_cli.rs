@@ -464,6 +464,36 @@ async fn run_keeps_the_lease_and_releases_on_sigterm() {
 }
 
 #[tokio::test]
+async fn run_releases_on_sigint_sent_to_pgfence_alone() {
+    let db = TestDb::new().await;
+    let cli = Cli::new(&db).await;
+    let res = unique_resource("cli-int");
+    let r = res.as_str();
+    let mut child = cli
+        .cmd(&["run", "--resource", r, "--ttl", "2s", "--", "sleep", "30"])
+        .spawn()
+        .unwrap();
+    for _ in 0..50 {
+        if cli.ok(&["lock", "status", r]).contains("held by") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(130), "the command got SIGINT");
+    assert!(
+        cli.ok(&["lock", "status", r]).contains("free"),
+        "released on SIGINT"
+    );
+}
+
+#[tokio::test]
 async fn malformed_input_and_unreachable_servers_fail_cleanly() {
     let db = TestDb::new().await;
     let cli = Cli::new(&db).await;
@@ -476,10 +506,12 @@ async fn malformed_input_and_unreachable_servers_fail_cleanly() {
     ] {
         let out = cli.run(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8(out.stderr).unwrap();
         assert!(
-            String::from_utf8_lossy(&out.stderr).contains("invalid"),
-            "{args:?}"
+            err.starts_with("pgfence: invalid value") && err.contains("invalid duration"),
+            "{args:?}: {err}"
         );
+        assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
     }
     assert!(
         cli.fails(&["lock", "acquire", "r", "--ttl", "0s"])

@@ -198,7 +198,20 @@ struct SimulateArgs {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if e.use_stderr() => {
+            // Usage errors in one line, like every other pgfence error.
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or("invalid arguments");
+            eprintln!(
+                "pgfence: {}; see --help",
+                first.trim_start_matches("error: ")
+            );
+            return ExitCode::from(2);
+        }
+        Err(e) => e.exit(), // --help, --version
+    };
     util::init_logging(cli.verbose);
     let outcome = if matches!(cli.command, Command::Run(_)) {
         // `run` handles signals itself: it must release the lock after the command exits.

@@ -13,9 +13,9 @@ use crate::util::{self, cell};
 /// `PGFENCE_OWNER` in its environment while a keep-alive renews the lease, then releases the
 /// lock and exits with the command's status (128 + signal if it was killed).
 ///
-/// SIGTERM and SIGHUP are forwarded to the command; SIGINT is not (a terminal already sends
-/// it to the whole foreground process group). Either way the lock is released once the
-/// command has exited. If the lease is lost while the command runs, a line on stderr says so;
+/// SIGTERM and SIGHUP are forwarded to the command. SIGINT is forwarded after one second if
+/// the command is still running (a terminal's Ctrl-C already reaches the whole foreground
+/// process group). Either way the lock is released once the command has exited. If the lease is lost while the command runs, a line on stderr says so;
 /// the command's writes are still fenced by Postgres.
 pub async fn run(
     conn: &Conn,
@@ -57,12 +57,19 @@ pub async fn run(
     let mut hup = signal(SignalKind::hangup())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut lost_reported = false;
+    let mut int_forward_at: Option<tokio::time::Instant> = None;
     let status = loop {
         tokio::select! {
             status = child.wait() => break status?,
             _ = term.recv() => forward(&child, "TERM"),
             _ = hup.recv() => forward(&child, "HUP"),
-            _ = int.recv() => {} // the terminal delivered it to the command too
+            // A terminal delivers SIGINT to the command too; if it was sent to pgfence alone,
+            // pass it on after a grace period rather than doubling a terminal's Ctrl-C.
+            _ = int.recv() => int_forward_at = Some(tokio::time::Instant::now() + Duration::from_secs(1)),
+            _ = sleep_until_opt(int_forward_at) => {
+                int_forward_at = None;
+                forward(&child, "INT");
+            }
             lost = keep.lost(), if !lost_reported => {
                 lost_reported = true;
                 eprintln!(
@@ -81,6 +88,13 @@ pub async fn run(
         ),
     }
     Ok(exit_code(status))
+}
+
+async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 fn forward(child: &tokio::process::Child, signal: &str) {
