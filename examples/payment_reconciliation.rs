@@ -22,7 +22,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use pgfence::ephemeral::Server;
+use pgfence::ephemeral::{Kind, url_or_start};
 use pgfence::{Error, Fence, Issuer, Lease, Resource};
 use sqlx::PgPool;
 
@@ -31,26 +31,14 @@ const PAUSE: Duration = Duration::from_millis(800);
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    let mut servers = Vec::new();
-    let pg_url = match std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()) {
-        Some(url) => url,
-        None => {
-            let s = Server::postgres().await?;
-            let url = s.url();
-            servers.push(s);
-            url
-        }
-    };
-    let redis_url = match std::env::var("REDIS_URL").ok().filter(|u| !u.is_empty()) {
-        Some(url) => url,
-        None => {
-            let s = Server::redis().await?;
-            let url = s.url();
-            servers.push(s);
-            url
-        }
-    };
-
+    // The configured servers, or throwaway ones kept alive until the end of main.
+    let (pg_url, _pg) = url_or_start(
+        Kind::Postgres,
+        std::env::var("DATABASE_URL").ok().as_deref(),
+    )
+    .await?;
+    let (redis_url, _redis) =
+        url_or_start(Kind::Redis, std::env::var("REDIS_URL").ok().as_deref()).await?;
     let pool = PgPool::connect(&pg_url).await?;
     pgfence::migrate(&pool).await?;
     let schema = format!("recon_{:08x}", rand::random::<u32>());

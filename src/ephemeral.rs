@@ -296,6 +296,25 @@ impl Drop for Server {
     }
 }
 
+/// `configured` when it is a non-empty URL (e.g. from `DATABASE_URL`), else the URL of a new
+/// throwaway server of `kind`, returned with the server: keep it alive while you use the URL.
+///
+/// # Errors
+/// As [`Server::postgres`] / [`Server::redis`].
+pub async fn url_or_start(
+    kind: Kind,
+    configured: Option<&str>,
+) -> Result<(String, Option<Server>), ServerError> {
+    if let Some(url) = configured.filter(|u| !u.is_empty()) {
+        return Ok((url.to_owned(), None));
+    }
+    let server = match kind {
+        Kind::Postgres => Server::postgres().await?,
+        Kind::Redis => Server::redis().await?,
+    };
+    Ok((server.url(), Some(server)))
+}
+
 /// A local Redis Cluster of throwaway masters (no replicas), for cluster tests.
 #[derive(Debug)]
 pub struct RedisCluster {

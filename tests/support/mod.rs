@@ -9,7 +9,7 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use pgfence::ephemeral::Server;
+use pgfence::ephemeral::{Kind, Server, url_or_start};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 use tokio::sync::OnceCell;
@@ -21,15 +21,12 @@ static COUNTER: AtomicU32 = AtomicU32::new(0);
 /// URL of the Postgres server tests use (maintenance database).
 pub async fn pg_url() -> String {
     PG.get_or_init(|| async {
-        match std::env::var("DATABASE_URL") {
-            Ok(url) if !url.is_empty() => (url, None),
-            _ => {
-                let server = Server::postgres()
-                    .await
-                    .expect("start throwaway PostgreSQL");
-                (server.url(), Some(server))
-            }
-        }
+        url_or_start(
+            Kind::Postgres,
+            std::env::var("DATABASE_URL").ok().as_deref(),
+        )
+        .await
+        .expect("start throwaway PostgreSQL")
     })
     .await
     .0
@@ -40,13 +37,9 @@ pub async fn pg_url() -> String {
 pub async fn redis_url() -> String {
     REDIS
         .get_or_init(|| async {
-            match std::env::var("REDIS_URL") {
-                Ok(url) if !url.is_empty() => (url, None),
-                _ => {
-                    let server = Server::redis().await.expect("start throwaway Redis");
-                    (server.url(), Some(server))
-                }
-            }
+            url_or_start(Kind::Redis, std::env::var("REDIS_URL").ok().as_deref())
+                .await
+                .expect("start throwaway Redis")
         })
         .await
         .0

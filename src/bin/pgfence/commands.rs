@@ -216,14 +216,7 @@ pub async fn lock_acquire(
 ) -> Result<ExitCode> {
     let resource = util::resource(resource)?;
     pgfence::issuer::check_ttl(ttl)?;
-    let issuer = conn.issuer().await?;
-    let lease = match wait {
-        Some(wait) => issuer.acquire_wait(&resource, ttl, wait).await?,
-        None => issuer.acquire(&resource, ttl).await?,
-    };
-    let Some(lease) = lease else {
-        bail!("{} is locked by another holder", cell(resource.as_str()));
-    };
+    let lease = util::take_lock(&conn.issuer().await?, &resource, ttl, wait).await?;
     if json {
         println!(
             "{}",

@@ -30,13 +30,7 @@ pub async fn run(
         bail!("no command given after --")
     };
     let issuer = conn.issuer().await?;
-    let lease = match wait {
-        Some(wait) => issuer.acquire_wait(&resource, ttl, wait).await?,
-        None => issuer.acquire(&resource, ttl).await?,
-    };
-    let Some(lease) = lease else {
-        bail!("{} is locked by another holder", cell(resource.as_str()));
-    };
+    let lease = util::take_lock(&issuer, &resource, ttl, wait).await?;
 
     let spawned = tokio::process::Command::new(program)
         .args(&command[1..])

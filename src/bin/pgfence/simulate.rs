@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use pgfence::ephemeral::Server;
+use pgfence::ephemeral::{Kind, Server, url_or_start};
 use pgfence::{Error, Issuer, Lease, Repository, TableName};
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio::time::Instant;
@@ -131,44 +131,38 @@ pub async fn simulate(conn: &Conn, args: &SimulateArgs) -> Result<ExitCode> {
 
     // Servers: the given URLs, or throwaway ones that live as long as this function.
     let mut throwaway: Vec<Server> = Vec::new();
-    let pg_url = match conn.database_url.as_deref().filter(|u| !u.is_empty()) {
-        Some(url) => {
-            say(format!("  postgres: {} (DATABASE_URL)", util::redact(url)));
-            url.to_owned()
+    let mut urls = Vec::new();
+    for (kind, configured, label, var) in [
+        (
+            Kind::Postgres,
+            conn.database_url.as_deref(),
+            "postgres",
+            "DATABASE_URL",
+        ),
+        (Kind::Redis, conn.redis_url.as_deref(), "redis", "REDIS_URL"),
+    ] {
+        let (url, server) = url_or_start(kind, configured)
+            .await
+            .with_context(|| format!("cannot start a throwaway {label} server (or set {var})"))?;
+        match server {
+            Some(server) => {
+                say(format!(
+                    "  {:<10}throwaway server on 127.0.0.1:{} in {}",
+                    format!("{label}:"),
+                    server.port(),
+                    server.dir().display()
+                ));
+                throwaway.push(server);
+            }
+            None => say(format!(
+                "  {:<10}{} ({var})",
+                format!("{label}:"),
+                util::redact(&url)
+            )),
         }
-        None => {
-            let server = Server::postgres()
-                .await
-                .context("cannot start a throwaway PostgreSQL (or set DATABASE_URL)")?;
-            say(format!(
-                "  postgres: throwaway server on 127.0.0.1:{} in {}",
-                server.port(),
-                server.dir().display()
-            ));
-            let url = server.url();
-            throwaway.push(server);
-            url
-        }
-    };
-    let redis_url = match conn.redis_url.as_deref().filter(|u| !u.is_empty()) {
-        Some(url) => {
-            say(format!("  redis:    {} (REDIS_URL)", util::redact(url)));
-            url.to_owned()
-        }
-        None => {
-            let server = Server::redis()
-                .await
-                .context("cannot start a throwaway Redis (or set REDIS_URL)")?;
-            say(format!(
-                "  redis:    throwaway server on 127.0.0.1:{} in {}",
-                server.port(),
-                server.dir().display()
-            ));
-            let url = server.url();
-            throwaway.push(server);
-            url
-        }
-    };
+        urls.push(url);
+    }
+    let (pg_url, redis_url) = (urls[0].clone(), urls[1].clone());
 
     let pool = util::connect_pg(&pg_url).await?;
     let issuer = util::connect_redis(&redis_url).await?;

@@ -163,6 +163,20 @@ pub fn init_logging(verbose: bool) {
         .try_init();
 }
 
+/// Takes `resource`'s lock, waiting up to `wait` if given; fails if another holder keeps it.
+pub async fn take_lock(
+    issuer: &pgfence::Issuer,
+    resource: &pgfence::Resource,
+    ttl: Duration,
+    wait: Option<Duration>,
+) -> Result<pgfence::Lease> {
+    let lease = match wait {
+        Some(wait) => issuer.acquire_wait(resource, ttl, wait).await?,
+        None => issuer.acquire(resource, ttl).await?,
+    };
+    lease.with_context(|| format!("{} is locked by another holder", cell(resource.as_str())))
+}
+
 pub fn resource(name: &str) -> Result<pgfence::Resource> {
     pgfence::Resource::new(name).with_context(|| format!("bad resource name {:?}", cell(name)))
 }
