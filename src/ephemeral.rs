@@ -76,7 +76,7 @@ impl Server {
     pub async fn postgres() -> Result<Self, ServerError> {
         let bindir = postgres_bindir()?;
         let run_as_postgres = is_root();
-        retry_on_port_clash(|port| {
+        retry_on_port_clash(Kind::Postgres, |port| {
             let script = format!(
                 r#"set -u
 umask 077
@@ -101,7 +101,7 @@ trap 'rm -rf "$dir"' EXIT
                 c
             };
             cmd.current_dir("/");
-            Self::spawn(Kind::Postgres, port, cmd)
+            cmd
         })
         .await
     }
@@ -123,7 +123,7 @@ trap 'rm -rf "$dir"' EXIT
             what: "redis-server",
             hint: REDIS_HINT,
         })?;
-        retry_on_port_clash(|port| {
+        retry_on_port_clash(Kind::Redis, |port| {
             let mut server = format!(
                 "{} --port {port} --bind 127.0.0.1 --save '' --appendonly no --dir \"$dir\" --daemonize no",
                 sh_quote(&bin)
@@ -141,7 +141,7 @@ trap 'rm -rf "$dir"' EXIT
             );
             let mut cmd = Command::new("sh");
             cmd.args(["-c", &script]).current_dir("/");
-            Self::spawn(Kind::Redis, port, cmd)
+            cmd
         })
         .await
     }
@@ -421,12 +421,17 @@ done"#
 }
 
 async fn retry_on_port_clash(
-    mut start: impl FnMut(u16) -> Result<Server, ServerError>,
+    kind: Kind,
+    command: impl Fn(u16) -> Command,
 ) -> Result<Server, ServerError> {
     let mut last = None;
     for _ in 0..5 {
         let port = free_port()?;
-        let mut server = start(port)?;
+        let cmd = command(port);
+        // Spawning waits for the supervisor's first line (initdb takes seconds): off the runtime.
+        let mut server = tokio::task::spawn_blocking(move || Server::spawn(kind, port, cmd))
+            .await
+            .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
         match server.wait_ready(Duration::from_secs(60)).await {
             Ok(()) => return Ok(server),
             // Another process may have taken the port between our probe and the bind.

@@ -198,6 +198,14 @@ pub struct Issuer<C = ConnectionManager> {
     floor_source: Option<PgPool>,
 }
 
+impl<C> std::fmt::Debug for Issuer<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Issuer")
+            .field("floor_source", &self.floor_source.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Issuer<ConnectionManager> {
     /// Connects to a standalone Redis (`redis://host:port/db`), reconnecting as needed.
     ///
