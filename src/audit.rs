@@ -168,8 +168,8 @@ pub async fn list(pool: &PgPool, filter: &AuditFilter) -> Result<Vec<AuditEntry>
         r#"SELECT id AS "id!", at AS "at!", resource, table_name AS "table", row_key AS "key",
                   presented AS "presented!", current, holder, operation AS "operation!"
              FROM pgfence.audit
-            WHERE ($1::timestamptz IS NULL OR at >= $1)
-              AND ($2::text IS NULL OR resource = $2)
+            WHERE ($1::pg_catalog.timestamptz IS NULL OR at OPERATOR(pg_catalog.>=) $1)
+              AND ($2::pg_catalog.text IS NULL OR resource OPERATOR(pg_catalog.=) $2)
             ORDER BY id DESC
             LIMIT $3"#,
         filter.since,
@@ -186,8 +186,11 @@ pub async fn list(pool: &PgPool, filter: &AuditFilter) -> Result<Vec<AuditEntry>
 /// # Errors
 /// [`crate::Error::Database`].
 pub async fn prune(pool: &PgPool, older_than: OffsetDateTime) -> Result<u64> {
-    let done = sqlx::query!("DELETE FROM pgfence.audit WHERE at < $1", older_than)
-        .execute(pool)
-        .await?;
+    let done = sqlx::query!(
+        "DELETE FROM pgfence.audit WHERE at OPERATOR(pg_catalog.<) $1",
+        older_than
+    )
+    .execute(pool)
+    .await?;
     Ok(done.rows_affected())
 }

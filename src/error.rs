@@ -8,6 +8,9 @@ pub const SQLSTATE_STALE: &str = "PF001";
 /// SQLSTATE raised by `pgfence.guard` when the table has a `fence` column that is not `bigint`.
 pub const SQLSTATE_FENCE_TYPE: &str = "PF002";
 
+/// SQLSTATE raised by `pgfence.guard` for tables in the `pgfence` schema or a system schema.
+pub const SQLSTATE_PROTECTED: &str = "PF003";
+
 /// `Result` with pgfence's [`Error`] as the default error type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -164,11 +167,13 @@ impl From<sqlx::Error> for Error {
                         found: pg.detail().unwrap_or("?").to_owned(),
                     };
                 }
-                "42P01" => {
-                    return Error::TableNotFound(
-                        pg.table().unwrap_or_else(|| pg.message()).to_owned(),
-                    );
+                SQLSTATE_PROTECTED => {
+                    return Error::InvalidTable {
+                        table: pg.table().unwrap_or("?").to_owned(),
+                        reason: "pgfence and system tables cannot be guarded".to_owned(),
+                    };
                 }
+                "42P01" => return Error::TableNotFound(missing_relation(pg)),
                 _ => {}
             }
         }
@@ -180,6 +185,19 @@ impl From<redis::RedisError> for Error {
     fn from(e: redis::RedisError) -> Self {
         Error::Redis(e)
     }
+}
+
+/// The relation a 42P01 error names: the TABLE field (pgfence's own errors set it), else the
+/// name in the server's `relation "..." does not exist`.
+fn missing_relation(pg: &sqlx::postgres::PgDatabaseError) -> String {
+    if let Some(table) = pg.table() {
+        return table.to_owned();
+    }
+    let msg = pg.message();
+    msg.strip_prefix("relation \"")
+        .and_then(|m| m.strip_suffix("\" does not exist"))
+        .unwrap_or(msg)
+        .to_owned()
 }
 
 /// Parses the `DETAIL` of a `PF001` error: `presented=<n> current=<n> target=<text>`.

@@ -249,6 +249,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     /// the resource's high-water mark from this database and, if it is not below the new
     /// token, raises the counter past it and re-issues the token before returning the lease.
     /// Costs one Postgres query per fresh counter, none on the common path.
+    ///
+    /// The high-water mark is the one [`crate::Fence::check`] maintains. Jobs that only write
+    /// rows through a [`crate::Repository`] leave it at 0; for them, recover with
+    /// [`Issuer::recover_from`] on the first rejected write (or `pgfence reseed --floor`).
     #[must_use]
     pub fn with_floor_source(mut self, pool: PgPool) -> Self {
         self.floor_source = Some(pool);

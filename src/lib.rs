@@ -16,7 +16,7 @@ pub mod token;
 
 pub use audit::{AuditEntry, AuditFilter, Auditor};
 pub use check::{Fence, high_water};
-pub use error::{Error, Result, SQLSTATE_FENCE_TYPE, SQLSTATE_STALE};
+pub use error::{Error, Result, SQLSTATE_FENCE_TYPE, SQLSTATE_PROTECTED, SQLSTATE_STALE};
 pub use guard::{guard, guarded_tables, unguard};
 pub use ident::{Ident, TableName};
 pub use issuer::{Issuer, Lease, LeaseState, LockStatus};

@@ -20,7 +20,13 @@ pub const HISTORY_TABLE: &str = "pgfence.refinery_schema_history";
 const MIGRATION_LOCK_KEY: i64 = 0x0070_6766_656e_6365;
 
 /// The migrations shipped with this version, in order: `(refinery name, SQL)`.
-const MIGRATIONS: &[(&str, &str)] = &[("V1__core", include_str!("../migrations/V1__core.sql"))];
+const MIGRATIONS: &[(&str, &str)] = &[
+    ("V1__core", include_str!("../migrations/V1__core.sql")),
+    (
+        "V2__guard_refuses_system_schemas",
+        include_str!("../migrations/V2__guard_refuses_system_schemas.sql"),
+    ),
+];
 
 /// One migration, as reported by [`migrate`] and [`status`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,7 +61,7 @@ pub async fn migrate(pool: &PgPool) -> Result<Vec<MigrationInfo>> {
     // A dedicated connection: if anything fails, closing it releases the advisory lock.
     let mut conn = PgConnection::connect_with(&pool.connect_options()).await?;
     let result = async {
-        sqlx::query("SELECT pg_advisory_lock($1)")
+        sqlx::query("SELECT pg_catalog.pg_advisory_lock($1)")
             .bind(MIGRATION_LOCK_KEY)
             .execute(&mut conn)
             .await?;
@@ -80,10 +86,11 @@ pub async fn migrate(pool: &PgPool) -> Result<Vec<MigrationInfo>> {
 /// [`Error::Database`] when the database cannot be read.
 pub async fn status(pool: &PgPool) -> Result<Vec<MigrationInfo>> {
     let migrations = embedded()?;
-    let schema_exists: bool =
-        sqlx::query_scalar("SELECT to_regclass('pgfence.refinery_schema_history') IS NOT NULL")
-            .fetch_one(pool)
-            .await?;
+    let schema_exists: bool = sqlx::query_scalar(
+        "SELECT pg_catalog.to_regclass('pgfence.refinery_schema_history') IS NOT NULL",
+    )
+    .fetch_one(pool)
+    .await?;
     let applied = if schema_exists {
         let mut conn = pool.acquire().await?;
         runner(&migrations)

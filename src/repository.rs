@@ -379,6 +379,10 @@ impl<T: FencedTable> Repository<T> {
     }
 }
 
+/// The catalog's operators, spelled so that `search_path` cannot substitute others.
+const EQ: &str = "OPERATOR(pg_catalog.=)";
+const LT: &str = "OPERATOR(pg_catalog.<)";
+
 fn key_text(out: &PgRow) -> String {
     out.try_get::<Option<String>, _>(2)
         .ok()
@@ -392,7 +396,9 @@ fn idents(names: &[&str]) -> Result<Vec<Ident>> {
 
 impl Statements {
     /// Builds the three statements. Identifiers arrive validated and are quoted by
-    /// [`Ident::quoted`]; values are always bind parameters.
+    /// [`Ident::quoted`]; values are always bind parameters. Every operator, function and
+    /// type is schema-qualified (`OPERATOR(pg_catalog.=)`, `pg_catalog.jsonb_build_array`),
+    /// so objects on the caller's `search_path` can never stand in for the catalog's.
     ///
     /// Parameters: key columns `$1..$k`, then (update/upsert) data columns, then the token.
     /// Every statement returns `(applied, current, key)`; upsert adds the tombstone fence.
@@ -407,13 +413,16 @@ impl Statements {
         let key_match = keys
             .iter()
             .zip(&key_params)
-            .map(|(c, p)| format!("{} = {p}", c.quoted()))
+            .map(|(c, p)| format!("{} {EQ} {p}", c.quoted()))
             .collect::<Vec<_>>()
             .join(" AND ");
-        let key_json = format!("jsonb_build_array({})::text", key_params.join(", "));
+        let key_json = format!(
+            "pg_catalog.jsonb_build_array({})::pg_catalog.text",
+            key_params.join(", ")
+        );
         let probe = format!("(SELECT \"fence\" FROM {t} WHERE {key_match} FOR SHARE)");
         let tombstone_rel = format!(
-            "{}::regclass::oid",
+            "{}::pg_catalog.regclass::pg_catalog.oid",
             crate::ident::quote_literal(&t).unwrap_or_default()
         );
         let set_cols: String = cols
@@ -429,7 +438,7 @@ impl Statements {
 
         let update = format!(
             "WITH w AS (UPDATE {t} SET {set_cols}\"fence\" = {token} \
-             WHERE {key_match} AND \"fence\" < {token} RETURNING 1) {classify}"
+             WHERE {key_match} AND \"fence\" {LT} {token} RETURNING 1) {classify}"
         );
 
         let all_cols: Vec<String> = keys.iter().chain(cols).map(Ident::quoted).collect();
@@ -440,15 +449,15 @@ impl Statements {
             .collect();
         let key_cols: Vec<String> = keys.iter().map(Ident::quoted).collect();
         let tomb_fence = format!(
-            "(SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel = {tombstone_rel} AND tb.row_key = {key_json})"
+            "(SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel {EQ} {tombstone_rel} AND tb.row_key {EQ} {key_json})"
         );
         let upsert = format!(
             "WITH w AS (INSERT INTO {t} AS cur ({cols}, \"fence\") \
              SELECT {params}, {token} \
-             WHERE coalesce({tomb_fence} < {token}, true) OR EXISTS (SELECT 1 FROM {t} WHERE {key_match}) \
+             WHERE coalesce({tomb_fence} {LT} {token}, true) OR EXISTS (SELECT 1 FROM {t} WHERE {key_match}) \
              ON CONFLICT ({keys}) DO UPDATE SET {conflict_set}\"fence\" = EXCLUDED.\"fence\" \
-             WHERE cur.\"fence\" < EXCLUDED.\"fence\" \
-             RETURNING (xmax = 0) AS inserted) \
+             WHERE cur.\"fence\" {LT} EXCLUDED.\"fence\" \
+             RETURNING (xmax {EQ} 0) AS inserted) \
              SELECT (SELECT inserted FROM w) AS inserted, \
              CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {probe} END AS current, \
              CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {key_json} END AS row_key, \
@@ -460,10 +469,10 @@ impl Statements {
 
         let del_token = format!("${}", k + 1);
         let delete = format!(
-            "WITH w AS (DELETE FROM {t} WHERE {key_match} AND \"fence\" < {del_token} RETURNING 1), \
+            "WITH w AS (DELETE FROM {t} WHERE {key_match} AND \"fence\" {LT} {del_token} RETURNING 1), \
              tomb AS (INSERT INTO pgfence.tombstone AS tb (rel, row_key, fence) \
              SELECT {tombstone_rel}, {key_json}, {del_token} FROM w \
-             ON CONFLICT (rel, row_key) DO UPDATE SET fence = greatest(tb.fence, EXCLUDED.fence), deleted_at = now()) \
+             ON CONFLICT (rel, row_key) DO UPDATE SET fence = greatest(tb.fence, EXCLUDED.fence), deleted_at = pg_catalog.now()) \
              {classify}"
         );
 

@@ -16,15 +16,19 @@ if held then
   end
   return {0, redis.call('PTTL', KEYS[1])}
 end
+-- Validate the counter before changing anything: a refused acquire leaves no trace.
+local before = redis.call('GET', KEYS[2])
 local fresh = 0
-if redis.call('EXISTS', KEYS[2]) == 0 then fresh = 1 end
+if not before then
+  fresh = 1
+elseif not string.match(before, '^%d+$') then
+  return redis.error_reply('pgfence: fence counter is not a non-negative integer: ' .. string.sub(before, 1, 40))
+end
+-- INCR refuses to overflow i64 without changing the value.
 local incr = redis.pcall('INCR', KEYS[2])
 if type(incr) == 'table' and incr.err then
   return redis.error_reply('pgfence: fence counter unusable: ' .. incr.err)
 end
 local token = redis.call('GET', KEYS[2])
-if string.sub(token, 1, 1) == '-' or token == '0' then
-  return redis.error_reply('pgfence: fence counter is not positive')
-end
 redis.call('SET', KEYS[1], ARGV[1] .. ':' .. token, 'PX', ARGV[2])
 return {1, token, fresh}

@@ -1,0 +1,227 @@
+//! The race harness at any size, with faults, against real servers.
+//!
+//! ```text
+//! cargo run --release --example chaos -- --workers 16 --attempts 20000 \
+//!     --reset-counter-at 8000 --kill-every-ms 200 --restart-redis-at 12000 \
+//!     --restart-postgres-at 16000 --control
+//! ```
+//!
+//! Without `--database-url` / `--redis-url` (or `DATABASE_URL` / `REDIS_URL`) it starts
+//! throwaway PostgreSQL and Redis servers from the installed binaries, which the restart faults
+//! need. Each run prints a readable summary and one JSON line (`--json` prints only the JSON).
+//! The exit status is 1 when a protected run shows a violation or a lost update, or when the
+//! unfenced control shows none (the harness would then prove nothing).
+#![allow(clippy::print_stdout)] // printing the report is this program's job
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use pgfence::chaos::{Config, EventCounter, Harness, Mode, Recovery, Summary, Target};
+use pgfence::ephemeral::Server;
+use sqlx::postgres::PgConnectOptions;
+
+/// Race harness: N workers, K rows, stalls past the TTL, injected faults; checks token order,
+/// lost updates and the audit trail afterwards.
+#[derive(Parser, Debug)]
+#[command(name = "chaos")]
+struct Args {
+    /// Concurrent workers.
+    #[arg(long, default_value_t = 16)]
+    workers: usize,
+    /// Work units (leases that go on to write); retries come on top.
+    #[arg(long, default_value_t = 20_000)]
+    attempts: u64,
+    /// Counter rows (one resource each).
+    #[arg(long, default_value_t = 16)]
+    rows: usize,
+    /// Lease TTL in milliseconds.
+    #[arg(long, default_value_t = 40)]
+    ttl_ms: u64,
+    /// Probability that a unit stalls once (before its read or between read and write).
+    #[arg(long, default_value_t = 0.05)]
+    pause_prob: f64,
+    /// Shortest stall, ms.
+    #[arg(long, default_value_t = 60)]
+    pause_min_ms: u64,
+    /// Longest stall, ms.
+    #[arg(long, default_value_t = 120)]
+    pause_max_ms: u64,
+    /// fenced (check + read + fenced write in one transaction), row-fence, or unfenced.
+    #[arg(long, default_value = "fenced")]
+    mode: Mode,
+    /// Also run the unfenced control with the same settings (and faults).
+    #[arg(long)]
+    control: bool,
+    /// Run all three modes in turn.
+    #[arg(long)]
+    all_modes: bool,
+    /// Delete every Redis counter when this unit starts (repeatable).
+    #[arg(long)]
+    reset_counter_at: Vec<u64>,
+    /// Terminate a busy worker backend about this often (ms).
+    #[arg(long)]
+    kill_every_ms: Option<u64>,
+    /// Restart the throwaway Redis (it comes back empty) when this many units have started.
+    #[arg(long)]
+    restart_redis_at: Option<u64>,
+    /// Restart the throwaway PostgreSQL when this many units have started.
+    #[arg(long)]
+    restart_postgres_at: Option<u64>,
+    /// Do not give the issuer a floor source (no automatic reseed after counter loss).
+    #[arg(long)]
+    no_floor_source: bool,
+    /// Do not call `Issuer::recover_from` after a rejection.
+    #[arg(long)]
+    no_recover_from: bool,
+    /// Retries of a unit after a retryable error.
+    #[arg(long, default_value_t = 2)]
+    retries: u32,
+    /// Stop starting units after this many seconds.
+    #[arg(long, default_value_t = 900)]
+    max_seconds: u64,
+    /// Seed of the workers' random choices.
+    #[arg(long, default_value_t = 0x5eed)]
+    seed: u64,
+    /// PostgreSQL URL (default: a throwaway server).
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: Option<String>,
+    /// Redis URL (default: a throwaway server).
+    #[arg(long, env = "REDIS_URL")]
+    redis_url: Option<String>,
+    /// Print only the JSON lines.
+    #[arg(long)]
+    json: bool,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let counter = EventCounter::install_global();
+
+    let mut pg = match &args.database_url {
+        Some(_) => None,
+        None => Some(Server::postgres().await.context("throwaway PostgreSQL")?),
+    };
+    let mut redis = match &args.redis_url {
+        Some(_) => None,
+        None => Some(Server::redis().await.context("throwaway Redis")?),
+    };
+    if args.restart_postgres_at.is_some() && pg.is_none() {
+        bail!("--restart-postgres-at needs the throwaway PostgreSQL (no --database-url)");
+    }
+    if args.restart_redis_at.is_some() && redis.is_none() {
+        bail!("--restart-redis-at needs the throwaway Redis (no --redis-url)");
+    }
+    let database_url = args
+        .database_url
+        .clone()
+        .or_else(|| pg.as_ref().map(Server::url))
+        .context("no database")?;
+    let target = Target {
+        database: PgConnectOptions::from_str(&database_url).context("database URL")?,
+        redis_url: args
+            .redis_url
+            .clone()
+            .or_else(|| redis.as_ref().map(Server::url))
+            .context("no Redis")?,
+    };
+
+    let modes: Vec<Mode> = if args.all_modes {
+        vec![Mode::Fenced, Mode::RowFence, Mode::Unfenced]
+    } else if args.control && args.mode != Mode::Unfenced {
+        vec![args.mode, Mode::Unfenced]
+    } else {
+        vec![args.mode]
+    };
+
+    let mut ok = true;
+    for mode in modes {
+        let cfg = Config {
+            mode,
+            workers: args.workers,
+            rows: args.rows,
+            units: args.attempts,
+            ttl: Duration::from_millis(args.ttl_ms),
+            pause_probability: args.pause_prob,
+            pause_min: Duration::from_millis(args.pause_min_ms),
+            pause_max: Duration::from_millis(args.pause_max_ms),
+            retries: args.retries,
+            reset_counters_at: args.reset_counter_at.clone(),
+            kill_every: args.kill_every_ms.map(Duration::from_millis),
+            recovery: Recovery {
+                floor_source: !args.no_floor_source,
+                recover_from: !args.no_recover_from,
+            },
+            max_duration: Duration::from_secs(args.max_seconds),
+            seed: args.seed,
+            ..Config::default()
+        };
+        let harness = Harness::new(cfg, &target)
+            .await?
+            .with_log_counter(counter.clone());
+        let ctl = harness.control();
+        let restarts = {
+            let (ctl, restart_pg, restart_redis) =
+                (ctl.clone(), args.restart_postgres_at, args.restart_redis_at);
+            let (mut pg_server, mut redis_server) = (pg.take(), redis.take());
+            tokio::spawn(async move {
+                let mut plan: Vec<(u64, bool)> = restart_pg
+                    .map(|u| (u, true))
+                    .into_iter()
+                    .chain(restart_redis.map(|u| (u, false)))
+                    .collect();
+                plan.sort_unstable();
+                for (unit, postgres) in plan {
+                    if !ctl.wait_for_units(unit).await {
+                        break;
+                    }
+                    let server = if postgres {
+                        pg_server.as_mut()
+                    } else {
+                        redis_server.as_mut()
+                    };
+                    if let Some(server) = server {
+                        ctl.mark_fault(if postgres {
+                            "postgres_restart"
+                        } else {
+                            "redis_restart"
+                        });
+                        if let Err(e) = server.restart().await {
+                            eprintln!("restart failed: {e}");
+                        }
+                    }
+                }
+                (pg_server, redis_server)
+            })
+        };
+        let report = harness.run().await?;
+        (pg, redis) = restarts.await.context("restart task")?;
+        print(&report.summary, args.json);
+        let proves = match mode {
+            Mode::Unfenced => !report.summary.is_safe(),
+            Mode::Fenced => report.summary.is_safe(),
+            // The row fence alone guarantees token order, not read-modify-write atomicity.
+            Mode::RowFence => report.summary.violations == 0,
+        };
+        ok &= proves;
+    }
+    if let Some(s) = pg {
+        s.stop();
+    }
+    if let Some(s) = redis {
+        s.stop();
+    }
+    if !ok {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+fn print(summary: &Summary, json_only: bool) {
+    if !json_only {
+        print!("{summary}");
+    }
+    println!("{}", summary.json());
+}

@@ -1,0 +1,494 @@
+//! Proof under faults: the race harness (`pgfence::chaos`) at CI size against real servers, with
+//! stalls past the TTL, Redis counter loss, killed backends and restarts; plus deterministic
+//! cases for why the transaction-scope check is needed and for error classification.
+//!
+//! Log events are counted by a global `tracing` layer (below) keyed by resource, so runs that
+//! happen concurrently in this binary do not mix.
+
+mod support;
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use pgfence::chaos::{Config, EventCounter, Harness, Mode, Outcome, Recovery, Target};
+use pgfence::ephemeral::Server;
+use pgfence::{Error, Fence, Issuer, Repository, Resource, TableName};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use support::{TestDb, redis_url, unique_resource};
+
+// ---------------------------------------------------------------------------------------------
+// ---------------------------------------------------------------------------------------------
+
+async fn run(cfg: Config, target: &Target) -> pgfence::chaos::Report {
+    let harness = Harness::new(cfg, target)
+        .await
+        .expect("harness setup")
+        .with_log_counter(EventCounter::install_global());
+    let report = harness.run().await.expect("run");
+    eprintln!("{}{}", report.summary, report.summary.json());
+    report
+}
+
+/// Every failure a worker saw was one `is_retryable()` calls safe to retry.
+fn assert_failures_retryable(report: &pgfence::chaos::Report) {
+    for a in &report.attempts {
+        if let Outcome::Failed {
+            retryable, error, ..
+        } = &a.outcome
+        {
+            assert!(retryable, "non-retryable failure {error} in {a:?}");
+        }
+    }
+}
+
+/// The acceptance run: 8 workers, 2,000 units, stalls past the TTL, a counter reset and
+/// killed backends. Fenced: no violation, no lost update, every rejection audited and logged,
+/// writes resume after the reset. The same run unfenced: violations and lost updates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fenced_run_holds_under_faults_and_the_unfenced_control_breaks() {
+    let db = TestDb::new().await;
+    let target = Target {
+        database: db.options.clone(),
+        redis_url: redis_url().await,
+    };
+    let cfg = Config {
+        workers: 8,
+        rows: 8,
+        units: 2_000,
+        reset_counters_at: vec![900],
+        kill_every: Some(Duration::from_millis(150)),
+        // Recover the reset counters through the rejected writes (the floor source is
+        // exercised by the restart test).
+        recovery: Recovery {
+            floor_source: false,
+            recover_from: true,
+        },
+        ..Config::default()
+    };
+
+    let fenced = run(cfg.clone(), &target).await;
+    let s = &fenced.summary;
+    assert!(!s.timed_out, "time limit hit");
+    assert!(s.attempts >= 2_000, "{s}");
+    assert_eq!(s.violations, 0, "{s}");
+    assert_eq!(s.lost_updates, 0, "{s}");
+    assert_eq!(s.stale_reads, 0, "{s}");
+    assert!(
+        s.pauses > 20 && s.rejected > 0,
+        "the stalls must cause rejections: {s}"
+    );
+    assert_eq!(s.audit_rows, s.rejected, "one audit row per rejection: {s}");
+    assert_eq!(
+        s.log_events,
+        Some(s.rejected),
+        "one WARN event per rejection: {s}"
+    );
+    assert_eq!(s.audit_failures, Some(0), "{s}");
+    assert!(s.backend_kills > 0, "{s}");
+    assert_failures_retryable(&fenced);
+    // Liveness after the counter reset: every row accepted writes again, via recover_from.
+    let reset = s
+        .faults
+        .iter()
+        .find(|f| f.name == "counter_reset")
+        .expect("the reset happened");
+    assert_eq!(reset.rows_recovered, reset.rows, "{s}");
+    assert!(s.counter_raises > 0, "{s}");
+    // Every row's final value is its number of accepted writes (checked by the harness) and
+    // those add up to what was accepted.
+    let total: i64 =
+        sqlx::query_scalar("SELECT sum(value)::bigint FROM pgfence_chaos.cell WHERE run = $1")
+            .bind(&s.run)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(u64::try_from(total).unwrap(), s.accepted);
+
+    // The control: the same run without fencing must be caught.
+    let control = run(
+        Config {
+            mode: Mode::Unfenced,
+            ..cfg
+        },
+        &target,
+    )
+    .await;
+    let c = &control.summary;
+    assert!(
+        c.violations > 0,
+        "the harness must detect unfenced overwrites: {c}"
+    );
+    assert!(
+        c.lost_updates > 0,
+        "the harness must detect lost updates: {c}"
+    );
+    assert_eq!(c.rejected, 0);
+}
+
+/// Restarting Redis (it comes back empty: counters and locks gone) mid-run. Safety holds;
+/// the floor source reseeds the counters and every row writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_restart_mid_run_is_safe_and_recovers_by_itself() {
+    let db = TestDb::new().await;
+    let mut redis = Server::redis().await.expect("throwaway Redis");
+    let target = Target {
+        database: db.options.clone(),
+        redis_url: redis.url(),
+    };
+    let cfg = Config {
+        units: 1_200,
+        recovery: Recovery {
+            floor_source: true,
+            recover_from: true,
+        },
+        seed: 7,
+        ..Config::default()
+    };
+    let harness = Harness::new(cfg, &target)
+        .await
+        .unwrap()
+        .with_log_counter(EventCounter::install_global());
+    let ctl = harness.control();
+    let fault = tokio::spawn(async move {
+        if ctl.wait_for_units(500).await {
+            ctl.mark_fault("redis_restart");
+            redis.restart().await.expect("Redis comes back");
+        }
+        redis
+    });
+    let report = harness.run().await.unwrap();
+    let _redis = fault.await.unwrap();
+    let s = &report.summary;
+    eprintln!("{s}{}", s.json());
+    assert!(!s.timed_out, "{s}");
+    assert!(s.is_safe(), "{s}");
+    assert_eq!(s.audit_rows, s.rejected, "{s}");
+    assert_eq!(s.log_events, Some(s.rejected), "{s}");
+    let f = s
+        .faults
+        .iter()
+        .find(|f| f.name == "redis_restart")
+        .expect("restart happened");
+    assert_eq!(f.rows_recovered, f.rows, "writes resume on every row: {s}");
+    assert!(f.recovery_ms.is_some());
+    assert!(
+        s.reseed_events.unwrap_or(0) > 0,
+        "the floor source reseeded the lost counters: {s}"
+    );
+    assert_failures_retryable(&report);
+}
+
+/// Restarting Postgres mid-run (own server: the shared one must not go down under the other
+/// tests). Safety holds, every error is typed and retryable, writes resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_restart_mid_run_is_safe_and_errors_are_retryable() {
+    let mut pg = Server::postgres().await.expect("throwaway PostgreSQL");
+    let target = Target {
+        database: PgConnectOptions::from_str(&pg.url()).unwrap(),
+        redis_url: redis_url().await,
+    };
+    let cfg = Config {
+        units: 1_200,
+        seed: 11,
+        ..Config::default()
+    };
+    let harness = Harness::new(cfg, &target)
+        .await
+        .unwrap()
+        .with_log_counter(EventCounter::install_global());
+    let ctl = harness.control();
+    let fault = tokio::spawn(async move {
+        if ctl.wait_for_units(500).await {
+            ctl.mark_fault("postgres_restart");
+            pg.restart().await.expect("PostgreSQL comes back");
+        }
+        pg
+    });
+    let report = harness.run().await.unwrap();
+    let _pg = fault.await.unwrap();
+    let s = &report.summary;
+    eprintln!("{s}{}", s.json());
+    assert!(!s.timed_out, "{s}");
+    assert!(s.is_safe(), "{s}");
+    assert!(s.errors > 0, "the restart must have been felt: {s}");
+    assert_failures_retryable(&report);
+    // A rejection whose audit insert met the restart is reported as an audit failure event.
+    let failures = s.audit_failures.unwrap_or(0);
+    assert!(s.audit_rows <= s.rejected, "{s}");
+    assert!(s.audit_rows + failures >= s.rejected, "{s}");
+    assert_eq!(s.log_events, Some(s.rejected), "{s}");
+    let f = s
+        .faults
+        .iter()
+        .find(|f| f.name == "postgres_restart")
+        .expect("restart happened");
+    assert_eq!(f.rows_recovered, f.rows, "writes resume on every row: {s}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Why the harness's fenced mode checks in a transaction: the row fence alone keeps tokens in
+// order but cannot make read-modify-write atomic.
+
+#[derive(Debug, Clone)]
+struct CounterRow {
+    id: i32,
+    value: i64,
+}
+
+pgfence::fenced_table!(CounterRow { table: "counter", key: id: i32, columns: [value] });
+
+async fn counter_db() -> (TestDb, Fence, Repository<CounterRow>) {
+    let db = TestDb::new().await;
+    db.exec("CREATE TABLE counter (id int PRIMARY KEY, value bigint NOT NULL); INSERT INTO counter VALUES (1, 0);")
+        .await;
+    pgfence::guard(&db.pool, &TableName::parse("counter").unwrap())
+        .await
+        .unwrap();
+    let fence = Fence::new(db.pool.clone());
+    let repo = fence.repository::<CounterRow>().unwrap();
+    (db, fence, repo)
+}
+
+async fn value(db: &TestDb) -> i64 {
+    sqlx::query_scalar("SELECT value FROM counter WHERE id = 1")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_fence_alone_loses_an_increment_and_the_transaction_check_does_not() {
+    let issuer = support::issuer().await;
+    let ttl = Duration::from_millis(50);
+
+    // Row fence only. A (older token) read 0 and stalled past its TTL; B took the lock with a
+    // newer token and read 0; A wakes up and writes 1 before B writes; B writes 1. Both writes
+    // are accepted and in token order — and A's increment is lost.
+    let (db, _fence, repo) = counter_db().await;
+    let resource = unique_resource("rmw");
+    let a = issuer.acquire(&resource, ttl).await.unwrap().unwrap();
+    let a_read = value(&db).await;
+    tokio::time::sleep(ttl * 2).await; // A stalls; its lease expires
+    let b = issuer.acquire(&resource, ttl).await.unwrap().unwrap();
+    assert!(b.token() > a.token());
+    let b_read = value(&db).await;
+    repo.update(
+        &db.pool,
+        &a,
+        &CounterRow {
+            id: 1,
+            value: a_read + 1,
+        },
+    )
+    .await
+    .expect("the row fence accepts A: nobody newer has written yet");
+    repo.update(
+        &db.pool,
+        &b,
+        &CounterRow {
+            id: 1,
+            value: b_read + 1,
+        },
+    )
+    .await
+    .expect("and B: its token is newer than A's");
+    assert_eq!(value(&db).await, 1, "two accepted increments, one survives");
+
+    // The same interleaving under the transaction-scope check. A checks, reads and stalls
+    // inside its transaction; B's check waits for A's transaction, then reads A's write.
+    let (db, fence, repo) = counter_db().await;
+    let resource = unique_resource("rmw");
+    let a = issuer.acquire(&resource, ttl).await.unwrap().unwrap();
+    let mut a_tx = db.pool.begin().await.unwrap();
+    fence.check(&mut *a_tx, &resource, &a).await.unwrap();
+    let a_read: i64 = sqlx::query_scalar("SELECT value FROM counter WHERE id = 1")
+        .fetch_one(&mut *a_tx)
+        .await
+        .unwrap();
+    tokio::time::sleep(ttl * 2).await;
+    let b = issuer.acquire(&resource, ttl).await.unwrap().unwrap();
+    let b_task = {
+        let (pool, fence, repo, resource) = (
+            db.pool.clone(),
+            fence.clone(),
+            repo.clone(),
+            resource.clone(),
+        );
+        tokio::spawn(async move {
+            let mut tx = pool.begin().await.unwrap();
+            fence.check(&mut *tx, &resource, &b).await?;
+            let read: i64 = sqlx::query_scalar("SELECT value FROM counter WHERE id = 1")
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+            repo.update(
+                &mut *tx,
+                &b,
+                &CounterRow {
+                    id: 1,
+                    value: read + 1,
+                },
+            )
+            .await?;
+            tx.commit().await?;
+            Ok::<i64, Error>(read)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!b_task.is_finished(), "B's check waits for A's transaction");
+    repo.update(
+        &mut *a_tx,
+        &a,
+        &CounterRow {
+            id: 1,
+            value: a_read + 1,
+        },
+    )
+    .await
+    .unwrap();
+    a_tx.commit().await.unwrap();
+    assert_eq!(b_task.await.unwrap().unwrap(), 1, "B read A's increment");
+    assert_eq!(value(&db).await, 2, "no lost update");
+
+    // And when the stalled holder had not checked yet, it is the one rejected.
+    let (db, fence, repo) = counter_db().await;
+    let resource = unique_resource("rmw");
+    let a = issuer.acquire(&resource, ttl).await.unwrap().unwrap();
+    tokio::time::sleep(ttl * 2).await;
+    let b = issuer.acquire(&resource, ttl).await.unwrap().unwrap();
+    let mut b_tx = db.pool.begin().await.unwrap();
+    fence.check(&mut *b_tx, &resource, &b).await.unwrap();
+    let read: i64 = sqlx::query_scalar("SELECT value FROM counter WHERE id = 1")
+        .fetch_one(&mut *b_tx)
+        .await
+        .unwrap();
+    repo.update(
+        &mut *b_tx,
+        &b,
+        &CounterRow {
+            id: 1,
+            value: read + 1,
+        },
+    )
+    .await
+    .unwrap();
+    b_tx.commit().await.unwrap();
+    let mut a_tx = db.pool.begin().await.unwrap();
+    let err = fence.check(&mut *a_tx, &resource, &a).await.unwrap_err();
+    assert!(err.is_stale() && !err.is_retryable(), "{err:?}");
+    assert_eq!(value(&db).await, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Error classification: a killed connection is retryable, a stale token is not, and multi-row
+// work under the check is all-or-nothing.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_connection_is_retryable_stale_is_not_and_work_is_all_or_nothing() {
+    let db = TestDb::new().await;
+    db.exec("CREATE TABLE ledger (batch int NOT NULL, line int NOT NULL, amount bigint NOT NULL, PRIMARY KEY (batch, line))")
+        .await;
+    let victim = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.options.clone().application_name("chaos-victim"))
+        .await
+        .unwrap();
+    let fence = Fence::new(db.pool.clone());
+    let resource = Resource::new("ledger:batch:7").unwrap();
+
+    // Multi-row work under the check; the backend dies before COMMIT.
+    let mut tx = victim.begin().await.unwrap();
+    fence
+        .check(&mut *tx, &resource, support::token(10))
+        .await
+        .unwrap();
+    for line in 0..3 {
+        sqlx::query("INSERT INTO ledger VALUES (7, $1, 100)")
+            .bind(line)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    let killed: bool = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'chaos-victim'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(killed);
+    let err = Error::from(
+        sqlx::query("INSERT INTO ledger VALUES (7, 3, 100)")
+            .execute(&mut *tx)
+            .await
+            .expect_err("the connection is gone"),
+    );
+    eprintln!("killed connection surfaced as: {err:?}");
+    assert!(matches!(err, Error::Database(_)), "{err:?}");
+    assert!(
+        err.is_retryable(),
+        "a killed connection is safe to retry: {err:?}"
+    );
+    drop(tx);
+
+    // Nothing of the transaction survived: no ledger line, no high-water mark.
+    let lines: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(lines, 0, "all or nothing");
+    assert_eq!(fence.high_water(&resource).await.unwrap(), 0);
+
+    // The retry, as is_retryable() allows, applies the whole batch exactly once.
+    let mut tx = victim.begin().await.unwrap();
+    fence
+        .check(&mut *tx, &resource, support::token(10))
+        .await
+        .unwrap();
+    for line in 0..4 {
+        sqlx::query("INSERT INTO ledger VALUES (7, $1, 100)")
+            .bind(line)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+
+    // Replaying it with the same token is stale, and stale is never retryable.
+    let mut tx = victim.begin().await.unwrap();
+    let err = fence
+        .check(&mut *tx, &resource, support::token(10))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::StaleToken {
+                presented: 10,
+                current: 10,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable());
+    drop(tx);
+    let lines: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(lines, 4);
+
+    // A Redis server that went away is a retryable error too.
+    let redis = Server::redis().await.unwrap();
+    let issuer = Issuer::connect(&redis.url()).await.unwrap();
+    redis.stop();
+    let err = issuer
+        .acquire(&unique_resource("gone"), Duration::from_secs(1))
+        .await
+        .expect_err("no Redis");
+    eprintln!("Redis gone surfaced as: {err:?}");
+    assert!(
+        matches!(err, Error::Redis(_)) && err.is_retryable(),
+        "{err:?}"
+    );
+}
