@@ -4,7 +4,7 @@
 //! exactly as they were.
 //!
 //! One table-driven test: the cases share one database and one Redis, and a snapshot is taken
-//! before and after each. (CLI cases are covered with the CLI's own tests.)
+//! before and after each. A second table-driven test does the same for the `pgfence` binary.
 
 mod support;
 
@@ -92,7 +92,8 @@ async fn pg_snapshot(pool: &PgPool) -> PgSnapshot {
 async fn redis_snapshot(conn: &mut redis::aio::MultiplexedConnection) -> BTreeMap<String, String> {
     let keys: Vec<String> = conn.keys("*").await.unwrap();
     let mut out = BTreeMap::new();
-    for key in keys {
+    // The other test in this binary that writes to the shared Redis uses its own prefix.
+    for key in keys.into_iter().filter(|k| !k.contains("{negative:")) {
         let kind: String = redis::cmd("TYPE")
             .arg(&key)
             .query_async(conn)
@@ -899,4 +900,119 @@ async fn guarding_pgfence_own_tables_is_refused() {
         );
         assert_eq!(before, after, "{table}");
     }
+}
+
+/// The same promise from the command line: each malformed invocation fails with a non-zero
+/// exit and one line on stderr, and Postgres and Redis are unchanged. Runs against its own
+/// Redis so that the snapshot can include every key.
+#[tokio::test]
+async fn hostile_cli_inputs_fail_cleanly_and_change_nothing() {
+    let db = TestDb::new().await;
+    db.exec(
+        "CREATE TABLE victim (id int PRIMARY KEY, v text NOT NULL);
+         INSERT INTO victim VALUES (1, 'original');
+         CREATE TABLE textfence (id int PRIMARY KEY, fence text);",
+    )
+    .await;
+    let redis_server = pgfence::ephemeral::Server::redis().await.unwrap();
+    let mut redis = redis::Client::open(redis_server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis.set("pgfence:{cli}:fence", "7").await.unwrap();
+    let db_url = format!(
+        "postgres://{}@{}:{}/{}",
+        db.options.get_username(),
+        db.options.get_host(),
+        db.options.get_port(),
+        db.name
+    );
+    let long = "x".repeat(64);
+    let big = "r".repeat(10_000);
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["guard", "no_such_table"],
+        vec!["guard", "victim; DROP TABLE victim; --"],
+        vec!["guard", "\"victim\"\"; DROP TABLE victim; --\""],
+        vec!["guard", "victim' OR '1'='1"],
+        vec!["guard", "textfence"],
+        vec!["guard", "pgfence.audit"],
+        vec!["guard", "pg_catalog.pg_class"],
+        vec!["guard", &long],
+        vec!["guard", "a.b.c"],
+        vec!["guard", "\"unterminated"],
+        vec!["unguard", "no_such_table"],
+        vec!["lock", "acquire", "cli{tag}", "--ttl", "1s"],
+        vec!["lock", "acquire", "new\nline", "--ttl", "1s"],
+        vec!["lock", "acquire", &big, "--ttl", "1s"],
+        vec!["lock", "acquire", "cli", "--ttl", "0ms"],
+        vec!["lock", "acquire", "cli", "--ttl", "400d"],
+        vec!["lock", "acquire", "cli", "--ttl", "-1s"],
+        vec!["lock", "acquire", "cli", "--ttl", "1 year"],
+        vec!["lock", "release", "cli", "--owner", "x", "--token", "0"],
+        vec![
+            "lock",
+            "release",
+            "cli",
+            "--owner",
+            "x",
+            "--token",
+            "9223372036854775808",
+        ],
+        vec!["reseed", "cli", "--floor", "-5"],
+        vec!["run", "--resource", "cli", "--ttl", "0s", "--", "true"],
+        vec!["run", "--resource", "cli{x}", "--ttl", "1s", "--", "true"],
+        vec!["audit", "--since", "last tuesday"],
+        vec!["audit", "--limit", "0"],
+        vec!["audit", "prune", "--older-than", "forever"],
+        vec!["--database-url", "not a url", "migrate"],
+        vec![
+            "--database-url",
+            "postgres://nobody@127.0.0.1:1/none",
+            "guard",
+            "victim",
+        ],
+        vec![
+            "--redis-url",
+            "redis://127.0.0.1:1",
+            "lock",
+            "status",
+            "cli",
+        ],
+        vec![
+            "--redis-url",
+            "gopher://x",
+            "lock",
+            "acquire",
+            "cli",
+            "--ttl",
+            "1s",
+        ],
+    ];
+    assert!(cases.len() >= 30);
+    let mut failures = Vec::new();
+    for args in &cases {
+        let pg_before = pg_snapshot(&db.pool).await;
+        let redis_before = redis_snapshot(&mut redis).await;
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgfence"))
+            .args(args)
+            .env("DATABASE_URL", &db_url)
+            .env("REDIS_URL", redis_server.url())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() {
+            failures.push(format!("{args:?}: succeeded"));
+        }
+        if !stderr.starts_with("pgfence: ") || stderr.trim_end().lines().count() != 1 {
+            failures.push(format!("{args:?}: not one clear line: {stderr:?}"));
+        }
+        if pg_snapshot(&db.pool).await != pg_before {
+            failures.push(format!("{args:?}: Postgres changed"));
+        }
+        if redis_snapshot(&mut redis).await != redis_before {
+            failures.push(format!("{args:?}: Redis changed"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

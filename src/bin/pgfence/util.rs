@@ -125,6 +125,15 @@ pub fn cell(s: &str) -> String {
         .collect()
 }
 
+/// At most 60 characters of `s`, for quoting user input back in an error.
+pub fn shorten(s: &str) -> String {
+    let mut out: String = s.chars().take(60).collect();
+    if out.len() < s.len() {
+        out.push('…');
+    }
+    out
+}
+
 /// Prints rows as an aligned table.
 pub fn print_table(headers: &[&str], rows: &[Vec<String>]) {
     let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
@@ -178,11 +187,13 @@ pub async fn take_lock(
 }
 
 pub fn resource(name: &str) -> Result<pgfence::Resource> {
-    pgfence::Resource::new(name).with_context(|| format!("bad resource name {:?}", cell(name)))
+    pgfence::Resource::new(name)
+        .with_context(|| format!("bad resource name {:?}", cell(&shorten(name))))
 }
 
 pub fn table(name: &str) -> Result<pgfence::TableName> {
-    pgfence::TableName::parse(name).with_context(|| format!("bad table name {:?}", cell(name)))
+    pgfence::TableName::parse(name)
+        .with_context(|| format!("bad table name {:?}", cell(&shorten(name))))
 }
 
 #[cfg(test)]
