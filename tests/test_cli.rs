@@ -422,7 +422,7 @@ async fn run_keeps_the_lease_and_releases_on_sigterm() {
             "--resource",
             r,
             "--ttl",
-            "300ms",
+            "600ms",
             "--",
             "sleep",
             "30",
@@ -439,7 +439,7 @@ async fn run_keeps_the_lease_and_releases_on_sigterm() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(held, "run took the lock");
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(
         cli.ok(&["lock", "status", r]).contains("held by"),
         "kept alive past the TTL"

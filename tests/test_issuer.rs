@@ -347,12 +347,12 @@ async fn keep_alive_outlives_several_ttls_and_reports_loss() {
     let issuer = Issuer::connect(&server.url()).await.unwrap();
     let resource = unique_resource("keepalive");
     let lease = issuer
-        .acquire(&resource, Duration::from_millis(300))
+        .acquire(&resource, Duration::from_millis(600))
         .await
         .unwrap()
         .unwrap();
     let mut keep = issuer.keep_alive(&lease);
-    tokio::time::sleep(Duration::from_millis(1200)).await; // four TTLs
+    tokio::time::sleep(Duration::from_millis(2400)).await; // four TTLs
     let status = issuer.status(&resource).await.unwrap();
     assert_eq!(status.owner.as_deref(), Some(lease.owner()), "still held");
     assert!(keep.deadline().unwrap() > lease.deadline());
