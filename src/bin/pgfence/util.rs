@@ -100,16 +100,7 @@ pub fn redact(url: &str) -> String {
 
 /// The error chain on one line, with control characters escaped.
 pub fn one_line(e: &anyhow::Error) -> String {
-    let text = format!("{e:#}");
-    text.chars()
-        .flat_map(|c| {
-            if c.is_control() {
-                c.escape_default().collect::<Vec<_>>()
-            } else {
-                vec![c]
-            }
-        })
-        .collect()
+    cell(&format!("{e:#}"))
 }
 
 /// A value for a human table: control characters escaped so data cannot forge output.
