@@ -1568,125 +1568,73 @@ async fn write_once(
             .bind(i32::try_from(try_no).unwrap_or(i32::MAX))
             .bind(i32::try_from(worker).unwrap_or(i32::MAX))
     };
-    match ctx.cfg.mode {
-        Mode::Fenced => {
-            let mut tx = ctx
-                .pool
-                .begin()
-                .await
-                .map_err(Error::from)
-                .map_err(at(Stage::Begin))?;
-            ctx.fence
-                .check(&mut *tx, resource, lease)
-                .await
-                .map_err(at(Stage::Check))?;
-            let v: i64 = sqlx::query_scalar(READ_CELL)
-                .bind(run)
-                .bind(row)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(Error::from)
-                .map_err(at(Stage::Read))?;
-            *read = Some(v);
-            if let Some(d) = before_write {
-                tokio::time::sleep(d).await;
-            }
-            let cell = Cell {
-                run: run.to_owned(),
-                id: row,
-                value: v + 1,
-            };
-            ctx.repo
-                .update(&mut *tx, lease, &cell)
-                .await
-                .map_err(at(Stage::Write))?;
-            *written = Some(v + 1);
-            record(RECORD_CELL, v)
-                .execute(&mut *tx)
-                .await
-                .map_err(Error::from)
-                .map_err(at(Stage::Record))?;
-            tx.commit()
-                .await
-                .map_err(Error::from)
-                .map_err(at(Stage::Commit))
-        }
-        Mode::RowFence => {
-            let v: i64 = sqlx::query_scalar(READ_CELL)
-                .bind(run)
-                .bind(row)
-                .fetch_one(&ctx.pool)
-                .await
-                .map_err(Error::from)
-                .map_err(at(Stage::Read))?;
-            *read = Some(v);
-            if let Some(d) = before_write {
-                tokio::time::sleep(d).await;
-            }
-            let mut tx = ctx
-                .pool
-                .begin()
-                .await
-                .map_err(Error::from)
-                .map_err(at(Stage::Begin))?;
-            let cell = Cell {
-                run: run.to_owned(),
-                id: row,
-                value: v + 1,
-            };
-            ctx.repo
-                .update(&mut *tx, lease, &cell)
-                .await
-                .map_err(at(Stage::Write))?;
-            *written = Some(v + 1);
-            record(RECORD_CELL, v)
-                .execute(&mut *tx)
-                .await
-                .map_err(Error::from)
-                .map_err(at(Stage::Record))?;
-            tx.commit()
-                .await
-                .map_err(Error::from)
-                .map_err(at(Stage::Commit))
-        }
-        Mode::Unfenced => {
-            let v: i64 = sqlx::query_scalar(READ_PLAIN)
-                .bind(run)
-                .bind(row)
-                .fetch_one(&ctx.pool)
-                .await
-                .map_err(Error::from)
-                .map_err(at(Stage::Read))?;
-            *read = Some(v);
-            if let Some(d) = before_write {
-                tokio::time::sleep(d).await;
-            }
-            let mut tx = ctx
-                .pool
-                .begin()
-                .await
-                .map_err(Error::from)
-                .map_err(at(Stage::Begin))?;
-            sqlx::query(WRITE_PLAIN)
-                .bind(run)
-                .bind(row)
-                .bind(v + 1)
-                .execute(&mut *tx)
-                .await
-                .map_err(Error::from)
-                .map_err(at(Stage::Write))?;
-            *written = Some(v + 1);
-            record(RECORD_PLAIN, v)
-                .execute(&mut *tx)
-                .await
-                .map_err(Error::from)
-                .map_err(at(Stage::Record))?;
-            tx.commit()
-                .await
-                .map_err(Error::from)
-                .map_err(at(Stage::Commit))
-        }
+    let begin = || async {
+        ctx.pool
+            .begin()
+            .await
+            .map_err(Error::from)
+            .map_err(at(Stage::Begin))
+    };
+    let (read_sql, record_sql) = match ctx.cfg.mode {
+        Mode::Unfenced => (READ_PLAIN, RECORD_PLAIN),
+        Mode::RowFence | Mode::Fenced => (READ_CELL, RECORD_CELL),
+    };
+    // Fenced: check, read and write in one transaction (the check orders the read). The other
+    // modes read on their own and open the transaction only for the write.
+    let mut early_tx = None;
+    if ctx.cfg.mode == Mode::Fenced {
+        let mut tx = begin().await?;
+        ctx.fence
+            .check(&mut *tx, resource, lease)
+            .await
+            .map_err(at(Stage::Check))?;
+        early_tx = Some(tx);
     }
+    let read_query = sqlx::query_scalar(read_sql).bind(run).bind(row);
+    let v: i64 = match early_tx.as_mut() {
+        Some(tx) => read_query.fetch_one(&mut **tx).await,
+        None => read_query.fetch_one(&ctx.pool).await,
+    }
+    .map_err(Error::from)
+    .map_err(at(Stage::Read))?;
+    *read = Some(v);
+    if let Some(d) = before_write {
+        tokio::time::sleep(d).await;
+    }
+    let mut tx = match early_tx {
+        Some(tx) => tx,
+        None => begin().await?,
+    };
+    if ctx.cfg.mode == Mode::Unfenced {
+        sqlx::query(WRITE_PLAIN)
+            .bind(run)
+            .bind(row)
+            .bind(v + 1)
+            .execute(&mut *tx)
+            .await
+            .map_err(Error::from)
+            .map_err(at(Stage::Write))?;
+    } else {
+        let cell = Cell {
+            run: run.to_owned(),
+            id: row,
+            value: v + 1,
+        };
+        ctx.repo
+            .update(&mut *tx, lease, &cell)
+            .await
+            .map_err(at(Stage::Write))?;
+    }
+    *written = Some(v + 1);
+    record(record_sql, v)
+        .execute(&mut *tx)
+        .await
+        .map_err(Error::from)
+        .map_err(at(Stage::Record))?;
+    tx.commit()
+        .await
+        .map_err(Error::from)
+        .map_err(at(Stage::Commit))
 }
 
 /// Deletes every row's counter (a failover that lost them). Lock keys are left alone: holders
