@@ -459,17 +459,7 @@ async fn killed_connection_is_retryable_stale_is_not_and_work_is_all_or_nothing(
         .check(&mut *tx, &resource, support::token(10))
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::StaleToken {
-                presented: 10,
-                current: 10,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    support::assert_stale(&err, 10, 10);
     assert!(!err.is_retryable());
     drop(tx);
     let lines: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger")

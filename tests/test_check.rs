@@ -52,17 +52,7 @@ async fn newer_first_then_older_is_rejected() {
     assert!(!t41.is_finished(), "41 must wait for 42's transaction");
     t42.commit().await.unwrap();
     let err = t41.await.unwrap().unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::StaleToken {
-                presented: 41,
-                current: 42,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    support::assert_stale(&err, 41, 42);
     assert_eq!(ledger(&db).await, vec![42]);
     assert_eq!(fence.high_water(&res).await.unwrap(), 42);
     assert_eq!(audit_count(&db.pool).await, 1);

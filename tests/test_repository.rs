@@ -144,34 +144,14 @@ async fn missing_row_is_not_found_and_stale_row_is_stale() {
         .update(&db.pool, token(3), &snap("A-1", "three"))
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::StaleToken {
-                presented: 3,
-                current: 7,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    support::assert_stale(&err, 3, 7);
 
     // The same token twice: rejected with current == presented.
     let err = repo
         .update(&db.pool, token(7), &snap("A-1", "seven again"))
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::StaleToken {
-                presented: 7,
-                current: 7,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    support::assert_stale(&err, 7, 7);
     assert_eq!(row(&db, "A-1").await, Some(("seven".into(), 7)));
     assert_eq!(audit_count(&db.pool).await, 2);
 }
@@ -196,17 +176,7 @@ async fn upsert_inserts_then_fences_and_delete_tombstones_the_row() {
         .upsert(&db.pool, token(2), &snap("B-2", "two"))
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::StaleToken {
-                presented: 2,
-                current: 3,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    support::assert_stale(&err, 2, 3);
     assert_eq!(row(&db, "B-2").await, Some(("three".into(), 3)));
 
     // Delete is fenced.
@@ -214,17 +184,7 @@ async fn upsert_inserts_then_fences_and_delete_tombstones_the_row() {
         .delete(&db.pool, token(2), &"B-2".to_owned())
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::StaleToken {
-                presented: 2,
-                current: 3,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    support::assert_stale(&err, 2, 3);
     assert!(row(&db, "B-2").await.is_some());
     repo.delete(&db.pool, token(5), &"B-2".to_owned())
         .await
@@ -236,17 +196,7 @@ async fn upsert_inserts_then_fences_and_delete_tombstones_the_row() {
         .upsert(&db.pool, token(4), &snap("B-2", "zombie"))
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::StaleToken {
-                presented: 4,
-                current: 5,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    support::assert_stale(&err, 4, 5);
     assert!(row(&db, "B-2").await.is_none());
     // ...nor can the deleting token itself, but a newer one can.
     assert!(

@@ -181,34 +181,14 @@ async fn sql_functions_and_trigger_ignore_shadowing_objects() {
             .await
             .unwrap_err(),
     );
-    assert!(
-        matches!(
-            err,
-            Error::StaleToken {
-                presented: 5,
-                current: 5,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    support::assert_stale(&err, 5, 5);
 
     // The transaction-scope check and the high-water mark.
     let fence = Fence::new(pool.clone());
     let res = Resource::new("hijack:check").unwrap();
     fence.check(&pool, &res, token(3)).await.unwrap();
     let err = fence.check(&pool, &res, token(2)).await.unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::StaleToken {
-                presented: 2,
-                current: 3,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    support::assert_stale(&err, 2, 3);
     assert_eq!(fence.high_water(&res).await.unwrap(), 3);
     assert!(fence.check(&pool, &res, token(4)).await.is_ok());
     assert!(pgfence::unguard(&pool, &table, false).await.unwrap());

@@ -234,3 +234,20 @@ pub async fn issuer() -> pgfence::Issuer {
         .await
         .expect("connect to Redis")
 }
+
+/// Asserts that `err` is a stale-token rejection with exactly these tokens.
+#[track_caller]
+pub fn assert_stale(err: &pgfence::Error, presented: i64, current: i64) {
+    match err {
+        pgfence::Error::StaleToken {
+            presented: p,
+            current: c,
+            ..
+        } => {
+            assert_eq!((*p, *c), (presented, current), "{err:?}");
+        }
+        other => panic!(
+            "expected StaleToken {{ presented: {presented}, current: {current} }}, got {other:?}"
+        ),
+    }
+}
