@@ -751,7 +751,7 @@ impl Workload for AcquireFresh {
 }
 
 /// 3c: acquire + release of one resource per task.
-struct IssuerCycle<C = ConnectionManager> {
+struct IssuerCycle<C = pgfence::RedisConnections> {
     issuer: Issuer<C>,
     prefix: String,
 }
@@ -776,47 +776,6 @@ where
             Ok(None) => Outcome::Rejected,
             Err(e) => Outcome::Failed(e.to_string()),
         }
-    }
-}
-
-/// Several Redis connections used in turn, one command at a time: 3c' runs the issuer on it
-/// to show how much its single multiplexed connection limits it (`Issuer::new` accepts any
-/// connection).
-#[derive(Clone)]
-struct RoundRobin {
-    conns: Arc<[ConnectionManager]>,
-    next: Arc<AtomicU64>,
-}
-
-impl RoundRobin {
-    fn pick(&self) -> ConnectionManager {
-        let n = u64::try_from(self.conns.len()).expect("few connections");
-        let i = usize::try_from(self.next.fetch_add(1, Ordering::Relaxed) % n).expect("small");
-        self.conns[i].clone()
-    }
-}
-
-impl redis::aio::ConnectionLike for RoundRobin {
-    fn req_packed_command<'a>(
-        &'a mut self,
-        cmd: &'a redis::Cmd,
-    ) -> redis::RedisFuture<'a, redis::Value> {
-        let mut conn = self.pick();
-        Box::pin(async move { conn.req_packed_command(cmd).await })
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
-        let mut conn = self.pick();
-        Box::pin(async move { conn.req_packed_commands(pipeline, offset, count).await })
-    }
-
-    fn get_db(&self) -> i64 {
-        self.conns[0].get_db()
     }
 }
 
@@ -1521,20 +1480,15 @@ async fn section_acquire(env: &Env, round: usize, out: &mut Results) -> Result<(
     let sample = measure_redis(env, work).await?;
     put(out, round, "acquire.issuer_cycle", sample);
 
+    // The issuer on one multiplexed connection (what `Issuer::connect` opened before it
+    // opened one per CPU).
     let client = redis::Client::open(env.redis_url.as_str())?;
-    let mut conns = Vec::new();
-    for _ in 0..cfg.workers.max(2) {
-        conns.push(ConnectionManager::new(client.clone()).await?);
-    }
     let work = IssuerCycle {
-        issuer: Issuer::new(RoundRobin {
-            conns: conns.into(),
-            next: Arc::new(AtomicU64::new(0)),
-        }),
-        prefix: prefix(env, "cycle-rr"),
+        issuer: Issuer::new(ConnectionManager::new(client).await?),
+        prefix: prefix(env, "cycle-single"),
     };
     let sample = measure_redis(env, work).await?;
-    put(out, round, "acquire.issuer_cycle_rr", sample);
+    put(out, round, "acquire.issuer_cycle_single", sample);
 
     let work = RslockCycle {
         manager: rslock::LockManager::new(vec![env.redis_url.clone()]),
@@ -1693,8 +1647,8 @@ fn rows(cfg: &Config) -> Vec<(String, String)> {
         ),
         ("acquire.issuer_cycle", "3c Issuer acquire+release"),
         (
-            "acquire.issuer_cycle_rr",
-            "3c' 3c, a connection per worker thread",
+            "acquire.issuer_cycle_single",
+            "3c' 3c, issuer on one multiplexed connection",
         ),
         ("acquire.rslock_cycle", "3d rslock lock+unlock"),
         ("acquire.handrolled_cycle", "3e SET NX PX + Lua compare-DEL"),
@@ -1804,9 +1758,9 @@ const RATIOS: &[RatioDef] = &[
         target: None,
     },
     RatioDef {
-        key: "cycle_rr_vs_rslock",
-        label: "Issuer acquire+release, conn per worker / rslock (3c'/3d)",
-        num: "acquire.issuer_cycle_rr",
+        key: "cycle_single_vs_rslock",
+        label: "Issuer acquire+release, one connection / rslock (3c'/3d)",
+        num: "acquire.issuer_cycle_single",
         den: &["acquire.rslock_cycle"],
         target: None,
     },

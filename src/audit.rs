@@ -1,5 +1,12 @@
 //! The audit trail of rejected writes: one structured `tracing` event per rejection, and one
 //! row in `pgfence.audit`, written outside the caller's transaction.
+//!
+//! Where the row is written from: a repository write sent straight to a pool (so it is a
+//! transaction of its own) writes the row in the very statement that rejected it, so a
+//! rejection costs one round trip like any write and the row commits with it. A write on a
+//! connection — possibly inside a caller's transaction that may roll back — leaves the row to
+//! the [`Auditor`]'s own pool, in a transaction of its own. `Fence::check` rejections always
+//! take that path. See [`crate::WriteExecutor`].
 
 use std::time::Duration;
 
@@ -31,11 +38,13 @@ pub(crate) struct Rejection {
     pub operation: &'static str,
 }
 
-/// Writes audit rows through its own pool, so they survive the caller's rollback.
+/// Writes audit rows through its own pool, so they survive the caller's rollback (see the
+/// [module docs](self) for rows written by the rejecting statement itself).
 #[derive(Clone, Debug)]
 pub struct Auditor {
     pool: PgPool,
     timeout: Duration,
+    in_statement: bool,
 }
 
 impl Auditor {
@@ -45,10 +54,12 @@ impl Auditor {
         Self {
             pool,
             timeout: DEFAULT_AUDIT_TIMEOUT,
+            in_statement: true,
         }
     }
 
-    /// Bounds how long a rejection waits for its audit row (pool wait included). When it runs
+    /// Bounds how long a rejection waits for its audit row (pool wait included; for a row
+    /// written by the rejecting statement, the wait for the audit table's lock). When it runs
     /// out, the rejection is still returned to the caller and logged, and an ERROR event says
     /// the audit row is missing.
     #[must_use]
@@ -57,15 +68,37 @@ impl Auditor {
         self
     }
 
+    /// Whether repository writes outside a caller transaction write their audit row in the
+    /// rejecting statement (the default). Turn it off when audit rows must go to another
+    /// database than the one written to (`Auditor::new` with a pool on that database): every
+    /// row then goes through this auditor's pool.
+    #[must_use]
+    pub fn in_statement(mut self, enabled: bool) -> Self {
+        self.in_statement = enabled;
+        self
+    }
+
+    /// The lock timeout (ms, at least 1) a statement-written audit row gets, or `None` when
+    /// rows are not written by the statement.
+    pub(crate) fn in_statement_timeout_ms(&self) -> Option<i32> {
+        self.in_statement.then(|| {
+            i32::try_from(self.timeout.as_millis())
+                .unwrap_or(i32::MAX)
+                .max(1)
+        })
+    }
+
     /// The pool audit rows are written through.
     #[must_use]
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
 
-    /// Logs and records `r`. Never fails: an audit failure is reported as an ERROR event and
-    /// must not hide the rejection itself.
-    pub(crate) async fn record(&self, r: &Rejection) {
+    /// Logs and records `r`. `in_statement` is what the rejecting statement's own audit call
+    /// returned: `None` when it did not write the row (the pool writes it now), `Some("")`
+    /// when it did, `Some(error)` when it could not. Never fails: an audit failure is reported
+    /// as an ERROR event and must not hide the rejection itself.
+    pub(crate) async fn record(&self, r: &Rejection, in_statement: Option<String>) {
         let resource = r.resource.as_deref().unwrap_or("");
         let table = r.table.as_deref().unwrap_or("");
         let key = r.key.as_deref().unwrap_or("");
@@ -81,22 +114,13 @@ impl Auditor {
             operation = r.operation,
             "stale write rejected"
         );
-        let insert = sqlx::query!(
-            "INSERT INTO pgfence.audit (resource, table_name, row_key, presented, current, holder, operation) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
-            r.resource,
-            r.table,
-            r.key,
-            r.presented,
-            r.current,
-            r.holder,
-            r.operation,
-        )
-        .execute(&self.pool);
-        let failure = match tokio::time::timeout(self.timeout, insert).await {
-            Ok(Ok(_)) => return,
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("timed out after {:?}", self.timeout),
+        let failure = match in_statement {
+            Some(error) if error.is_empty() => return,
+            Some(error) => error,
+            None => match self.write_row(r).await {
+                Ok(()) => return,
+                Err(error) => error,
+            },
         };
         tracing::error!(
             target: LOG_TARGET,
@@ -110,6 +134,27 @@ impl Auditor {
             error = failure.as_str(),
             "could not write the audit row for a rejected write"
         );
+    }
+
+    /// Inserts `r` through the pool, within the timeout; the error text otherwise.
+    async fn write_row(&self, r: &Rejection) -> std::result::Result<(), String> {
+        let insert = sqlx::query!(
+            "INSERT INTO pgfence.audit (resource, table_name, row_key, presented, current, holder, operation) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            r.resource,
+            r.table,
+            r.key,
+            r.presented,
+            r.current,
+            r.holder,
+            r.operation,
+        )
+        .execute(&self.pool);
+        match tokio::time::timeout(self.timeout, insert).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("timed out after {:?}", self.timeout)),
+        }
     }
 }
 

@@ -97,7 +97,7 @@ impl Fence {
                     holder: fencing.holder.clone(),
                     operation: "check",
                 };
-                self.auditor.record(&rejection).await;
+                self.auditor.record(&rejection, None).await;
                 Err(Error::StaleToken {
                     target,
                     presented,

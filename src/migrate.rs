@@ -26,6 +26,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V2__guard_refuses_system_schemas",
         include_str!("../migrations/V2__guard_refuses_system_schemas.sql"),
     ),
+    (
+        "V3__audit_from_the_rejecting_statement",
+        include_str!("../migrations/V3__audit_from_the_rejecting_statement.sql"),
+    ),
 ];
 
 /// One migration, as reported by [`migrate`] and [`status`].

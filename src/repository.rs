@@ -96,6 +96,44 @@ macro_rules! fenced_table {
     };
 }
 
+/// What a repository write runs on: `&PgPool` (each write is a transaction of its own) or
+/// `&mut PgConnection` (a connection, or `&mut *tx` inside a transaction).
+///
+/// The difference matters for the audit row of a rejected write, which must outlive the
+/// caller's transaction: on a pool the rejecting statement writes it itself (one round trip);
+/// on a connection, which may be inside a transaction that later rolls back, the
+/// [`Auditor`]'s own pool writes it. Sealed: implemented for sqlx's PostgreSQL executors only.
+pub trait WriteExecutor<'c>: PgExecutor<'c> + sealed::Sealed {
+    /// Whether every statement sent through this executor is a transaction of its own.
+    fn is_own_transaction(&self) -> bool;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for &sqlx::PgPool {}
+    impl Sealed for &mut sqlx::PgConnection {}
+    impl Sealed for &mut sqlx::postgres::PgListener {}
+}
+
+impl<'c> WriteExecutor<'c> for &PgPool {
+    fn is_own_transaction(&self) -> bool {
+        true
+    }
+}
+
+impl<'c> WriteExecutor<'c> for &'c mut sqlx::PgConnection {
+    /// Not known: the connection may be inside the caller's transaction.
+    fn is_own_transaction(&self) -> bool {
+        false
+    }
+}
+
+impl<'c> WriteExecutor<'c> for &'c mut sqlx::postgres::PgListener {
+    fn is_own_transaction(&self) -> bool {
+        false
+    }
+}
+
 /// What a write presents: the token, and for the audit trail the resource and holder it came
 /// from. Built from a [`FenceToken`] or (with the issuer) from a lease.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -131,6 +169,18 @@ impl Fencing {
     pub fn holder(mut self, holder: impl Into<String>) -> Self {
         self.holder = Some(holder.into());
         self
+    }
+}
+
+impl Fencing {
+    /// Binds the token, the audit context (resource, holder) and whether the statement is
+    /// its own transaction: the statements' last four parameters.
+    fn bind(&self, query: PgQuery, own_transaction: bool) -> PgQuery {
+        query
+            .bind(self.token.get())
+            .bind(self.resource.as_ref().map(|r| r.as_str().to_owned()))
+            .bind(self.holder.clone())
+            .bind(own_transaction)
     }
 }
 
@@ -227,7 +277,7 @@ impl<T: FencedTable> Repository<T> {
         if all.windows(2).any(|w| w[0] == w[1]) {
             return Err(invalid("a column is declared twice"));
         }
-        let sql = Statements::build(&table, &keys, &cols);
+        let sql = Statements::build(&table, &keys, &cols, auditor.in_statement_timeout_ms());
         Ok(Self {
             table: Arc::new(table),
             sql: Arc::new(sql),
@@ -260,7 +310,7 @@ impl<T: FencedTable> Repository<T> {
     /// tx.commit().await?;
     /// # Ok(()) }
     /// ```
-    pub async fn update<'c, E: PgExecutor<'c>>(
+    pub async fn update<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
         fencing: impl Into<Fencing>,
@@ -268,7 +318,8 @@ impl<T: FencedTable> Repository<T> {
     ) -> Result<()> {
         let fencing = fencing.into();
         let query = row.bind_columns(row.bind_key(sqlx::query(self.sql.update.clone())));
-        let out = query.bind(fencing.token.get()).fetch_one(exec).await?;
+        let own = exec.is_own_transaction();
+        let out = fencing.bind(query, own).fetch_one(exec).await?;
         if out.try_get::<bool, _>(0)? {
             return Ok(());
         }
@@ -281,7 +332,7 @@ impl<T: FencedTable> Repository<T> {
     /// # Errors
     /// [`Error::StaleToken`] when the existing row's fence (or the tombstone of a row a newer
     /// token deleted) is `>=` the token; [`Error::Database`] otherwise.
-    pub async fn upsert<'c, E: PgExecutor<'c>>(
+    pub async fn upsert<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
         fencing: impl Into<Fencing>,
@@ -289,7 +340,8 @@ impl<T: FencedTable> Repository<T> {
     ) -> Result<Upserted> {
         let fencing = fencing.into();
         let query = row.bind_columns(row.bind_key(sqlx::query(self.sql.upsert.clone())));
-        let out = query.bind(fencing.token.get()).fetch_one(exec).await?;
+        let own = exec.is_own_transaction();
+        let out = fencing.bind(query, own).fetch_one(exec).await?;
         match out.try_get::<Option<bool>, _>(0)? {
             Some(true) => Ok(Upserted::Inserted),
             Some(false) => Ok(Upserted::Updated),
@@ -312,7 +364,7 @@ impl<T: FencedTable> Repository<T> {
     /// # Errors
     /// [`Error::StaleToken`] when the row's fence is `>=` the token; [`Error::NotFound`] when
     /// there is no such row; [`Error::Database`] otherwise.
-    pub async fn delete<'c, E: PgExecutor<'c>>(
+    pub async fn delete<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
         fencing: impl Into<Fencing>,
@@ -320,7 +372,8 @@ impl<T: FencedTable> Repository<T> {
     ) -> Result<()> {
         let fencing = fencing.into();
         let query = T::bind_key_value(key, sqlx::query(self.sql.delete.clone()));
-        let out = query.bind(fencing.token.get()).fetch_one(exec).await?;
+        let own = exec.is_own_transaction();
+        let out = fencing.bind(query, own).fetch_one(exec).await?;
         if out.try_get::<bool, _>(0)? {
             return Ok(());
         }
@@ -370,7 +423,8 @@ impl<T: FencedTable> Repository<T> {
             holder: fencing.holder.clone(),
             operation,
         };
-        self.auditor.record(&rejection).await;
+        let in_statement = out.try_get::<Option<String>, _>("audit")?;
+        self.auditor.record(&rejection, in_statement).await;
         Err(Error::stale(
             format!("{} {key}", self.table),
             fencing.token,
@@ -382,6 +436,36 @@ impl<T: FencedTable> Repository<T> {
 /// The catalog's operators, spelled so that `search_path` cannot substitute others.
 const EQ: &str = "OPERATOR(pg_catalog.=)";
 const LT: &str = "OPERATOR(pg_catalog.<)";
+
+/// The `audit` column of every write statement. For a stale outcome (`current >= token`) of a
+/// statement that is its own transaction, it calls `pgfence.record_rejection`, which writes the
+/// audit row in that same statement and returns `''` (or the error text if it could not);
+/// NULL otherwise, and then [`Auditor`] writes the row through its own pool. The parameters
+/// after the token: resource, holder, and whether the statement is its own transaction
+/// ([`WriteExecutor::is_own_transaction`]: only the client knows).
+fn audit_column(
+    table_literal: &str,
+    token_param: usize,
+    current: &str,
+    operation: &str,
+    lock_timeout_ms: Option<i32>,
+) -> String {
+    let Some(ms) = lock_timeout_ms else {
+        return "NULL::pg_catalog.text".to_owned();
+    };
+    let token = format!("${token_param}");
+    let (resource, holder) = (
+        format!("${}", token_param + 1),
+        format!("${}", token_param + 2),
+    );
+    let own_transaction = format!("${}", token_param + 3);
+    format!(
+        "CASE WHEN {own_transaction}::pg_catalog.bool \
+         AND {current} OPERATOR(pg_catalog.>=) {token} \
+         THEN pgfence.record_rejection({resource}::pg_catalog.text, {table_literal}, c.row_key, \
+         {token}, {current}, {holder}::pg_catalog.text, '{operation}', {ms}) END"
+    )
+}
 
 fn key_text(out: &PgRow) -> String {
     out.try_get::<Option<String>, _>(2)
@@ -400,15 +484,32 @@ impl Statements {
     /// type is schema-qualified (`OPERATOR(pg_catalog.=)`, `pg_catalog.jsonb_build_array`),
     /// so objects on the caller's `search_path` can never stand in for the catalog's.
     ///
-    /// Parameters: key columns `$1..$k`, then (update/upsert) data columns, then the token.
-    /// Every statement returns `(applied, current, key)`; upsert adds the tombstone fence.
+    /// Parameters: key columns `$1..$k`, then (update/upsert) data columns, then the token,
+    /// then the audit context (resource, holder; text, may be NULL).
+    /// Every statement returns `(applied, current, key)`; upsert adds the tombstone fence; the
+    /// last column, `audit`, is the in-statement audit outcome (see [`audit_column`]).
     /// `current` is read with `FOR SHARE`, which conflicts with any concurrent UPDATE, so
     /// under READ COMMITTED it waits for it and follows the row to its latest committed version, so a write that lost a race reports the fence it lost
     /// to rather than the one in its snapshot.
-    fn build(table: &TableName, keys: &[Ident], cols: &[Ident]) -> Self {
+    fn build(
+        table: &TableName,
+        keys: &[Ident],
+        cols: &[Ident],
+        audit_lock_timeout_ms: Option<i32>,
+    ) -> Self {
         let t = table.quoted();
         let k = keys.len();
         let token = format!("${}", k + cols.len() + 1);
+        let table_literal = crate::ident::quote_literal(&t).unwrap_or_default();
+        let audit = |token_param: usize, current: &str, operation: &str| {
+            audit_column(
+                &table_literal,
+                token_param,
+                current,
+                operation,
+                audit_lock_timeout_ms,
+            )
+        };
         let key_params: Vec<String> = (1..=k).map(|i| format!("${i}")).collect();
         let key_match = keys
             .iter()
@@ -430,15 +531,23 @@ impl Statements {
             .enumerate()
             .map(|(i, c)| format!("{} = ${}, ", c.quoted(), k + i + 1))
             .collect();
-        let classify = format!(
-            "SELECT EXISTS (SELECT 1 FROM w) AS applied, \
-             CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {probe} END AS current, \
-             CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {key_json} END AS row_key"
-        );
+        // The outcome row, computed once (`OFFSET 0` keeps the planner from inlining it and
+        // so duplicating the probe), then the audit column over it.
+        let classify = |token_param: usize, operation: &str| {
+            format!(
+                "SELECT c.applied, c.current, c.row_key, {audit} AS audit FROM (\
+                 SELECT EXISTS (SELECT 1 FROM w) AS applied, \
+                 CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {probe} END AS current, \
+                 CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {key_json} END AS row_key \
+                 OFFSET 0) c",
+                audit = audit(token_param, "c.current", operation),
+            )
+        };
 
         let update = format!(
             "WITH w AS (UPDATE {t} SET {set_cols}\"fence\" = {token} \
-             WHERE {key_match} AND \"fence\" {LT} {token} RETURNING 1) {classify}"
+             WHERE {key_match} AND \"fence\" {LT} {token} RETURNING 1) {classify}",
+            classify = classify(k + cols.len() + 1, "update"),
         );
 
         let all_cols: Vec<String> = keys.iter().chain(cols).map(Ident::quoted).collect();
@@ -458,10 +567,17 @@ impl Statements {
              ON CONFLICT ({keys}) DO UPDATE SET {conflict_set}\"fence\" = EXCLUDED.\"fence\" \
              WHERE cur.\"fence\" {LT} EXCLUDED.\"fence\" \
              RETURNING (xmax {EQ} 0) AS inserted) \
+             SELECT c.inserted, c.current, c.row_key, c.tombstone, {audit} AS audit FROM (\
              SELECT (SELECT inserted FROM w) AS inserted, \
              CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {probe} END AS current, \
              CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {key_json} END AS row_key, \
-             CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {tomb_fence} END AS tombstone",
+             CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {tomb_fence} END AS tombstone \
+             OFFSET 0) c",
+            audit = audit(
+                k + cols.len() + 1,
+                "coalesce(c.current, c.tombstone)",
+                "upsert"
+            ),
             cols = all_cols.join(", "),
             params = all_params.join(", "),
             keys = key_cols.join(", "),
@@ -473,7 +589,8 @@ impl Statements {
              tomb AS (INSERT INTO pgfence.tombstone AS tb (rel, row_key, fence) \
              SELECT {tombstone_rel}, {key_json}, {del_token} FROM w \
              ON CONFLICT (rel, row_key) DO UPDATE SET fence = greatest(tb.fence, EXCLUDED.fence), deleted_at = pg_catalog.now()) \
-             {classify}"
+             {classify}",
+            classify = classify(k + 1, "delete"),
         );
 
         let sql = |s: String| AssertSqlSafe(s).into_sql_str();
