@@ -60,7 +60,7 @@ use pgfence::{FenceToken, Fencing, Issuer, Repository, Resource, TableName};
 use redis::aio::ConnectionManager;
 use serde_json::{Value as Json, json};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Row, SqlSafeStr, SqlStr};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, SqlSafeStr, SqlStr};
 
 /// The acquire script, byte for byte what [`Issuer::acquire`] sends.
 const ACQUIRE_LUA: &str = include_str!("../src/lua/acquire.lua");
@@ -78,11 +78,8 @@ const LEASE_TTL: Duration = Duration::from_secs(30);
 /// What [`Repository::update`] sends for [`GuardedRow`], rebuilt by hand from
 /// `Statements::build` in `src/repository.rs`. The bench uses the text it reads back from the
 /// server; this copy only lets the report say whether the two still agree.
-const REPO_UPDATE_SQL: &str = "WITH w AS (UPDATE \"public\".\"bench_guarded\" SET \"payload\" = $2, \
-    \"fence\" = $3 WHERE \"id\" = $1 AND \"fence\" < $3 RETURNING 1) SELECT EXISTS (SELECT 1 FROM w) \
-    AS applied, CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN (SELECT \"fence\" FROM \
-    \"public\".\"bench_guarded\" WHERE \"id\" = $1 FOR SHARE) END AS current, CASE WHEN NOT EXISTS \
-    (SELECT 1 FROM w) THEN jsonb_build_array($1)::text END AS row_key";
+const REPO_UPDATE_SQL: &str = "UPDATE \"public\".\"bench_guarded\" SET \"payload\" = $2, \
+    \"fence\" = $3 WHERE \"id\" OPERATOR(pg_catalog.=) $1 AND \"fence\" OPERATOR(pg_catalog.<) $3";
 
 /// 1b: the plain update, on the unguarded table.
 const PLAIN_UPDATE_SQL: &str = "UPDATE bench_plain SET payload = $1 WHERE id = $2";
@@ -683,11 +680,11 @@ impl Workload for RawRepoSql {
             .bind(keys.next())
             .bind(&*payload)
             .bind(next_token().get())
-            .fetch_one(&self.pool)
+            .execute(&self.pool)
             .await;
-        match out.and_then(|row| row.try_get::<bool, _>(0)) {
-            Ok(true) => Outcome::Applied,
-            Ok(false) => Outcome::Rejected,
+        match out.map(|done| done.rows_affected()) {
+            Ok(1) => Outcome::Applied,
+            Ok(_) => Outcome::Rejected,
             Err(e) => Outcome::Failed(e.to_string()),
         }
     }

@@ -1,15 +1,24 @@
 //! The typed repository: fenced `update`, `upsert` and `delete` for tables declared with
 //! [`fenced_table!`](crate::fenced_table) (or a hand-written [`FencedTable`] impl).
 //!
-//! Each write is one statement. The same statement classifies its outcome: applied, stale
-//! (the row's fence is at least the presented token) or not found, so a concurrent change
-//! between "try" and "explain" cannot turn one into the other.
+//! An applied write is one plain statement (`UPDATE ... WHERE <key> AND fence < $token`, the
+//! fenced `INSERT ... ON CONFLICT`, the fenced `DELETE`). Only a write that changed nothing
+//! sends a second statement, on the same executor, that tells why: stale (the row's fence is
+//! at least the presented token, or for upsert a newer token deleted the row), not found, or
+//! contended (the row was replaced meanwhile, retryable) — and, on a pool, writes the audit
+//! row in that same statement. The common path pays nothing for the rare one
+//! (`BENCHMARKS.md`: classifying inside the write cost ~15% of its throughput).
+//!
+//! Between the two statements the row can change; the second reports what it finds then. A
+//! row a newer token deleted through [`Repository::delete`] left a tombstone and still
+//! reports stale to `upsert`; a row deleted by raw SQL in between reports not found — the
+//! write was rejected either way and nothing was written.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
 
 use sqlx::postgres::{PgArguments, PgRow};
-use sqlx::{AssertSqlSafe, PgExecutor, PgPool, Postgres, Row, SqlSafeStr, SqlStr};
+use sqlx::{AssertSqlSafe, PgPool, Postgres, Row, SqlSafeStr, SqlStr};
 
 use crate::audit::{Auditor, Rejection};
 use crate::ident::{Ident, TableName};
@@ -96,14 +105,19 @@ macro_rules! fenced_table {
     };
 }
 
-/// What a repository write runs on: `&PgPool` (each write is a transaction of its own) or
-/// `&mut PgConnection` (a connection, or `&mut *tx` inside a transaction).
+/// What a repository write runs on: `&PgPool` (each statement is a transaction of its own)
+/// or `&mut PgConnection` (a connection, or `&mut *tx` inside a transaction).
 ///
-/// The difference matters for the audit row of a rejected write, which must outlive the
-/// caller's transaction: on a pool the rejecting statement writes it itself (one round trip);
-/// on a connection, which may be inside a transaction that later rolls back, the
-/// [`Auditor`]'s own pool writes it. Sealed: implemented for sqlx's PostgreSQL executors only.
-pub trait WriteExecutor<'c>: PgExecutor<'c> + sealed::Sealed {
+/// A write that is rejected needs a second statement on the same executor, to tell stale from
+/// not found; and its audit row must outlive the caller's transaction: on a pool that second
+/// statement writes it itself, on a connection — which may be inside a transaction that later
+/// rolls back — the [`Auditor`]'s own pool writes it. Sealed: implemented for sqlx's
+/// PostgreSQL executors only.
+pub trait WriteExecutor: sealed::Sealed + Send {
+    /// Lends the executor for one statement.
+    #[doc(hidden)]
+    fn target(&mut self) -> Target<'_>;
+
     /// Whether every statement sent through this executor is a transaction of its own.
     fn is_own_transaction(&self) -> bool;
 }
@@ -115,20 +129,71 @@ mod sealed {
     impl Sealed for &mut sqlx::postgres::PgListener {}
 }
 
-impl<'c> WriteExecutor<'c> for &PgPool {
+/// One statement's executor, lent by a [`WriteExecutor`].
+#[doc(hidden)]
+#[derive(Debug)]
+pub enum Target<'a> {
+    /// A pool.
+    Pool(&'a PgPool),
+    /// A connection.
+    Connection(&'a mut sqlx::PgConnection),
+    /// A listener's connection.
+    Listener(&'a mut sqlx::postgres::PgListener),
+}
+
+impl Target<'_> {
+    async fn execute(self, query: PgQuery) -> sqlx::Result<u64> {
+        let done = match self {
+            Self::Pool(p) => query.execute(p).await?,
+            Self::Connection(c) => query.execute(c).await?,
+            Self::Listener(l) => query.execute(l).await?,
+        };
+        Ok(done.rows_affected())
+    }
+
+    async fn fetch_optional(self, query: PgQuery) -> sqlx::Result<Option<PgRow>> {
+        match self {
+            Self::Pool(p) => query.fetch_optional(p).await,
+            Self::Connection(c) => query.fetch_optional(c).await,
+            Self::Listener(l) => query.fetch_optional(l).await,
+        }
+    }
+
+    async fn fetch_one(self, query: PgQuery) -> sqlx::Result<PgRow> {
+        match self {
+            Self::Pool(p) => query.fetch_one(p).await,
+            Self::Connection(c) => query.fetch_one(c).await,
+            Self::Listener(l) => query.fetch_one(l).await,
+        }
+    }
+}
+
+impl WriteExecutor for &PgPool {
+    fn target(&mut self) -> Target<'_> {
+        Target::Pool(self)
+    }
+
     fn is_own_transaction(&self) -> bool {
         true
     }
 }
 
-impl<'c> WriteExecutor<'c> for &'c mut sqlx::PgConnection {
+impl WriteExecutor for &mut sqlx::PgConnection {
+    fn target(&mut self) -> Target<'_> {
+        Target::Connection(self)
+    }
+
     /// Not known: the connection may be inside the caller's transaction.
     fn is_own_transaction(&self) -> bool {
         false
     }
 }
 
-impl<'c> WriteExecutor<'c> for &'c mut sqlx::postgres::PgListener {
+impl WriteExecutor for &mut sqlx::postgres::PgListener {
+    fn target(&mut self) -> Target<'_> {
+        Target::Listener(self)
+    }
+
     fn is_own_transaction(&self) -> bool {
         false
     }
@@ -173,9 +238,9 @@ impl Fencing {
 }
 
 impl Fencing {
-    /// Binds the token, the audit context (resource, holder) and whether the statement is
-    /// its own transaction: the statements' last four parameters.
-    fn bind(&self, query: PgQuery, own_transaction: bool) -> PgQuery {
+    /// Binds the parameters of an explaining statement after the key: the token, the audit
+    /// context (resource, holder) and whether the statement is its own transaction.
+    fn bind_explain(&self, query: PgQuery, own_transaction: bool) -> PgQuery {
         query
             .bind(self.token.get())
             .bind(self.resource.as_ref().map(|r| r.as_str().to_owned()))
@@ -205,10 +270,15 @@ pub enum Upserted {
     Updated,
 }
 
+/// The SQL of one table: each write, and the statement that explains a write that changed
+/// nothing.
 struct Statements {
     update: SqlStr,
     upsert: SqlStr,
     delete: SqlStr,
+    explain_update: SqlStr,
+    explain_upsert: SqlStr,
+    explain_delete: SqlStr,
 }
 
 /// Fenced writes to one table. Cheap to clone; build it once and share it.
@@ -310,20 +380,24 @@ impl<T: FencedTable> Repository<T> {
     /// tx.commit().await?;
     /// # Ok(()) }
     /// ```
-    pub async fn update<'c, E: WriteExecutor<'c>>(
+    pub async fn update<E: WriteExecutor>(
         &self,
-        exec: E,
+        mut exec: E,
         fencing: impl Into<Fencing>,
         row: &T,
     ) -> Result<()> {
         let fencing = fencing.into();
-        let query = row.bind_columns(row.bind_key(sqlx::query(self.sql.update.clone())));
-        let own = exec.is_own_transaction();
-        let out = fencing.bind(query, own).fetch_one(exec).await?;
-        if out.try_get::<bool, _>(0)? {
+        let write = row.bind_columns(row.bind_key(sqlx::query(self.sql.update.clone())));
+        let done = exec
+            .target()
+            .execute(write.bind(fencing.token.get()))
+            .await?;
+        if done > 0 {
             return Ok(());
         }
-        self.rejected(&out, 1, &fencing, "update").await
+        let explain = row.bind_key(sqlx::query(self.sql.explain_update.clone()));
+        let out = explain_row(explain, &fencing, &mut exec).await?;
+        self.rejected(&out, &fencing, "update").await
     }
 
     /// Inserts `row`, or updates it if it exists with an older fence. A row that a newer token
@@ -332,30 +406,34 @@ impl<T: FencedTable> Repository<T> {
     /// # Errors
     /// [`Error::StaleToken`] when the existing row's fence (or the tombstone of a row a newer
     /// token deleted) is `>=` the token; [`Error::Database`] otherwise.
-    pub async fn upsert<'c, E: WriteExecutor<'c>>(
+    pub async fn upsert<E: WriteExecutor>(
         &self,
-        exec: E,
+        mut exec: E,
         fencing: impl Into<Fencing>,
         row: &T,
     ) -> Result<Upserted> {
         let fencing = fencing.into();
-        let query = row.bind_columns(row.bind_key(sqlx::query(self.sql.upsert.clone())));
-        let own = exec.is_own_transaction();
-        let out = fencing.bind(query, own).fetch_one(exec).await?;
-        match out.try_get::<Option<bool>, _>(0)? {
-            Some(true) => Ok(Upserted::Inserted),
-            Some(false) => Ok(Upserted::Updated),
-            None => {
-                // Column 3 is the tombstone's fence when the row is gone.
-                let tomb: Option<i64> = out.try_get(3)?;
-                if out.try_get::<Option<i64>, _>(1)?.is_none()
-                    && let Some(current) = tomb
-                {
-                    return self.stale(&out, &fencing, current, "upsert").await;
-                }
-                self.rejected(&out, 1, &fencing, "upsert").await
-            }
+        let write = row.bind_columns(row.bind_key(sqlx::query(self.sql.upsert.clone())));
+        let done = exec
+            .target()
+            .fetch_optional(write.bind(fencing.token.get()))
+            .await?;
+        if let Some(done) = done {
+            return Ok(if done.try_get::<bool, _>(0)? {
+                Upserted::Inserted
+            } else {
+                Upserted::Updated
+            });
         }
+        let explain = row.bind_key(sqlx::query(self.sql.explain_upsert.clone()));
+        let out = explain_row(explain, &fencing, &mut exec).await?;
+        // No row but a tombstone: a newer token deleted it.
+        if out.try_get::<Option<i64>, _>("current")?.is_none()
+            && let Some(tomb) = out.try_get::<Option<i64>, _>("tombstone")?
+        {
+            return self.stale(&out, &fencing, tomb, "upsert").await;
+        }
+        self.rejected(&out, &fencing, "upsert").await
     }
 
     /// Deletes the row with `key` if its fence is older than the token, and records a
@@ -364,32 +442,36 @@ impl<T: FencedTable> Repository<T> {
     /// # Errors
     /// [`Error::StaleToken`] when the row's fence is `>=` the token; [`Error::NotFound`] when
     /// there is no such row; [`Error::Database`] otherwise.
-    pub async fn delete<'c, E: WriteExecutor<'c>>(
+    pub async fn delete<E: WriteExecutor>(
         &self,
-        exec: E,
+        mut exec: E,
         fencing: impl Into<Fencing>,
         key: &T::Key,
     ) -> Result<()> {
         let fencing = fencing.into();
-        let query = T::bind_key_value(key, sqlx::query(self.sql.delete.clone()));
-        let own = exec.is_own_transaction();
-        let out = fencing.bind(query, own).fetch_one(exec).await?;
-        if out.try_get::<bool, _>(0)? {
+        let write = T::bind_key_value(key, sqlx::query(self.sql.delete.clone()));
+        let deleted: bool = exec
+            .target()
+            .fetch_one(write.bind(fencing.token.get()))
+            .await?
+            .try_get(0)?;
+        if deleted {
             return Ok(());
         }
-        self.rejected(&out, 1, &fencing, "delete").await
+        let explain = T::bind_key_value(key, sqlx::query(self.sql.explain_delete.clone()));
+        let out = explain_row(explain, &fencing, &mut exec).await?;
+        self.rejected(&out, &fencing, "delete").await
     }
 
-    /// Classifies a write that changed nothing from the probe columns: `current` at `col`,
-    /// the key (JSON text) at column 2.
+    /// Classifies a write that changed nothing from its explaining row: the row's fence
+    /// (`current`, NULL when there is no row) against the token.
     async fn rejected<R>(
         &self,
         out: &PgRow,
-        col: usize,
         fencing: &Fencing,
         operation: &'static str,
     ) -> Result<R> {
-        match out.try_get::<Option<i64>, _>(col)? {
+        match out.try_get::<Option<i64>, _>("current")? {
             None => Err(Error::NotFound {
                 table: self.table.quoted(),
                 key: key_text(out),
@@ -397,8 +479,8 @@ impl<T: FencedTable> Repository<T> {
             Some(current) if current >= fencing.token.get() => {
                 self.stale(out, fencing, current, operation).await
             }
-            // The row's latest version has an older fence yet the write did not apply: it
-            // changed (key update, delete and re-insert) while this statement ran.
+            // The row now has an older fence, yet the write did not apply: it was replaced
+            // (deleted and inserted again) while the write ran.
             Some(_) => Err(Error::Contended {
                 table: self.table.quoted(),
                 operation,
@@ -467,8 +549,21 @@ fn audit_column(
     )
 }
 
+/// Runs an explaining statement (key already bound) on the write's executor.
+async fn explain_row<E: WriteExecutor>(
+    explain: PgQuery,
+    fencing: &Fencing,
+    exec: &mut E,
+) -> Result<PgRow> {
+    let own = exec.is_own_transaction();
+    Ok(exec
+        .target()
+        .fetch_one(fencing.bind_explain(explain, own))
+        .await?)
+}
+
 fn key_text(out: &PgRow) -> String {
-    out.try_get::<Option<String>, _>(2)
+    out.try_get::<Option<String>, _>("row_key")
         .ok()
         .flatten()
         .unwrap_or_default()
@@ -479,18 +574,22 @@ fn idents(names: &[&str]) -> Result<Vec<Ident>> {
 }
 
 impl Statements {
-    /// Builds the three statements. Identifiers arrive validated and are quoted by
+    /// Builds the statements. Identifiers arrive validated and are quoted by
     /// [`Ident::quoted`]; values are always bind parameters. Every operator, function and
     /// type is schema-qualified (`OPERATOR(pg_catalog.=)`, `pg_catalog.jsonb_build_array`),
     /// so objects on the caller's `search_path` can never stand in for the catalog's.
     ///
-    /// Parameters: key columns `$1..$k`, then (update/upsert) data columns, then the token,
-    /// then the audit context (resource, holder; text, may be NULL).
-    /// Every statement returns `(applied, current, key)`; upsert adds the tombstone fence; the
-    /// last column, `audit`, is the in-statement audit outcome (see [`audit_column`]).
-    /// `current` is read with `FOR SHARE`, which conflicts with any concurrent UPDATE, so
-    /// under READ COMMITTED it waits for it and follows the row to its latest committed version, so a write that lost a race reports the fence it lost
-    /// to rather than the one in its snapshot.
+    /// Writes: key columns `$1..$k`, then (update/upsert) data columns, then the token. Each is
+    /// the bare fenced statement, so an applied write costs one plain statement.
+    ///
+    /// Explaining statements, sent only after a write changed nothing: key columns `$1..$k`,
+    /// the token, the audit context (resource, holder; text, may be NULL) and whether the
+    /// statement is its own transaction (bool). They return `current` (the row's fence, NULL
+    /// when there is no row), `row_key` (the key as JSON text), for upsert `tombstone` (the
+    /// fence of a fenced delete of that key), and `audit` (see [`audit_column`]). They run
+    /// on the write's own executor, so inside a transaction they see what it sees; under READ
+    /// COMMITTED their snapshot is newer than the write's, which had waited for any
+    /// concurrent writer of the row to commit, so they report the fence the write lost to.
     fn build(
         table: &TableName,
         keys: &[Ident],
@@ -500,16 +599,6 @@ impl Statements {
         let t = table.quoted();
         let k = keys.len();
         let token = format!("${}", k + cols.len() + 1);
-        let table_literal = crate::ident::quote_literal(&t).unwrap_or_default();
-        let audit = |token_param: usize, current: &str, operation: &str| {
-            audit_column(
-                &table_literal,
-                token_param,
-                current,
-                operation,
-                audit_lock_timeout_ms,
-            )
-        };
         let key_params: Vec<String> = (1..=k).map(|i| format!("${i}")).collect();
         let key_match = keys
             .iter()
@@ -521,33 +610,23 @@ impl Statements {
             "pg_catalog.jsonb_build_array({})::pg_catalog.text",
             key_params.join(", ")
         );
-        let probe = format!("(SELECT \"fence\" FROM {t} WHERE {key_match} FOR SHARE)");
-        let tombstone_rel = format!(
+        let rel = format!(
             "{}::pg_catalog.regclass::pg_catalog.oid",
             crate::ident::quote_literal(&t).unwrap_or_default()
         );
+        let tomb_fence = format!(
+            "(SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel {EQ} {rel} \
+             AND tb.row_key {EQ} {key_json})"
+        );
+
         let set_cols: String = cols
             .iter()
             .enumerate()
             .map(|(i, c)| format!("{} = ${}, ", c.quoted(), k + i + 1))
             .collect();
-        // The outcome row, computed once (`OFFSET 0` keeps the planner from inlining it and
-        // so duplicating the probe), then the audit column over it.
-        let classify = |token_param: usize, operation: &str| {
-            format!(
-                "SELECT c.applied, c.current, c.row_key, {audit} AS audit FROM (\
-                 SELECT EXISTS (SELECT 1 FROM w) AS applied, \
-                 CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {probe} END AS current, \
-                 CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {key_json} END AS row_key \
-                 OFFSET 0) c",
-                audit = audit(token_param, "c.current", operation),
-            )
-        };
-
         let update = format!(
-            "WITH w AS (UPDATE {t} SET {set_cols}\"fence\" = {token} \
-             WHERE {key_match} AND \"fence\" {LT} {token} RETURNING 1) {classify}",
-            classify = classify(k + cols.len() + 1, "update"),
+            "UPDATE {t} SET {set_cols}\"fence\" = {token} \
+             WHERE {key_match} AND \"fence\" {LT} {token}"
         );
 
         let all_cols: Vec<String> = keys.iter().chain(cols).map(Ident::quoted).collect();
@@ -557,27 +636,14 @@ impl Statements {
             .map(|c| format!("{0} = EXCLUDED.{0}, ", c.quoted()))
             .collect();
         let key_cols: Vec<String> = keys.iter().map(Ident::quoted).collect();
-        let tomb_fence = format!(
-            "(SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel {EQ} {tombstone_rel} AND tb.row_key {EQ} {key_json})"
-        );
         let upsert = format!(
-            "WITH w AS (INSERT INTO {t} AS cur ({cols}, \"fence\") \
+            "INSERT INTO {t} AS cur ({cols}, \"fence\") \
              SELECT {params}, {token} \
-             WHERE coalesce({tomb_fence} {LT} {token}, true) OR EXISTS (SELECT 1 FROM {t} WHERE {key_match}) \
+             WHERE coalesce({tomb} {LT} {token}, true) OR EXISTS (SELECT 1 FROM {t} WHERE {key_match}) \
              ON CONFLICT ({keys}) DO UPDATE SET {conflict_set}\"fence\" = EXCLUDED.\"fence\" \
              WHERE cur.\"fence\" {LT} EXCLUDED.\"fence\" \
-             RETURNING (xmax {EQ} 0) AS inserted) \
-             SELECT c.inserted, c.current, c.row_key, c.tombstone, {audit} AS audit FROM (\
-             SELECT (SELECT inserted FROM w) AS inserted, \
-             CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {probe} END AS current, \
-             CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {key_json} END AS row_key, \
-             CASE WHEN NOT EXISTS (SELECT 1 FROM w) THEN {tomb_fence} END AS tombstone \
-             OFFSET 0) c",
-            audit = audit(
-                k + cols.len() + 1,
-                "coalesce(c.current, c.tombstone)",
-                "upsert"
-            ),
+             RETURNING (xmax {EQ} 0) AS inserted",
+            tomb = tomb_fence,
             cols = all_cols.join(", "),
             params = all_params.join(", "),
             keys = key_cols.join(", "),
@@ -587,17 +653,46 @@ impl Statements {
         let delete = format!(
             "WITH w AS (DELETE FROM {t} WHERE {key_match} AND \"fence\" {LT} {del_token} RETURNING 1), \
              tomb AS (INSERT INTO pgfence.tombstone AS tb (rel, row_key, fence) \
-             SELECT {tombstone_rel}, {key_json}, {del_token} FROM w \
+             SELECT {rel}, {key_json}, {del_token} FROM w \
              ON CONFLICT (rel, row_key) DO UPDATE SET fence = greatest(tb.fence, EXCLUDED.fence), deleted_at = pg_catalog.now()) \
-             {classify}",
-            classify = classify(k + 1, "delete"),
+             SELECT EXISTS (SELECT 1 FROM w)"
         );
+
+        // Explaining statements: the token is the parameter after the key.
+        let table_literal = crate::ident::quote_literal(&t).unwrap_or_default();
+        let explain = |operation: &str, with_tombstone: bool| {
+            let current = if with_tombstone {
+                "coalesce(c.current, c.tombstone)"
+            } else {
+                "c.current"
+            };
+            let audit = audit_column(
+                &table_literal,
+                k + 1,
+                current,
+                operation,
+                audit_lock_timeout_ms,
+            );
+            let (outer, inner) = if with_tombstone {
+                (", c.tombstone", format!(", {tomb_fence} AS tombstone"))
+            } else {
+                ("", String::new())
+            };
+            format!(
+                "SELECT c.current, c.row_key{outer}, {audit} AS audit FROM (\
+                 SELECT (SELECT \"fence\" FROM {t} WHERE {key_match}) AS current, \
+                 {key_json} AS row_key{inner} OFFSET 0) c"
+            )
+        };
 
         let sql = |s: String| AssertSqlSafe(s).into_sql_str();
         Self {
             update: sql(update),
             upsert: sql(upsert),
             delete: sql(delete),
+            explain_update: sql(explain("update", false)),
+            explain_upsert: sql(explain("upsert", true)),
+            explain_delete: sql(explain("delete", false)),
         }
     }
 }

@@ -10,7 +10,7 @@ async fn second_run_is_a_no_op() {
     let first = pgfence::migrate(&db.pool).await.unwrap();
     assert_eq!(
         first.iter().map(|m| m.version).collect::<Vec<_>>(),
-        vec![1, 2]
+        vec![1, 2, 3]
     );
     assert!(pgfence::migrate(&db.pool).await.unwrap().is_empty());
     let status = pgfence::migrate::status(&db.pool).await.unwrap();
@@ -41,7 +41,7 @@ async fn concurrent_runs_all_succeed_and_one_applies() {
             .expect("every concurrent run succeeds")
             .len();
     }
-    assert_eq!(applied, 2, "exactly one run applies V1 and V2");
+    assert_eq!(applied, 3, "exactly one run applies V1, V2 and V3");
 }
 
 /// A user's populated database with its own refinery history: only pgfence's schema appears.
@@ -80,7 +80,7 @@ async fn existing_database_is_untouched() {
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(ours, 2);
+    assert_eq!(ours, 3);
 
     // Guarding adds only the column and the trigger.
     pgfence::guard(&db.pool, &pgfence::TableName::parse("orders").unwrap())
