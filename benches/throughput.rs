@@ -998,7 +998,7 @@ async fn capture_repo_sql(env_db: &PgConnectOptions) -> Result<String> {
     };
     repo.update(&mut *conn, next_token(), &row).await?;
     let texts: Vec<String> = sqlx::query_scalar(
-        "SELECT statement FROM pg_prepared_statements WHERE statement LIKE 'WITH w AS (UPDATE %'",
+        "SELECT statement FROM pg_prepared_statements WHERE statement LIKE 'UPDATE \"public\".\"bench_guarded\" %'",
     )
     .fetch_all(&mut *conn)
     .await?;

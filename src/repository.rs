@@ -395,7 +395,7 @@ impl<T: FencedTable> Repository<T> {
         if done > 0 {
             return Ok(());
         }
-        let explain = row.bind_key(sqlx::query(self.sql.explain_update.clone()));
+        let explain = || row.bind_key(sqlx::query(self.sql.explain_update.clone()));
         let out = explain_row(explain, &fencing, &mut exec).await?;
         self.rejected(&out, &fencing, "update").await
     }
@@ -425,11 +425,11 @@ impl<T: FencedTable> Repository<T> {
                 Upserted::Updated
             });
         }
-        let explain = row.bind_key(sqlx::query(self.sql.explain_upsert.clone()));
+        let explain = || row.bind_key(sqlx::query(self.sql.explain_upsert.clone()));
         let out = explain_row(explain, &fencing, &mut exec).await?;
         // No row but a tombstone: a newer token deleted it.
-        if out.try_get::<Option<i64>, _>("current")?.is_none()
-            && let Some(tomb) = out.try_get::<Option<i64>, _>("tombstone")?
+        if out.row.try_get::<Option<i64>, _>("current")?.is_none()
+            && let Some(tomb) = out.row.try_get::<Option<i64>, _>("tombstone")?
         {
             return self.stale(&out, &fencing, tomb, "upsert").await;
         }
@@ -458,7 +458,7 @@ impl<T: FencedTable> Repository<T> {
         if deleted {
             return Ok(());
         }
-        let explain = T::bind_key_value(key, sqlx::query(self.sql.explain_delete.clone()));
+        let explain = || T::bind_key_value(key, sqlx::query(self.sql.explain_delete.clone()));
         let out = explain_row(explain, &fencing, &mut exec).await?;
         self.rejected(&out, &fencing, "delete").await
     }
@@ -467,14 +467,14 @@ impl<T: FencedTable> Repository<T> {
     /// (`current`, NULL when there is no row) against the token.
     async fn rejected<R>(
         &self,
-        out: &PgRow,
+        out: &Explained,
         fencing: &Fencing,
         operation: &'static str,
     ) -> Result<R> {
-        match out.try_get::<Option<i64>, _>("current")? {
+        match out.row.try_get::<Option<i64>, _>("current")? {
             None => Err(Error::NotFound {
                 table: self.table.quoted(),
-                key: key_text(out),
+                key: key_text(&out.row),
             }),
             Some(current) if current >= fencing.token.get() => {
                 self.stale(out, fencing, current, operation).await
@@ -490,12 +490,12 @@ impl<T: FencedTable> Repository<T> {
 
     async fn stale<R>(
         &self,
-        out: &PgRow,
+        out: &Explained,
         fencing: &Fencing,
         current: i64,
         operation: &'static str,
     ) -> Result<R> {
-        let key = key_text(out);
+        let key = key_text(&out.row);
         let rejection = Rejection {
             resource: fencing.resource.as_ref().map(|r| r.as_str().to_owned()),
             table: Some(self.table.quoted()),
@@ -505,7 +505,7 @@ impl<T: FencedTable> Repository<T> {
             holder: fencing.holder.clone(),
             operation,
         };
-        let in_statement = out.try_get::<Option<String>, _>("audit")?;
+        let in_statement = out.in_statement()?;
         self.auditor.record(&rejection, in_statement).await;
         Err(Error::stale(
             format!("{} {key}", self.table),
@@ -549,17 +549,66 @@ fn audit_column(
     )
 }
 
-/// Runs an explaining statement (key already bound) on the write's executor.
+/// An explaining statement's row, and the error of its own audit insert if that failed.
+struct Explained {
+    row: PgRow,
+    audit_error: Option<String>,
+}
+
+impl Explained {
+    /// What [`Auditor::record`] needs to know about the row the statement was to write.
+    fn in_statement(&self) -> Result<Option<String>> {
+        match &self.audit_error {
+            Some(e) => Ok(Some(e.clone())),
+            None => Ok(self.row.try_get::<Option<String>, _>("audit")?),
+        }
+    }
+}
+
+/// Runs an explaining statement on the write's executor; `explain` makes the statement with
+/// the key bound. When the statement fails in its audit insert (`pgfence.record_rejection`
+/// in the error's context), runs it again without the insert and keeps the error, so an
+/// audit failure never replaces the rejection.
 async fn explain_row<E: WriteExecutor>(
-    explain: PgQuery,
+    explain: impl Fn() -> PgQuery,
     fencing: &Fencing,
     exec: &mut E,
-) -> Result<PgRow> {
+) -> Result<Explained> {
     let own = exec.is_own_transaction();
-    Ok(exec
+    let first = exec
         .target()
-        .fetch_one(fencing.bind_explain(explain, own))
-        .await?)
+        .fetch_one(fencing.bind_explain(explain(), own))
+        .await;
+    match first {
+        Ok(row) => Ok(Explained {
+            row,
+            audit_error: None,
+        }),
+        Err(e) => match audit_failure(&e) {
+            Some(audit_error) => {
+                let row = exec
+                    .target()
+                    .fetch_one(fencing.bind_explain(explain(), false))
+                    .await?;
+                Ok(Explained {
+                    row,
+                    audit_error: Some(audit_error),
+                })
+            }
+            None => Err(e.into()),
+        },
+    }
+}
+
+/// The message of an error raised inside `pgfence.record_rejection`.
+fn audit_failure(e: &sqlx::Error) -> Option<String> {
+    let sqlx::Error::Database(db) = e else {
+        return None;
+    };
+    let pg = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?;
+    pg.r#where()
+        .filter(|w| w.contains("pgfence.record_rejection"))
+        .map(|_| pg.message().to_owned())
 }
 
 fn key_text(out: &PgRow) -> String {
