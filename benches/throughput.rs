@@ -7,12 +7,12 @@
 //!   `UPDATE .. SET payload = $1 WHERE id = $2` on an identical unguarded table (no `fence`
 //!   column, no trigger); (1c) raw sqlx running the exact SQL text the repository sends, read
 //!   back from `pg_prepared_statements` after one real `Repository::update`; (1d) raw sqlx
-//!   `UPDATE .. WHERE id = $1 AND fence < $3` on the guarded table, i.e. the fence without the
-//!   repository's outcome classification; (1e) 1a through a pool with sqlx's default options.
+//!   `UPDATE .. WHERE id = $1 AND fence < $3` on the guarded table, the same statement as a
+//!   person would write it; (1e) 1a through a pool with sqlx's default options.
 //! - `pgbench`: 1b, 1d and 1c through `pgbench -M prepared`, the C client as a ceiling.
 //! - `acquire`: [`Issuer::acquire`] on a fresh resource each time vs `redis-benchmark` sending
 //!   the same Lua script by `EVALSHA` on fresh random keys; acquire+release cycles (also with
-//!   one Redis connection per worker thread) vs the `rslock` crate's lock+unlock and a
+//!   the issuer on one multiplexed connection) vs the `rslock` crate's lock+unlock and a
 //!   hand-rolled `SET NX PX` + Lua compare-and-delete.
 //! - `job`: acquire → fenced write → release.
 //! - `storm`: stale writes (every one rejected and audited; the audit row count is checked),
@@ -1615,7 +1615,7 @@ fn rows(cfg: &Config) -> Vec<(String, String)> {
         ("write.raw_repo_sql", "1c sqlx, the repository's exact SQL"),
         (
             "write.fenced_plain_sql",
-            "1d sqlx UPDATE .. AND fence < $3 (no CTE)",
+            "1d sqlx UPDATE .. AND fence < $3 (hand-written)",
         ),
         (
             "write.repo_update_default_pool",
@@ -1728,7 +1728,7 @@ const RATIOS: &[RatioDef] = &[
     },
     RatioDef {
         key: "classification",
-        label: "classifying CTE (1c/1d)",
+        label: "repository SQL / hand-written fenced UPDATE (1c/1d)",
         num: "write.raw_repo_sql",
         den: &["write.fenced_plain_sql"],
         target: None,
