@@ -113,6 +113,10 @@ macro_rules! fenced_table {
 /// statement writes it itself, on a connection — which may be inside a transaction that later
 /// rolls back — the [`Auditor`]'s own pool writes it. Sealed: implemented for sqlx's
 /// PostgreSQL executors only.
+///
+/// A pool is trusted to hand out connections outside any transaction, as sqlx-managed
+/// transactions guarantee; a pooled connection left inside a raw `BEGIN` would take the
+/// audit row into that dangling transaction.
 pub trait WriteExecutor: sealed::Sealed + Send {
     /// Lends the executor for one statement.
     #[doc(hidden)]
