@@ -224,3 +224,54 @@ async fn a_locked_audit_table_costs_a_rejection_the_timeout_not_its_error() {
         .unwrap();
     assert_eq!(setting, "0");
 }
+
+#[tokio::test]
+async fn a_role_that_may_not_write_the_audit_table_still_gets_its_stale_token() {
+    let (logs, _guard) = Logs::capture();
+    let db = setup().await;
+    let before = balances(&db).await;
+    let role = format!("pgfence_no_audit_{}", rand::random::<u32>());
+    db.exec(&format!(
+        "CREATE ROLE {role} NOLOGIN;
+         GRANT USAGE ON SCHEMA pgfence TO {role};
+         GRANT SELECT, UPDATE ON account TO {role};"
+    ))
+    .await;
+    // Connections that act as the role (SET ROLE works on any server we can log in to).
+    let set_role = format!("SET ROLE {role}");
+    let limited = PgPoolOptions::new()
+        .max_connections(2)
+        .after_connect(move |conn, _| {
+            let set_role = set_role.clone();
+            Box::pin(async move {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(set_role))
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect_with(db.options.clone())
+        .await
+        .unwrap();
+    let repo = Repository::<Account>::new(limited.clone()).unwrap();
+
+    let err = repo
+        .update(&limited, stale_ctx(), &Account { id: 1, balance: -1 })
+        .await
+        .unwrap_err();
+    assert_stale(&err, 7, 10);
+    let errors = logs.with(pgfence::audit::LOG_TARGET, "ERROR");
+    assert_eq!(errors.len(), 1, "{:?}", logs.events());
+    let why = errors[0]["fields"]["error"].as_str().unwrap_or_default();
+    assert!(why.contains("permission denied"), "{why}");
+    assert_eq!(audit_count(&db.pool).await, 0);
+    assert_eq!(balances(&db).await, before);
+
+    // A fresh write by the same role is unaffected.
+    repo.update(&limited, token(11), &Account { id: 1, balance: 5 })
+        .await
+        .unwrap();
+    limited.close().await;
+    db.exec(&format!("DROP OWNED BY {role}; DROP ROLE {role};"))
+        .await;
+}
