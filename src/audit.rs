@@ -38,6 +38,17 @@ pub(crate) struct Rejection {
     pub operation: &'static str,
 }
 
+/// Where a rejection's audit row stands when the library records the rejection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum AuditRow {
+    /// Not written yet: the [`Auditor`]'s pool writes it.
+    Pending,
+    /// Written by the statement that rejected the write.
+    Written,
+    /// The rejecting statement could not write it (the error's text).
+    Failed(String),
+}
+
 /// Writes audit rows through its own pool, so they survive the caller's rollback (see the
 /// [module docs](self) for rows written by the rejecting statement itself).
 #[derive(Clone, Debug)]
@@ -94,11 +105,10 @@ impl Auditor {
         &self.pool
     }
 
-    /// Logs and records `r`. `in_statement` is what the rejecting statement's own audit call
-    /// returned: `None` when it did not write the row (the pool writes it now), `Some("")`
-    /// when it did, `Some(error)` when it could not. Never fails: an audit failure is reported
-    /// as an ERROR event and must not hide the rejection itself.
-    pub(crate) async fn record(&self, r: &Rejection, in_statement: Option<String>) {
+    /// Logs `r` and makes sure it has its audit row: writes it through the pool when it is
+    /// [`AuditRow::Pending`]. Never fails: an audit failure is reported as an ERROR event and
+    /// must not hide the rejection itself.
+    pub(crate) async fn record(&self, r: &Rejection, row: AuditRow) {
         let resource = r.resource.as_deref().unwrap_or("");
         let table = r.table.as_deref().unwrap_or("");
         let key = r.key.as_deref().unwrap_or("");
@@ -114,10 +124,10 @@ impl Auditor {
             operation = r.operation,
             "stale write rejected"
         );
-        let failure = match in_statement {
-            Some(error) if error.is_empty() => return,
-            Some(error) => error,
-            None => match self.write_row(r).await {
+        let failure = match row {
+            AuditRow::Written => return,
+            AuditRow::Failed(error) => error,
+            AuditRow::Pending => match self.write_row(r).await {
                 Ok(()) => return,
                 Err(error) => error,
             },

@@ -4,7 +4,7 @@
 
 use sqlx::{PgExecutor, PgPool};
 
-use crate::audit::{Auditor, Rejection};
+use crate::audit::{AuditRow, Auditor, Rejection};
 use crate::repository::{FencedTable, Fencing, Repository};
 use crate::{Error, Resource, Result};
 
@@ -97,7 +97,7 @@ impl Fence {
                     holder: fencing.holder.clone(),
                     operation: "check",
                 };
-                self.auditor.record(&rejection, None).await;
+                self.auditor.record(&rejection, AuditRow::Pending).await;
                 Err(Error::StaleToken {
                     target,
                     presented,

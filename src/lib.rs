@@ -22,6 +22,8 @@ pub use ident::{Ident, TableName};
 pub use issuer::{Issuer, Lease, LeaseState, LockStatus, RedisConnections};
 pub use keepalive::{KeepAlive, LeaseLost};
 pub use migrate::{MigrationInfo, migrate};
-pub use repository::{FencedTable, Fencing, PgQuery, Repository, Target, Upserted, WriteExecutor};
+pub use repository::{
+    FencedTable, Fencing, PgQuery, Repository, Upserted, WriteExecutor, WriteTarget,
+};
 pub use resource::Resource;
 pub use token::FenceToken;

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row, SqlSafeStr, SqlStr};
 
-use crate::audit::{Auditor, Rejection};
+use crate::audit::{AuditRow, Auditor, Rejection};
 use crate::ident::{Ident, TableName};
 use crate::{Error, FenceToken, Resource, Result};
 
@@ -108,98 +108,77 @@ macro_rules! fenced_table {
 /// What a repository write runs on: `&PgPool` (each statement is a transaction of its own)
 /// or `&mut PgConnection` (a connection, or `&mut *tx` inside a transaction).
 ///
-/// A write that is rejected needs a second statement on the same executor, to tell stale from
-/// not found; and its audit row must outlive the caller's transaction: on a pool that second
-/// statement writes it itself, on a connection — which may be inside a transaction that later
-/// rolls back — the [`Auditor`]'s own pool writes it. Sealed: implemented for sqlx's
-/// PostgreSQL executors only.
+/// A write that is rejected needs a second statement on the same connection, to tell stale
+/// from not found; and its audit row must outlive the caller's transaction: on a pool that
+/// second statement writes it itself, on a connection — which may be inside a transaction
+/// that later rolls back — the [`Auditor`]'s own pool writes it. Sealed: implemented for
+/// sqlx's pool and connection only.
 ///
 /// A pool is trusted to hand out connections outside any transaction, as sqlx-managed
 /// transactions guarantee; a pooled connection left inside a raw `BEGIN` would take the
 /// audit row into that dangling transaction.
-pub trait WriteExecutor: sealed::Sealed + Send {
-    /// Lends the executor for one statement.
+pub trait WriteExecutor<'c>: sealed::Sealed + Send {
+    /// What the write runs on.
     #[doc(hidden)]
-    fn target(&mut self) -> Target<'_>;
-
-    /// Whether every statement sent through this executor is a transaction of its own.
-    fn is_own_transaction(&self) -> bool;
+    fn into_target(self) -> WriteTarget<'c>;
 }
 
 mod sealed {
     pub trait Sealed {}
     impl Sealed for &sqlx::PgPool {}
     impl Sealed for &mut sqlx::PgConnection {}
-    impl Sealed for &mut sqlx::postgres::PgListener {}
 }
 
-/// One statement's executor, lent by a [`WriteExecutor`].
+/// What a [`WriteExecutor`] is.
 #[doc(hidden)]
 #[derive(Debug)]
-pub enum Target<'a> {
-    /// A pool.
-    Pool(&'a PgPool),
-    /// A connection.
-    Connection(&'a mut sqlx::PgConnection),
-    /// A listener's connection.
-    Listener(&'a mut sqlx::postgres::PgListener),
+pub enum WriteTarget<'c> {
+    /// A pool: the write takes one connection for all its statements.
+    Pool(&'c PgPool),
+    /// The caller's connection, maybe inside its transaction.
+    Connection(&'c mut sqlx::PgConnection),
 }
 
-impl Target<'_> {
-    async fn execute(self, query: PgQuery) -> sqlx::Result<u64> {
-        let done = match self {
-            Self::Pool(p) => query.execute(p).await?,
-            Self::Connection(c) => query.execute(c).await?,
-            Self::Listener(l) => query.execute(l).await?,
-        };
-        Ok(done.rows_affected())
+impl<'c> WriteExecutor<'c> for &'c PgPool {
+    fn into_target(self) -> WriteTarget<'c> {
+        WriteTarget::Pool(self)
     }
+}
 
-    async fn fetch_optional(self, query: PgQuery) -> sqlx::Result<Option<PgRow>> {
+impl<'c> WriteExecutor<'c> for &'c mut sqlx::PgConnection {
+    fn into_target(self) -> WriteTarget<'c> {
+        WriteTarget::Connection(self)
+    }
+}
+
+/// The connection a write's statements run on: one checked out of the pool for the whole
+/// write, or the caller's.
+enum Lent<'c> {
+    Pooled(sqlx::pool::PoolConnection<Postgres>),
+    Borrowed(&'c mut sqlx::PgConnection),
+}
+
+impl<'c> WriteTarget<'c> {
+    async fn lend(self) -> sqlx::Result<Lent<'c>> {
+        Ok(match self {
+            Self::Pool(pool) => Lent::Pooled(pool.acquire().await?),
+            Self::Connection(conn) => Lent::Borrowed(conn),
+        })
+    }
+}
+
+impl Lent<'_> {
+    fn conn(&mut self) -> &mut sqlx::PgConnection {
         match self {
-            Self::Pool(p) => query.fetch_optional(p).await,
-            Self::Connection(c) => query.fetch_optional(c).await,
-            Self::Listener(l) => query.fetch_optional(l).await,
+            Self::Pooled(conn) => conn,
+            Self::Borrowed(conn) => conn,
         }
     }
 
-    async fn fetch_one(self, query: PgQuery) -> sqlx::Result<PgRow> {
-        match self {
-            Self::Pool(p) => query.fetch_one(p).await,
-            Self::Connection(c) => query.fetch_one(c).await,
-            Self::Listener(l) => query.fetch_one(l).await,
-        }
-    }
-}
-
-impl WriteExecutor for &PgPool {
-    fn target(&mut self) -> Target<'_> {
-        Target::Pool(self)
-    }
-
-    fn is_own_transaction(&self) -> bool {
-        true
-    }
-}
-
-impl WriteExecutor for &mut sqlx::PgConnection {
-    fn target(&mut self) -> Target<'_> {
-        Target::Connection(self)
-    }
-
-    /// Not known: the connection may be inside the caller's transaction.
-    fn is_own_transaction(&self) -> bool {
-        false
-    }
-}
-
-impl WriteExecutor for &mut sqlx::postgres::PgListener {
-    fn target(&mut self) -> Target<'_> {
-        Target::Listener(self)
-    }
-
-    fn is_own_transaction(&self) -> bool {
-        false
+    /// Whether every statement is a transaction of its own: only for a pooled connection
+    /// (only the client knows; the server cannot tell autocommit from a transaction block).
+    fn own_transaction(&self) -> bool {
+        matches!(self, Self::Pooled(_))
     }
 }
 
@@ -384,23 +363,21 @@ impl<T: FencedTable> Repository<T> {
     /// tx.commit().await?;
     /// # Ok(()) }
     /// ```
-    pub async fn update<E: WriteExecutor>(
+    pub async fn update<'c, E: WriteExecutor<'c>>(
         &self,
-        mut exec: E,
+        exec: E,
         fencing: impl Into<Fencing>,
         row: &T,
     ) -> Result<()> {
         let fencing = fencing.into();
+        let mut lent = exec.into_target().lend().await?;
         let write = row.bind_columns(row.bind_key(sqlx::query(self.sql.update.clone())));
-        let done = exec
-            .target()
-            .execute(write.bind(fencing.token.get()))
-            .await?;
-        if done > 0 {
+        let done = write.bind(fencing.token.get()).execute(lent.conn()).await?;
+        if done.rows_affected() > 0 {
             return Ok(());
         }
         let explain = || row.bind_key(sqlx::query(self.sql.explain_update.clone()));
-        let out = explain_row(explain, &fencing, &mut exec).await?;
+        let out = explain_row(explain, &fencing, &mut lent).await?;
         self.rejected(&out, &fencing, "update").await
     }
 
@@ -410,17 +387,18 @@ impl<T: FencedTable> Repository<T> {
     /// # Errors
     /// [`Error::StaleToken`] when the existing row's fence (or the tombstone of a row a newer
     /// token deleted) is `>=` the token; [`Error::Database`] otherwise.
-    pub async fn upsert<E: WriteExecutor>(
+    pub async fn upsert<'c, E: WriteExecutor<'c>>(
         &self,
-        mut exec: E,
+        exec: E,
         fencing: impl Into<Fencing>,
         row: &T,
     ) -> Result<Upserted> {
         let fencing = fencing.into();
+        let mut lent = exec.into_target().lend().await?;
         let write = row.bind_columns(row.bind_key(sqlx::query(self.sql.upsert.clone())));
-        let done = exec
-            .target()
-            .fetch_optional(write.bind(fencing.token.get()))
+        let done = write
+            .bind(fencing.token.get())
+            .fetch_optional(lent.conn())
             .await?;
         if let Some(done) = done {
             return Ok(if done.try_get::<bool, _>(0)? {
@@ -430,7 +408,7 @@ impl<T: FencedTable> Repository<T> {
             });
         }
         let explain = || row.bind_key(sqlx::query(self.sql.explain_upsert.clone()));
-        let out = explain_row(explain, &fencing, &mut exec).await?;
+        let out = explain_row(explain, &fencing, &mut lent).await?;
         // No row but a tombstone: a newer token deleted it.
         if out.row.try_get::<Option<i64>, _>("current")?.is_none()
             && let Some(tomb) = out.row.try_get::<Option<i64>, _>("tombstone")?
@@ -446,24 +424,25 @@ impl<T: FencedTable> Repository<T> {
     /// # Errors
     /// [`Error::StaleToken`] when the row's fence is `>=` the token; [`Error::NotFound`] when
     /// there is no such row; [`Error::Database`] otherwise.
-    pub async fn delete<E: WriteExecutor>(
+    pub async fn delete<'c, E: WriteExecutor<'c>>(
         &self,
-        mut exec: E,
+        exec: E,
         fencing: impl Into<Fencing>,
         key: &T::Key,
     ) -> Result<()> {
         let fencing = fencing.into();
+        let mut lent = exec.into_target().lend().await?;
         let write = T::bind_key_value(key, sqlx::query(self.sql.delete.clone()));
-        let deleted: bool = exec
-            .target()
-            .fetch_one(write.bind(fencing.token.get()))
+        let deleted: bool = write
+            .bind(fencing.token.get())
+            .fetch_one(lent.conn())
             .await?
             .try_get(0)?;
         if deleted {
             return Ok(());
         }
         let explain = || T::bind_key_value(key, sqlx::query(self.sql.explain_delete.clone()));
-        let out = explain_row(explain, &fencing, &mut exec).await?;
+        let out = explain_row(explain, &fencing, &mut lent).await?;
         self.rejected(&out, &fencing, "delete").await
     }
 
@@ -509,8 +488,7 @@ impl<T: FencedTable> Repository<T> {
             holder: fencing.holder.clone(),
             operation,
         };
-        let in_statement = out.in_statement()?;
-        self.auditor.record(&rejection, in_statement).await;
+        self.auditor.record(&rejection, out.audit_row()?).await;
         Err(Error::stale(
             format!("{} {key}", self.table),
             fencing.token,
@@ -523,12 +501,13 @@ impl<T: FencedTable> Repository<T> {
 const EQ: &str = "OPERATOR(pg_catalog.=)";
 const LT: &str = "OPERATOR(pg_catalog.<)";
 
-/// The `audit` column of every write statement. For a stale outcome (`current >= token`) of a
-/// statement that is its own transaction, it calls `pgfence.record_rejection`, which writes the
-/// audit row in that same statement and returns `''` (or the error text if it could not);
-/// NULL otherwise, and then [`Auditor`] writes the row through its own pool. The parameters
+/// The `audit` column of every explaining statement. For a stale outcome (`current >= token`)
+/// of a statement that is its own transaction, it calls `pgfence.record_rejection`, which
+/// writes the audit row in that same statement and returns `''` (if it cannot, the statement
+/// fails and is explained again without it); NULL otherwise, and then [`Auditor`] writes the
+/// row through its own pool. The parameters
 /// after the token: resource, holder, and whether the statement is its own transaction
-/// ([`WriteExecutor::is_own_transaction`]: only the client knows).
+/// (only the client knows: see [`WriteExecutor`]).
 fn audit_column(
     table_literal: &str,
     token_param: usize,
@@ -560,28 +539,30 @@ struct Explained {
 }
 
 impl Explained {
-    /// What [`Auditor::record`] needs to know about the row the statement was to write.
-    fn in_statement(&self) -> Result<Option<String>> {
-        match &self.audit_error {
-            Some(e) => Ok(Some(e.clone())),
-            None => Ok(self.row.try_get::<Option<String>, _>("audit")?),
-        }
+    /// Where the rejection's audit row stands after this statement.
+    fn audit_row(&self) -> Result<AuditRow> {
+        Ok(match &self.audit_error {
+            Some(e) => AuditRow::Failed(e.clone()),
+            // `pgfence.record_rejection` ran (and wrote the row) or the column is NULL.
+            None if self.row.try_get::<Option<String>, _>("audit")?.is_some() => AuditRow::Written,
+            None => AuditRow::Pending,
+        })
     }
 }
 
-/// Runs an explaining statement on the write's executor; `explain` makes the statement with
+/// Runs an explaining statement on the write's connection; `explain` makes the statement with
 /// the key bound. When the statement fails in its audit insert (`pgfence.record_rejection`
 /// in the error's context), runs it again without the insert and keeps the error, so an
 /// audit failure never replaces the rejection.
-async fn explain_row<E: WriteExecutor>(
+async fn explain_row(
     explain: impl Fn() -> PgQuery,
     fencing: &Fencing,
-    exec: &mut E,
+    lent: &mut Lent<'_>,
 ) -> Result<Explained> {
-    let own = exec.is_own_transaction();
-    let first = exec
-        .target()
-        .fetch_one(fencing.bind_explain(explain(), own))
+    let own = lent.own_transaction();
+    let first = fencing
+        .bind_explain(explain(), own)
+        .fetch_one(lent.conn())
         .await;
     match first {
         Ok(row) => Ok(Explained {
@@ -590,9 +571,9 @@ async fn explain_row<E: WriteExecutor>(
         }),
         Err(e) => match audit_failure(&e) {
             Some(audit_error) => {
-                let row = exec
-                    .target()
-                    .fetch_one(fencing.bind_explain(explain(), false))
+                let row = fencing
+                    .bind_explain(explain(), false)
+                    .fetch_one(lent.conn())
                     .await?;
                 Ok(Explained {
                     row,
