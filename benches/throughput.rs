@@ -84,7 +84,7 @@ const REPO_UPDATE_SQL: &str = "UPDATE \"public\".\"bench_guarded\" SET \"payload
 /// 1b: the plain update, on the unguarded table.
 const PLAIN_UPDATE_SQL: &str = "UPDATE bench_plain SET payload = $1 WHERE id = $2";
 
-/// 1d: the fenced update without the repository's classification.
+/// 1d: the repository's fenced update as a person would write it (unquoted, unqualified).
 const FENCED_UPDATE_SQL: &str =
     "UPDATE bench_guarded SET payload = $2, fence = $3 WHERE id = $1 AND fence < $3";
 
@@ -660,15 +660,16 @@ impl Workload for PlainUpdate {
     }
 }
 
-/// 1c: the repository's SQL text, sent by raw sqlx the way the repository sends it.
-struct RawRepoSql {
+/// 1c / 1d: a fenced `UPDATE` sent by raw sqlx with `($1 id, $2 payload, $3 token)`: the
+/// repository's own SQL text (1c) or the same statement written by hand (1d).
+struct RawFencedSql {
     pool: PgPool,
     sql: SqlStr,
     tasks: usize,
     rows: i32,
 }
 
-impl Workload for RawRepoSql {
+impl Workload for RawFencedSql {
     type State = (Keys, String);
 
     fn state(&self, task: usize) -> Self::State {
@@ -676,36 +677,7 @@ impl Workload for RawRepoSql {
     }
 
     async fn op(&self, (keys, payload): &mut Self::State) -> Outcome {
-        let out = sqlx::query(self.sql.clone())
-            .bind(keys.next())
-            .bind(&*payload)
-            .bind(next_token().get())
-            .execute(&self.pool)
-            .await;
-        match out.map(|done| done.rows_affected()) {
-            Ok(1) => Outcome::Applied,
-            Ok(_) => Outcome::Rejected,
-            Err(e) => Outcome::Failed(e.to_string()),
-        }
-    }
-}
-
-/// 1d: `UPDATE .. AND fence < $3` on the guarded table, no classification.
-struct FencedUpdate {
-    pool: PgPool,
-    tasks: usize,
-    rows: i32,
-}
-
-impl Workload for FencedUpdate {
-    type State = (Keys, String);
-
-    fn state(&self, task: usize) -> Self::State {
-        (Keys::new(task, self.tasks, self.rows), PAYLOAD.to_owned())
-    }
-
-    async fn op(&self, (keys, payload): &mut Self::State) -> Outcome {
-        let done = sqlx::query(FENCED_UPDATE_SQL)
+        let done = sqlx::query(self.sql.clone())
             .bind(keys.next())
             .bind(&*payload)
             .bind(next_token().get())
@@ -1134,7 +1106,7 @@ async fn section_write(env: &Env, round: usize, out: &mut Results) -> Result<()>
             }
             2 => {
                 let sql = AssertSqlSafe(env.repo_sql.clone()).into_sql_str();
-                let work = RawRepoSql {
+                let work = RawFencedSql {
                     pool,
                     sql,
                     tasks,
@@ -1146,7 +1118,12 @@ async fn section_write(env: &Env, round: usize, out: &mut Results) -> Result<()>
                 )
             }
             _ => {
-                let work = FencedUpdate { pool, tasks, rows };
+                let work = RawFencedSql {
+                    pool,
+                    sql: FENCED_UPDATE_SQL.into_sql_str(),
+                    tasks,
+                    rows,
+                };
                 (
                     "write.fenced_plain_sql",
                     measure(cfg, tasks, Metric::Applied, work).await?,
