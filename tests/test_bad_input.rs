@@ -921,13 +921,7 @@ async fn hostile_cli_inputs_fail_cleanly_and_change_nothing() {
         .await
         .unwrap();
     let _: () = redis.set("pgfence:{cli}:fence", "7").await.unwrap();
-    let db_url = format!(
-        "postgres://{}@{}:{}/{}",
-        db.options.get_username(),
-        db.options.get_host(),
-        db.options.get_port(),
-        db.name
-    );
+    let db_url = db.url();
     let long = "x".repeat(64);
     let big = "r".repeat(10_000);
     let cases: Vec<Vec<&str>> = vec![

@@ -19,6 +19,32 @@ use support::{TestDb, redis_url, unique_resource};
 // ---------------------------------------------------------------------------------------------
 // ---------------------------------------------------------------------------------------------
 
+/// Runs the harness and restarts `server` once 500 units are done (the fault is named
+/// `fault` in the report). Returns the report and the server, which must outlive the run.
+async fn run_with_restart(
+    cfg: Config,
+    target: &Target,
+    mut server: Server,
+    fault: &'static str,
+) -> (pgfence::chaos::Report, Server) {
+    let harness = Harness::new(cfg, target)
+        .await
+        .unwrap()
+        .with_log_counter(EventCounter::install_global());
+    let ctl = harness.control();
+    let restart = tokio::spawn(async move {
+        if ctl.wait_for_units(500).await {
+            ctl.mark_fault(fault);
+            server.restart().await.expect("the server comes back");
+        }
+        server
+    });
+    let report = harness.run().await.unwrap();
+    let server = restart.await.unwrap();
+    eprintln!("{}{}", report.summary, report.summary.json());
+    (report, server)
+}
+
 async fn run(cfg: Config, target: &Target) -> pgfence::chaos::Report {
     let harness = Harness::new(cfg, target)
         .await
@@ -130,7 +156,7 @@ async fn fenced_run_holds_under_faults_and_the_unfenced_control_breaks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_restart_mid_run_is_safe_and_recovers_by_itself() {
     let db = TestDb::new().await;
-    let mut redis = Server::redis().await.expect("throwaway Redis");
+    let redis = Server::redis().await.expect("throwaway Redis");
     let target = Target {
         database: db.options.clone(),
         redis_url: redis.url(),
@@ -144,22 +170,8 @@ async fn redis_restart_mid_run_is_safe_and_recovers_by_itself() {
         seed: 7,
         ..Config::default()
     };
-    let harness = Harness::new(cfg, &target)
-        .await
-        .unwrap()
-        .with_log_counter(EventCounter::install_global());
-    let ctl = harness.control();
-    let fault = tokio::spawn(async move {
-        if ctl.wait_for_units(500).await {
-            ctl.mark_fault("redis_restart");
-            redis.restart().await.expect("Redis comes back");
-        }
-        redis
-    });
-    let report = harness.run().await.unwrap();
-    let _redis = fault.await.unwrap();
+    let (report, _redis) = run_with_restart(cfg, &target, redis, "redis_restart").await;
     let s = &report.summary;
-    eprintln!("{s}{}", s.json());
     assert!(!s.timed_out, "{s}");
     assert!(s.is_safe(), "{s}");
     assert_eq!(s.audit_rows, s.rejected, "{s}");
@@ -182,7 +194,7 @@ async fn redis_restart_mid_run_is_safe_and_recovers_by_itself() {
 /// tests). Safety holds, every error is typed and retryable, writes resume.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_restart_mid_run_is_safe_and_errors_are_retryable() {
-    let mut pg = Server::postgres().await.expect("throwaway PostgreSQL");
+    let pg = Server::postgres().await.expect("throwaway PostgreSQL");
     let target = Target {
         database: PgConnectOptions::from_str(&pg.url()).unwrap(),
         redis_url: redis_url().await,
@@ -192,22 +204,8 @@ async fn postgres_restart_mid_run_is_safe_and_errors_are_retryable() {
         seed: 11,
         ..Config::default()
     };
-    let harness = Harness::new(cfg, &target)
-        .await
-        .unwrap()
-        .with_log_counter(EventCounter::install_global());
-    let ctl = harness.control();
-    let fault = tokio::spawn(async move {
-        if ctl.wait_for_units(500).await {
-            ctl.mark_fault("postgres_restart");
-            pg.restart().await.expect("PostgreSQL comes back");
-        }
-        pg
-    });
-    let report = harness.run().await.unwrap();
-    let _pg = fault.await.unwrap();
+    let (report, _pg) = run_with_restart(cfg, &target, pg, "postgres_restart").await;
     let s = &report.summary;
-    eprintln!("{s}{}", s.json());
     assert!(!s.timed_out, "{s}");
     assert!(s.is_safe(), "{s}");
     assert!(s.errors > 0, "the restart must have been felt: {s}");

@@ -16,13 +16,7 @@ struct Cli {
 
 impl Cli {
     async fn new(db: &TestDb) -> Self {
-        let db_url = format!(
-            "postgres://{}@{}:{}/{}",
-            db.options.get_username(),
-            db.options.get_host(),
-            db.options.get_port(),
-            db.name
-        );
+        let db_url = db.url();
         Self {
             db_url,
             redis: redis_url().await,
@@ -410,13 +404,35 @@ async fn run_exports_the_token_and_propagates_the_exit_code() {
     );
 }
 
+/// Waits (up to 2.5 s) until `lock status` says `resource` is held.
+async fn wait_until_held(cli: &Cli, resource: &str) -> bool {
+    for _ in 0..50 {
+        if cli.ok(&["lock", "status", resource]).contains("held by") {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// Sends `signal` (`-TERM`, `-INT`) to `child` alone and waits for it to exit.
+async fn signal_and_wait(mut child: std::process::Child, signal: &str) -> std::process::ExitStatus {
+    Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .unwrap();
+    tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn run_keeps_the_lease_and_releases_on_sigterm() {
     let db = TestDb::new().await;
     let cli = Cli::new(&db).await;
     let res = unique_resource("cli-term");
     let r = res.as_str();
-    let mut child = cli
+    let child = cli
         .cmd(&[
             "run",
             "--resource",
@@ -430,28 +446,14 @@ async fn run_keeps_the_lease_and_releases_on_sigterm() {
         .spawn()
         .unwrap();
     // Held, and still held after several TTLs thanks to the keep-alive.
-    let mut held = false;
-    for _ in 0..50 {
-        if cli.ok(&["lock", "status", r]).contains("held by") {
-            held = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(held, "run took the lock");
+    assert!(wait_until_held(&cli, r).await, "run took the lock");
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(
         cli.ok(&["lock", "status", r]).contains("held by"),
         "kept alive past the TTL"
     );
 
-    Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
-        .await
-        .unwrap();
+    let status = signal_and_wait(child, "-TERM").await;
     assert_eq!(
         status.code(),
         Some(143),
@@ -469,23 +471,12 @@ async fn run_releases_on_sigint_sent_to_pgfence_alone() {
     let cli = Cli::new(&db).await;
     let res = unique_resource("cli-int");
     let r = res.as_str();
-    let mut child = cli
+    let child = cli
         .cmd(&["run", "--resource", r, "--ttl", "2s", "--", "sleep", "30"])
         .spawn()
         .unwrap();
-    for _ in 0..50 {
-        if cli.ok(&["lock", "status", r]).contains("held by") {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
-        .await
-        .unwrap();
+    assert!(wait_until_held(&cli, r).await, "run took the lock");
+    let status = signal_and_wait(child, "-INT").await;
     assert_eq!(status.code(), Some(130), "the command got SIGINT");
     assert!(
         cli.ok(&["lock", "status", r]).contains("free"),

@@ -507,3 +507,42 @@ async fn seed_race_with_real_leases() {
     assert_eq!(audit[0].resource.as_deref(), Some(resource.as_str()));
     assert_eq!(logs.with(pgfence::audit::LOG_TARGET, "WARN").len(), 1);
 }
+
+/// `Issuer::connect_with` opens the connections it is asked for and spreads commands over them:
+/// Redis (its own server, so no other test's clients are listed) sees three client
+/// connections whose last command was the issuer's script.
+#[tokio::test]
+async fn commands_are_spread_over_the_issuers_connections() {
+    let server = Server::redis().await.expect("throwaway Redis");
+    let url = server.url();
+    let issuer = Issuer::connect_with(&url, std::num::NonZeroUsize::new(3).unwrap())
+        .await
+        .unwrap();
+    let res = unique_resource("spread");
+    let mut last = 0;
+    for _ in 0..6 {
+        let lease = issuer
+            .acquire(&res, Duration::from_secs(5))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            lease.token().get() > last,
+            "tokens keep rising across connections"
+        );
+        last = lease.token().get();
+        assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+    }
+
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut raw(&url).await)
+        .await
+        .unwrap();
+    let scripted: Vec<&str> = list.lines().filter(|l| l.contains("cmd=evalsha")).collect();
+    assert_eq!(
+        scripted.len(),
+        3,
+        "three connections whose last command was the issuer's script:\n{list}"
+    );
+}

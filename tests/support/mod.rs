@@ -93,6 +93,17 @@ impl TestDb {
         }
     }
 
+    /// The database's URL, for processes (the CLI) that take one.
+    pub fn url(&self) -> String {
+        format!(
+            "postgres://{}@{}:{}/{}",
+            self.options.get_username(),
+            self.options.get_host(),
+            self.options.get_port(),
+            self.name
+        )
+    }
+
     /// Another pool on the same database (e.g. for an independent audit connection).
     pub async fn pool(&self, max: u32) -> PgPool {
         PgPoolOptions::new()
