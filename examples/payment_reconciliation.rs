@@ -22,7 +22,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use pgfence::ephemeral::{Kind, url_or_start};
+use pgfence_testkit::{Kind, url_or_start};
 use pgfence::{Error, Fence, Issuer, Lease, Resource};
 use sqlx::PgPool;
 

@@ -8,6 +8,7 @@
 //! the [`Auditor`]'s own pool, in a transaction of its own. `Fence::check` rejections always
 //! take that path. See [`crate::WriteExecutor`].
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -26,16 +27,50 @@ pub const LOG_TARGET: &str = "pgfence::audit";
 /// How long a rejection may wait for its audit row by default.
 pub const DEFAULT_AUDIT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// A rejected write, as logged and audited.
+/// A rejected write, as logged, audited and handed to an [`AuditSink`].
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Rejection {
+#[non_exhaustive]
+pub struct Rejection {
+    /// The resource the presented token was issued for, if known.
     pub resource: Option<String>,
+    /// The (quoted) table of a row write; `None` for a resource check.
     pub table: Option<String>,
+    /// The row's key as a JSON array; `None` for a resource check.
     pub key: Option<String>,
+    /// The token the write carried.
     pub presented: i64,
+    /// The token that had already written (or claimed) the row or resource.
     pub current: Option<i64>,
+    /// Who presented the token (lease owner id, job id...), if known.
     pub holder: Option<String>,
+    /// `update`, `upsert`, `delete`, `claim` or `check`.
     pub operation: &'static str,
+}
+
+/// What the audit path reports to an [`AuditSink`]: every rejection, and every rejection
+/// whose audit row could not be written.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub enum AuditEvent<'a> {
+    /// A stale write was rejected (also logged at WARN on [`LOG_TARGET`]).
+    Rejected(&'a Rejection),
+    /// The rejection's audit row could not be written (also logged at ERROR). The rejection
+    /// itself was still returned to the caller and reported as [`AuditEvent::Rejected`].
+    AuditFailed {
+        /// The rejection whose row is missing.
+        rejection: &'a Rejection,
+        /// Why the row could not be written.
+        error: &'a str,
+    },
+}
+
+/// A hook for audit events that belong to no caller (like bb8's `ErrorSink`): rejections and
+/// failed audit rows, typed. `tracing` stays the default reporter; a sink is called in
+/// addition, synchronously, on the task that saw the event, so keep it cheap (count, send
+/// on a channel).
+pub trait AuditSink: Send + Sync + std::fmt::Debug + 'static {
+    /// Called once per event.
+    fn event(&self, event: AuditEvent<'_>);
 }
 
 /// Where a rejection's audit row stands when the library records the rejection.
@@ -56,6 +91,7 @@ pub struct Auditor {
     pool: PgPool,
     timeout: Duration,
     in_statement: bool,
+    sink: Option<Arc<dyn AuditSink>>,
 }
 
 impl Auditor {
@@ -66,7 +102,15 @@ impl Auditor {
             pool,
             timeout: DEFAULT_AUDIT_TIMEOUT,
             in_statement: true,
+            sink: None,
         }
+    }
+
+    /// Also reports every rejection and every audit failure to `sink` (see [`AuditSink`]).
+    #[must_use]
+    pub fn sink(mut self, sink: Arc<dyn AuditSink>) -> Self {
+        self.sink = Some(sink);
+        self
     }
 
     /// Bounds how long a rejection waits for its audit row (pool wait included; for a row
@@ -124,6 +168,9 @@ impl Auditor {
             operation = r.operation,
             "stale write rejected"
         );
+        if let Some(sink) = &self.sink {
+            sink.event(AuditEvent::Rejected(r));
+        }
         let failure = match row {
             AuditRow::Written => return,
             AuditRow::Failed(error) => error,
@@ -144,6 +191,12 @@ impl Auditor {
             error = failure.as_str(),
             "could not write the audit row for a rejected write"
         );
+        if let Some(sink) = &self.sink {
+            sink.event(AuditEvent::AuditFailed {
+                rejection: r,
+                error: &failure,
+            });
+        }
     }
 
     /// Inserts `r` through the pool, within the timeout; the error text otherwise.

@@ -1,6 +1,6 @@
 //! The library's error type: every rejection, however it was detected, is [`Error::StaleToken`].
 
-use crate::FenceToken;
+use std::fmt;
 
 /// SQLSTATE raised by pgfence's SQL (the guard trigger and `pgfence.check`) when a fence token
 /// is not newer than the one already recorded. Custom class `PF` ("pgfence").
@@ -10,6 +10,54 @@ pub const SQLSTATE_FENCE_TYPE: &str = "PF002";
 
 /// SQLSTATE raised by `pgfence.guard` for tables in the `pgfence` schema or a system schema.
 pub const SQLSTATE_PROTECTED: &str = "PF003";
+/// SQLSTATE raised by `pgfence.check` / `pgfence.next_fence` when another lease already
+/// presented the same token (the token counter went backwards).
+pub const SQLSTATE_DUPLICATE: &str = "PF004";
+/// SQLSTATE raised by `pgfence.next_fence` when one lease wrote a row
+/// [`MAX_WRITES_PER_ROW`](crate::MAX_WRITES_PER_ROW) times.
+pub const SQLSTATE_EXHAUSTED: &str = "PF005";
+
+/// What a rejected write or check addressed, as structured data.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StaleTarget {
+    /// A row, through the repository: the quoted table and the key as a JSON array.
+    Row {
+        /// The quoted table name.
+        table: String,
+        /// The key, as a JSON array.
+        key: String,
+        /// The resource the rejected lease was issued for, when the write said
+        /// ([`Fencing::resource`](crate::Fencing::resource); set for writes made with a lease).
+        resource: Option<String>,
+    },
+    /// A resource's high-water mark (`Fence::check`, `pgfence.check`).
+    Resource(String),
+    /// A row of a table, found by the guard trigger or `pgfence.next_fence` (raw SQL; the key
+    /// is not known).
+    Table(String),
+}
+
+impl StaleTarget {
+    /// The resource whose lease was rejected, when known.
+    #[must_use]
+    pub fn resource(&self) -> Option<&str> {
+        match self {
+            StaleTarget::Resource(r) => Some(r),
+            StaleTarget::Row { resource, .. } => resource.as_deref(),
+            StaleTarget::Table(_) => None,
+        }
+    }
+}
+
+impl fmt::Display for StaleTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StaleTarget::Row { table, key, .. } => write!(f, "{table} {key}"),
+            StaleTarget::Resource(r) | StaleTarget::Table(r) => f.write_str(r),
+        }
+    }
+}
 
 /// `Result` with pgfence's [`Error`] as the default error type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -21,17 +69,40 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The presented token is not newer than the fence already recorded: a newer holder
-    /// wrote (`current > presented`) or this token already wrote (`current == presented`).
-    /// The write was not applied. Do not retry with the same token.
+    /// A newer lease has already written, claimed or checked the row or resource
+    /// (`current > presented`). The write was not applied. Do not retry with the same lease.
     #[error("stale fence token on {target}: presented {presented}, current {current}")]
     StaleToken {
-        /// What the write targeted: `table key` for row writes, the resource for checks.
-        target: String,
+        /// What the write targeted.
+        target: StaleTarget,
         /// The token the write carried.
         presented: i64,
-        /// The fence the write met (`>= presented`).
+        /// The token of the lease that wrote the row or checked the resource (`> presented`).
         current: i64,
+    },
+
+    /// Another lease presented the same token at this row or resource: the token counter went
+    /// backwards (a Redis failover lost increments) and handed one token out twice. Nothing
+    /// was applied. Reseed the counter ([`Issuer::recover_from`](crate::Issuer::recover_from))
+    /// and take a new lease.
+    #[error(
+        "duplicate fence token on {target}: token {token} was already presented by another lease (the token counter went backwards; reseed it)"
+    )]
+    DuplicateToken {
+        /// What the write targeted.
+        target: StaleTarget,
+        /// The token both leases hold.
+        token: i64,
+    },
+
+    /// This lease wrote the row [`MAX_WRITES_PER_ROW`](crate::MAX_WRITES_PER_ROW) times;
+    /// nothing was applied. Take a new lease to write it again.
+    #[error("lease with token {token} wrote {target} the maximum number of times; take a new lease")]
+    LeaseExhausted {
+        /// What the write targeted.
+        target: StaleTarget,
+        /// The lease's token.
+        token: i64,
     },
 
     /// The row the fenced write addressed does not exist (never reported for a stale write).
@@ -43,13 +114,17 @@ pub enum Error {
         key: String,
     },
 
-    /// A fence token must be in `1..=i64::MAX`.
-    #[error("invalid fence token {0}: tokens are positive 64-bit integers")]
-    InvalidToken(i128),
+    /// A fence token must be an integer in `1..=`[`MAX_TOKEN`](crate::MAX_TOKEN).
+    #[error("invalid fence token {0}: tokens are integers from 1 to {max}", max = crate::MAX_TOKEN)]
+    InvalidToken(String),
 
     /// A resource name was rejected (see [`crate::Resource`]).
     #[error("invalid resource name: {0}")]
     InvalidResource(String),
+
+    /// A lease owner id was rejected (empty, or containing `:`).
+    #[error("invalid owner id: {0}")]
+    InvalidOwner(String),
 
     /// An SQL identifier (schema, table or column name) was rejected.
     #[error("invalid identifier {name:?}: {reason}")]
@@ -110,10 +185,16 @@ pub enum Error {
 }
 
 impl Error {
-    /// True when a write was rejected because its token was not newer than the fence.
+    /// True when a write was rejected because a newer lease had written or checked.
     #[must_use]
     pub fn is_stale(&self) -> bool {
         matches!(self, Error::StaleToken { .. })
+    }
+
+    /// True when the token counter handed one token to two leases ([`Error::DuplicateToken`]).
+    #[must_use]
+    pub fn is_duplicate(&self) -> bool {
+        matches!(self, Error::DuplicateToken { .. })
     }
 
     /// True when the error is transient and the same operation may be retried as is
@@ -156,9 +237,10 @@ impl From<sqlx::Error> for Error {
             && let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
         {
             match pg.code() {
-                SQLSTATE_STALE => {
-                    if let Some(stale) = parse_stale_detail(pg.detail().unwrap_or("")) {
-                        return stale;
+                SQLSTATE_STALE | SQLSTATE_DUPLICATE | SQLSTATE_EXHAUSTED => {
+                    if let Some(rejected) = parse_fence_detail(pg.code(), pg.detail().unwrap_or(""))
+                    {
+                        return rejected;
                     }
                 }
                 SQLSTATE_FENCE_TYPE => {
@@ -200,26 +282,33 @@ fn missing_relation(pg: &sqlx::postgres::PgDatabaseError) -> String {
         .to_owned()
 }
 
-/// Parses the `DETAIL` of a `PF001` error: `presented=<n> current=<n> target=<text>`.
-fn parse_stale_detail(detail: &str) -> Option<Error> {
+/// Parses the `DETAIL` of a `PF001`/`PF004`/`PF005` error:
+/// `presented=<token> current=<token> <kind>=<text>`, kind `resource` or `table`.
+fn parse_fence_detail(code: &str, detail: &str) -> Option<Error> {
     let rest = detail.strip_prefix("presented=")?;
     let (presented, rest) = rest.split_once(" current=")?;
-    let (current, target) = rest.split_once(" target=")?;
-    Some(Error::StaleToken {
-        target: target.to_owned(),
-        presented: presented.parse().ok()?,
-        current: current.parse().ok()?,
-    })
-}
-
-impl Error {
-    pub(crate) fn stale(target: impl Into<String>, presented: FenceToken, current: i64) -> Self {
-        Error::StaleToken {
-            target: target.into(),
-            presented: presented.get(),
+    let (current, rest) = rest.split_once(' ')?;
+    let target = if let Some(r) = rest.strip_prefix("resource=") {
+        StaleTarget::Resource(r.to_owned())
+    } else {
+        StaleTarget::Table(rest.strip_prefix("table=")?.to_owned())
+    };
+    let (presented, current) = (presented.parse().ok()?, current.parse().ok()?);
+    Some(match code {
+        SQLSTATE_DUPLICATE => Error::DuplicateToken {
+            target,
+            token: presented,
+        },
+        SQLSTATE_EXHAUSTED => Error::LeaseExhausted {
+            target,
+            token: presented,
+        },
+        _ => Error::StaleToken {
+            target,
+            presented,
             current,
-        }
-    }
+        },
+    })
 }
 
 #[cfg(test)]
@@ -228,10 +317,15 @@ mod tests {
 
     #[test]
     fn parses_trigger_detail() {
-        let e = parse_stale_detail("presented=1 current=2 target=\"public\".\"t\"").unwrap();
+        let e = parse_fence_detail("PF001", "presented=1 current=2 table=\"public\".\"t\"")
+            .unwrap();
         assert!(
-            matches!(e, Error::StaleToken { presented: 1, current: 2, ref target } if target == "\"public\".\"t\"")
+            matches!(e, Error::StaleToken { presented: 1, current: 2, target: StaleTarget::Table(ref t) } if t == "\"public\".\"t\"")
         );
-        assert!(parse_stale_detail("garbage").is_none());
+        let e = parse_fence_detail("PF004", "presented=3 current=3 resource=a:b").unwrap();
+        assert!(
+            matches!(e, Error::DuplicateToken { token: 3, target: StaleTarget::Resource(ref r) } if r == "a:b")
+        );
+        assert!(parse_fence_detail("PF001", "garbage").is_none());
     }
 }

@@ -1,29 +1,34 @@
 #![doc = include_str!("../README.md")]
 
-pub mod audit;
-pub mod chaos;
-pub mod check;
-pub mod ephemeral;
-pub mod error;
-pub mod guard;
-pub mod ident;
-pub mod issuer;
-pub mod keepalive;
-pub mod migrate;
-pub mod repository;
-pub mod resource;
-pub mod token;
+mod audit;
+mod error;
+mod fence;
+mod guard;
+mod ident;
+mod issuer;
+mod migrate;
+mod recovery;
+mod repository;
+mod resource;
+mod sql;
+mod token;
 
-pub use audit::{AuditEntry, AuditFilter, Auditor};
-pub use check::{Fence, high_water};
-pub use error::{Error, Result, SQLSTATE_FENCE_TYPE, SQLSTATE_PROTECTED, SQLSTATE_STALE};
-pub use guard::{guard, guarded_tables, unguard};
-pub use ident::{Ident, TableName};
-pub use issuer::{Issuer, Lease, LeaseState, LockStatus, RedisConnections};
-pub use keepalive::{KeepAlive, LeaseLost};
-pub use migrate::{MigrationInfo, migrate};
-pub use repository::{
-    FencedTable, Fencing, PgQuery, Repository, Upserted, WriteExecutor, WriteTarget,
+pub use audit::{
+    AuditEntry, AuditEvent, AuditFilter, AuditSink, Auditor, DEFAULT_AUDIT_TIMEOUT, LOG_TARGET,
+    Rejection, list as list_audit, prune as prune_audit,
 };
-pub use resource::Resource;
-pub use token::FenceToken;
+pub use error::{
+    Error, Result, SQLSTATE_DUPLICATE, SQLSTATE_EXHAUSTED, SQLSTATE_FENCE_TYPE,
+    SQLSTATE_PROTECTED, SQLSTATE_STALE, StaleTarget,
+};
+pub use fence::{Fence, high_water};
+pub use guard::{guard, guard_migration_sql, guarded_tables, unguard};
+pub use ident::{Ident, TableName};
+pub use issuer::{
+    FloorSource, Issuer, KeepAlive, Lease, LeaseLost, LeaseState, LockStatus, MAX_TTL, MIN_TTL,
+    RedisConnections, check_ttl, counter_key, default_connections, lock_key, new_owner_id,
+};
+pub use migrate::{MigrationInfo, migrate, status as migration_status};
+pub use repository::{FencedTable, PgQuery, Repository, Upserted, WriteExecutor};
+pub use resource::{MAX_RESOURCE_LEN, Resource};
+pub use token::{FenceToken, Fencing, MAX_TOKEN, MAX_WRITES_PER_ROW, Relation};

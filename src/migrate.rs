@@ -30,6 +30,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V3__audit_from_the_rejecting_statement",
         include_str!("../migrations/V3__audit_from_the_rejecting_statement.sql"),
     ),
+    (
+        "V4__one_lease_many_writes",
+        include_str!("../migrations/V4__one_lease_many_writes.sql"),
+    ),
 ];
 
 /// One migration, as reported by [`migrate`] and [`status`].

@@ -1,13 +1,14 @@
-//! The typed repository: fenced `update`, `upsert` and `delete` for tables declared with
-//! [`fenced_table!`](crate::fenced_table) (or a hand-written [`FencedTable`] impl).
+//! The typed repository: fenced `update`, `upsert`, `delete` and `claim` for tables declared
+//! with [`fenced_table!`](crate::fenced_table) (or a hand-written [`FencedTable`] impl).
 //!
-//! An applied write is one plain statement (`UPDATE ... WHERE <key> AND fence < $token`, the
-//! fenced `INSERT ... ON CONFLICT`, the fenced `DELETE`). Only a write that changed nothing
-//! sends a second statement, on the same executor, that tells why: stale (the row's fence is
-//! at least the presented token, or for upsert a newer token deleted the row), not found, or
-//! contended (the row was replaced meanwhile, retryable) — and, on a pool, writes the audit
-//! row in that same statement. The common path pays nothing for the rare one
-//! (`BENCHMARKS.md`: classifying inside the write cost ~15% of its throughput).
+//! An applied write is one plain statement (`UPDATE ... SET ..., fence = <next> WHERE <key>
+//! AND <fence admits the lease>`, the fenced `INSERT ... ON CONFLICT`, the fenced `DELETE`;
+//! see the crate's SQL module docs for the predicate). Only a write that changed nothing
+//! sends a second statement, on the same executor, that tells why: stale (a newer lease wrote
+//! or claimed the row, or for upsert deleted it), a duplicate token, not found, or contended
+//! (the row was replaced meanwhile, retryable) — and, on a pool, writes the audit row in that
+//! same statement. The common path pays nothing for the rare one (`BENCHMARKS.md`:
+//! classifying inside the write cost ~15% of its throughput).
 //!
 //! Between the two statements the row can change; the second reports what it finds then. A
 //! row a newer token deleted through [`Repository::delete`] left a tombstone and still
@@ -18,11 +19,13 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use sqlx::postgres::{PgArguments, PgRow};
-use sqlx::{AssertSqlSafe, PgPool, Postgres, Row, SqlSafeStr, SqlStr};
+use sqlx::{PgPool, Postgres, Row};
 
 use crate::audit::{AuditRow, Auditor, Rejection};
 use crate::ident::{Ident, TableName};
-use crate::{Error, FenceToken, Resource, Result};
+use crate::sql::{Source, Statement, Statements};
+use crate::token::Relation;
+use crate::{Error, Fencing, Result, StaleTarget};
 
 /// A query under construction, as handed to [`FencedTable`]'s bind methods.
 pub type PgQuery = sqlx::query::Query<'static, Postgres, PgArguments>;
@@ -129,8 +132,7 @@ mod sealed {
     impl Sealed for &mut sqlx::PgConnection {}
 }
 
-/// What a [`WriteExecutor`] is.
-#[doc(hidden)]
+/// What a [`WriteExecutor`] is (not exported: the trait is sealed).
 #[derive(Debug)]
 pub enum WriteTarget<'c> {
     /// A pool: the write takes one connection for all its statements.
@@ -182,68 +184,6 @@ impl Lent<'_> {
     }
 }
 
-/// What a write presents: the token, and for the audit trail the resource and holder it came
-/// from. Built from a [`FenceToken`] or (with the issuer) from a lease.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Fencing {
-    /// The fence token.
-    pub token: FenceToken,
-    /// The resource the token was issued for, if known (recorded in the audit trail).
-    pub resource: Option<Resource>,
-    /// Who holds the token (lease owner id, job id...), if known.
-    pub holder: Option<String>,
-}
-
-impl Fencing {
-    /// A bare token with no audit context.
-    #[must_use]
-    pub fn new(token: FenceToken) -> Self {
-        Self {
-            token,
-            resource: None,
-            holder: None,
-        }
-    }
-
-    /// Adds the resource the token was issued for.
-    #[must_use]
-    pub fn resource(mut self, resource: Resource) -> Self {
-        self.resource = Some(resource);
-        self
-    }
-
-    /// Adds the holder's identity.
-    #[must_use]
-    pub fn holder(mut self, holder: impl Into<String>) -> Self {
-        self.holder = Some(holder.into());
-        self
-    }
-}
-
-impl Fencing {
-    /// Binds the parameters of an explaining statement after the key: the token, the audit
-    /// context (resource, holder) and whether the statement is its own transaction.
-    fn bind_explain(&self, query: PgQuery, own_transaction: bool) -> PgQuery {
-        query
-            .bind(self.token.get())
-            .bind(self.resource.as_ref().map(|r| r.as_str().to_owned()))
-            .bind(self.holder.clone())
-            .bind(own_transaction)
-    }
-}
-
-impl From<FenceToken> for Fencing {
-    fn from(token: FenceToken) -> Self {
-        Self::new(token)
-    }
-}
-
-impl From<&Fencing> for Fencing {
-    fn from(f: &Fencing) -> Self {
-        f.clone()
-    }
-}
-
 /// What an [`Repository::upsert`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Upserted {
@@ -253,22 +193,13 @@ pub enum Upserted {
     Updated,
 }
 
-/// The SQL of one table: each write, and the statement that explains a write that changed
-/// nothing.
-struct Statements {
-    update: SqlStr,
-    upsert: SqlStr,
-    delete: SqlStr,
-    explain_update: SqlStr,
-    explain_upsert: SqlStr,
-    explain_delete: SqlStr,
-}
-
 /// Fenced writes to one table. Cheap to clone; build it once and share it.
 ///
 /// Every method takes the executor to run on — `&PgPool`, or `&mut *tx` to join the caller's
-/// transaction — and a token (or a [`Fencing`] with audit context). Rejections are logged and
-/// audited through the repository's own pool, outside the caller's transaction.
+/// transaction — and the lease (`&lease`, or a [`Fencing`] / [`FenceToken`](crate::FenceToken)).
+/// One lease may write a row many times, in many transactions; a newer lease's first write or
+/// claim fences every older lease out of that row. Rejections are logged and audited outside
+/// the caller's transaction.
 pub struct Repository<T> {
     table: Arc<TableName>,
     sql: Arc<Statements>,
@@ -284,6 +215,14 @@ impl<T> Clone for Repository<T> {
             auditor: self.auditor.clone(),
             _row: PhantomData,
         }
+    }
+}
+
+impl<T> std::fmt::Debug for Repository<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Repository")
+            .field("table", &self.table.quoted())
+            .finish_non_exhaustive()
     }
 }
 
@@ -306,7 +245,12 @@ impl<T: FencedTable> Repository<T> {
         Self::build(Auditor::new(pool), table)
     }
 
-    pub(crate) fn with_auditor(auditor: Auditor) -> Result<Self> {
+    /// Like [`Repository::new`] with a custom [`Auditor`] (a shorter audit timeout, an
+    /// [`AuditSink`](crate::AuditSink), audit rows in another database).
+    ///
+    /// # Errors
+    /// As [`Repository::new`].
+    pub fn with_auditor(auditor: Auditor) -> Result<Self> {
         Self::build(auditor, TableName::new(T::SCHEMA, T::TABLE)?)
     }
 
@@ -330,7 +274,7 @@ impl<T: FencedTable> Repository<T> {
         if all.windows(2).any(|w| w[0] == w[1]) {
             return Err(invalid("a column is declared twice"));
         }
-        let sql = Statements::build(&table, &keys, &cols, auditor.in_statement_timeout_ms());
+        let sql = Statements::build(&table, &keys, &cols, auditor.in_statement_timeout_ms())?;
         Ok(Self {
             table: Arc::new(table),
             sql: Arc::new(sql),
@@ -345,22 +289,34 @@ impl<T: FencedTable> Repository<T> {
         &self.table
     }
 
-    /// Updates the existing row `row` (matched by its key) if its fence is older than the
-    /// token, setting the declared columns and `fence = token`.
+    /// The exact text of the update statement (for benchmarks comparing it with raw sqlx).
+    /// Binds: key columns, data columns, then [`Fencing::lease_fence`].
+    #[doc(hidden)]
+    #[must_use]
+    pub fn update_sql(&self) -> &str {
+        self.sql.update.text()
+    }
+
+    /// Updates the existing row `row` (matched by its key), setting the declared columns, if
+    /// no newer lease has written or claimed it. The same lease may update a row many times.
     ///
     /// # Errors
-    /// [`Error::StaleToken`] when the row's fence is `>=` the token (audited and logged);
-    /// [`Error::NotFound`] when there is no such row; [`Error::Database`] otherwise.
+    /// [`Error::StaleToken`] when a newer lease wrote or claimed the row (audited and logged);
+    /// [`Error::DuplicateToken`] when another lease presented the same token there (audited);
+    /// [`Error::NotFound`] when there is no such row; [`Error::LeaseExhausted`];
+    /// [`Error::Database`] otherwise.
     ///
     /// # Example
     /// ```no_run
     /// # #[derive(Clone)] struct Snapshot { sku: String, payload: String }
     /// # pgfence::fenced_table!(Snapshot { table: "inventory_snapshot", key: sku: String, columns: [payload] });
-    /// # async fn f(pool: sqlx::PgPool, token: pgfence::FenceToken) -> pgfence::Result<()> {
+    /// # async fn f(pool: sqlx::PgPool, lease: pgfence::Lease) -> pgfence::Result<()> {
     /// let repo = pgfence::Repository::<Snapshot>::new(pool.clone())?;
     /// let mut tx = pool.begin().await?;
-    /// repo.update(&mut *tx, token, &Snapshot { sku: "A-1".into(), payload: "{}".into() }).await?;
+    /// repo.update(&mut *tx, &lease, &Snapshot { sku: "A-1".into(), payload: "{}".into() }).await?;
     /// tx.commit().await?;
+    /// // Later, in another transaction, the same lease writes the row again:
+    /// repo.update(&pool, &lease, &Snapshot { sku: "A-1".into(), payload: "[]".into() }).await?;
     /// # Ok(()) }
     /// ```
     pub async fn update<'c, E: WriteExecutor<'c>>(
@@ -371,22 +327,21 @@ impl<T: FencedTable> Repository<T> {
     ) -> Result<()> {
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
-        let write = row.bind_columns(row.bind_key(sqlx::query(self.sql.update.clone())));
-        let done = write.bind(fencing.token.get()).execute(lent.conn()).await?;
-        if done.rows_affected() > 0 {
+        let source = Source::Row(row);
+        let write = self.sql.update.bind(source, &fencing, false);
+        if write.execute(lent.conn()).await?.rows_affected() > 0 {
             return Ok(());
         }
-        let explain = || row.bind_key(sqlx::query(self.sql.explain_update.clone()));
-        let out = explain_row(explain, &fencing, &mut lent).await?;
+        let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
         self.rejected(&out, &fencing, "update").await
     }
 
-    /// Inserts `row`, or updates it if it exists with an older fence. A row that a newer token
+    /// Inserts `row`, or updates it if no newer lease has written it. A row that a newer lease
     /// deleted through [`Repository::delete`] is not brought back.
     ///
     /// # Errors
-    /// [`Error::StaleToken`] when the existing row's fence (or the tombstone of a row a newer
-    /// token deleted) is `>=` the token; [`Error::Database`] otherwise.
+    /// [`Error::StaleToken`] when a newer lease wrote (or deleted) the row;
+    /// [`Error::DuplicateToken`]; [`Error::LeaseExhausted`]; [`Error::Database`] otherwise.
     pub async fn upsert<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
@@ -395,11 +350,9 @@ impl<T: FencedTable> Repository<T> {
     ) -> Result<Upserted> {
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
-        let write = row.bind_columns(row.bind_key(sqlx::query(self.sql.upsert.clone())));
-        let done = write
-            .bind(fencing.token.get())
-            .fetch_optional(lent.conn())
-            .await?;
+        let source = Source::Row(row);
+        let write = self.sql.upsert.bind(source, &fencing, false);
+        let done = write.fetch_optional(lent.conn()).await?;
         if let Some(done) = done {
             return Ok(if done.try_get::<bool, _>(0)? {
                 Upserted::Inserted
@@ -407,23 +360,22 @@ impl<T: FencedTable> Repository<T> {
                 Upserted::Updated
             });
         }
-        let explain = || row.bind_key(sqlx::query(self.sql.explain_upsert.clone()));
-        let out = explain_row(explain, &fencing, &mut lent).await?;
-        // No row but a tombstone: a newer token deleted it.
+        let out = explain_row(&self.sql.explain_upsert, source, &fencing, &mut lent).await?;
+        // No row but a tombstone: a lease deleted it.
         if out.row.try_get::<Option<i64>, _>("current")?.is_none()
             && let Some(tomb) = out.row.try_get::<Option<i64>, _>("tombstone")?
         {
-            return self.stale(&out, &fencing, tomb, "upsert").await;
+            return self.classified(&out, &fencing, tomb, "upsert").await;
         }
         self.rejected(&out, &fencing, "upsert").await
     }
 
-    /// Deletes the row with `key` if its fence is older than the token, and records a
-    /// tombstone so that an older token's `upsert` cannot recreate it.
+    /// Deletes the row with `key` if no newer lease has written it, and records a tombstone
+    /// so that an older lease's `upsert` cannot recreate it.
     ///
     /// # Errors
-    /// [`Error::StaleToken`] when the row's fence is `>=` the token; [`Error::NotFound`] when
-    /// there is no such row; [`Error::Database`] otherwise.
+    /// [`Error::StaleToken`] when a newer lease wrote the row; [`Error::DuplicateToken`];
+    /// [`Error::NotFound`] when there is no such row; [`Error::Database`] otherwise.
     pub async fn delete<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
@@ -432,22 +384,54 @@ impl<T: FencedTable> Repository<T> {
     ) -> Result<()> {
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
-        let write = T::bind_key_value(key, sqlx::query(self.sql.delete.clone()));
-        let deleted: bool = write
-            .bind(fencing.token.get())
-            .fetch_one(lent.conn())
-            .await?
-            .try_get(0)?;
-        if deleted {
+        let source = Source::<T>::Key(key);
+        let write = self.sql.delete.bind(source, &fencing, false);
+        if write.fetch_one(lent.conn()).await?.try_get::<bool, _>(0)? {
             return Ok(());
         }
-        let explain = || T::bind_key_value(key, sqlx::query(self.sql.explain_delete.clone()));
-        let out = explain_row(explain, &fencing, &mut lent).await?;
+        let out = explain_row(&self.sql.explain_delete, source, &fencing, &mut lent).await?;
         self.rejected(&out, &fencing, "delete").await
     }
 
+    /// Claims the row with `key` for this lease and reads it, in one statement (`UPDATE ...
+    /// SET fence = <next> WHERE <key> AND <fence admits the lease> RETURNING *`): from now on
+    /// every older lease's write, claim or delete of the row is rejected, so a
+    /// read-modify-write that claims first loses nothing to a zombie — even across
+    /// transactions. Returns the row as `R` (usually `T` itself, with `#[derive(sqlx::FromRow)]`;
+    /// extra columns such as `fence` are ignored by the derive).
+    ///
+    /// # Errors
+    /// As [`Repository::update`] (operation `claim` in the audit trail).
+    ///
+    /// # Example
+    /// ```no_run
+    /// # #[derive(Clone, sqlx::FromRow)] struct Invoice { id: i64, status: String }
+    /// # pgfence::fenced_table!(Invoice { table: "invoices", key: id: i64, columns: [status] });
+    /// # async fn f(pool: sqlx::PgPool, lease: pgfence::Lease) -> pgfence::Result<()> {
+    /// let repo = pgfence::Repository::<Invoice>::new(pool.clone())?;
+    /// let mut invoice: Invoice = repo.claim(&pool, &lease, &42).await?;
+    /// invoice.status = "paid".into();
+    /// repo.update(&pool, &lease, &invoice).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn claim<'c, E, R>(&self, exec: E, fencing: impl Into<Fencing>, key: &T::Key) -> Result<R>
+    where
+        E: WriteExecutor<'c>,
+        R: for<'r> sqlx::FromRow<'r, PgRow> + Send + Unpin,
+    {
+        let fencing = fencing.into();
+        let mut lent = exec.into_target().lend().await?;
+        let source = Source::<T>::Key(key);
+        let write = self.sql.claim.bind(source, &fencing, false);
+        if let Some(row) = write.fetch_optional(lent.conn()).await? {
+            return Ok(R::from_row(&row)?);
+        }
+        let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
+        self.rejected(&out, &fencing, "claim").await
+    }
+
     /// Classifies a write that changed nothing from its explaining row: the row's fence
-    /// (`current`, NULL when there is no row) against the token.
+    /// (`current`, NULL when there is no row) against the lease.
     async fn rejected<R>(
         &self,
         out: &Explained,
@@ -459,77 +443,53 @@ impl<T: FencedTable> Repository<T> {
                 table: self.table.quoted(),
                 key: key_text(&out.row),
             }),
-            Some(current) if current >= fencing.token.get() => {
-                self.stale(out, fencing, current, operation).await
-            }
-            // The row now has an older fence, yet the write did not apply: it was replaced
-            // (deleted and inserted again) while the write ran.
-            Some(_) => Err(Error::Contended {
-                table: self.table.quoted(),
-                operation,
-            }),
+            Some(current) => self.classified(out, fencing, current, operation).await,
         }
     }
 
-    async fn stale<R>(
+    /// The error for a write that met `fence` and changed nothing.
+    async fn classified<R>(
         &self,
         out: &Explained,
         fencing: &Fencing,
-        current: i64,
+        fence: i64,
         operation: &'static str,
     ) -> Result<R> {
-        let key = key_text(&out.row);
+        let target = StaleTarget::Row {
+            table: self.table.quoted(),
+            key: key_text(&out.row),
+            resource: fencing.resource.as_ref().map(ToString::to_string),
+        };
+        let token = fencing.token.get();
+        let err = match fencing.classify(fence) {
+            Relation::Newer => Error::StaleToken {
+                target,
+                presented: token,
+                current: crate::FenceToken::of_fence(fence),
+            },
+            Relation::Duplicate => Error::DuplicateToken { target, token },
+            Relation::Exhausted => return Err(Error::LeaseExhausted { target, token }),
+            // The row now admits the lease, yet the write did not apply: it was replaced
+            // (deleted and inserted again) while the write ran.
+            Relation::Older | Relation::Own => {
+                return Err(Error::Contended {
+                    table: self.table.quoted(),
+                    operation,
+                });
+            }
+        };
         let rejection = Rejection {
             resource: fencing.resource.as_ref().map(|r| r.as_str().to_owned()),
             table: Some(self.table.quoted()),
-            key: Some(key.clone()),
-            presented: fencing.token.get(),
-            current: Some(current),
+            key: Some(key_text(&out.row)),
+            presented: token,
+            current: Some(crate::FenceToken::of_fence(fence)),
             holder: fencing.holder.clone(),
             operation,
         };
         self.auditor.record(&rejection, out.audit_row()?).await;
-        Err(Error::stale(
-            format!("{} {key}", self.table),
-            fencing.token,
-            current,
-        ))
+        Err(err)
     }
-}
-
-/// The catalog's operators, spelled so that `search_path` cannot substitute others.
-const EQ: &str = "OPERATOR(pg_catalog.=)";
-const LT: &str = "OPERATOR(pg_catalog.<)";
-
-/// The `audit` column of every explaining statement. For a stale outcome (`current >= token`)
-/// of a statement that is its own transaction, it calls `pgfence.record_rejection`, which
-/// writes the audit row in that same statement and returns `''` (if it cannot, the statement
-/// fails and is explained again without it); NULL otherwise, and then [`Auditor`] writes the
-/// row through its own pool. The parameters
-/// after the token: resource, holder, and whether the statement is its own transaction
-/// (only the client knows: see [`WriteExecutor`]).
-fn audit_column(
-    table_literal: &str,
-    token_param: usize,
-    current: &str,
-    operation: &str,
-    lock_timeout_ms: Option<i32>,
-) -> String {
-    let Some(ms) = lock_timeout_ms else {
-        return "NULL::pg_catalog.text".to_owned();
-    };
-    let token = format!("${token_param}");
-    let (resource, holder) = (
-        format!("${}", token_param + 1),
-        format!("${}", token_param + 2),
-    );
-    let own_transaction = format!("${}", token_param + 3);
-    format!(
-        "CASE WHEN {own_transaction}::pg_catalog.bool \
-         AND {current} OPERATOR(pg_catalog.>=) {token} \
-         THEN pgfence.record_rejection({resource}::pg_catalog.text, {table_literal}, c.row_key, \
-         {token}, {current}, {holder}::pg_catalog.text, '{operation}', {ms}) END"
-    )
 }
 
 /// An explaining statement's row, and the error of its own audit insert if that failed.
@@ -550,20 +510,17 @@ impl Explained {
     }
 }
 
-/// Runs an explaining statement on the write's connection; `explain` makes the statement with
-/// the key bound. When the statement fails in its audit insert (`pgfence.record_rejection`
-/// in the error's context), runs it again without the insert and keeps the error, so an
-/// audit failure never replaces the rejection.
-async fn explain_row(
-    explain: impl Fn() -> PgQuery,
+/// Runs an explaining statement on the write's connection. When the statement fails in its
+/// audit insert (`pgfence.record_rejection` in the error's context), runs it again without
+/// the insert and keeps the error, so an audit failure never replaces the rejection.
+async fn explain_row<T: FencedTable>(
+    explain: &Statement,
+    source: Source<'_, T>,
     fencing: &Fencing,
     lent: &mut Lent<'_>,
 ) -> Result<Explained> {
     let own = lent.own_transaction();
-    let first = fencing
-        .bind_explain(explain(), own)
-        .fetch_one(lent.conn())
-        .await;
+    let first = explain.bind(source, fencing, own).fetch_one(lent.conn()).await;
     match first {
         Ok(row) => Ok(Explained {
             row,
@@ -571,8 +528,8 @@ async fn explain_row(
         }),
         Err(e) => match audit_failure(&e) {
             Some(audit_error) => {
-                let row = fencing
-                    .bind_explain(explain(), false)
+                let row = explain
+                    .bind(source, fencing, false)
                     .fetch_one(lent.conn())
                     .await?;
                 Ok(Explained {
@@ -607,126 +564,3 @@ fn idents(names: &[&str]) -> Result<Vec<Ident>> {
     names.iter().map(|n| Ident::new(*n)).collect()
 }
 
-impl Statements {
-    /// Builds the statements. Identifiers arrive validated and are quoted by
-    /// [`Ident::quoted`]; values are always bind parameters. Every operator, function and
-    /// type is schema-qualified (`OPERATOR(pg_catalog.=)`, `pg_catalog.jsonb_build_array`),
-    /// so objects on the caller's `search_path` can never stand in for the catalog's.
-    ///
-    /// Writes: key columns `$1..$k`, then (update/upsert) data columns, then the token. Each is
-    /// the bare fenced statement, so an applied write costs one plain statement.
-    ///
-    /// Explaining statements, sent only after a write changed nothing: key columns `$1..$k`,
-    /// the token, the audit context (resource, holder; text, may be NULL) and whether the
-    /// statement is its own transaction (bool). They return `current` (the row's fence, NULL
-    /// when there is no row), `row_key` (the key as JSON text), for upsert `tombstone` (the
-    /// fence of a fenced delete of that key), and `audit` (see [`audit_column`]). They run
-    /// on the write's own executor, so inside a transaction they see what it sees; under READ
-    /// COMMITTED their snapshot is newer than the write's, which had waited for any
-    /// concurrent writer of the row to commit, so they report the fence the write lost to.
-    fn build(
-        table: &TableName,
-        keys: &[Ident],
-        cols: &[Ident],
-        audit_lock_timeout_ms: Option<i32>,
-    ) -> Self {
-        let t = table.quoted();
-        let k = keys.len();
-        let token = format!("${}", k + cols.len() + 1);
-        let key_params: Vec<String> = (1..=k).map(|i| format!("${i}")).collect();
-        let key_match = keys
-            .iter()
-            .zip(&key_params)
-            .map(|(c, p)| format!("{} {EQ} {p}", c.quoted()))
-            .collect::<Vec<_>>()
-            .join(" AND ");
-        let key_json = format!(
-            "pg_catalog.jsonb_build_array({})::pg_catalog.text",
-            key_params.join(", ")
-        );
-        let rel = format!(
-            "{}::pg_catalog.regclass::pg_catalog.oid",
-            crate::ident::quote_literal(&t).unwrap_or_default()
-        );
-        let tomb_fence = format!(
-            "(SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel {EQ} {rel} \
-             AND tb.row_key {EQ} {key_json})"
-        );
-
-        let set_cols: String = cols
-            .iter()
-            .enumerate()
-            .map(|(i, c)| format!("{} = ${}, ", c.quoted(), k + i + 1))
-            .collect();
-        let update = format!(
-            "UPDATE {t} SET {set_cols}\"fence\" = {token} \
-             WHERE {key_match} AND \"fence\" {LT} {token}"
-        );
-
-        let all_cols: Vec<String> = keys.iter().chain(cols).map(Ident::quoted).collect();
-        let all_params: Vec<String> = (1..=k + cols.len()).map(|i| format!("${i}")).collect();
-        let conflict_set: String = cols
-            .iter()
-            .map(|c| format!("{0} = EXCLUDED.{0}, ", c.quoted()))
-            .collect();
-        let key_cols: Vec<String> = keys.iter().map(Ident::quoted).collect();
-        let upsert = format!(
-            "INSERT INTO {t} AS cur ({cols}, \"fence\") \
-             SELECT {params}, {token} \
-             WHERE coalesce({tomb} {LT} {token}, true) OR EXISTS (SELECT 1 FROM {t} WHERE {key_match}) \
-             ON CONFLICT ({keys}) DO UPDATE SET {conflict_set}\"fence\" = EXCLUDED.\"fence\" \
-             WHERE cur.\"fence\" {LT} EXCLUDED.\"fence\" \
-             RETURNING (xmax {EQ} 0) AS inserted",
-            tomb = tomb_fence,
-            cols = all_cols.join(", "),
-            params = all_params.join(", "),
-            keys = key_cols.join(", "),
-        );
-
-        let del_token = format!("${}", k + 1);
-        let delete = format!(
-            "WITH w AS (DELETE FROM {t} WHERE {key_match} AND \"fence\" {LT} {del_token} RETURNING 1), \
-             tomb AS (INSERT INTO pgfence.tombstone AS tb (rel, row_key, fence) \
-             SELECT {rel}, {key_json}, {del_token} FROM w \
-             ON CONFLICT (rel, row_key) DO UPDATE SET fence = greatest(tb.fence, EXCLUDED.fence), deleted_at = pg_catalog.now()) \
-             SELECT EXISTS (SELECT 1 FROM w)"
-        );
-
-        // Explaining statements: the token is the parameter after the key.
-        let table_literal = crate::ident::quote_literal(&t).unwrap_or_default();
-        let explain = |operation: &str, with_tombstone: bool| {
-            let current = if with_tombstone {
-                "coalesce(c.current, c.tombstone)"
-            } else {
-                "c.current"
-            };
-            let audit = audit_column(
-                &table_literal,
-                k + 1,
-                current,
-                operation,
-                audit_lock_timeout_ms,
-            );
-            let (outer, inner) = if with_tombstone {
-                (", c.tombstone", format!(", {tomb_fence} AS tombstone"))
-            } else {
-                ("", String::new())
-            };
-            format!(
-                "SELECT c.current, c.row_key{outer}, {audit} AS audit FROM (\
-                 SELECT (SELECT \"fence\" FROM {t} WHERE {key_match}) AS current, \
-                 {key_json} AS row_key{inner} OFFSET 0) c"
-            )
-        };
-
-        let sql = |s: String| AssertSqlSafe(s).into_sql_str();
-        Self {
-            update: sql(update),
-            upsert: sql(upsert),
-            delete: sql(delete),
-            explain_update: sql(explain("update", false)),
-            explain_upsert: sql(explain("upsert", true)),
-            explain_delete: sql(explain("delete", false)),
-        }
-    }
-}

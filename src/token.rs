@@ -1,18 +1,60 @@
-//! Fence tokens: positive, strictly increasing numbers handed out with each lock acquisition.
+//! Fence tokens and what a write presents: a token is a lease's number; a lease's writes
+//! store it, with the holder's tag and a per-row sequence, in the `fence` column.
+//!
+//! # What a token means
+//!
+//! A lease is a session of work: its holder may write the same row and check the same
+//! resource many times, in many transactions, while every older lease stays fenced out. The
+//! issuer hands out one [`FenceToken`] per acquisition; a fence stored in Postgres packs three
+//! numbers into one `BIGINT`:
+//!
+//! ```text
+//!  63            24 23     16 15           0
+//! +----------------+---------+--------------+
+//! |     token      |   tag   |   sequence   |
+//! +----------------+---------+--------------+
+//! ```
+//!
+//! * **token** (39 bits, `1..=`[`MAX_TOKEN`]): the lease's number. A fence written by a newer
+//!   lease is numerically greater than any fence an older lease can write, so
+//!   `fence < $mine` keeps the design card's meaning: an older lease's write is rejected.
+//! * **tag** (8 bits): a hash of the holder id ([`Fencing::holder`]). Two leases that got the
+//!   same token — a Redis failover that lost `INCR`s — almost always have different tags, and
+//!   a write that meets the same token with another tag fails with
+//!   [`Error::DuplicateToken`](crate::Error::DuplicateToken) instead of letting both progress.
+//! * **sequence** (16 bits): a row write by the lease that already wrote the row stores
+//!   `fence + 1`, so every applied write strictly advances the fence — which is what lets the
+//!   guard trigger keep rejecting raw SQL that leaves the fence alone. One lease can write one
+//!   row [`MAX_WRITES_PER_ROW`] times.
+//!
+//! A lease's first write to a row stores [`Fencing::lease_fence`] (sequence 0). Resource
+//! checks store the lease fence itself and accept the same lease again without a sequence.
 
 use std::fmt;
 
-use crate::{Error, Result};
+use crate::{Error, Resource, Result};
 
-/// A fence token: an integer in `1..=i64::MAX`, issued once per lock acquisition and strictly
-/// increasing per resource. `0` and negative numbers are never tokens, so a value of this type
-/// is proof that the number is usable in a fenced write.
+/// The largest token: 39 bits, so that token, tag and sequence fit a positive `BIGINT`.
+pub const MAX_TOKEN: i64 = (1 << 39) - 1;
+
+/// How many times one lease can write one row (the 16-bit sequence). A lease that needs more
+/// gets [`Error::LeaseExhausted`](crate::Error::LeaseExhausted) and takes a new lease.
+pub const MAX_WRITES_PER_ROW: i64 = 1 << SEQ_BITS;
+
+const SEQ_BITS: u32 = 16;
+const TAG_BITS: u32 = 8;
+const TOKEN_SHIFT: u32 = SEQ_BITS + TAG_BITS;
+
+/// A fence token: an integer in `1..=`[`MAX_TOKEN`], issued once per lock acquisition and
+/// strictly increasing per resource (or fencing domain). `0` and negative numbers are never
+/// tokens, so a value of this type is proof that the number is usable in a fenced write.
 ///
 /// ```
 /// use pgfence::FenceToken;
 /// assert_eq!(FenceToken::new(42).unwrap().get(), 42);
 /// assert!(FenceToken::new(0).is_err());
 /// assert!(FenceToken::new(-1).is_err());
+/// assert!(FenceToken::new(pgfence::MAX_TOKEN + 1).is_err());
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FenceToken(i64);
@@ -21,30 +63,37 @@ impl FenceToken {
     /// Validates `value` as a token.
     ///
     /// # Errors
-    /// [`Error::InvalidToken`] when `value <= 0`.
+    /// [`Error::InvalidToken`] when `value` is outside `1..=`[`MAX_TOKEN`].
     pub fn new(value: i64) -> Result<Self> {
-        if value > 0 {
+        if (1..=MAX_TOKEN).contains(&value) {
             Ok(Self(value))
         } else {
-            Err(Error::InvalidToken(i128::from(value)))
+            Err(Error::InvalidToken(value.to_string()))
         }
     }
 
     /// Validates a token that arrives as an unsigned number (for example from Redis or a CLI
-    /// argument), refusing values that do not fit an `i64` instead of wrapping them.
+    /// argument), refusing values that do not fit instead of wrapping them.
     ///
     /// # Errors
-    /// [`Error::InvalidToken`] when `value` is `0` or larger than `i64::MAX`.
+    /// [`Error::InvalidToken`] when `value` is `0` or larger than [`MAX_TOKEN`].
     pub fn from_u64(value: u64) -> Result<Self> {
         i64::try_from(value)
-            .map_err(|_| Error::InvalidToken(i128::from(value)))
+            .map_err(|_| Error::InvalidToken(value.to_string()))
             .and_then(Self::new)
     }
 
-    /// The token as the `BIGINT` Postgres stores.
+    /// The token as a number.
     #[must_use]
     pub fn get(self) -> i64 {
         self.0
+    }
+
+    /// The token a stored fence was written with (`0` for a fence no lease wrote, and for
+    /// fences written before tokens carried a tag and sequence).
+    #[must_use]
+    pub fn of_fence(fence: i64) -> i64 {
+        fence >> TOKEN_SHIFT
     }
 }
 
@@ -58,10 +107,11 @@ impl std::str::FromStr for FenceToken {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
-        let v: i128 = s.trim().parse().map_err(|_| Error::InvalidToken(0))?;
-        i64::try_from(v)
-            .map_err(|_| Error::InvalidToken(v))
-            .and_then(Self::new)
+        let text = s.trim();
+        let v: i64 = text
+            .parse()
+            .map_err(|_| Error::InvalidToken(format!("{text:?}")))?;
+        Self::new(v)
     }
 }
 
@@ -78,18 +128,155 @@ impl From<FenceToken> for i64 {
     }
 }
 
+/// What a write presents: the lease's token, and for the audit trail and duplicate detection
+/// the resource and holder it came from. Built from a [`FenceToken`] or from a
+/// [`Lease`](crate::Lease) (`&lease` converts, with its owner id as holder).
+///
+/// Pass the same `Fencing` (or the same lease) to every write of one job: they are one
+/// session of work, and each is applied while no newer lease has written or checked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fencing {
+    /// The fence token.
+    pub token: FenceToken,
+    /// The resource the token was issued for, if known (recorded in the audit trail).
+    pub resource: Option<Resource>,
+    /// Who holds the token (lease owner id, job id...), if known. Its hash is the tag that
+    /// tells two leases with the same token apart.
+    pub holder: Option<String>,
+}
+
+impl Fencing {
+    /// A bare token with no audit context (tag 0).
+    #[must_use]
+    pub fn new(token: FenceToken) -> Self {
+        Self {
+            token,
+            resource: None,
+            holder: None,
+        }
+    }
+
+    /// Adds the resource the token was issued for.
+    #[must_use]
+    pub fn resource(mut self, resource: Resource) -> Self {
+        self.resource = Some(resource);
+        self
+    }
+
+    /// Adds the holder's identity.
+    #[must_use]
+    pub fn holder(mut self, holder: impl Into<String>) -> Self {
+        self.holder = Some(holder.into());
+        self
+    }
+
+    /// The holder's 8-bit tag: FNV-1a of the holder id, 0 without one.
+    #[must_use]
+    pub fn tag(&self) -> u8 {
+        let Some(holder) = &self.holder else {
+            return 0;
+        };
+        let mut h: u32 = 0x811c_9dc5;
+        for b in holder.bytes() {
+            h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+        }
+        h.to_le_bytes().iter().fold(0, |acc, b| acc ^ b)
+    }
+
+    /// The fence this lease's first write to a row stores: token and tag, sequence 0. This is
+    /// the one value the repository's statements bind for the lease.
+    #[must_use]
+    pub fn lease_fence(&self) -> i64 {
+        (self.token.get() << TOKEN_SHIFT) | (i64::from(self.tag()) << SEQ_BITS)
+    }
+
+    /// How a stored `fence` relates to this lease.
+    #[must_use]
+    pub fn classify(&self, fence: i64) -> Relation {
+        let mine = self.lease_fence();
+        let last = mine + (MAX_WRITES_PER_ROW - 1);
+        match FenceToken::of_fence(fence).cmp(&self.token.get()) {
+            std::cmp::Ordering::Less => Relation::Older,
+            std::cmp::Ordering::Greater => Relation::Newer,
+            std::cmp::Ordering::Equal if (mine..last).contains(&fence) => Relation::Own,
+            std::cmp::Ordering::Equal if fence == last => Relation::Exhausted,
+            std::cmp::Ordering::Equal => Relation::Duplicate,
+        }
+    }
+}
+
+/// How a stored fence relates to a [`Fencing`] ([`Fencing::classify`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Relation {
+    /// Written by an older lease (or never by a lease): this lease's write is admitted.
+    Older,
+    /// Written by this lease, with room for another write.
+    Own,
+    /// Written by this lease [`MAX_WRITES_PER_ROW`] times.
+    Exhausted,
+    /// Written by another lease that presented the same token (the counter went backwards).
+    Duplicate,
+    /// Written by a newer lease: this lease is stale.
+    Newer,
+}
+
+impl From<FenceToken> for Fencing {
+    fn from(token: FenceToken) -> Self {
+        Self::new(token)
+    }
+}
+
+impl From<&Fencing> for Fencing {
+    fn from(f: &Fencing) -> Self {
+        f.clone()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn bounds() {
-        assert!(FenceToken::new(i64::MAX).is_ok());
+        assert!(FenceToken::new(MAX_TOKEN).is_ok());
+        assert!(FenceToken::new(MAX_TOKEN + 1).is_err());
         assert!(FenceToken::new(i64::MIN).is_err());
         assert!(FenceToken::from_u64(u64::MAX).is_err());
         assert!(FenceToken::from_u64(0).is_err());
         assert!("9223372036854775808".parse::<FenceToken>().is_err());
-        assert!("abc".parse::<FenceToken>().is_err());
         assert_eq!("7".parse::<FenceToken>().unwrap().get(), 7);
+    }
+
+    #[test]
+    fn a_bad_token_text_is_reported_as_given() {
+        let err = "abc".parse::<FenceToken>().unwrap_err();
+        assert!(err.to_string().contains("\"abc\""), "{err}");
+        assert!(!err.to_string().contains(" 0"), "{err}");
+    }
+
+    #[test]
+    fn lease_fences_order_by_token_and_fit_a_bigint() {
+        let top = Fencing::new(FenceToken::new(MAX_TOKEN).unwrap()).holder("x");
+        assert!(top.lease_fence() + (MAX_WRITES_PER_ROW - 1) <= i64::MAX);
+        let older = Fencing::new(FenceToken::new(7).unwrap()).holder("zzz");
+        let newer = Fencing::new(FenceToken::new(8).unwrap());
+        assert!(older.lease_fence() + MAX_WRITES_PER_ROW < newer.lease_fence());
+        assert_eq!(FenceToken::of_fence(newer.lease_fence()), 8);
+    }
+
+    #[test]
+    fn classification() {
+        let me = Fencing::new(FenceToken::new(5).unwrap()).holder("a");
+        let twin = Fencing::new(FenceToken::new(5).unwrap()).holder("b");
+        assert_ne!(me.tag(), twin.tag());
+        let f = me.lease_fence();
+        assert_eq!(me.classify(0), Relation::Older);
+        assert_eq!(me.classify(42), Relation::Older);
+        assert_eq!(me.classify(f), Relation::Own);
+        assert_eq!(me.classify(f + 3), Relation::Own);
+        assert_eq!(me.classify(f + MAX_WRITES_PER_ROW - 1), Relation::Exhausted);
+        assert_eq!(me.classify(twin.lease_fence()), Relation::Duplicate);
+        let next = Fencing::new(FenceToken::new(6).unwrap());
+        assert_eq!(me.classify(next.lease_fence()), Relation::Newer);
     }
 }

@@ -103,25 +103,52 @@ async fn older_first_commits_before_newer_checks() {
 }
 
 #[tokio::test]
-async fn equal_token_is_rejected_and_logged() {
+async fn one_lease_checks_in_many_transactions() {
+    let (db, fence, res) = setup().await;
+    let lease = pgfence::Fencing::new(token(7)).holder("job-7");
+    for _ in 0..5 {
+        let mut tx = db.pool.begin().await.unwrap();
+        fence.check(&mut *tx, &res, &lease).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    assert_eq!(fence.high_water(&res).await.unwrap(), 7);
+    // A newer lease checks once: the old one is out, in any later transaction.
+    fence.check(&db.pool, &res, token(8)).await.unwrap();
+    let err = fence.check(&db.pool, &res, &lease).await.unwrap_err();
+    assert!(
+        matches!(err, Error::StaleToken { presented: 7, current: 8, ref target } if target.resource() == Some("payments:batch:42")),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_duplicate_token_is_its_own_error_audited_and_logged() {
     let (logs, _guard) = Logs::capture();
     let (db, fence, res) = setup().await;
-    fence.check(&db.pool, &res, token(7)).await.unwrap();
-    let err = fence.check(&db.pool, &res, token(7)).await.unwrap_err();
+    // Two leases that got token 7 (a counter that went backwards): different holders.
+    let first = pgfence::Fencing::new(token(7)).holder("owner-a");
+    let second = pgfence::Fencing::new(token(7)).holder("owner-b");
+    assert_ne!(first.tag(), second.tag());
+    fence.check(&db.pool, &res, &first).await.unwrap();
+    let err = fence.check(&db.pool, &res, &second).await.unwrap_err();
     assert!(
-        matches!(err, Error::StaleToken { presented: 7, current: 7, ref target } if target == "payments:batch:42")
+        matches!(err, Error::DuplicateToken { token: 7, ref target } if target.resource() == Some("payments:batch:42")),
+        "{err:?}"
     );
-    let warns = logs.with(pgfence::audit::LOG_TARGET, "WARN");
+    assert!(err.is_duplicate() && !err.is_stale());
+    let warns = logs.with(pgfence::LOG_TARGET, "WARN");
     assert_eq!(warns.len(), 1);
     assert_eq!(warns[0]["fields"]["operation"], "check");
     assert_eq!(warns[0]["fields"]["resource"], "payments:batch:42");
-    let entry = &pgfence::audit::list(&db.pool, &Default::default())
+    let entry = &pgfence::list_audit(&db.pool, &Default::default())
         .await
         .unwrap()[0];
     assert_eq!(
         (entry.presented, entry.current, entry.table.as_deref()),
         (7, Some(7), None)
     );
+    // The first lease is unaffected.
+    fence.check(&db.pool, &res, &first).await.unwrap();
 }
 
 #[tokio::test]

@@ -97,7 +97,7 @@ async fn migration_sql_guards_like_the_function() {
     let db = TestDb::new().await;
     db.exec(r#"CREATE TABLE "it's" (id int)"#).await;
     let sql =
-        pgfence::guard::guard_migration_sql(&TableName::new("public", "it's").unwrap()).unwrap();
+        pgfence::guard_migration_sql(&TableName::new("public", "it's").unwrap()).unwrap();
     assert!(
         sql.contains("SELECT pgfence.guard('public', 'it''s');"),
         "{sql}"

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
-use pgfence::ephemeral::{RedisCluster, Server};
-use pgfence::issuer::{counter_key, lock_key};
+use pgfence_testkit::{RedisCluster, Server};
+use pgfence::{counter_key, lock_key};
 use pgfence::{Error, Fence, Issuer, LeaseLost, LeaseState, Repository, Resource, TableName};
 use redis::AsyncCommands;
 use support::{Logs, TestDb, issuer, redis_url, unique_resource};
@@ -146,9 +146,9 @@ async fn owner_extend_keeps_the_lock_past_its_ttl() {
 async fn retried_acquire_by_the_same_owner_returns_the_same_token() {
     let issuer = issuer().await;
     let resource = unique_resource("retry");
-    let owner = pgfence::issuer::new_owner_id();
+    let owner = pgfence::new_owner_id();
     assert_eq!(owner.len(), 32);
-    assert_ne!(owner, pgfence::issuer::new_owner_id());
+    assert_ne!(owner, pgfence::new_owner_id());
     let first = issuer
         .acquire_as(&resource, &owner, 5 * SEC)
         .await
@@ -166,7 +166,7 @@ async fn retried_acquire_by_the_same_owner_returns_the_same_token() {
         "no token burnt"
     );
     let other = issuer
-        .acquire_as(&resource, &pgfence::issuer::new_owner_id(), 5 * SEC)
+        .acquire_as(&resource, &pgfence::new_owner_id(), 5 * SEC)
         .await
         .unwrap();
     assert!(other.is_err(), "another owner is refused");
@@ -324,11 +324,15 @@ async fn restarted_redis_recovers_automatically_with_a_floor_source() {
     // Partial loss on a row-only path: a rejected write tells recover_from what to raise to.
     let other = unique_resource("rows");
     let err = Error::StaleToken {
-        target: "t".into(),
+        target: pgfence::StaleTarget::Row {
+            table: "\"public\".\"t\"".into(),
+            key: "[1]".into(),
+            resource: Some(other.to_string()),
+        },
         presented: 1,
         current: 40,
     };
-    assert!(issuer.recover_from(&other, &err).await.unwrap());
+    assert!(issuer.recover_from(&err).await.unwrap());
     assert_eq!(
         issuer
             .acquire(&other, SEC)
@@ -499,13 +503,13 @@ async fn seed_race_with_real_leases() {
         .await
         .unwrap();
     assert_eq!(payload, "B");
-    let audit = pgfence::audit::list(&db.pool, &Default::default())
+    let audit = pgfence::list_audit(&db.pool, &Default::default())
         .await
         .unwrap();
     assert_eq!(audit.len(), 1);
     assert_eq!(audit[0].holder.as_deref(), Some(a.owner()));
     assert_eq!(audit[0].resource.as_deref(), Some(resource.as_str()));
-    assert_eq!(logs.with(pgfence::audit::LOG_TARGET, "WARN").len(), 1);
+    assert_eq!(logs.with(pgfence::LOG_TARGET, "WARN").len(), 1);
 }
 
 /// `Issuer::connect_with` opens the connections it is asked for and spreads commands over them:

@@ -10,17 +10,17 @@ async fn second_run_is_a_no_op() {
     let first = pgfence::migrate(&db.pool).await.unwrap();
     assert_eq!(
         first.iter().map(|m| m.version).collect::<Vec<_>>(),
-        vec![1, 2, 3]
+        vec![1, 2, 3, 4]
     );
     assert!(pgfence::migrate(&db.pool).await.unwrap().is_empty());
-    let status = pgfence::migrate::status(&db.pool).await.unwrap();
+    let status = pgfence::migration_status(&db.pool).await.unwrap();
     assert!(status.iter().all(|m| m.applied_on.is_some()));
 }
 
 #[tokio::test]
 async fn status_before_migrating_lists_pending() {
     let db = TestDb::empty().await;
-    let status = pgfence::migrate::status(&db.pool).await.unwrap();
+    let status = pgfence::migration_status(&db.pool).await.unwrap();
     assert!(!status.is_empty() && status.iter().all(|m| m.applied_on.is_none()));
 }
 
@@ -41,7 +41,7 @@ async fn concurrent_runs_all_succeed_and_one_applies() {
             .expect("every concurrent run succeeds")
             .len();
     }
-    assert_eq!(applied, 3, "exactly one run applies V1, V2 and V3");
+    assert_eq!(applied, 4, "exactly one run applies V1 to V4");
 }
 
 /// A user's populated database with its own refinery history: only pgfence's schema appears.
@@ -80,7 +80,7 @@ async fn existing_database_is_untouched() {
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(ours, 3);
+    assert_eq!(ours, 4);
 
     // Guarding adds only the column and the trigger.
     pgfence::guard(&db.pool, &pgfence::TableName::parse("orders").unwrap())

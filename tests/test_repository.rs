@@ -36,7 +36,8 @@ async fn setup() -> (TestDb, Repository<Snapshot>) {
 }
 
 async fn row(db: &TestDb, sku: &str) -> Option<(String, i64)> {
-    sqlx::query_as("SELECT payload, fence FROM inventory_snapshot WHERE sku = $1")
+    // The token of the lease that last wrote the row (the fence packs token, tag, sequence).
+    sqlx::query_as("SELECT payload, fence >> 24 FROM inventory_snapshot WHERE sku = $1")
         .bind(sku)
         .fetch_optional(&db.pool)
         .await
@@ -85,7 +86,7 @@ async fn seed_race_stale_holder_is_rejected_audited_and_logged() {
     assert_eq!(row(&db, "A-1").await, Some(("written by B".into(), 2)));
 
     // The audit row survived A's rollback.
-    let audit = pgfence::audit::list(&db.pool, &Default::default())
+    let audit = pgfence::list_audit(&db.pool, &Default::default())
         .await
         .unwrap();
     assert_eq!(audit.len(), 1);
@@ -102,7 +103,7 @@ async fn seed_race_stale_holder_is_rejected_audited_and_logged() {
     assert_eq!(entry.operation, "update");
 
     // And one WARN event with the stable target and fields was emitted.
-    let warns = logs.with(pgfence::audit::LOG_TARGET, "WARN");
+    let warns = logs.with(pgfence::LOG_TARGET, "WARN");
     assert_eq!(warns.len(), 1, "{:?}", logs.events());
     let fields = &warns[0]["fields"];
     assert_eq!(fields["presented"], 1);
@@ -146,14 +147,12 @@ async fn missing_row_is_not_found_and_stale_row_is_stale() {
         .unwrap_err();
     support::assert_stale(&err, 3, 7);
 
-    // The same token twice: rejected with current == presented.
-    let err = repo
-        .update(&db.pool, token(7), &snap("A-1", "seven again"))
+    // The same lease again: one lease is a session of work, its second write is applied.
+    repo.update(&db.pool, token(7), &snap("A-1", "seven again"))
         .await
-        .unwrap_err();
-    support::assert_stale(&err, 7, 7);
-    assert_eq!(row(&db, "A-1").await, Some(("seven".into(), 7)));
-    assert_eq!(audit_count(&db.pool).await, 2);
+        .unwrap();
+    assert_eq!(row(&db, "A-1").await, Some(("seven again".into(), 7)));
+    assert_eq!(audit_count(&db.pool).await, 1);
 }
 
 #[tokio::test]
@@ -198,18 +197,18 @@ async fn upsert_inserts_then_fences_and_delete_tombstones_the_row() {
         .unwrap_err();
     support::assert_stale(&err, 4, 5);
     assert!(row(&db, "B-2").await.is_none());
-    // ...nor can the deleting token itself, but a newer one can.
-    assert!(
+    // ...but the lease that deleted it may insert it again, and a newer one may update it.
+    assert_eq!(
         repo.upsert(&db.pool, token(5), &snap("B-2", "again"))
             .await
-            .unwrap_err()
-            .is_stale()
+            .unwrap(),
+        Upserted::Inserted
     );
     assert_eq!(
         repo.upsert(&db.pool, token(6), &snap("B-2", "six"))
             .await
             .unwrap(),
-        Upserted::Inserted
+        Upserted::Updated
     );
     assert_eq!(row(&db, "B-2").await, Some(("six".into(), 6)));
 
@@ -217,7 +216,7 @@ async fn upsert_inserts_then_fences_and_delete_tombstones_the_row() {
         .fetch_all(&db.pool)
         .await
         .unwrap();
-    assert_eq!(ops, ["upsert", "delete", "upsert", "upsert"]);
+    assert_eq!(ops, ["upsert", "delete", "upsert"]);
 }
 
 #[tokio::test]
@@ -230,7 +229,7 @@ async fn raw_sql_that_does_not_advance_the_fence_fails_with_the_documented_sqlst
     for sql in [
         "UPDATE inventory_snapshot SET payload = 'raw' WHERE sku = 'A-1'", // keeps the fence
         "UPDATE inventory_snapshot SET payload = 'raw', fence = 9 WHERE sku = 'A-1'", // lowers it
-        "UPDATE inventory_snapshot SET payload = 'raw', fence = 10 WHERE sku = 'A-1'", // equal
+        "UPDATE inventory_snapshot SET payload = 'raw', fence = fence WHERE sku = 'A-1'", // equal
     ] {
         let err = sqlx::query(sql).execute(&db.pool).await.unwrap_err();
         let code = err
@@ -245,17 +244,32 @@ async fn raw_sql_that_does_not_advance_the_fence_fails_with_the_documented_sqlst
                 target,
             } => {
                 assert!(presented <= 10);
-                assert_eq!(target, "public.inventory_snapshot");
+                assert_eq!(
+                    target,
+                    pgfence::StaleTarget::Table("public.inventory_snapshot".into())
+                );
             }
             other => panic!("{sql}: expected StaleToken, got {other:?}"),
         }
     }
     assert_eq!(row(&db, "A-1").await, Some(("ten".into(), 10)));
     // Advancing it through raw SQL is allowed: the trigger enforces order, not the library.
-    sqlx::query("UPDATE inventory_snapshot SET payload = 'raw', fence = 11 WHERE sku = 'A-1'")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    // `pgfence.next_fence` computes the fence a lease's write stores (and refuses stale ones).
+    sqlx::query(
+        "UPDATE inventory_snapshot SET payload = 'raw', fence = pgfence.next_fence(fence, 11) WHERE sku = 'A-1'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(row(&db, "A-1").await, Some(("raw".into(), 11)));
+    let err = sqlx::query(
+        "UPDATE inventory_snapshot SET payload = 'zombie', fence = pgfence.next_fence(fence, 10, 0, 'inventory_snapshot') WHERE sku = 'A-1'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap_err();
+    support::assert_stale(&Error::from(err), 10, 11);
+    assert_eq!(row(&db, "A-1").await, Some(("raw".into(), 11)));
 }
 
 /// Many holders racing on one row: the highest token wins; every loser is classified stale
@@ -399,7 +413,7 @@ async fn hostile_identifiers_are_quoted_not_executed() {
     let repo = Repository::<Hostile>::new(db.pool.clone()).unwrap();
     repo.update(
         &db.pool,
-        token(1),
+        token(3),
         &Hostile {
             id: 1,
             value: "z".into(),
@@ -427,13 +441,13 @@ async fn hostile_identifiers_are_quoted_not_executed() {
         .unwrap();
     assert_eq!(victims, 1, "victim table untouched");
     let rows: Vec<(i32, String, i64)> =
-        sqlx::query_as(r#"SELECT * FROM "weird""; DROP TABLE victim; --" ORDER BY 1"#)
+        sqlx::query_as(r#"SELECT "id"" = id OR 1=1 --", "välue 'quoted'", fence >> 24 FROM "weird""; DROP TABLE victim; --" ORDER BY 1"#)
             .fetch_all(&db.pool)
             .await
             .unwrap();
     assert_eq!(
         rows,
-        vec![(1, "z".to_owned(), 1)],
+        vec![(1, "z".to_owned(), 3)],
         "only row 1 updated, only row 2 deleted"
     );
 }
@@ -488,8 +502,8 @@ async fn bad_declarations_and_tokens_are_typed_errors() {
         Repository::<DeclaresFence>::new(db.pool.clone()),
         Err(Error::InvalidTable { .. })
     ));
-    assert!(matches!(FenceToken::new(0), Err(Error::InvalidToken(0))));
-    assert!(matches!(FenceToken::new(-1), Err(Error::InvalidToken(-1))));
+    assert!(matches!(FenceToken::new(0), Err(Error::InvalidToken(ref t)) if t == "0"));
+    assert!(matches!(FenceToken::new(-1), Err(Error::InvalidToken(ref t)) if t == "-1"));
     assert!(matches!(
         TableName::parse("bad\0name"),
         Err(Error::InvalidIdentifier { .. })

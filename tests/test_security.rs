@@ -390,7 +390,7 @@ async fn only_the_owner_can_release_or_extend() {
 
 #[tokio::test]
 async fn owner_ids_are_unpredictable() {
-    let ids: Vec<String> = (0..1000).map(|_| pgfence::issuer::new_owner_id()).collect();
+    let ids: Vec<String> = (0..1000).map(|_| pgfence::new_owner_id()).collect();
     let unique: HashSet<&String> = ids.iter().collect();
     assert_eq!(unique.len(), 1000, "owner ids repeat");
     let values: Vec<u128> = ids
@@ -569,7 +569,7 @@ async fn hostile_keys_and_holders_cannot_forge_log_lines() {
     }
 
     // The audit table keeps the exact values for forensics.
-    let rows = pgfence::audit::list(&db.pool, &Default::default())
+    let rows = pgfence::list_audit(&db.pool, &Default::default())
         .await
         .unwrap();
     assert_eq!(rows.len(), 2);

@@ -1,7 +1,7 @@
 //! Shared test support: real servers, a fresh migrated database per test, log capture.
 //!
 //! `DATABASE_URL` / `REDIS_URL` select running servers; without them each test binary starts
-//! its own throwaway servers from the installed binaries (see `pgfence::ephemeral`).
+//! its own throwaway servers from the installed binaries (see `pgfence_testkit`).
 #![allow(dead_code)]
 
 use std::io::Write;
@@ -9,7 +9,7 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use pgfence::ephemeral::{Kind, Server, url_or_start};
+use pgfence_testkit::{Kind, Server, url_or_start};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 use tokio::sync::OnceCell;

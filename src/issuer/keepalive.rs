@@ -9,7 +9,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::issuer::{Issuer, Lease, LeaseState};
+use super::{Issuer, Lease, LeaseState};
 
 /// Why a kept-alive lease was lost.
 #[derive(Clone, Debug, PartialEq, Eq)]

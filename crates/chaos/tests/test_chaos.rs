@@ -1,18 +1,19 @@
-//! Proof under faults: the race harness (`pgfence::chaos`) at CI size against real servers, with
+//! Proof under faults: the race harness (`pgfence_chaos`) at CI size against real servers, with
 //! stalls past the TTL, Redis counter loss, killed backends and restarts; plus deterministic
 //! cases for why the transaction-scope check is needed and for error classification.
 //!
-//! Log events are counted by a global `tracing` layer (below) keyed by resource, so runs that
-//! happen concurrently in this binary do not mix.
+//! Rejections are counted by each harness's own audit sink; reseeds by one global `tracing`
+//! layer keyed by resource, so runs that happen concurrently in this binary do not mix.
 
+#[path = "../../../tests/support/mod.rs"]
 mod support;
 
 use std::str::FromStr;
 use std::time::Duration;
 
-use pgfence::chaos::{Config, EventCounter, Harness, Mode, Outcome, Recovery, Target};
-use pgfence::ephemeral::Server;
 use pgfence::{Error, Fence, Issuer, Repository, Resource, TableName};
+use pgfence_chaos::{Config, Harness, Mode, Outcome, Recovery, Report, ReseedCounter, Target};
+use pgfence_testkit::Server;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use support::{TestDb, redis_url, unique_resource};
 
@@ -26,11 +27,11 @@ async fn run_with_restart(
     target: &Target,
     mut server: Server,
     fault: &'static str,
-) -> (pgfence::chaos::Report, Server) {
+) -> (Report, Server) {
     let harness = Harness::new(cfg, target)
         .await
         .unwrap()
-        .with_log_counter(EventCounter::install_global());
+        .with_reseed_counter(ReseedCounter::install_global().expect("reseed counter"));
     let ctl = harness.control();
     let restart = tokio::spawn(async move {
         if ctl.wait_for_units(500).await {
@@ -45,18 +46,18 @@ async fn run_with_restart(
     (report, server)
 }
 
-async fn run(cfg: Config, target: &Target) -> pgfence::chaos::Report {
+async fn run(cfg: Config, target: &Target) -> Report {
     let harness = Harness::new(cfg, target)
         .await
         .expect("harness setup")
-        .with_log_counter(EventCounter::install_global());
+        .with_reseed_counter(ReseedCounter::install_global().expect("reseed counter"));
     let report = harness.run().await.expect("run");
     eprintln!("{}{}", report.summary, report.summary.json());
     report
 }
 
 /// Every failure a worker saw was one `is_retryable()` calls safe to retry.
-fn assert_failures_retryable(report: &pgfence::chaos::Report) {
+fn assert_failures_retryable(report: &Report) {
     for a in &report.attempts {
         if let Outcome::Failed {
             retryable, error, ..
@@ -105,11 +106,10 @@ async fn fenced_run_holds_under_faults_and_the_unfenced_control_breaks() {
     );
     assert_eq!(s.audit_rows, s.rejected, "one audit row per rejection: {s}");
     assert_eq!(
-        s.log_events,
-        Some(s.rejected),
-        "one WARN event per rejection: {s}"
+        s.log_events, s.rejected,
+        "one audit event per rejection: {s}"
     );
-    assert_eq!(s.audit_failures, Some(0), "{s}");
+    assert_eq!(s.audit_failures, 0, "{s}");
     assert!(s.backend_kills > 0, "{s}");
     assert_failures_retryable(&fenced);
     // Liveness after the counter reset: every row accepted writes again, via recover_from.
@@ -175,7 +175,7 @@ async fn redis_restart_mid_run_is_safe_and_recovers_by_itself() {
     assert!(!s.timed_out, "{s}");
     assert!(s.is_safe(), "{s}");
     assert_eq!(s.audit_rows, s.rejected, "{s}");
-    assert_eq!(s.log_events, Some(s.rejected), "{s}");
+    assert_eq!(s.log_events, s.rejected, "{s}");
     let f = s
         .faults
         .iter()
@@ -211,10 +211,10 @@ async fn postgres_restart_mid_run_is_safe_and_errors_are_retryable() {
     assert!(s.errors > 0, "the restart must have been felt: {s}");
     assert_failures_retryable(&report);
     // A rejection whose audit insert met the restart is reported as an audit failure event.
-    let failures = s.audit_failures.unwrap_or(0);
+    let failures = s.audit_failures;
     assert!(s.audit_rows <= s.rejected, "{s}");
     assert!(s.audit_rows + failures >= s.rejected, "{s}");
-    assert_eq!(s.log_events, Some(s.rejected), "{s}");
+    assert_eq!(s.log_events, s.rejected, "{s}");
     let f = s
         .faults
         .iter()
@@ -243,7 +243,7 @@ async fn counter_db() -> (TestDb, Fence, Repository<CounterRow>) {
         .await
         .unwrap();
     let fence = Fence::new(db.pool.clone());
-    let repo = fence.repository::<CounterRow>().unwrap();
+    let repo = Repository::<CounterRow>::with_auditor(fence.auditor().clone()).unwrap();
     (db, fence, repo)
 }
 
@@ -451,13 +451,17 @@ async fn killed_connection_is_retryable_stale_is_not_and_work_is_all_or_nothing(
     }
     tx.commit().await.unwrap();
 
-    // Replaying it with the same token is stale, and stale is never retryable.
+    // Once a newer lease has checked, the old token is stale, and stale is never retryable.
+    fence
+        .check(&db.pool, &resource, support::token(11))
+        .await
+        .unwrap();
     let mut tx = victim.begin().await.unwrap();
     let err = fence
         .check(&mut *tx, &resource, support::token(10))
         .await
         .unwrap_err();
-    support::assert_stale(&err, 10, 10);
+    support::assert_stale(&err, 10, 11);
     assert!(!err.is_retryable());
     drop(tx);
     let lines: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger")

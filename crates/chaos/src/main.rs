@@ -1,7 +1,7 @@
 //! The race harness at any size, with faults, against real servers.
 //!
 //! ```text
-//! cargo run --release --example chaos -- --workers 16 --attempts 20000 \
+//! cargo run --release -p pgfence-chaos -- --workers 16 --attempts 20000 \
 //!     --reset-counter-at 8000 --kill-every-ms 200 --restart-redis-at 12000 \
 //!     --restart-postgres-at 16000 --control
 //! ```
@@ -18,14 +18,14 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use pgfence::chaos::{Config, EventCounter, Harness, Mode, Recovery, Summary, Target};
-use pgfence::ephemeral::Server;
+use pgfence_chaos::{Config, Harness, Mode, Recovery, ReseedCounter, Summary, Target};
+use pgfence_testkit::Server;
 use sqlx::postgres::PgConnectOptions;
 
 /// Race harness: N workers, K rows, stalls past the TTL, injected faults; checks token order,
 /// lost updates and the audit trail afterwards.
 #[derive(Parser, Debug)]
-#[command(name = "chaos")]
+#[command(name = "pgfence-chaos")]
 struct Args {
     /// Concurrent workers.
     #[arg(long, default_value_t = 16)]
@@ -98,7 +98,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let counter = EventCounter::install_global();
+    let reseeds = ReseedCounter::install_global()?;
 
     let mut pg = match &args.database_url {
         Some(_) => None,
@@ -160,7 +160,7 @@ async fn main() -> anyhow::Result<()> {
         };
         let harness = Harness::new(cfg, &target)
             .await?
-            .with_log_counter(counter.clone());
+            .with_reseed_counter(reseeds.clone());
         let ctl = harness.control();
         let restarts = {
             let (ctl, restart_pg, restart_redis) =

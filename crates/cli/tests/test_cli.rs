@@ -1,5 +1,6 @@
 //! The `pgfence` binary against real servers.
 
+#[path = "../../../tests/support/mod.rs"]
 mod support;
 
 use std::process::{Command, Output, Stdio};

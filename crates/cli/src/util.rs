@@ -1,12 +1,11 @@
-//! Shared CLI plumbing: durations, connections, output.
+//! Shared CLI plumbing: durations, names from the command line, output.
+
+// Printing tables to stdout is part of every command's job.
+#![allow(clippy::print_stdout)]
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
-
-use crate::Conn;
 
 /// Parses `500ms`, `30s`, `5m`, `2h`, `7d` (a bare number is seconds).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -41,47 +40,6 @@ pub fn fmt_duration(d: Duration) -> String {
     } else {
         format!("{:.1}s", d.as_secs_f64())
     }
-}
-
-impl Conn {
-    pub fn database_url(&self) -> Result<&str> {
-        self.database_url
-            .as_deref()
-            .filter(|u| !u.is_empty())
-            .context("no PostgreSQL URL: pass --database-url or set DATABASE_URL")
-    }
-
-    pub fn redis_url(&self) -> Result<&str> {
-        self.redis_url
-            .as_deref()
-            .filter(|u| !u.is_empty())
-            .context("no Redis URL: pass --redis-url or set REDIS_URL")
-    }
-
-    pub async fn pg(&self) -> Result<PgPool> {
-        connect_pg(self.database_url()?).await
-    }
-
-    pub async fn issuer(&self) -> Result<pgfence::Issuer> {
-        connect_redis(self.redis_url()?).await
-    }
-}
-
-pub async fn connect_pg(url: &str) -> Result<PgPool> {
-    PgPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(url)
-        .await
-        .with_context(|| format!("cannot connect to PostgreSQL at {}", redact(url)))
-}
-
-pub async fn connect_redis(url: &str) -> Result<pgfence::Issuer> {
-    tokio::time::timeout(Duration::from_secs(10), pgfence::Issuer::connect(url))
-        .await
-        .map_err(|_| anyhow::anyhow!("timed out"))
-        .and_then(|r| r.map_err(anyhow::Error::from))
-        .with_context(|| format!("cannot connect to Redis at {}", redact(url)))
 }
 
 /// Hides a password in a URL before printing it.
@@ -163,25 +121,13 @@ pub fn init_logging(verbose: bool) {
         .try_init();
 }
 
-/// Takes `resource`'s lock, waiting up to `wait` if given; fails if another holder keeps it.
-pub async fn take_lock(
-    issuer: &pgfence::Issuer,
-    resource: &pgfence::Resource,
-    ttl: Duration,
-    wait: Option<Duration>,
-) -> Result<pgfence::Lease> {
-    let lease = match wait {
-        Some(wait) => issuer.acquire_wait(resource, ttl, wait).await?,
-        None => issuer.acquire(resource, ttl).await?,
-    };
-    lease.with_context(|| format!("{} is locked by another holder", cell(resource.as_str())))
-}
-
+/// `name` as a resource, or an error quoting it.
 pub fn resource(name: &str) -> Result<pgfence::Resource> {
     pgfence::Resource::new(name)
         .with_context(|| format!("bad resource name {:?}", cell(&shorten(name))))
 }
 
+/// `name` (`table` or `schema.table`) as a table name, or an error quoting it.
 pub fn table(name: &str) -> Result<pgfence::TableName> {
     pgfence::TableName::parse(name)
         .with_context(|| format!("bad table name {:?}", cell(&shorten(name))))

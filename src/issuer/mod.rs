@@ -7,25 +7,35 @@
 //! counter that goes backwards costs liveness (rejected writes) until it is reseeded, never
 //! correctness.
 
+mod connections;
+mod keepalive;
+mod scripts;
+
+use std::future::Future;
 use std::num::NonZeroUsize;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock};
+use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::{ConnectionLike, ConnectionManager};
-use redis::{Script, Value};
-use sqlx::PgPool;
+use redis::Value;
+use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 
-use crate::repository::Fencing;
-use crate::{Error, FenceToken, Resource, Result};
+pub use connections::{RedisConnections, default_connections};
+pub use keepalive::{KeepAlive, LeaseLost};
+use scripts::{ACQUIRE, EXTEND, RAISE_FLOOR, RELEASE, REISSUE};
 
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/acquire.lua")));
-static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/release.lua")));
-static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/extend.lua")));
-static RAISE_FLOOR: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("lua/raise_floor.lua")));
-static REISSUE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/reissue.lua")));
+use crate::{Error, FenceToken, Fencing, Resource, Result, StaleTarget};
+
+/// Where an issuer reads the mark a fresh counter must start above (Postgres's high-water
+/// mark, through [`Issuer::with_floor_source`]): the issuer's only view of the database.
+pub trait FloorSource: Send + Sync + std::fmt::Debug + 'static {
+    /// The highest token `resource` has been checked with (0 when none).
+    fn high_water<'a>(
+        &'a self,
+        resource: &'a Resource,
+    ) -> Pin<Box<dyn Future<Output = Result<i64>> + Send + 'a>>;
+}
 
 /// Shortest lease accepted.
 pub const MIN_TTL: Duration = Duration::from_millis(10);
@@ -190,96 +200,6 @@ pub struct LockStatus {
     pub counter: i64,
 }
 
-/// A small set of reconnecting Redis connections, used in turn: each command goes out on the
-/// next one.
-///
-/// One multiplexed connection serialises every task's commands through one socket and one
-/// driver task; with a connection per CPU the issuer's acquire + release cycle ran 1.6× faster
-/// on the benchmark machine (`BENCHMARKS.md`). Commands of one call (an acquire, a release)
-/// are awaited one after the other, so spreading them over connections never reorders what a
-/// caller does.
-#[derive(Clone)]
-pub struct RedisConnections {
-    conns: Arc<[ConnectionManager]>,
-    next: Arc<AtomicUsize>,
-}
-
-impl std::fmt::Debug for RedisConnections {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisConnections")
-            .field("connections", &self.conns.len())
-            .finish_non_exhaustive()
-    }
-}
-
-impl RedisConnections {
-    /// Opens `count` connections to the standalone Redis at `url` (`redis://host:port/db`).
-    /// Each reconnects by itself, with 5 s connect and response timeouts.
-    ///
-    /// # Errors
-    /// [`Error::Redis`] for a malformed URL or an unreachable server.
-    pub async fn open(url: &str, count: NonZeroUsize) -> Result<Self> {
-        let client = redis::Client::open(url)?;
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(5)))
-            .set_response_timeout(Some(Duration::from_secs(5)))
-            .set_number_of_retries(2);
-        let mut conns = Vec::with_capacity(count.get());
-        for _ in 0..count.get() {
-            conns.push(ConnectionManager::new_with_config(client.clone(), config.clone()).await?);
-        }
-        Ok(Self {
-            conns: conns.into(),
-            next: Arc::new(AtomicUsize::new(0)),
-        })
-    }
-
-    /// How many connections there are.
-    #[must_use]
-    pub fn len(&self) -> usize {
-        self.conns.len()
-    }
-
-    /// Always `false`: there is at least one connection.
-    #[must_use]
-    pub fn is_empty(&self) -> bool {
-        self.conns.is_empty()
-    }
-
-    fn pick(&self) -> ConnectionManager {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
-        self.conns[i].clone()
-    }
-}
-
-impl ConnectionLike for RedisConnections {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
-        let mut conn = self.pick();
-        Box::pin(async move { conn.req_packed_command(cmd).await })
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<Value>> {
-        let mut conn = self.pick();
-        Box::pin(async move { conn.req_packed_commands(pipeline, offset, count).await })
-    }
-
-    fn get_db(&self) -> i64 {
-        self.conns[0].get_db()
-    }
-}
-
-/// Connections [`Issuer::connect`] opens: one per CPU, at most 8.
-#[must_use]
-pub fn default_connections() -> NonZeroUsize {
-    let cpus = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
-    NonZeroUsize::new(cpus.clamp(1, 8)).unwrap_or(NonZeroUsize::MIN)
-}
-
 /// Issues leases and fence tokens from Redis.
 ///
 /// Generic over the connection: [`Issuer::connect`] gives a set of reconnecting connections
@@ -288,7 +208,7 @@ pub fn default_connections() -> NonZeroUsize {
 #[derive(Clone)]
 pub struct Issuer<C = RedisConnections> {
     conn: C,
-    floor_source: Option<PgPool>,
+    pub(crate) floor_source: Option<Arc<dyn FloorSource>>,
 }
 
 impl<C> std::fmt::Debug for Issuer<C> {
@@ -339,21 +259,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         }
     }
 
-    /// Makes counter loss recover by itself: when an acquire finds the counter missing (a new
-    /// resource, or a Redis that restarted or failed over without its data), the issuer reads
-    /// the resource's high-water mark from this database and, if it is not below the new
-    /// token, raises the counter past it and re-issues the token before returning the lease.
-    /// Costs one Postgres query per fresh counter, none on the common path.
-    ///
-    /// The high-water mark is the one [`crate::Fence::check`] maintains. Jobs that only write
-    /// rows through a [`crate::Repository`] leave it at 0; for them, recover with
-    /// [`Issuer::recover_from`] on the first rejected write (or `pgfence reseed --floor`).
-    #[must_use]
-    pub fn with_floor_source(mut self, pool: PgPool) -> Self {
-        self.floor_source = Some(pool);
-        self
-    }
-
     /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds it.
     ///
     /// # Errors
@@ -390,7 +295,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     ) -> Result<std::result::Result<Lease, Duration>> {
         let ttl_ms = ttl_millis(ttl)?;
         if owner.is_empty() || owner.contains(':') {
-            return Err(Error::InvalidResource(
+            return Err(Error::InvalidOwner(
                 "owner ids are non-empty and contain no ':'".into(),
             ));
         }
@@ -539,7 +444,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     /// [`Error::InvalidToken`] for a negative floor; [`Error::Redis`].
     pub async fn raise_floor(&self, resource: &Resource, floor: i64) -> Result<i64> {
         if floor < 0 {
-            return Err(Error::InvalidToken(i128::from(floor)));
+            return Err(Error::InvalidToken(floor.to_string()));
         }
         let mut conn = self.conn.clone();
         let after: Value = RAISE_FLOOR
@@ -550,39 +455,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         int(&after)
     }
 
-    /// Reseeds after a failover: raises `resource`'s counter to the high-water mark Postgres
-    /// recorded for it ([`crate::Fence::check`]), so the next lease is accepted. Returns the
-    /// counter afterwards.
-    ///
-    /// # Errors
-    /// [`Error::Database`]; [`Error::Redis`].
-    pub async fn reseed(&self, pool: &PgPool, resource: &Resource) -> Result<i64> {
-        let mark = crate::check::high_water(pool, resource).await?;
-        self.raise_floor(resource, mark).await
-    }
-
-    /// One-call recovery from a rejected write: if `err` is a [`Error::StaleToken`], raises
-    /// `resource`'s counter to the fence the write met, so the next lease's token is newer than
-    /// everything Postgres has seen on that path. Returns whether the counter was raised.
-    /// Use it when a freshly acquired lease is rejected (the counter went backwards).
-    ///
-    /// # Errors
-    /// [`Error::Redis`].
-    pub async fn recover_from(&self, resource: &Resource, err: &Error) -> Result<bool> {
-        match err {
-            Error::StaleToken { current, .. } => {
-                let before = self.status(resource).await?.counter;
-                Ok(self.raise_floor(resource, *current).await? > before)
-            }
-            _ => Ok(false),
-        }
-    }
-
     async fn reseed_fresh(&self, lease: &mut Lease) -> Result<()> {
-        let Some(pool) = &self.floor_source else {
+        let Some(source) = &self.floor_source else {
             return Ok(());
         };
-        let mark = crate::check::high_water(pool, &lease.resource).await?;
+        let mark = source.high_water(&lease.resource).await?;
         if mark < lease.token.get() {
             return Ok(());
         }
@@ -598,7 +475,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         let token = int(&reply)?;
         if token == 0 {
             // The lease lapsed while we were reading Postgres: report what Redis would.
-            return Err(Error::stale(lease.resource.as_str(), lease.token, mark));
+            return Err(Error::StaleToken {
+                target: StaleTarget::Resource(lease.resource.to_string()),
+                presented: lease.token.get(),
+                current: mark,
+            });
         }
         tracing::info!(
             target: "pgfence::issuer",
@@ -612,10 +493,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         Ok(())
     }
 
-    /// Keeps `lease` alive in the background; see [`crate::keepalive::KeepAlive`].
+    /// Keeps `lease` alive in the background; see [`KeepAlive`].
     #[must_use]
-    pub fn keep_alive(&self, lease: &Lease) -> crate::keepalive::KeepAlive {
-        crate::keepalive::KeepAlive::spawn(self.clone(), lease.clone())
+    pub fn keep_alive(&self, lease: &Lease) -> KeepAlive {
+        KeepAlive::spawn(self.clone(), lease.clone())
     }
 }
 

@@ -1,0 +1,115 @@
+//! Race harness: proof under faults.
+//!
+//! N workers repeatedly take the lock of one of K counter rows through the
+//! [`Issuer`](pgfence::Issuer), read the row's value, sometimes pause past the lease's TTL (an
+//! injected stall, like a GC pause or a frozen VM), then write `value + 1` with their fence
+//! token. Every attempted write is recorded (row, token, value read, value written, outcome,
+//! timestamps), and after the run the history is checked against what Postgres actually
+//! committed:
+//!
+//! * **token order** — on each row, accepted writes in commit order carry increasing tokens
+//!   (a token repeats only for writes of the same lease: pgfence lets one lease write a row
+//!   more than once, and a retry after a lost commit acknowledgement does);
+//! * **no lost updates** — each row's final value equals its number of accepted writes, and
+//!   every accepted write read the value the previous accepted write left;
+//! * **every rejection is reported** — one `pgfence.audit` row and one audit event (which
+//!   pgfence also logs at WARN) per rejection a worker saw
+//!   ([`Error::StaleToken`](pgfence::Error::StaleToken), or
+//!   [`Error::DuplicateToken`](pgfence::Error::DuplicateToken) after the counter went
+//!   backwards);
+//! * **all or nothing** — a write's row update and its history row commit together.
+//!
+//! Faults can be injected while it runs: Redis counter loss (built in: `DEL` of every counter
+//! at chosen points), killed Postgres backends (built in: `pg_terminate_backend` of a busy
+//! worker connection at random intervals), and anything else the caller does between
+//! [`Control::wait_for_units`] and [`Control::mark_fault`] (restarting Redis or Postgres). For
+//! each fault the report measures recovery: how many leases, rejections and errors it took, and
+//! how long, until every row accepted writes again.
+//!
+//! # What guarantees what
+//!
+//! Three [`Mode`]s run the same read-modify-write loop with different protection.
+//!
+//! * [`Mode::Unfenced`] — what an application without pgfence does: read the value, then
+//!   `UPDATE ... SET value = $1` without a token, on a table that is not guarded. A worker
+//!   whose lease expired during a pause overwrites newer work. The harness must report
+//!   violations here, which proves that it can detect them.
+//!
+//! * [`Mode::RowFence`] — read the value, then a fenced
+//!   [`Repository::update`](pgfence::Repository::update) (`... WHERE fence < $token`). This
+//!   guarantees **token order per row**: no accepted write carries a token lower than or equal
+//!   to an earlier accepted write on the row (also for raw SQL, through the guard trigger). It
+//!   does **not** make read-modify-write atomic. Take holder A with token 1 that pauses past
+//!   its TTL *before writing*, and holder B that then gets token 2 and reads value `v`. If A
+//!   wakes up and writes `v + 1` before B writes, A's write is accepted (the row's fence is
+//!   still below 1) — and so is B's `v + 1` afterwards (2 is newer than 1). Tokens are in
+//!   order, yet A's increment is lost: the fence compares tokens at write time, but B's *read*
+//!   was never ordered against A's write.
+//!
+//! * [`Mode::Fenced`] (the default) — one transaction per write:
+//!   [`Fence::check`](pgfence::Fence::check) on the row's resource first, then the read, then
+//!   the fenced update, committed together. The check raises the resource's high-water mark and
+//!   holds that row lock until commit, so holders of one resource are serialised in token
+//!   order: an older holder that has not checked yet fails its check later (the mark is already
+//!   newer); an older holder that checked earlier makes this check wait until it commits or
+//!   rolls back, and then this transaction's read — a later statement under READ COMMITTED —
+//!   sees its committed write; a newer holder waits for this transaction. So no write can land
+//!   between a holder's read and its write, which is exactly what rules out lost updates. The
+//!   row fence stays as defence in depth (and is what stops raw SQL). A pause *inside* the
+//!   transaction only delays the next holder; it cannot make an older write land after a newer
+//!   one. (Under REPEATABLE READ or SERIALIZABLE the snapshot is taken by the check itself,
+//!   before any wait, so a conflicting holder gets a serialization failure — still safe, and
+//!   retryable.)
+//!
+//! # How commit order is observed
+//!
+//! Ordering accepted writes by client-side timestamps would be wrong: the commit a client
+//! sees is not the order Postgres applied. Instead each counter row has a `version` column that
+//! a trigger bumps on every update, and each write inserts its history row **in the same
+//! transaction**, copying that version. Updates of one row are serialised by its row lock, so
+//! versions `1, 2, 3, ...` are the commit order of the row's writes; the history row exists if
+//! and only if the write committed, which also settles commits whose acknowledgement was lost
+//! (a connection killed during `COMMIT`).
+//!
+//! # Counting rejections
+//!
+//! pgfence reports every rejection, and every rejection whose audit row could not be written,
+//! to the [`AuditSink`](pgfence::AuditSink) registered on its [`Auditor`](pgfence::Auditor)
+//! (in addition to its `tracing` events at WARN and ERROR). [`Harness::new`] registers an
+//! [`AuditCounter`] on the auditor its fence and repository share; it counts the typed
+//! events per resource, and the summary reports those of the run's resources (their names
+//! start with [`Harness::resource_prefix`]) as `log_events` and `audit_failures`.
+//!
+//! Automatic reseeds after counter loss are reported by the issuer only as a `tracing` event.
+//! To count them, install a [`ReseedCounter`] layer ([`ReseedCounter::install_global`], or
+//! [`ReseedCounter::layer`] in your own subscriber) and pass it to
+//! [`Harness::with_reseed_counter`]; without it `reseed_events` is reported as `null`.
+//!
+//! # Modules
+//!
+//! [`Config`] and [`Target`] say what runs where; [`Harness`] sets the run up and runs the
+//! workers, whose write pipeline (one plan of steps per [`Mode`]) lives in `worker`; the
+//! fault injectors in `faults`; the checks in `verify`; the [`Report`] and its printing in
+//! `report`.
+
+mod config;
+mod error;
+mod faults;
+mod harness;
+mod history;
+mod report;
+mod reseed;
+mod schema;
+mod sink;
+mod util;
+mod verify;
+mod worker;
+
+pub use config::{Config, Mode, Recovery, Target};
+pub use error::ChaosError;
+pub use harness::{Control, Harness};
+pub use history::{Attempt, FaultMark, LeaseRecord, Outcome, Stage};
+pub use report::{ErrorKind, FaultRecovery, Report, Summary};
+pub use reseed::{ReseedCounter, ReseedLayer};
+pub use schema::SCHEMA;
+pub use sink::{AuditCounter, AuditTally};

@@ -1,0 +1,130 @@
+//! [`Fence`], the transaction-scope check, for work that is not one row (a batch of ledger
+//! inserts, a multi-table update): claim the resource for the lease inside the caller's
+//! transaction, or fail with [`Error::StaleToken`].
+
+use sqlx::{PgExecutor, PgPool};
+
+use crate::audit::{AuditRow, Auditor, Rejection};
+use crate::{Error, Fencing, Resource, Result};
+
+/// A handle on a database with pgfence's schema: the transaction-scope check and high-water
+/// marks, audited through one [`Auditor`].
+#[derive(Clone, Debug)]
+pub struct Fence {
+    auditor: Auditor,
+}
+
+impl Fence {
+    /// A handle that audits through `pool`.
+    #[must_use]
+    pub fn new(pool: PgPool) -> Self {
+        Self {
+            auditor: Auditor::new(pool),
+        }
+    }
+
+    /// A handle with a custom [`Auditor`] (for example a shorter audit timeout).
+    #[must_use]
+    pub fn with_auditor(auditor: Auditor) -> Self {
+        Self { auditor }
+    }
+
+    /// The pool audit rows go through.
+    #[must_use]
+    pub fn pool(&self) -> &PgPool {
+        self.auditor.pool()
+    }
+
+    /// The audit configuration, to share with repositories
+    /// ([`Repository::with_auditor`](crate::Repository::with_auditor)).
+    #[must_use]
+    pub fn auditor(&self) -> &Auditor {
+        &self.auditor
+    }
+
+    /// Claims `resource` for the lease inside `exec`'s transaction: raises its high-water
+    /// mark to the lease, or accepts the lease that already holds the mark.
+    ///
+    /// Call it first in each transaction that does the fenced work; one lease may check the
+    /// same resource in any number of transactions. The row lock it takes is held until that
+    /// transaction ends, so holders of one resource are serialised: once a newer lease has
+    /// checked, an older one fails here (and one that checked earlier has already committed
+    /// or rolled back). Outside an explicit transaction the check protects nothing beyond
+    /// itself.
+    ///
+    /// # Errors
+    /// [`Error::StaleToken`] (logged and audited) when a newer lease has checked;
+    /// [`Error::DuplicateToken`] (audited) when another lease checked with the same token.
+    /// The transaction is then aborted: roll it back.
+    ///
+    /// # Example
+    /// ```no_run
+    /// # async fn f(pool: sqlx::PgPool, token: pgfence::FenceToken) -> pgfence::Result<()> {
+    /// let fence = pgfence::Fence::new(pool.clone());
+    /// let batch = pgfence::Resource::new("payments:batch:42")?;
+    /// let mut tx = pool.begin().await?;
+    /// fence.check(&mut *tx, &batch, token).await?;
+    /// sqlx::query("INSERT INTO ledger (batch, amount) VALUES (42, 100)").execute(&mut *tx).await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn check<'c, E: PgExecutor<'c>>(
+        &self,
+        exec: E,
+        resource: &Resource,
+        fencing: impl Into<Fencing>,
+    ) -> Result<()> {
+        let fencing = fencing.into();
+        let outcome = sqlx::query!(
+            "SELECT pgfence.check($1, $2, $3)",
+            resource.as_str(),
+            fencing.token.get(),
+            i32::from(fencing.tag())
+        )
+        .fetch_one(exec)
+        .await;
+        let err = match outcome.map_err(Error::from) {
+            Ok(_) => return Ok(()),
+            Err(e) => e,
+        };
+        let current = match &err {
+            Error::StaleToken { current, .. } => *current,
+            Error::DuplicateToken { token, .. } => *token,
+            _ => return Err(err),
+        };
+        let rejection = Rejection {
+            resource: Some(resource.as_str().to_owned()),
+            table: None,
+            key: None,
+            presented: fencing.token.get(),
+            current: Some(current),
+            holder: fencing.holder.clone(),
+            operation: "check",
+        };
+        self.auditor.record(&rejection, AuditRow::Pending).await;
+        Err(err)
+    }
+
+    /// The token of the newest lease that checked `resource` (0 when none).
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn high_water(&self, resource: &Resource) -> Result<i64> {
+        high_water(self.pool(), resource).await
+    }
+}
+
+/// The token of the newest lease that checked `resource` (0 when none): the floor its token
+/// counter must stay above.
+///
+/// # Errors
+/// [`Error::Database`].
+pub async fn high_water<'c, E: PgExecutor<'c>>(exec: E, resource: &Resource) -> Result<i64> {
+    let mark = sqlx::query_scalar!(
+        r#"SELECT pgfence.high_water($1) AS "mark!""#,
+        resource.as_str()
+    )
+    .fetch_one(exec)
+    .await?;
+    Ok(mark)
+}
