@@ -405,6 +405,73 @@ async fn run_exports_the_token_and_propagates_the_exit_code() {
     );
 }
 
+/// The README's shell job: one `pgfence run` lease, several psql transactions (a resource
+/// check in each, raw row writes through `pgfence.next_fence`); then a newer lease writes,
+/// and the first lease's token is fenced out.
+#[tokio::test]
+async fn a_shell_job_makes_several_fenced_transactions_under_one_lease() {
+    let db = TestDb::new().await;
+    db.exec(
+        "CREATE TABLE invoices (id int PRIMARY KEY, status text NOT NULL);
+         INSERT INTO invoices VALUES (42, 'open');
+         CREATE TABLE ledger (amount int NOT NULL);",
+    )
+    .await;
+    let cli = Cli::new(&db).await;
+    cli.ok(&["guard", "invoices"]);
+    let res = unique_resource("cli-shell-job");
+    let r = res.as_str();
+    let job = r#"
+      set -e
+      q() { psql "$DATABASE_URL" -qAt -v ON_ERROR_STOP=1 -c "$1"; }
+      q "BEGIN; SELECT pgfence.check('$PGFENCE_RESOURCE', $PGFENCE_TOKEN, $PGFENCE_TAG); INSERT INTO ledger VALUES (1); COMMIT;"
+      q "UPDATE invoices SET status = 'processing', fence = pgfence.next_fence(fence, $PGFENCE_TOKEN, $PGFENCE_TAG) WHERE id = 42"
+      q "BEGIN; SELECT pgfence.check('$PGFENCE_RESOURCE', $PGFENCE_TOKEN, $PGFENCE_TAG); INSERT INTO ledger VALUES (2); COMMIT;"
+      q "UPDATE invoices SET status = 'paid', fence = pgfence.next_fence(fence, $PGFENCE_TOKEN, $PGFENCE_TAG) WHERE id = 42"
+      echo "$PGFENCE_TOKEN $PGFENCE_TAG"
+    "#;
+    let out = cli.run(&["run", "--resource", r, "--ttl", "5s", "--", "sh", "-c", job]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let first = String::from_utf8(out.stdout).unwrap();
+    let (token, tag) = first.trim().split_once(' ').unwrap();
+    let (token, tag): (i64, i32) = (token.parse().unwrap(), tag.parse().unwrap());
+    let status: String = sqlx::query_scalar("SELECT status FROM invoices WHERE id = 42")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(status, "paid", "both writes of one lease applied");
+    let ledger: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(ledger, 2, "both checked transactions committed");
+
+    // A newer lease writes; the first lease's token is now stale, in SQL too.
+    let newer = r#"psql "$DATABASE_URL" -qAt -v ON_ERROR_STOP=1 -c "BEGIN; SELECT pgfence.check('$PGFENCE_RESOURCE', $PGFENCE_TOKEN, $PGFENCE_TAG); UPDATE invoices SET status = 'refunded', fence = pgfence.next_fence(fence, $PGFENCE_TOKEN, $PGFENCE_TAG) WHERE id = 42; COMMIT;""#;
+    cli.ok(&["run", "--resource", r, "--ttl", "5s", "--", "sh", "-c", newer]);
+    let zombie = sqlx::query(
+        "UPDATE invoices SET status = 'zombie', fence = pgfence.next_fence(fence, $1, $2) WHERE id = 42",
+    )
+    .bind(token)
+    .bind(tag)
+    .execute(&db.pool)
+    .await
+    .unwrap_err();
+    assert!(pgfence::Error::from(zombie).is_stale());
+    let zombie = sqlx::query("SELECT pgfence.check($1, $2, $3)")
+        .bind(r)
+        .bind(token)
+        .bind(tag)
+        .execute(&db.pool)
+        .await
+        .unwrap_err();
+    assert!(pgfence::Error::from(zombie).is_stale());
+}
+
 /// Waits (up to 2.5 s) until `lock status` says `resource` is held.
 async fn wait_until_held(cli: &Cli, resource: &str) -> bool {
     for _ in 0..50 {

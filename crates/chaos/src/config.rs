@@ -1,0 +1,157 @@
+//! What a run does ([`Config`], [`Mode`], fault settings, [`Recovery`]) and where it runs
+//! ([`Target`]).
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::Serialize;
+use sqlx::postgres::PgConnectOptions;
+
+use crate::ChaosError;
+
+/// How the workers protect their read-modify-write (see the [crate documentation](crate)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// `Fence::check` + read + fenced update in one transaction: token order and no lost
+    /// updates.
+    Fenced,
+    /// Read, then a fenced row update: token order per row, but lost updates remain possible.
+    RowFence,
+    /// Read, then a plain `UPDATE ... SET value = $1` on an unguarded table: the control.
+    Unfenced,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fenced" | "tx" => Ok(Mode::Fenced),
+            "row-fence" | "row_fence" | "row" => Ok(Mode::RowFence),
+            "unfenced" | "none" => Ok(Mode::Unfenced),
+            other => Err(format!(
+                "unknown mode {other:?} (expected fenced, row-fence or unfenced)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Mode::Fenced => "fenced",
+            Mode::RowFence => "row-fence",
+            Mode::Unfenced => "unfenced",
+        })
+    }
+}
+
+/// How workers restore liveness after the Redis counter went backwards.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Recovery {
+    /// Give the issuer a floor source ([`pgfence::Issuer::with_floor_source`]): an acquire
+    /// that finds the counter missing reseeds it from Postgres's high-water mark by itself.
+    pub floor_source: bool,
+    /// After a rejected write, call [`pgfence::Issuer::recover_from`], which raises the
+    /// counter to the fence the write met (a no-op when the rejection was an ordinary stale
+    /// holder).
+    pub recover_from: bool,
+}
+
+/// What a run does. [`Config::default`] is a CI-sized fenced run.
+///
+/// The workload: `workers`, `rows`, `units`, `ttl`, `acquire_wait`, `retries`. The faults the
+/// harness injects by itself: stalls (`pause_*`), counter loss (`reset_counters_at`) and
+/// killed backends (`kill_every`); server restarts are injected by the caller through a
+/// [`Control`](crate::Control).
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Protection used by the workers.
+    pub mode: Mode,
+    /// Concurrent workers.
+    pub workers: usize,
+    /// Counter rows (each with its own resource, lock and token counter).
+    pub rows: usize,
+    /// Work units: leases that go on to write (retries of a unit are extra attempts).
+    pub units: u64,
+    /// Lease TTL.
+    pub ttl: Duration,
+    /// How long a worker waits for a busy lock before giving up on that unit.
+    pub acquire_wait: Duration,
+    /// Probability that a unit stalls once, either before its read or between read and write.
+    pub pause_probability: f64,
+    /// Shortest injected stall (make it longer than `ttl` so the lease expires).
+    pub pause_min: Duration,
+    /// Longest injected stall.
+    pub pause_max: Duration,
+    /// Retries of a unit, with the same lease, after an error that
+    /// [`pgfence::Error::is_retryable`] calls safe to retry.
+    pub retries: u32,
+    /// Delete every row's Redis counter when the unit with this index starts (a failover that
+    /// lost the counters).
+    pub reset_counters_at: Vec<u64>,
+    /// Terminate one busy worker backend (`pg_terminate_backend`) about this often.
+    pub kill_every: Option<Duration>,
+    /// Liveness recovery after counter loss.
+    pub recovery: Recovery,
+    /// Wall-clock bound: workers stop starting units after this long.
+    pub max_duration: Duration,
+    /// Seed of the workers' random choices.
+    pub seed: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Fenced,
+            workers: 8,
+            rows: 8,
+            units: 2_000,
+            ttl: Duration::from_millis(40),
+            acquire_wait: Duration::from_secs(2),
+            pause_probability: 0.05,
+            pause_min: Duration::from_millis(60),
+            pause_max: Duration::from_millis(120),
+            retries: 2,
+            reset_counters_at: Vec::new(),
+            kill_every: None,
+            recovery: Recovery {
+                floor_source: true,
+                recover_from: true,
+            },
+            max_duration: Duration::from_secs(120),
+            seed: 0x5eed,
+        }
+    }
+}
+
+impl Config {
+    /// Checks that the settings are consistent.
+    pub(crate) fn validate(&self) -> Result<(), ChaosError> {
+        let bad = |m: &str| Err(ChaosError::Config(m.to_owned()));
+        if self.workers == 0 {
+            return bad("workers must be at least 1");
+        }
+        if self.rows == 0 || i32::try_from(self.rows).is_err() {
+            return bad("rows must be in 1..=i32::MAX");
+        }
+        if !(0.0..=1.0).contains(&self.pause_probability) {
+            return bad("pause probability must be in 0..=1");
+        }
+        if self.pause_min > self.pause_max {
+            return bad("pause_min must not exceed pause_max");
+        }
+        pgfence::check_ttl(self.ttl)?;
+        Ok(())
+    }
+}
+
+/// Where the harness runs: a Postgres database (pgfence's migrations are applied if missing)
+/// and a Redis server.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// The database.
+    pub database: PgConnectOptions,
+    /// `redis://` URL.
+    pub redis_url: String,
+}

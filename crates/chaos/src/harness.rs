@@ -1,0 +1,277 @@
+//! Setting a run up ([`Harness::new`]), running it ([`Harness::run`]), and steering it from
+//! outside while it goes on ([`Control`]).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pgfence::{Auditor, Fence, Issuer, Repository, Resource};
+use redis::aio::ConnectionManager;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tokio::time::Instant;
+
+use crate::faults::kill_backends;
+use crate::schema::{self, Cell};
+use crate::util::{lock, millis};
+use crate::verify::{RunId, RunOutput, verify};
+use crate::worker::{Plan, worker};
+use crate::{AuditCounter, ChaosError, Config, FaultMark, Report, ReseedCounter, Target};
+
+/// State the workers, the fault injectors and [`Control`] share.
+pub(crate) struct Shared {
+    /// When the run started (reset when the workers start).
+    pub(crate) started: Mutex<Instant>,
+    /// Units started.
+    pub(crate) units: AtomicU64,
+    /// Set when the workers stop.
+    pub(crate) done: AtomicBool,
+    /// Faults so far.
+    pub(crate) faults: Mutex<Vec<FaultMark>>,
+}
+
+impl Shared {
+    /// Milliseconds since the run started.
+    pub(crate) fn now_ms(&self) -> u64 {
+        millis(lock(&self.started).elapsed())
+    }
+}
+
+/// What every worker needs.
+pub(crate) struct Ctx {
+    pub(crate) cfg: Config,
+    /// The steps of a try in this run's mode.
+    pub(crate) plan: Plan,
+    /// The run id.
+    pub(crate) run: String,
+    /// One resource per counter row, by row.
+    pub(crate) resources: Vec<Resource>,
+    /// The workers' pool (its backends may be killed).
+    pub(crate) pool: PgPool,
+    pub(crate) fence: Fence,
+    pub(crate) repo: Repository<Cell>,
+    pub(crate) issuer: Issuer,
+    /// For the counter resets.
+    pub(crate) redis: ConnectionManager,
+    pub(crate) shared: Arc<Shared>,
+}
+
+/// A handle for injecting faults from outside while a run goes on.
+#[derive(Clone)]
+pub struct Control(Arc<Shared>);
+
+impl Control {
+    /// Work units started so far.
+    #[must_use]
+    pub fn units_started(&self) -> u64 {
+        self.0.units.load(Ordering::SeqCst)
+    }
+
+    /// True once the workers have stopped.
+    #[must_use]
+    pub fn is_done(&self) -> bool {
+        self.0.done.load(Ordering::SeqCst)
+    }
+
+    /// Waits until `n` units have started. Returns `false` if the run ended first.
+    pub async fn wait_for_units(&self, n: u64) -> bool {
+        loop {
+            if self.units_started() >= n {
+                return true;
+            }
+            if self.is_done() {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// Records that a fault starts now; recovery is measured from this point.
+    pub fn mark_fault(&self, name: &str) {
+        let mark = FaultMark {
+            name: name.to_owned(),
+            at_ms: self.0.now_ms(),
+            at_unit: self.units_started(),
+        };
+        lock(&self.0.faults).push(mark);
+    }
+}
+
+/// A prepared run. Build it with [`Harness::new`], take a [`Control`] if faults are injected
+/// from outside, then [`Harness::run`].
+pub struct Harness {
+    ctx: Arc<Ctx>,
+    admin: PgPool,
+    audit: Arc<AuditCounter>,
+    reseeds: Option<Arc<ReseedCounter>>,
+    worker_app: String,
+}
+
+impl Harness {
+    /// Connects, applies pgfence's migrations if needed, creates the harness's tables (schema
+    /// [`SCHEMA`](crate::SCHEMA), the fenced one guarded) and this run's counter rows.
+    ///
+    /// Three pools are opened: the workers' (whose backends may be killed), an audit pool
+    /// (used for audit rows and as the issuer's floor source, never killed) and an admin pool.
+    /// Each run gets fresh rows keyed by its run id; the tables (and the run's audit rows) stay
+    /// for inspection afterwards — `DROP SCHEMA pgfence_chaos CASCADE` removes them.
+    ///
+    /// The fence and the repository share one [`Auditor`] whose sink is the run's
+    /// [`AuditCounter`].
+    ///
+    /// # Errors
+    /// [`ChaosError::Config`] for an inconsistent configuration; [`ChaosError::Fence`] when
+    /// Postgres or Redis cannot be reached or set up.
+    pub async fn new(cfg: Config, target: &Target) -> Result<Self, ChaosError> {
+        cfg.validate()?;
+        let rows = i32::try_from(cfg.rows).map_err(|_| ChaosError::Config("rows".into()))?;
+        let run = format!("{:016x}", rand::random::<u64>());
+        let worker_app = format!("pgfence-chaos-worker-{run}");
+        let workers = u32::try_from(cfg.workers).unwrap_or(u32::MAX);
+        let pool = connect(target, &worker_app, workers.saturating_add(2)).await?;
+        let audit_pool = connect(target, "pgfence-chaos-audit", 4).await?;
+        let admin = connect(target, "pgfence-chaos-admin", 2).await?;
+
+        schema::setup(&admin, &run, rows).await?;
+
+        let mut issuer = Issuer::connect(&target.redis_url).await?;
+        if cfg.recovery.floor_source {
+            issuer = issuer.with_floor_source(audit_pool.clone());
+        }
+        let redis = ConnectionManager::new(redis::Client::open(target.redis_url.as_str())?).await?;
+        let resources = (0..rows)
+            .map(|row| Resource::new(format!("chaos:{run}:{row}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let audit = Arc::new(AuditCounter::new());
+        let auditor = Auditor::new(audit_pool).sink(audit.clone());
+        let fence = Fence::with_auditor(auditor.clone());
+        let repo = Repository::<Cell>::with_auditor(auditor)?;
+        let shared = Arc::new(Shared {
+            started: Mutex::new(Instant::now()),
+            units: AtomicU64::new(0),
+            done: AtomicBool::new(false),
+            faults: Mutex::new(Vec::new()),
+        });
+        Ok(Self {
+            ctx: Arc::new(Ctx {
+                plan: Plan::of(cfg.mode),
+                cfg,
+                run,
+                resources,
+                pool,
+                fence,
+                repo,
+                issuer,
+                redis,
+                shared,
+            }),
+            admin,
+            audit,
+            reseeds: None,
+            worker_app,
+        })
+    }
+
+    /// Counts the run's automatic reseeds with `counter` (see [`ReseedCounter`]); without
+    /// one, `reseed_events` is reported as `null`.
+    #[must_use]
+    pub fn with_reseed_counter(mut self, counter: Arc<ReseedCounter>) -> Self {
+        self.reseeds = Some(counter);
+        self
+    }
+
+    /// A handle for injecting faults while the run goes on.
+    #[must_use]
+    pub fn control(&self) -> Control {
+        Control(self.ctx.shared.clone())
+    }
+
+    /// The run's id.
+    #[must_use]
+    pub fn run_id(&self) -> &str {
+        &self.ctx.run
+    }
+
+    /// The prefix of every resource name of this run (`chaos:<run>:`).
+    #[must_use]
+    pub fn resource_prefix(&self) -> String {
+        format!("chaos:{}:", self.ctx.run)
+    }
+
+    /// The counter of this run's audit events (live while it runs).
+    #[must_use]
+    pub fn audit_counter(&self) -> Arc<AuditCounter> {
+        self.audit.clone()
+    }
+
+    /// Runs the workers (and the backend killer, if configured) to completion, then checks the
+    /// history against what Postgres committed.
+    ///
+    /// # Errors
+    /// [`ChaosError::Worker`] when a worker task panicked; [`ChaosError::Fence`] when the
+    /// verification queries fail. Errors during the run are data, recorded in the report.
+    pub async fn run(self) -> Result<Report, ChaosError> {
+        let ctx = self.ctx.clone();
+        let prefix = self.resource_prefix();
+        let reseeds_before = self.reseeds.as_ref().map(|c| c.count(&prefix));
+        // Restart the clock: setup time is not part of the run.
+        let started = Instant::now();
+        *lock(&ctx.shared.started) = started;
+        let killer = ctx.cfg.kill_every.map(|every| {
+            let admin = self.admin.clone();
+            let app = self.worker_app.clone();
+            let shared = ctx.shared.clone();
+            let seed = ctx.cfg.seed;
+            tokio::spawn(kill_backends(admin, app, shared, every, seed))
+        });
+        let handles: Vec<_> = (0..ctx.cfg.workers)
+            .map(|w| tokio::spawn(worker(w, ctx.clone(), started)))
+            .collect();
+        let mut workers = Vec::with_capacity(handles.len());
+        for h in handles {
+            match h.await {
+                Ok(out) => workers.push(out),
+                Err(e) => {
+                    ctx.shared.done.store(true, Ordering::SeqCst);
+                    return Err(ChaosError::Worker(e.to_string()));
+                }
+            }
+        }
+        ctx.shared.done.store(true, Ordering::SeqCst);
+        let kills = match killer {
+            Some(k) => k.await.unwrap_or(0),
+            None => 0,
+        };
+        let duration_ms = millis(started.elapsed());
+        // Let audit writes that raced the end of the run land (each is bounded by its timeout).
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let reseeds = self
+            .reseeds
+            .as_ref()
+            .zip(reseeds_before)
+            .map(|(c, before)| c.count(&prefix).saturating_sub(before));
+        let output = RunOutput {
+            workers,
+            faults: lock(&ctx.shared.faults).clone(),
+            kills,
+            duration_ms,
+            audit: self.audit.tally(&prefix),
+            reseeds,
+        };
+        let id = RunId {
+            cfg: &ctx.cfg,
+            run: &ctx.run,
+            resource_prefix: &prefix,
+        };
+        verify(&self.admin, id, output).await
+    }
+}
+
+/// A pool on the target database whose sessions carry `application_name`.
+async fn connect(target: &Target, application_name: &str, max: u32) -> Result<PgPool, ChaosError> {
+    Ok(PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(target.database.clone().application_name(application_name))
+        .await?)
+}

@@ -1,0 +1,241 @@
+//! What a run produced: the [`Report`] with its [`Summary`], and how the summary prints.
+
+use std::fmt;
+
+use serde::Serialize;
+
+use crate::{Attempt, FaultMark, LeaseRecord, Mode};
+
+/// How the run recovered from one fault. Only leases granted after the fault count.
+#[derive(Clone, Debug, Serialize)]
+pub struct FaultRecovery {
+    /// The fault.
+    pub name: String,
+    /// When it happened (ms since the run started).
+    pub at_ms: u64,
+    /// Rows that accepted a write again (from a lease granted after the fault).
+    pub rows_recovered: usize,
+    /// Rows in the run.
+    pub rows: usize,
+    /// Leases granted after the fault, summed over rows, up to and including each row's first
+    /// accepted write.
+    pub leases_to_recover: u64,
+    /// The most leases any single row needed.
+    pub max_leases_one_row: u64,
+    /// Stale rejections among those leases (the price of the lost counter).
+    pub rejections_before_recovery: u64,
+    /// Failed attempts (connection errors...) started after the fault and before the last row
+    /// recovered.
+    pub errors_before_recovery: u64,
+    /// Failed acquisitions after the fault and before the last row recovered.
+    pub acquire_errors_before_recovery: u64,
+    /// From the fault to the first accepted write on any row.
+    pub first_write_ms: Option<u64>,
+    /// From the fault until every row had accepted a write again.
+    pub recovery_ms: Option<u64>,
+}
+
+/// Errors the workers saw, by kind.
+#[derive(Clone, Debug, Serialize)]
+pub struct ErrorKind {
+    /// Short classification (`database sqlstate 57P01`, `database io`, `redis io`...).
+    pub kind: String,
+    /// What [`pgfence::Error::is_retryable`] said.
+    pub retryable: bool,
+    /// How many.
+    pub count: u64,
+}
+
+/// The run's figures; [`Summary::json`] is the one-line form.
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    /// Run id (resources are `chaos:<run>:<row>`).
+    pub run: String,
+    /// Protection used.
+    pub mode: Mode,
+    /// Workers.
+    pub workers: usize,
+    /// Rows.
+    pub rows: usize,
+    /// Work units started (leases that went on to write).
+    pub units: u64,
+    /// Attempted writes, retries included.
+    pub attempts: u64,
+    /// Writes Postgres committed (from the history written in the same transactions).
+    pub accepted: u64,
+    /// Committed writes whose acknowledgement the worker received.
+    pub acknowledged: u64,
+    /// Writes rejected as stale (or as a duplicate token).
+    pub rejected: u64,
+    /// Writes that failed with other errors.
+    pub errors: u64,
+    /// ... of which [`pgfence::Error::is_retryable`] said retryable.
+    pub retryable_errors: u64,
+    /// Retries made.
+    pub retries: u64,
+    /// All safety violations: token order + acknowledgement mismatches + torn writes.
+    pub violations: u64,
+    /// Accepted writes whose token was older than the previous accepted write's on the row, or
+    /// the same token from another lease.
+    pub token_order_violations: u64,
+    /// Writes reported accepted but not committed, or reported rejected/failed before commit
+    /// but committed.
+    pub ack_mismatches: u64,
+    /// Row updates and history rows that did not commit together (version gaps).
+    pub torn_writes: u64,
+    /// Sum over rows of accepted writes minus the final value.
+    pub lost_updates: u64,
+    /// Accepted writes that read a value other than the previous accepted write's.
+    pub stale_reads: u64,
+    /// `pgfence.audit` rows for the run's resources.
+    pub audit_rows: u64,
+    /// Rejections pgfence reported for the run's resources (counted by the harness's
+    /// [`AuditCounter`](crate::AuditCounter); each is also one `pgfence::audit` WARN event).
+    pub log_events: u64,
+    /// Rejections whose audit row could not be written (each is also one `pgfence::audit`
+    /// ERROR event).
+    pub audit_failures: u64,
+    /// Automatic reseeds from the floor source (`null` without a
+    /// [`ReseedCounter`](crate::ReseedCounter)).
+    pub reseed_events: Option<u64>,
+    /// Counter raises by [`pgfence::Issuer::recover_from`].
+    pub counter_raises: u64,
+    /// Injected stalls.
+    pub pauses: u64,
+    /// Backends terminated.
+    pub backend_kills: u64,
+    /// Acquisitions that failed (Redis errors).
+    pub acquire_errors: u64,
+    /// Acquisitions that gave up waiting for the lock.
+    pub acquire_timeouts: u64,
+    /// Releases that found the lease expired.
+    pub released_expired: u64,
+    /// Releases that found another holder.
+    pub released_taken: u64,
+    /// Wall-clock duration of the run.
+    pub duration_ms: u64,
+    /// True when `max_duration` stopped the run early.
+    pub timed_out: bool,
+    /// Recovery figures, one per fault.
+    pub faults: Vec<FaultRecovery>,
+    /// Errors by kind.
+    pub error_kinds: Vec<ErrorKind>,
+}
+
+impl Summary {
+    /// The summary as one JSON line.
+    #[must_use]
+    pub fn json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+
+    /// True when the run showed no violation and no lost update.
+    #[must_use]
+    pub fn is_safe(&self) -> bool {
+        self.violations == 0 && self.lost_updates == 0 && self.stale_reads == 0
+    }
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let opt = |v: Option<u64>| v.map_or_else(|| "n/a".to_owned(), |v| v.to_string());
+        writeln!(
+            f,
+            "run {} ({} mode): {} workers on {} rows, {} units in {} ms{}",
+            self.run,
+            self.mode,
+            self.workers,
+            self.rows,
+            self.units,
+            self.duration_ms,
+            if self.timed_out {
+                " (time limit hit)"
+            } else {
+                ""
+            }
+        )?;
+        writeln!(
+            f,
+            "  writes:     {} attempted, {} accepted ({} acknowledged), {} rejected as stale, {} failed ({} retryable), {} retries",
+            self.attempts,
+            self.accepted,
+            self.acknowledged,
+            self.rejected,
+            self.errors,
+            self.retryable_errors,
+            self.retries
+        )?;
+        writeln!(
+            f,
+            "  safety:     {} violations ({} token order, {} ack mismatches, {} torn), {} lost updates, {} stale reads => {}",
+            self.violations,
+            self.token_order_violations,
+            self.ack_mismatches,
+            self.torn_writes,
+            self.lost_updates,
+            self.stale_reads,
+            if self.is_safe() { "SAFE" } else { "UNSAFE" }
+        )?;
+        writeln!(
+            f,
+            "  reporting:  {} rejections, {} audit rows, {} log events, {} audit failures",
+            self.rejected, self.audit_rows, self.log_events, self.audit_failures
+        )?;
+        writeln!(
+            f,
+            "  faults:     {} stalls, {} backends killed, {} acquire errors, {} acquire timeouts, {} counter raises, {} auto-reseeds",
+            self.pauses,
+            self.backend_kills,
+            self.acquire_errors,
+            self.acquire_timeouts,
+            self.counter_raises,
+            opt(self.reseed_events)
+        )?;
+        for r in &self.faults {
+            writeln!(
+                f,
+                "  recovery:   {} at {} ms: {}/{} rows writing again after {} (first write after {}), {} leases ({} max on one row), {} rejections, {} errors, {} acquire errors",
+                r.name,
+                r.at_ms,
+                r.rows_recovered,
+                r.rows,
+                r.recovery_ms
+                    .map_or_else(|| "never".to_owned(), |v| format!("{v} ms")),
+                r.first_write_ms
+                    .map_or_else(|| "never".to_owned(), |v| format!("{v} ms")),
+                r.leases_to_recover,
+                r.max_leases_one_row,
+                r.rejections_before_recovery,
+                r.errors_before_recovery,
+                r.acquire_errors_before_recovery
+            )?;
+        }
+        for k in &self.error_kinds {
+            writeln!(
+                f,
+                "  error:      {} x {} ({})",
+                k.count,
+                k.kind,
+                if k.retryable {
+                    "retryable"
+                } else {
+                    "not retryable"
+                }
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Everything a run produced: the summary and the full client-side history.
+#[derive(Clone, Debug)]
+pub struct Report {
+    /// Figures and verdicts.
+    pub summary: Summary,
+    /// Every attempted write, in no particular order.
+    pub attempts: Vec<Attempt>,
+    /// Every granted lease that went on to write.
+    pub leases: Vec<LeaseRecord>,
+    /// Faults, in order.
+    pub faults: Vec<FaultMark>,
+}

@@ -1,0 +1,172 @@
+//! The harness's tables: two counter tables (one guarded, one plain), the history that commits
+//! with each write, and the statements the workers and the verification use on them.
+
+use sqlx::{PgConnection, PgPool};
+
+use crate::{ChaosError, Mode};
+
+/// The schema the harness creates its tables in.
+pub const SCHEMA: &str = "pgfence_chaos";
+
+/// Advisory lock key serialising the harness's schema setup ("chaos").
+const SETUP_LOCK_KEY: i64 = 0x0063_6861_6f73;
+
+const SETUP_SQL: &str = r"
+CREATE SCHEMA IF NOT EXISTS pgfence_chaos;
+CREATE TABLE IF NOT EXISTS pgfence_chaos.cell (
+    run     text    NOT NULL,
+    id      integer NOT NULL,
+    value   bigint  NOT NULL DEFAULT 0,
+    version bigint  NOT NULL DEFAULT 0,
+    PRIMARY KEY (run, id)
+);
+CREATE TABLE IF NOT EXISTS pgfence_chaos.plain_cell (
+    run     text    NOT NULL,
+    id      integer NOT NULL,
+    value   bigint  NOT NULL DEFAULT 0,
+    version bigint  NOT NULL DEFAULT 0,
+    PRIMARY KEY (run, id)
+);
+CREATE TABLE IF NOT EXISTS pgfence_chaos.history (
+    run           text        NOT NULL,
+    id            integer     NOT NULL,
+    version       bigint      NOT NULL,
+    token         bigint      NOT NULL,
+    value_read    bigint      NOT NULL,
+    value_written bigint      NOT NULL,
+    unit          bigint      NOT NULL,
+    try_no        integer     NOT NULL,
+    worker        integer     NOT NULL,
+    committed_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (run, id, version)
+);
+CREATE OR REPLACE FUNCTION pgfence_chaos.bump_version() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    NEW.version := OLD.version + 1;
+    RETURN NEW;
+END
+$$;
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger
+                    WHERE tgname = 'chaos_version' AND tgrelid = 'pgfence_chaos.cell'::regclass) THEN
+        CREATE TRIGGER chaos_version BEFORE UPDATE ON pgfence_chaos.cell
+            FOR EACH ROW EXECUTE FUNCTION pgfence_chaos.bump_version();
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger
+                    WHERE tgname = 'chaos_version' AND tgrelid = 'pgfence_chaos.plain_cell'::regclass) THEN
+        CREATE TRIGGER chaos_version BEFORE UPDATE ON pgfence_chaos.plain_cell
+            FOR EACH ROW EXECUTE FUNCTION pgfence_chaos.bump_version();
+    END IF;
+END
+$$;
+";
+
+/// One counter row of the guarded table, as the fenced repository writes it.
+#[derive(Clone, Debug)]
+pub(crate) struct Cell {
+    pub(crate) run: String,
+    pub(crate) id: i32,
+    pub(crate) value: i64,
+}
+
+pgfence::fenced_table!(Cell {
+    schema: "pgfence_chaos",
+    table: "cell",
+    key: (run: String, id: i32),
+    columns: [value],
+});
+
+/// A counter table, with the statements run on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CounterTable {
+    /// `pgfence_chaos.cell`: guarded, written through the fenced repository.
+    Guarded,
+    /// `pgfence_chaos.plain_cell`: no guard, written with a plain `UPDATE`.
+    Plain,
+}
+
+impl CounterTable {
+    /// The table a mode's workers write.
+    pub(crate) fn of(mode: Mode) -> Self {
+        match mode {
+            Mode::Fenced | Mode::RowFence => CounterTable::Guarded,
+            Mode::Unfenced => CounterTable::Plain,
+        }
+    }
+
+    /// Schema-qualified name.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            CounterTable::Guarded => "pgfence_chaos.cell",
+            CounterTable::Plain => "pgfence_chaos.plain_cell",
+        }
+    }
+
+    /// Reads one row's value: `$1` run, `$2` row.
+    pub(crate) fn read_sql(self) -> &'static str {
+        match self {
+            CounterTable::Guarded => {
+                "SELECT value FROM pgfence_chaos.cell WHERE run = $1 AND id = $2"
+            }
+            CounterTable::Plain => {
+                "SELECT value FROM pgfence_chaos.plain_cell WHERE run = $1 AND id = $2"
+            }
+        }
+    }
+
+    /// Copies a row's new version and value into the history, in the write's transaction:
+    /// `$1` run, `$2` row, `$3` token, `$4` value read, `$5` unit, `$6` try, `$7` worker.
+    pub(crate) fn record_sql(self) -> &'static str {
+        match self {
+            CounterTable::Guarded => {
+                "INSERT INTO pgfence_chaos.history \
+                 (run, id, version, token, value_read, value_written, unit, try_no, worker) \
+                 SELECT run, id, version, $3, $4, value, $5, $6, $7 FROM pgfence_chaos.cell \
+                 WHERE run = $1 AND id = $2"
+            }
+            CounterTable::Plain => {
+                "INSERT INTO pgfence_chaos.history \
+                 (run, id, version, token, value_read, value_written, unit, try_no, worker) \
+                 SELECT run, id, version, $3, $4, value, $5, $6, $7 FROM pgfence_chaos.plain_cell \
+                 WHERE run = $1 AND id = $2"
+            }
+        }
+    }
+}
+
+/// The unfenced write: `$1` run, `$2` row, `$3` value.
+pub(crate) const WRITE_PLAIN: &str =
+    "UPDATE pgfence_chaos.plain_cell SET value = $3 WHERE run = $1 AND id = $2";
+
+/// Applies pgfence's migrations if needed, creates the harness's tables (the fenced one
+/// guarded) and `rows` fresh counter rows for `run` in both counter tables.
+pub(crate) async fn setup(admin: &PgPool, run: &str, rows: i32) -> Result<(), ChaosError> {
+    pgfence::migrate(admin).await?;
+    let mut tx = admin.begin().await?;
+    create_tables(&mut tx).await?;
+    for table in [CounterTable::Guarded, CounterTable::Plain] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {} (run, id) SELECT $1, g FROM generate_series(0, $2 - 1) g",
+            table.name()
+        )))
+        .bind(run)
+        .bind(rows)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Creates the schema (serialised with concurrent setups) and guards the fenced table.
+async fn create_tables(conn: &mut PgConnection) -> Result<(), ChaosError> {
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(SETUP_LOCK_KEY)
+        .execute(&mut *conn)
+        .await?;
+    sqlx::raw_sql(SETUP_SQL).execute(&mut *conn).await?;
+    pgfence::guard(&mut *conn, &pgfence::TableName::new(SCHEMA, "cell")?).await?;
+    Ok(())
+}

@@ -1,0 +1,519 @@
+//! The workers: take a row's lock, then read-modify-write the row as the run's [`Mode`]
+//! prescribes, recording every lease and every try.
+//!
+//! A worker's loop ([`worker`]) handles leases, stalls, retries and releases; one try of a
+//! write is a [`Try`], which runs the steps a [`Plan`] lists. The plan is what differs between
+//! modes: a new mode is a new [`Plan::of`] arm, and a new kind of write a new [`WriteKind`].
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use pgfence::{Error, Lease, LeaseState, Resource};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use sqlx::{PgConnection, Postgres, Transaction};
+use tokio::time::Instant;
+
+use crate::faults::reset_counters;
+use crate::harness::Ctx;
+use crate::schema::{Cell, CounterTable, WRITE_PLAIN};
+use crate::util::millis;
+use crate::{Attempt, LeaseRecord, Mode, Outcome, Stage};
+
+/// How a mode's tries run.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Plan {
+    /// The counter table read, written and recorded.
+    pub(crate) table: CounterTable,
+    /// Open the transaction before the read and [`pgfence::Fence::check`] the resource first
+    /// in it, so the read is ordered by the check. Otherwise the read runs on its own and the
+    /// transaction only holds the write and its history row.
+    check_first: bool,
+    /// How the row is written.
+    write: WriteKind,
+}
+
+/// How a try writes the row.
+#[derive(Clone, Copy, Debug)]
+enum WriteKind {
+    /// A plain `UPDATE ... SET value = $1` (no token).
+    Plain,
+    /// A fenced [`pgfence::Repository::update`] with the lease's token.
+    Fenced,
+}
+
+impl Plan {
+    /// The plan of `mode`.
+    pub(crate) fn of(mode: Mode) -> Self {
+        let table = CounterTable::of(mode);
+        match mode {
+            Mode::Fenced => Plan {
+                table,
+                check_first: true,
+                write: WriteKind::Fenced,
+            },
+            Mode::RowFence => Plan {
+                table,
+                check_first: false,
+                write: WriteKind::Fenced,
+            },
+            Mode::Unfenced => Plan {
+                table,
+                check_first: false,
+                write: WriteKind::Plain,
+            },
+        }
+    }
+}
+
+/// What the worker counted besides the attempts (merged over workers by the verification).
+#[derive(Default)]
+pub(crate) struct Stats {
+    pub(crate) pauses: u64,
+    pub(crate) retries: u64,
+    pub(crate) counter_raises: u64,
+    pub(crate) acquire_errors: u64,
+    pub(crate) acquire_timeouts: u64,
+    pub(crate) released_expired: u64,
+    pub(crate) released_taken: u64,
+    pub(crate) timed_out: bool,
+    /// When each failed acquisition happened (ms since the run started).
+    pub(crate) acquire_error_at: Vec<u64>,
+    /// Failed acquisitions by (classification, retryable).
+    pub(crate) acquire_error_kinds: BTreeMap<(String, bool), u64>,
+}
+
+impl Stats {
+    /// Adds `o`'s figures to these.
+    pub(crate) fn add(&mut self, o: &Stats) {
+        self.pauses += o.pauses;
+        self.retries += o.retries;
+        self.counter_raises += o.counter_raises;
+        self.acquire_errors += o.acquire_errors;
+        self.acquire_timeouts += o.acquire_timeouts;
+        self.released_expired += o.released_expired;
+        self.released_taken += o.released_taken;
+        self.timed_out |= o.timed_out;
+        self.acquire_error_at.extend(&o.acquire_error_at);
+        for (k, v) in &o.acquire_error_kinds {
+            *self.acquire_error_kinds.entry(k.clone()).or_default() += v;
+        }
+    }
+}
+
+/// Everything one worker recorded.
+pub(crate) struct WorkerOut {
+    pub(crate) attempts: Vec<Attempt>,
+    pub(crate) leases: Vec<LeaseRecord>,
+    pub(crate) stats: Stats,
+}
+
+/// The stall a unit injects into its first try.
+#[derive(Clone, Copy)]
+enum Pause {
+    None,
+    BeforeRead(Duration),
+    BeforeWrite(Duration),
+}
+
+impl Pause {
+    fn before_read(self) -> Option<Duration> {
+        match self {
+            Pause::BeforeRead(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    fn before_write(self) -> Option<Duration> {
+        match self {
+            Pause::BeforeWrite(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    fn length(self) -> Duration {
+        match self {
+            Pause::None => Duration::ZERO,
+            Pause::BeforeRead(d) | Pause::BeforeWrite(d) => d,
+        }
+    }
+}
+
+/// Why a try did not commit, and where.
+struct Failure {
+    stage: Stage,
+    error: Error,
+}
+
+type Step<T> = std::result::Result<T, Failure>;
+
+/// Tags an error with the stage it happened in.
+fn at(stage: Stage) -> impl FnOnce(Error) -> Failure {
+    move |error| Failure { stage, error }
+}
+
+/// Tags a database error with the stage it happened in.
+fn db_at(stage: Stage) -> impl FnOnce(sqlx::Error) -> Failure {
+    move |error| Failure {
+        stage,
+        error: error.into(),
+    }
+}
+
+/// One worker: takes leases and writes until the run's units are used up, the run is stopped,
+/// or `max_duration` passed.
+pub(crate) async fn worker(id: usize, ctx: Arc<Ctx>, started: Instant) -> WorkerOut {
+    let salt = u64::try_from(id)
+        .unwrap_or(0)
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut w = Worker {
+        id,
+        rng: StdRng::seed_from_u64(ctx.cfg.seed ^ salt),
+        ctx,
+        started,
+        out: WorkerOut {
+            attempts: Vec::new(),
+            leases: Vec::new(),
+            stats: Stats::default(),
+        },
+    };
+    let ctx = w.ctx.clone();
+    let rows = i32::try_from(ctx.cfg.rows).unwrap_or(i32::MAX);
+    loop {
+        if ctx.shared.done.load(Ordering::SeqCst)
+            || ctx.shared.units.load(Ordering::SeqCst) >= ctx.cfg.units
+        {
+            break;
+        }
+        if started.elapsed() >= ctx.cfg.max_duration {
+            w.out.stats.timed_out = true;
+            ctx.shared.done.store(true, Ordering::SeqCst);
+            break;
+        }
+        let row = w.rng.random_range(0..rows);
+        let Some(resource) = usize::try_from(row).ok().and_then(|i| ctx.resources.get(i)) else {
+            break; // cannot happen: there is one resource per row
+        };
+        let Some(lease) = w.acquire(resource).await else {
+            continue;
+        };
+        let unit = ctx.shared.units.fetch_add(1, Ordering::SeqCst);
+        if unit >= ctx.cfg.units {
+            let _ = ctx.issuer.release(&lease).await;
+            break;
+        }
+        w.unit(&lease, row, unit).await;
+    }
+    w.out
+}
+
+/// A worker's state.
+struct Worker {
+    id: usize,
+    ctx: Arc<Ctx>,
+    started: Instant,
+    rng: StdRng,
+    out: WorkerOut,
+}
+
+impl Worker {
+    /// Milliseconds since the run started.
+    fn now(&self) -> u64 {
+        millis(self.started.elapsed())
+    }
+
+    /// Waits for `resource`'s lock. `None` (counted) when the wait ran out or Redis failed.
+    async fn acquire(&mut self, resource: &Resource) -> Option<Lease> {
+        let cfg = &self.ctx.cfg;
+        match self
+            .ctx
+            .issuer
+            .acquire_wait(resource, cfg.ttl, cfg.acquire_wait)
+            .await
+        {
+            Ok(Some(lease)) => Some(lease),
+            Ok(None) => {
+                self.out.stats.acquire_timeouts += 1;
+                None
+            }
+            Err(e) => {
+                let now = self.now();
+                let stats = &mut self.out.stats;
+                stats.acquire_errors += 1;
+                stats.acquire_error_at.push(now);
+                *stats
+                    .acquire_error_kinds
+                    .entry((classify(&e), e.is_retryable()))
+                    .or_default() += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                None
+            }
+        }
+    }
+
+    /// One work unit with `lease`: maybe a counter reset, maybe a stall, the tries, the
+    /// release.
+    async fn unit(&mut self, lease: &Lease, row: i32, unit: u64) {
+        let ctx = self.ctx.clone();
+        let cfg = &ctx.cfg;
+        let lease_at_ms = self.now();
+        self.out.leases.push(LeaseRecord {
+            unit,
+            worker: self.id,
+            row,
+            token: lease.token().get(),
+            at_ms: lease_at_ms,
+        });
+        if cfg.reset_counters_at.contains(&unit) {
+            reset_counters(&ctx).await;
+        }
+        let pause = self.pick_pause();
+        let mut try_no = 0u32;
+        loop {
+            let started_ms = self.now();
+            let mut t = Try {
+                ctx: &ctx,
+                lease,
+                row,
+                unit,
+                try_no,
+                worker: self.id,
+                pause: if try_no == 0 { pause } else { Pause::None },
+                read: None,
+                written: None,
+            };
+            let result = t.run().await;
+            let (outcome, stale) = outcome(result);
+            let retry = matches!(
+                outcome,
+                Outcome::Failed {
+                    retryable: true,
+                    ..
+                }
+            ) && try_no < cfg.retries
+                && !ctx.shared.done.load(Ordering::SeqCst);
+            self.out.attempts.push(Attempt {
+                unit,
+                try_no,
+                worker: self.id,
+                row,
+                token: lease.token().get(),
+                lease_at_ms,
+                started_ms,
+                finished_ms: self.now(),
+                paused_ms: millis(t.pause.length()),
+                value_read: t.read,
+                value_written: t.written,
+                outcome,
+            });
+            if let Some(err) = stale
+                && cfg.recovery.recover_from
+                && let Ok(true) = ctx.issuer.recover_from(&err).await
+            {
+                self.out.stats.counter_raises += 1;
+            }
+            if !retry {
+                break;
+            }
+            self.out.stats.retries += 1;
+            try_no += 1;
+            let backoff = self.rng.random_range(5..25);
+            tokio::time::sleep(Duration::from_millis(backoff)).await;
+        }
+        match ctx.issuer.release(lease).await {
+            Ok(LeaseState::Expired) => self.out.stats.released_expired += 1,
+            Ok(LeaseState::Taken) => self.out.stats.released_taken += 1,
+            Ok(LeaseState::Held) | Err(_) => {}
+        }
+    }
+
+    /// Decides whether this unit stalls, for how long, and where.
+    fn pick_pause(&mut self) -> Pause {
+        let cfg = &self.ctx.cfg;
+        if !self.rng.random_bool(cfg.pause_probability) {
+            return Pause::None;
+        }
+        let lo = millis(cfg.pause_min);
+        let hi = millis(cfg.pause_max).max(lo);
+        let d = Duration::from_millis(self.rng.random_range(lo..=hi));
+        self.out.stats.pauses += 1;
+        if self.rng.random_bool(0.5) {
+            Pause::BeforeRead(d)
+        } else {
+            Pause::BeforeWrite(d)
+        }
+    }
+}
+
+/// What a try's result comes to, and the rejection to recover from if it was one.
+fn outcome(result: Step<()>) -> (Outcome, Option<Error>) {
+    let Err(Failure { stage, error }) = result else {
+        return (Outcome::Accepted, None);
+    };
+    // Both rejections are fencing at work (and audited): a newer lease got there first, or
+    // the counter went backwards and another lease already presented this token.
+    let rejected = match &error {
+        Error::StaleToken { current, .. } => Some((*current, false)),
+        Error::DuplicateToken { token, .. } => Some((*token, true)),
+        _ => None,
+    };
+    match rejected {
+        Some((current, duplicate)) => {
+            let by = if stage == Stage::Check {
+                "check"
+            } else {
+                "update"
+            };
+            let rejected = Outcome::Rejected {
+                current,
+                by,
+                duplicate,
+            };
+            (rejected, Some(error))
+        }
+        None => {
+            let failed = Outcome::Failed {
+                stage,
+                retryable: error.is_retryable(),
+                error: classify(&error),
+            };
+            (failed, None)
+        }
+    }
+}
+
+/// One try of a unit's write, and how far it got.
+struct Try<'a> {
+    ctx: &'a Ctx,
+    lease: &'a Lease,
+    row: i32,
+    unit: u64,
+    try_no: u32,
+    worker: usize,
+    /// The stall injected into this try.
+    pause: Pause,
+    /// The value read, once read.
+    read: Option<i64>,
+    /// The value written, once the write statement succeeded.
+    written: Option<i64>,
+}
+
+impl Try<'_> {
+    /// Runs the plan's steps: (check,) read, write, record, commit.
+    async fn run(&mut self) -> Step<()> {
+        let plan = self.ctx.plan;
+        stall(self.pause.before_read()).await;
+        let mut early_tx = None;
+        if plan.check_first {
+            let mut tx = self.begin().await?;
+            self.ctx
+                .fence
+                .check(&mut *tx, self.lease.resource(), self.lease)
+                .await
+                .map_err(at(Stage::Check))?;
+            early_tx = Some(tx);
+        }
+        let value = self.read_value(early_tx.as_deref_mut()).await?;
+        self.read = Some(value);
+        stall(self.pause.before_write()).await;
+        let mut tx = match early_tx {
+            Some(tx) => tx,
+            None => self.begin().await?,
+        };
+        self.write_value(&mut tx, value + 1).await?;
+        self.written = Some(value + 1);
+        self.record(&mut tx, value).await?;
+        tx.commit().await.map_err(db_at(Stage::Commit))
+    }
+
+    async fn begin(&self) -> Step<Transaction<'static, Postgres>> {
+        self.ctx.pool.begin().await.map_err(db_at(Stage::Begin))
+    }
+
+    /// Reads the row's value, in `tx` if given, else on the pool.
+    async fn read_value(&self, tx: Option<&mut PgConnection>) -> Step<i64> {
+        let query = sqlx::query_scalar(self.ctx.plan.table.read_sql())
+            .bind(self.ctx.run.as_str())
+            .bind(self.row);
+        match tx {
+            Some(conn) => query.fetch_one(conn).await,
+            None => query.fetch_one(&self.ctx.pool).await,
+        }
+        .map_err(db_at(Stage::Read))
+    }
+
+    /// Writes `value` to the row as the plan says.
+    async fn write_value(&self, conn: &mut PgConnection, value: i64) -> Step<()> {
+        let run = self.ctx.run.as_str();
+        match self.ctx.plan.write {
+            WriteKind::Plain => {
+                sqlx::query(WRITE_PLAIN)
+                    .bind(run)
+                    .bind(self.row)
+                    .bind(value)
+                    .execute(conn)
+                    .await
+                    .map_err(db_at(Stage::Write))?;
+            }
+            WriteKind::Fenced => {
+                let cell = Cell {
+                    run: run.to_owned(),
+                    id: self.row,
+                    value,
+                };
+                self.ctx
+                    .repo
+                    .update(conn, self.lease, &cell)
+                    .await
+                    .map_err(at(Stage::Write))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Inserts the history row, copying the row's new version and value.
+    async fn record(&self, conn: &mut PgConnection, value_read: i64) -> Step<()> {
+        sqlx::query(self.ctx.plan.table.record_sql())
+            .bind(self.ctx.run.as_str())
+            .bind(self.row)
+            .bind(self.lease.token().get())
+            .bind(value_read)
+            .bind(i64::try_from(self.unit).unwrap_or(i64::MAX))
+            .bind(i32::try_from(self.try_no).unwrap_or(i32::MAX))
+            .bind(i32::try_from(self.worker).unwrap_or(i32::MAX))
+            .execute(conn)
+            .await
+            .map_err(db_at(Stage::Record))?;
+        Ok(())
+    }
+}
+
+/// Sleeps for the injected stall, if any.
+async fn stall(pause: Option<Duration>) {
+    if let Some(d) = pause {
+        tokio::time::sleep(d).await;
+    }
+}
+
+/// A short, stable description of an error, for grouping.
+pub(crate) fn classify(e: &Error) -> String {
+    match e {
+        Error::Database(sqlx::Error::Database(db)) => {
+            format!("database sqlstate {}", db.code().as_deref().unwrap_or("?"))
+        }
+        Error::Database(sqlx::Error::Io(io)) => format!("database io {:?}", io.kind()),
+        Error::Database(sqlx::Error::PoolTimedOut) => "database pool timed out".into(),
+        Error::Database(sqlx::Error::PoolClosed) => "database pool closed".into(),
+        Error::Database(other) => {
+            let text = other.to_string();
+            format!("database {}", text.chars().take(80).collect::<String>())
+        }
+        Error::Redis(r) => format!("redis {:?}", r.kind()),
+        other => {
+            let text = other.to_string();
+            text.chars().take(80).collect()
+        }
+    }
+}

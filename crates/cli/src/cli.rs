@@ -1,0 +1,195 @@
+//! The command line, as clap derive structs: global options and one variant per command.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::util;
+
+/// The whole command line: where the servers are, `--verbose`, and the command.
+#[derive(Parser, Debug)]
+#[command(
+    name = "pgfence",
+    version,
+    // The library's one-line description (this package's describes the package).
+    about = "Fencing tokens for lease-based locks: Redis issues the numbers, Postgres enforces them.",
+    propagate_version = true
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub conn: Conn,
+    /// Show pgfence's own log events (INFO and above) on stderr.
+    #[arg(long, short, global = true)]
+    pub verbose: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Where the servers are.
+#[derive(Args, Debug, Clone)]
+pub struct Conn {
+    /// PostgreSQL URL.
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// Redis URL.
+    #[arg(long, env = "REDIS_URL", global = true, hide_env_values = true)]
+    pub redis_url: Option<String>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Apply pgfence's schema (the `pgfence` schema and its own migration history).
+    Migrate {
+        /// Only show which migrations are applied.
+        #[arg(long)]
+        status: bool,
+    },
+    /// Guard an existing table: add `fence bigint NOT NULL DEFAULT 0` and the trigger.
+    Guard {
+        /// `table` or `schema.table` (names as stored; double-quote parts containing dots).
+        table: String,
+        /// Write `V{n}__guard_<table>.sql` into this refinery migrations folder instead of
+        /// touching the database.
+        #[arg(long, value_name = "DIR")]
+        emit_migration: Option<PathBuf>,
+    },
+    /// Remove the guard trigger from a table.
+    Unguard {
+        /// `table` or `schema.table`.
+        table: String,
+        /// Drop the `fence` column too.
+        #[arg(long)]
+        drop_column: bool,
+    },
+    /// List guarded tables.
+    Tables {
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List rejected writes (newest first), or prune old ones.
+    Audit(AuditArgs),
+    /// Manual lock operations.
+    Lock {
+        #[command(subcommand)]
+        action: LockAction,
+    },
+    /// Run a command under a lock: acquire, export PGFENCE_TOKEN / PGFENCE_RESOURCE, keep the
+    /// lease alive while it runs, release, exit with its status.
+    Run(RunArgs),
+    /// Raise a resource's Redis counter to Postgres's high-water mark (after a failover).
+    Reseed {
+        /// The resource.
+        resource: String,
+        /// Raise to this value instead of the high-water mark.
+        #[arg(long, allow_negative_numbers = true)]
+        floor: Option<i64>,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Reproduce the lock-expiry race with real servers and show the stale write rejected.
+    Simulate(SimulateArgs),
+}
+
+#[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct AuditArgs {
+    #[command(subcommand)]
+    pub action: Option<AuditAction>,
+    /// Only rejections newer than this: a duration (`1h`, `30m`) or an RFC 3339 time.
+    #[arg(long)]
+    pub since: Option<String>,
+    /// Only rejections for this resource.
+    #[arg(long)]
+    pub resource: Option<String>,
+    /// At most this many rows.
+    #[arg(long, default_value_t = 50)]
+    pub limit: i64,
+    /// JSON output (one array).
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum AuditAction {
+    /// Delete audit rows older than a duration.
+    Prune {
+        /// e.g. `30d`, `12h`.
+        #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
+        older_than: Duration,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum LockAction {
+    /// Take a lock and print its token and owner id.
+    Acquire {
+        /// The resource.
+        resource: String,
+        /// Lease TTL (`30s`, `500ms`, `5m`).
+        #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
+        ttl: Duration,
+        /// Wait up to this long for the lock instead of failing at once.
+        #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
+        wait: Option<Duration>,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Release a lock taken by `lock acquire` (needs its owner id and token).
+    Release {
+        /// The resource.
+        resource: String,
+        /// Owner id printed by `lock acquire`.
+        #[arg(long)]
+        owner: String,
+        /// Token printed by `lock acquire`.
+        #[arg(long)]
+        token: String,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a lock's holder, token, TTL and counter.
+    Status {
+        /// The resource.
+        resource: String,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The resource to lock.
+    #[arg(long)]
+    pub resource: String,
+    /// Lease TTL; renewed every TTL/3 while the command runs.
+    #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
+    pub ttl: Duration,
+    /// Wait up to this long for the lock (default: fail at once if held).
+    #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
+    pub wait: Option<Duration>,
+    /// The command and its arguments.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct SimulateArgs {
+    /// Run the same race with plain, unfenced writes, to see the damage.
+    #[arg(long)]
+    pub no_fence: bool,
+    /// Print a Mermaid sequence diagram of the run instead of the timeline.
+    #[arg(long)]
+    pub mermaid: bool,
+    /// Lock TTL.
+    #[arg(long, default_value = "300ms", value_parser = util::parse_duration)]
+    pub ttl: Duration,
+    /// How long worker A pauses (must exceed the TTL for the race to happen).
+    #[arg(long, default_value = "700ms", value_parser = util::parse_duration)]
+    pub pause: Duration,
+}

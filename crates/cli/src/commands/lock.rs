@@ -1,0 +1,103 @@
+//! `pgfence lock`: acquire, release and inspect a lock by hand.
+
+// Printing the result is the command's job.
+#![allow(clippy::print_stdout)]
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use pgfence::{FenceToken, Lease, LeaseState};
+use serde_json::json;
+
+use crate::cli::Conn;
+use crate::connect::take_lock;
+use crate::util::{self, cell, fmt_duration};
+
+/// Takes a lock and prints its token and owner id (and how to release it).
+pub async fn acquire(
+    conn: &Conn,
+    resource: &str,
+    ttl: Duration,
+    wait: Option<Duration>,
+    json: bool,
+) -> Result<ExitCode> {
+    let resource = util::resource(resource)?;
+    pgfence::check_ttl(ttl)?;
+    let lease = take_lock(&conn.issuer().await?, &resource, ttl, wait).await?;
+    if json {
+        println!(
+            "{}",
+            json!({"resource": resource.as_str(), "token": lease.token().get(), "owner": lease.owner(), "ttl_ms": ttl.as_millis()})
+        );
+    } else {
+        println!(
+            "acquired {} token={} owner={} ttl={}",
+            resource,
+            lease.token(),
+            lease.owner(),
+            fmt_duration(ttl)
+        );
+        println!(
+            "release: pgfence lock release {} --owner {} --token {}",
+            resource,
+            lease.owner(),
+            lease.token()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Releases a lock taken by `lock acquire`; exit code 2 if it was no longer held.
+pub async fn release(
+    conn: &Conn,
+    resource: &str,
+    owner: &str,
+    token: &str,
+    json: bool,
+) -> Result<ExitCode> {
+    let resource = util::resource(resource)?;
+    let token: FenceToken = token
+        .parse()
+        .with_context(|| format!("bad token {:?}", cell(token)))?;
+    let issuer = conn.issuer().await?;
+    let lease = Lease::resume(resource.clone(), owner, token);
+    let state = issuer.release(&lease).await?;
+    let word = match state {
+        LeaseState::Held => "released",
+        LeaseState::Expired => "expired",
+        LeaseState::Taken => "taken",
+    };
+    if json {
+        println!("{}", json!({"resource": resource.as_str(), "result": word}));
+    } else {
+        match state {
+            LeaseState::Held => println!("released {resource}"),
+            LeaseState::Expired => println!("{resource}: the lock had already expired"),
+            LeaseState::Taken => println!("{resource}: another holder has the lock; left it alone"),
+        }
+    }
+    Ok(if state == LeaseState::Held {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(2)
+    })
+}
+
+/// Prints a lock's holder, token, TTL and counter.
+pub async fn status(conn: &Conn, resource: &str, json: bool) -> Result<ExitCode> {
+    let resource = util::resource(resource)?;
+    let status = conn.issuer().await?.status(&resource).await?;
+    if json {
+        println!("{}", serde_json::to_string(&status)?);
+    } else if let (Some(owner), Some(token)) = (&status.owner, status.token) {
+        println!(
+            "{resource}: held by {owner} token={token} expires in {}ms; counter={}",
+            status.ttl_ms.unwrap_or(0),
+            status.counter
+        );
+    } else {
+        println!("{resource}: free; counter={}", status.counter);
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,41 @@
+//! `pgfence migrate`: apply pgfence's schema, or show which migrations are applied.
+
+// Printing the result is the command's job.
+#![allow(clippy::print_stdout)]
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use time::format_description::well_known::Rfc3339;
+
+use crate::cli::Conn;
+use crate::util::print_table;
+
+/// Applies pending migrations (printing each), or with `status_only` prints the table of them.
+pub async fn migrate(conn: &Conn, status_only: bool) -> Result<ExitCode> {
+    let pool = conn.pg().await?;
+    if !status_only {
+        let applied = pgfence::migrate(&pool).await?;
+        if applied.is_empty() {
+            println!("pgfence schema is up to date");
+        }
+        for m in &applied {
+            println!("applied V{}__{}", m.version, m.name);
+        }
+    }
+    let rows: Vec<Vec<String>> = pgfence::migration_status(&pool)
+        .await?
+        .into_iter()
+        .map(|m| {
+            let when = m
+                .applied_on
+                .and_then(|t| t.format(&Rfc3339).ok())
+                .unwrap_or_else(|| "pending".into());
+            vec![format!("V{}", m.version), m.name, when]
+        })
+        .collect();
+    if status_only {
+        print_table(&["version", "name", "applied"], &rows);
+    }
+    Ok(ExitCode::SUCCESS)
+}

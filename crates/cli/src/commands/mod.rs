@@ -1,0 +1,81 @@
+//! One module per command; [`run`] dispatches a parsed command line to it.
+
+mod audit;
+mod guard;
+mod lock;
+mod migrate;
+mod reseed;
+mod run;
+mod simulate;
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+
+use crate::cli::{AuditAction, Cli, Command, LockAction};
+
+/// Runs the command, returning its exit code. Ctrl-C stops it with exit code 130, except for
+/// `run`, which handles signals itself: it must release the lock after the command exits.
+pub async fn run(cli: Cli) -> Result<ExitCode> {
+    if matches!(cli.command, Command::Run(_)) {
+        return dispatch(cli).await;
+    }
+    tokio::select! {
+        outcome = dispatch(cli) => outcome,
+        // Dropping the command's future drops any throwaway servers, which stops them.
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("pgfence: interrupted");
+            Ok(ExitCode::from(130))
+        }
+    }
+}
+
+async fn dispatch(cli: Cli) -> Result<ExitCode> {
+    let conn = cli.conn;
+    match cli.command {
+        Command::Migrate { status } => migrate::migrate(&conn, status).await,
+        Command::Guard {
+            table,
+            emit_migration,
+        } => guard::guard(&conn, &table, emit_migration.as_deref()).await,
+        Command::Unguard { table, drop_column } => guard::unguard(&conn, &table, drop_column).await,
+        Command::Tables { json } => guard::tables(&conn, json).await,
+        Command::Audit(args) => match args.action {
+            Some(AuditAction::Prune { older_than }) => audit::prune(&conn, older_than).await,
+            None => {
+                audit::list(
+                    &conn,
+                    args.since.as_deref(),
+                    args.resource,
+                    args.limit,
+                    args.json,
+                )
+                .await
+            }
+        },
+        Command::Lock { action } => match action {
+            LockAction::Acquire {
+                resource,
+                ttl,
+                wait,
+                json,
+            } => lock::acquire(&conn, &resource, ttl, wait, json).await,
+            LockAction::Release {
+                resource,
+                owner,
+                token,
+                json,
+            } => lock::release(&conn, &resource, &owner, &token, json).await,
+            LockAction::Status { resource, json } => lock::status(&conn, &resource, json).await,
+        },
+        Command::Run(args) => {
+            run::run(&conn, &args.resource, args.ttl, args.wait, &args.command).await
+        }
+        Command::Reseed {
+            resource,
+            floor,
+            json,
+        } => reseed::reseed(&conn, &resource, floor, json).await,
+        Command::Simulate(args) => simulate::simulate(&conn, &args).await,
+    }
+}

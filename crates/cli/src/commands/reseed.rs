@@ -1,0 +1,47 @@
+//! `pgfence reseed`: raise a resource's Redis counter after a failover.
+
+// Printing the result is the command's job.
+#![allow(clippy::print_stdout)]
+
+use std::process::ExitCode;
+
+use anyhow::{Result, bail};
+use serde_json::json;
+
+use crate::cli::Conn;
+use crate::util;
+
+/// Raises `resource`'s counter to `floor`, or to Postgres's high-water mark without one.
+pub async fn reseed(
+    conn: &Conn,
+    resource: &str,
+    floor: Option<i64>,
+    json: bool,
+) -> Result<ExitCode> {
+    let resource = util::resource(resource)?;
+    let issuer = conn.issuer().await?;
+    let (source, floor) = match floor {
+        Some(f) if f < 0 => bail!("--floor must not be negative"),
+        Some(f) => ("--floor", f),
+        None => (
+            "postgres high-water mark",
+            pgfence::high_water(&conn.pg().await?, &resource).await?,
+        ),
+    };
+    let before = issuer.status(&resource).await?.counter;
+    let after = issuer.raise_floor(&resource, floor).await?;
+    if json {
+        println!(
+            "{}",
+            json!({"resource": resource.as_str(), "floor": floor, "before": before, "after": after})
+        );
+    } else if after > before {
+        println!(
+            "{resource}: counter raised from {before} to {after} ({source} {floor}); next token {}",
+            after + 1
+        );
+    } else {
+        println!("{resource}: counter {before} already at or above {source} {floor}; unchanged");
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,117 @@
+//! `pgfence run`: flock-style, for cron jobs and shell scripts.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::cli::Conn;
+use crate::connect::take_lock;
+use crate::util::{self, cell};
+
+/// Acquires the lock, runs `command` with `PGFENCE_TOKEN`, `PGFENCE_RESOURCE` and
+/// `PGFENCE_OWNER` and `PGFENCE_TAG` (the holder tag SQL callers pass to `pgfence.check` /
+/// `pgfence.next_fence`) in its environment while a keep-alive renews the lease, then releases the
+/// lock and exits with the command's status (128 + signal if it was killed).
+///
+/// SIGTERM and SIGHUP are forwarded to the command. SIGINT is forwarded after one second if
+/// the command is still running (a terminal's Ctrl-C already reaches the whole foreground
+/// process group). Either way the lock is released once the command has exited. If the lease
+/// is lost while the command runs, a line on stderr says so; the command's writes are still
+/// fenced by Postgres.
+pub async fn run(
+    conn: &Conn,
+    resource: &str,
+    ttl: Duration,
+    wait: Option<Duration>,
+    command: &[String],
+) -> Result<ExitCode> {
+    let resource = util::resource(resource)?;
+    pgfence::check_ttl(ttl)?;
+    let Some(program) = command.first() else {
+        bail!("no command given after --")
+    };
+    let issuer = conn.issuer().await?;
+    let lease = take_lock(&issuer, &resource, ttl, wait).await?;
+
+    let spawned = tokio::process::Command::new(program)
+        .args(&command[1..])
+        .env("PGFENCE_TOKEN", lease.token().to_string())
+        .env("PGFENCE_RESOURCE", resource.as_str())
+        .env("PGFENCE_OWNER", lease.owner())
+        .env("PGFENCE_TAG", pgfence::Fencing::from(&lease).tag().to_string())
+        .spawn();
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            let _ = issuer.release(&lease).await;
+            return Err(e).with_context(|| format!("cannot run {:?}", cell(program)));
+        }
+    };
+
+    let mut keep = issuer.keep_alive(&lease);
+    let mut term = signal(SignalKind::terminate())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut lost_reported = false;
+    let mut int_forward_at: Option<tokio::time::Instant> = None;
+    let status = loop {
+        tokio::select! {
+            status = child.wait() => break status?,
+            _ = term.recv() => forward(&child, "TERM"),
+            _ = hup.recv() => forward(&child, "HUP"),
+            // A terminal delivers SIGINT to the command too; if it was sent to pgfence alone,
+            // pass it on after a grace period rather than doubling a terminal's Ctrl-C.
+            _ = int.recv() => int_forward_at = Some(tokio::time::Instant::now() + Duration::from_secs(1)),
+            _ = sleep_until_opt(int_forward_at) => {
+                int_forward_at = None;
+                forward(&child, "INT");
+            }
+            lost = keep.lost(), if !lost_reported => {
+                lost_reported = true;
+                eprintln!(
+                    "pgfence: lease on {} lost while the command runs: {lost}; its writes with token {} are still fenced by Postgres",
+                    cell(resource.as_str()), lease.token()
+                );
+            }
+        }
+    };
+    keep.stop();
+    match issuer.release(&lease).await {
+        Ok(_) => {}
+        Err(e) => eprintln!(
+            "pgfence: could not release {} ({e}); it expires on its own",
+            cell(resource.as_str())
+        ),
+    }
+    Ok(exit_code(status))
+}
+
+/// Sleeps until `at`, or forever without one.
+async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sends `signal` to the child with `kill`, if it is still running.
+fn forward(child: &tokio::process::Child, signal: &str) {
+    if let Some(pid) = child.id() {
+        let _ = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status();
+    }
+}
+
+/// The command's exit code, or 128 + the signal that killed it.
+fn exit_code(status: std::process::ExitStatus) -> ExitCode {
+    use std::os::unix::process::ExitStatusExt;
+    let code = status
+        .code()
+        .or_else(|| status.signal().map(|s| 128 + s))
+        .unwrap_or(1);
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
+}

@@ -1,0 +1,156 @@
+//! The servers the race runs on (the configured ones, or throwaway ones), the demo table and
+//! lock set up on them, and the cleanup afterwards.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use pgfence::{Repository, Resource, TableName};
+use pgfence_testkit::{Kind, Server, url_or_start};
+use sqlx::AssertSqlSafe;
+
+use super::events::Recorder;
+use super::race::Stage;
+use super::render::Narrator;
+use crate::cli::Conn;
+use crate::connect::{connect_pg, connect_redis};
+use crate::util;
+
+/// The two servers' URLs, and the throwaway servers among them, which live as long as this.
+pub struct Servers {
+    /// PostgreSQL.
+    pub pg_url: String,
+    /// Redis.
+    pub redis_url: String,
+    throwaway: Vec<Server>,
+}
+
+impl Servers {
+    /// The given URLs, or throwaway servers where none is given.
+    pub async fn start(conn: &Conn, say: &Narrator) -> Result<Self> {
+        let mut throwaway: Vec<Server> = Vec::new();
+        let mut urls = Vec::new();
+        for (kind, configured, label, var) in [
+            (
+                Kind::Postgres,
+                conn.database_url.as_deref(),
+                "postgres",
+                "DATABASE_URL",
+            ),
+            (Kind::Redis, conn.redis_url.as_deref(), "redis", "REDIS_URL"),
+        ] {
+            let (url, server) = url_or_start(kind, configured).await.with_context(|| {
+                format!("cannot start a throwaway {label} server (or set {var})")
+            })?;
+            match server {
+                Some(server) => {
+                    say.line(format!(
+                        "  {:<10}throwaway server on 127.0.0.1:{} in {}",
+                        format!("{label}:"),
+                        server.port(),
+                        server.dir().display()
+                    ));
+                    throwaway.push(server);
+                }
+                None => say.line(format!(
+                    "  {:<10}{} ({var})",
+                    format!("{label}:"),
+                    util::redact(&url)
+                )),
+            }
+            urls.push(url);
+        }
+        Ok(Self {
+            pg_url: urls[0].clone(),
+            redis_url: urls[1].clone(),
+            throwaway,
+        })
+    }
+
+    /// True when some server is the user's: then the demo must clean up after itself.
+    pub fn has_users_server(&self) -> bool {
+        self.throwaway.len() < 2
+    }
+
+    /// Stops the throwaway servers, saying so.
+    pub fn stop(self, say: &Narrator) {
+        for server in self.throwaway {
+            let dir = server.dir().display().to_string();
+            server.stop();
+            say.line(format!("stopped throwaway server, removed {dir}"));
+        }
+    }
+}
+
+/// Migrates, creates the demo table (guarded when `fenced`) and a fresh demo resource.
+pub async fn setup(servers: &Servers, fenced: bool, say: &Narrator) -> Result<Arc<Stage>> {
+    let pool = connect_pg(&servers.pg_url).await?;
+    let issuer = connect_redis(&servers.redis_url).await?;
+    let applied = pgfence::migrate(&pool).await?;
+    let suffix = format!("{:08x}", rand::random::<u32>());
+    let table = TableName::new("public", &format!("pgfence_demo_{suffix}"))?;
+    let resource = Resource::new(format!("demo:payments:batch-42:{suffix}"))?;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {t} (batch text PRIMARY KEY, paid_by text NOT NULL, amount bigint NOT NULL);
+         INSERT INTO {t} VALUES ('batch-42', 'nobody', 0);",
+        t = table.quoted()
+    )))
+    .execute(&pool)
+    .await?;
+    if fenced {
+        pgfence::guard(&pool, &table).await?;
+    }
+    say.line(format!(
+        "  setup:    pgfence schema {}; demo table {} created{}",
+        if applied.is_empty() {
+            "already current"
+        } else {
+            "migrated"
+        },
+        table.name().as_str(),
+        if fenced {
+            " and guarded"
+        } else {
+            " (NOT guarded)"
+        }
+    ));
+    say.line(String::new());
+
+    Ok(Arc::new(Stage {
+        repo: fenced
+            .then(|| Repository::for_table(pool.clone(), table.clone()))
+            .transpose()?,
+        pool,
+        issuer,
+        redis_url: servers.redis_url.clone(),
+        resource,
+        table,
+        fenced,
+        rec: Recorder::start(),
+    }))
+}
+
+/// Drops the demo table, its audit rows and its Redis keys, leaving the user's servers as
+/// they were.
+pub async fn cleanup(stage: &Stage) {
+    let drop = format!("DROP TABLE IF EXISTS {}", stage.table.quoted());
+    if let Err(e) = sqlx::raw_sql(AssertSqlSafe(drop))
+        .execute(&stage.pool)
+        .await
+    {
+        eprintln!("pgfence: could not drop demo table: {e}");
+    }
+    let _ = sqlx::query("DELETE FROM pgfence.audit WHERE resource = $1")
+        .bind(stage.resource.as_str())
+        .execute(&stage.pool)
+        .await;
+    // The demo's own resource only: production counters are never deleted.
+    let keys = [
+        pgfence::lock_key(&stage.resource),
+        pgfence::counter_key(&stage.resource),
+    ];
+    if let Ok(client) = redis::Client::open(stage.redis_url.as_str())
+        && let Ok(mut conn) = client.get_multiplexed_async_connection().await
+    {
+        let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await;
+    }
+}
