@@ -1,0 +1,103 @@
+//! Benchmark settings, from the environment (`PGFENCE_BENCH_*`) and the command line (section
+//! names).
+
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use anyhow::{Context, Result, anyhow, bail};
+
+/// Benchmark settings.
+#[derive(Clone, Debug, serde::Serialize)]
+pub(crate) struct Config {
+    /// Measured seconds per figure.
+    pub(crate) secs: u64,
+    /// Unmeasured seconds before each figure.
+    pub(crate) warmup: u64,
+    /// Concurrent tasks (pgbench / redis-benchmark clients).
+    pub(crate) tasks: usize,
+    /// sqlx pool size.
+    pub(crate) pool: u32,
+    /// Rows per table.
+    pub(crate) rows: i32,
+    /// Rounds; the report gives medians over rounds.
+    pub(crate) rounds: usize,
+    /// Concurrencies of the `scaling` section.
+    pub(crate) scaling: Vec<usize>,
+    /// Tokio worker threads (also pgbench `-j`).
+    pub(crate) workers: usize,
+    /// Where the JSON document goes.
+    pub(crate) json: PathBuf,
+    /// Sections to run; empty: all.
+    pub(crate) sections: Vec<String>,
+}
+
+/// Every section, in the order they run.
+pub(crate) const SECTIONS: &[&str] = &["write", "pgbench", "acquire", "job", "storm", "scaling"];
+
+/// The environment variable `name`, parsed, or `default` when unset or blank.
+fn env_or<T: FromStr>(name: &str, default: T) -> Result<T>
+where
+    T::Err: std::fmt::Display,
+{
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|e| anyhow!("{name}={v:?}: {e}")),
+        _ => Ok(default),
+    }
+}
+
+impl Config {
+    /// Reads the settings; `args` are the bench's arguments (section names, flags).
+    pub(crate) fn from_env(args: &[String]) -> Result<Self> {
+        let cpus = std::thread::available_parallelism().map_or(2, usize::from);
+        let tasks: usize = env_or("PGFENCE_BENCH_TASKS", 16)?;
+        let scaling = env_or("PGFENCE_BENCH_SCALING", "1,4,16,64".to_owned())?
+            .split(',')
+            .map(|s| s.trim().parse::<usize>().context("PGFENCE_BENCH_SCALING"))
+            .collect::<Result<Vec<_>>>()?;
+        let json = match std::env::var_os("PGFENCE_BENCH_JSON") {
+            Some(p) => PathBuf::from(p),
+            None => std::env::var_os("CARGO_TARGET_DIR")
+                .map_or_else(|| PathBuf::from("target"), PathBuf::from)
+                .join("bench-throughput.json"),
+        };
+        let sections: Vec<String> = args
+            .iter()
+            .filter(|a| !a.starts_with('-'))
+            .cloned()
+            .collect();
+        if let Some(bad) = sections.iter().find(|s| !SECTIONS.contains(&s.as_str())) {
+            bail!("unknown section {bad:?}; sections are {SECTIONS:?}");
+        }
+        let cfg = Self {
+            secs: env_or("PGFENCE_BENCH_SECS", 3)?,
+            warmup: env_or("PGFENCE_BENCH_WARMUP", 1)?,
+            tasks,
+            pool: env_or("PGFENCE_BENCH_POOL", u32::try_from(tasks)?)?,
+            rows: env_or("PGFENCE_BENCH_ROWS", 10_000)?,
+            rounds: env_or("PGFENCE_BENCH_ROUNDS", 3)?,
+            scaling,
+            workers: env_or("PGFENCE_BENCH_WORKERS", cpus)?,
+            json,
+            sections,
+        };
+        let max_tasks = cfg
+            .scaling
+            .iter()
+            .copied()
+            .chain([cfg.tasks])
+            .max()
+            .unwrap_or(1);
+        if cfg.secs == 0 || cfg.warmup == 0 || cfg.tasks == 0 || cfg.pool == 0 || cfg.rounds == 0 {
+            bail!("PGFENCE_BENCH_SECS, _WARMUP, _TASKS, _POOL and _ROUNDS must be at least 1");
+        }
+        if cfg.scaling.contains(&0) || usize::try_from(cfg.rows)? < max_tasks {
+            bail!("every concurrency must be between 1 and PGFENCE_BENCH_ROWS");
+        }
+        Ok(cfg)
+    }
+
+    /// Whether `section` is to run.
+    pub(crate) fn runs(&self, section: &str) -> bool {
+        self.sections.is_empty() || self.sections.iter().any(|s| s == section)
+    }
+}

@@ -1,0 +1,183 @@
+//! `cargo bench --bench throughput`: pgfence's write and lock throughput next to the baselines
+//! that bound it, measured in one run on the same servers.
+//!
+//! Sections (run all, or name some: `cargo bench --bench throughput -- write acquire`):
+//!
+//! - `write`: (1a) [`Repository::update`] on a guarded table; (1b) raw sqlx
+//!   `UPDATE .. SET payload = $1 WHERE id = $2` on an identical unguarded table (no `fence`
+//!   column, no trigger); (1c) raw sqlx running the exact SQL text the repository sends
+//!   ([`Repository::update_sql`], checked against `pg_prepared_statements` after one real
+//!   `Repository::update`); (1d) raw sqlx `UPDATE .. WHERE id = $1 AND fence < $3` on the
+//!   guarded table, the same statement as a person would write it; (1e) 1a through a pool with
+//!   sqlx's default options.
+//! - `pgbench`: 1b, 1d and 1c through `pgbench -M prepared`, the C client as a ceiling.
+//! - `acquire`: [`Issuer::acquire`] on a fresh resource each time vs `redis-benchmark` sending
+//!   the same Lua script by `EVALSHA` on fresh random keys; acquire+release cycles (also with
+//!   the issuer on one multiplexed connection) vs the `rslock` crate's lock+unlock and a
+//!   hand-rolled `SET NX PX` + Lua compare-and-delete.
+//! - `job`: acquire → fenced write → release.
+//! - `storm`: stale writes (every one rejected and audited; the audit row count is checked),
+//!   then all-fresh writes and a 10 % stale mix.
+//! - `scaling`: 1a at several concurrencies, pool size = concurrency (at most 64).
+//!
+//! Every figure waits for an idle machine first, and records CPU time per operation of the
+//! client, the PostgreSQL server, the Redis server and everything else (see BENCHMARKS.md).
+//! The tables are written once, unmeasured, before round 1, and vacuumed before every figure.
+//!
+//! Fairness rules: every client gets the same pool size / connection count and concurrency;
+//! Postgres pools are opened with `min_connections = max_connections` and
+//! `test_before_acquire(false)` (1e shows what sqlx's default costs); keys are uniform random,
+//! partitioned so that task `i` (pgbench client `i`) only touches ids `≡ i (mod tasks)`, which
+//! keeps every write's token newer than its row's fence (tokens come from one global
+//! `AtomicI64`; pgbench counts per client from a start above every fence).
+//!
+//! Servers: `DATABASE_URL` / `REDIS_URL` when set, else throwaway servers
+//! ([`pgfence_testkit::Server`]). A fresh database is created (and dropped at the end) and
+//! migrated with [`pgfence::migrate`].
+//!
+//! Settings (environment): `PGFENCE_BENCH_SECS` (3), `PGFENCE_BENCH_WARMUP` (1),
+//! `PGFENCE_BENCH_TASKS` (16), `PGFENCE_BENCH_POOL` (= tasks), `PGFENCE_BENCH_ROWS` (10000),
+//! `PGFENCE_BENCH_ROUNDS` (3; figures are medians over rounds), `PGFENCE_BENCH_SCALING`
+//! (`1,4,16,64`), `PGFENCE_BENCH_WORKERS` (tokio worker threads, default: CPUs),
+//! `PGFENCE_BENCH_JSON` (default `$CARGO_TARGET_DIR/bench-throughput.json`, else
+//! `target/bench-throughput.json`).
+//!
+//! Run without `--bench` (as `cargo test --all-targets` does), it only prints how to run it.
+//!
+//! Modules: [`config`] (settings), [`servers`] (servers, database, tables), [`measure`] (the
+//! measuring loop), [`cpu`] (CPU accounting per process), [`workloads`] (pgfence and sqlx
+//! loads), [`baselines`] (pgbench, redis-benchmark, rslock, a hand-rolled lock),
+//! [`sections`] (what each section measures), [`report`] (tables and JSON).
+//!
+//! [`Repository::update`]: pgfence::Repository::update
+//! [`Repository::update_sql`]: pgfence::Repository::update_sql
+//! [`Issuer::acquire`]: pgfence::Issuer::acquire
+
+// A benchmark's report is its standard output.
+#![allow(clippy::print_stdout)]
+
+mod baselines;
+mod config;
+mod cpu;
+mod measure;
+mod report;
+mod sections;
+mod servers;
+mod workloads;
+
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use serde_json::json;
+
+use crate::config::Config;
+use crate::sections::Results;
+use crate::servers::{Env, Servers};
+
+/// Every row's payload (and every write's): 32 bytes, as in the initial data.
+const PAYLOAD: &str = "0123456789abcdef0123456789abcdef";
+
+/// Lease TTL for every lock taken here.
+const LEASE_TTL: Duration = Duration::from_secs(30);
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if !args.iter().any(|a| a == "--bench") {
+        println!(
+            "throughput: benchmark, not run under `cargo test`; use `cargo bench --bench throughput`"
+        );
+        return Ok(());
+    }
+    let cfg = Config::from_env(&args)?;
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cfg.workers)
+        .enable_all()
+        .build()?
+        .block_on(run(cfg))
+}
+
+/// Starts (or connects to) the servers, runs the benchmark in a fresh database, and cleans up
+/// whatever happened.
+async fn run(cfg: Config) -> Result<()> {
+    let servers = Servers::start().await?;
+    let run_id = format!("pgfbench-{:08x}", rand::random::<u32>());
+    let db_name = format!(
+        "pgfence_bench_{}_{}",
+        std::process::id(),
+        rand::random::<u32>()
+    );
+    servers.create_database(&db_name).await?;
+    let scratch = std::env::temp_dir().join(&run_id);
+    std::fs::create_dir_all(&scratch)?;
+
+    let result = match Env::open(cfg, &servers, &db_name, run_id.clone(), scratch.clone()).await {
+        Ok(env) => bench(&env, &servers).await,
+        Err(e) => Err(e),
+    };
+
+    // The database, the scripts, and this run's keys in a Redis we did not start.
+    let _ = std::fs::remove_dir_all(&scratch);
+    servers.cleanup(&db_name, &run_id).await;
+    drop(servers);
+    result
+}
+
+/// Conditions the tables, runs the selected sections for every round, and reports.
+async fn bench(env: &Env, servers: &Servers) -> Result<()> {
+    let info = report::environment(env, servers.pg_source, servers.redis_source).await;
+    eprintln!("{info}");
+
+    let mut rounds = Vec::new();
+    let mut checks = Vec::new();
+    if ["write", "pgbench", "job", "storm", "scaling"]
+        .iter()
+        .any(|s| env.cfg.runs(s))
+    {
+        sections::condition(env).await?;
+    }
+    let mut loads = Vec::new();
+    for round in 1..=env.cfg.rounds {
+        let mut out = Results::new();
+        // Other work on the machine skews everything: record the load each round starts with.
+        let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+        eprintln!("round {round}: load average {}", load.trim());
+        loads.push(load.trim().to_owned());
+        if env.cfg.runs("write") {
+            sections::write(env, round, &mut out).await?;
+        }
+        if env.cfg.runs("pgbench") {
+            sections::pgbench(env, round, &mut out).await?;
+        }
+        if env.cfg.runs("acquire") {
+            sections::acquire(env, round, &mut out).await?;
+        }
+        if env.cfg.runs("job") {
+            sections::job(env, round, &mut out).await?;
+        }
+        if env.cfg.runs("storm") {
+            sections::storm(env, round, &mut out, &mut checks).await?;
+        }
+        if env.cfg.runs("scaling") {
+            sections::scaling(env, round, &mut out).await?;
+        }
+        rounds.push(out);
+    }
+
+    let mut doc = report::report(env, &rounds, &checks, &info);
+    println!(
+        "load average at the start of each round: {}",
+        loads.join(" | ")
+    );
+    doc["load_average_at_round_start"] = json!(loads);
+    if let Some(dir) = env.cfg.json.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&env.cfg.json, serde_json::to_string_pretty(&doc)?)?;
+    println!();
+    println!("figures written to {}", env.cfg.json.display());
+    env.admin.close().await;
+    if checks.iter().any(|c| !c.pass) {
+        bail!("an audit check failed");
+    }
+    Ok(())
+}

@@ -1,0 +1,410 @@
+//! The report: the table of figures (medians over rounds), the ratios against their targets,
+//! the audit checks, and the JSON document.
+
+use std::path::PathBuf;
+
+use pgfence_bench::median;
+use serde_json::{Value as Json, json};
+
+use crate::config::Config;
+use crate::measure::Sample;
+use crate::sections::{AuditCheck, Results};
+use crate::servers::{Env, redis_conn};
+
+/// The rows of the table, in order: key and label.
+fn rows(cfg: &Config) -> Vec<(String, String)> {
+    let mut rows: Vec<(String, String)> = [
+        ("write.repo_update", "1a Repository::update (guarded table)"),
+        (
+            "write.plain_update",
+            "1b sqlx plain UPDATE (unguarded table)",
+        ),
+        ("write.raw_repo_sql", "1c sqlx, the repository's exact SQL"),
+        (
+            "write.fenced_plain_sql",
+            "1d sqlx UPDATE .. AND fence < $3 (hand-written)",
+        ),
+        (
+            "write.repo_update_default_pool",
+            "1e 1a with sqlx default PoolOptions",
+        ),
+        (
+            "pgbench.plain_update",
+            "2b pgbench: plain UPDATE (unguarded)",
+        ),
+        (
+            "pgbench.fenced_plain_sql",
+            "2d pgbench: UPDATE .. AND fence < tok",
+        ),
+        ("pgbench.repo_sql", "2c pgbench: the repository's SQL"),
+        (
+            "acquire.issuer_fresh",
+            "3a Issuer::acquire (fresh resource)",
+        ),
+        (
+            "acquire.redis_benchmark",
+            "3b redis-benchmark EVALSHA acquire.lua",
+        ),
+        (
+            "acquire.redis_benchmark_mt",
+            "3b' the same, --threads = workers",
+        ),
+        ("acquire.issuer_cycle", "3c Issuer acquire+release"),
+        (
+            "acquire.issuer_cycle_single",
+            "3c' 3c, issuer on one multiplexed connection",
+        ),
+        ("acquire.rslock_cycle", "3d rslock lock+unlock"),
+        ("acquire.handrolled_cycle", "3e SET NX PX + Lua compare-DEL"),
+        ("job.cycle", "4  acquire -> fenced write -> release"),
+        ("storm.rejections", "5a stale writes, rejected + audited"),
+        ("storm.all_fresh", "5b fenced writes, all fresh"),
+        ("storm.mixed", "5c accepted writes, 10% stale mix"),
+    ]
+    .iter()
+    .map(|(k, l)| ((*k).to_owned(), (*l).to_owned()))
+    .collect();
+    for c in &cfg.scaling {
+        rows.push((
+            format!("scaling.c{c}"),
+            format!("6  Repository::update, {c} task(s), pool {}", (*c).min(64)),
+        ));
+    }
+    rows
+}
+
+/// A ratio between two rows; `target` when the project has one.
+struct RatioDef {
+    key: &'static str,
+    label: &'static str,
+    num: &'static str,
+    /// The best of these is the denominator.
+    den: &'static [&'static str],
+    target: Option<f64>,
+}
+
+const RATIOS: &[RatioDef] = &[
+    RatioDef {
+        key: "repo_vs_raw_sql",
+        label: "Repository::update / raw sqlx, identical SQL (1a/1c)",
+        num: "write.repo_update",
+        den: &["write.raw_repo_sql"],
+        target: Some(0.95),
+    },
+    RatioDef {
+        key: "guarded_vs_plain",
+        label: "fenced+guarded / plain unguarded update (1a/1b)",
+        num: "write.repo_update",
+        den: &["write.plain_update"],
+        target: Some(0.85),
+    },
+    RatioDef {
+        key: "repo_vs_pgbench",
+        label: "Repository::update / pgbench, same SQL (1a/2c)",
+        num: "write.repo_update",
+        den: &["pgbench.repo_sql"],
+        target: Some(0.80),
+    },
+    RatioDef {
+        key: "acquire_vs_redis_benchmark",
+        label: "Issuer::acquire / best redis-benchmark EVALSHA (3a/3b)",
+        num: "acquire.issuer_fresh",
+        den: &["acquire.redis_benchmark", "acquire.redis_benchmark_mt"],
+        target: Some(0.80),
+    },
+    RatioDef {
+        key: "cycle_vs_rslock",
+        label: "Issuer acquire+release / rslock lock+unlock (3c/3d)",
+        num: "acquire.issuer_cycle",
+        den: &["acquire.rslock_cycle"],
+        target: Some(1.0),
+    },
+    RatioDef {
+        key: "mixed_vs_fresh",
+        label: "accepted writes, 10% stale / all fresh (5c/5b)",
+        num: "storm.mixed",
+        den: &["storm.all_fresh"],
+        target: Some(0.90),
+    },
+    RatioDef {
+        key: "fence_sql_vs_plain",
+        label: "fence + guard, SQL only (1d/1b)",
+        num: "write.fenced_plain_sql",
+        den: &["write.plain_update"],
+        target: None,
+    },
+    RatioDef {
+        key: "classification",
+        label: "repository SQL / hand-written fenced UPDATE (1c/1d)",
+        num: "write.raw_repo_sql",
+        den: &["write.fenced_plain_sql"],
+        target: None,
+    },
+    RatioDef {
+        key: "sqlx_vs_pgbench_plain",
+        label: "sqlx / pgbench, plain UPDATE (1b/2b)",
+        num: "write.plain_update",
+        den: &["pgbench.plain_update"],
+        target: None,
+    },
+    RatioDef {
+        key: "sqlx_vs_pgbench_fenced",
+        label: "sqlx / pgbench, UPDATE .. fence < tok (1d/2d)",
+        num: "write.fenced_plain_sql",
+        den: &["pgbench.fenced_plain_sql"],
+        target: None,
+    },
+    RatioDef {
+        key: "default_pool_vs_tuned",
+        label: "sqlx default pool / tuned pool (1e/1a)",
+        num: "write.repo_update_default_pool",
+        den: &["write.repo_update"],
+        target: None,
+    },
+    RatioDef {
+        key: "cycle_single_vs_rslock",
+        label: "Issuer acquire+release, one connection / rslock (3c'/3d)",
+        num: "acquire.issuer_cycle_single",
+        den: &["acquire.rslock_cycle"],
+        target: None,
+    },
+    RatioDef {
+        key: "cycle_vs_handrolled",
+        label: "Issuer acquire+release / SET NX + compare-DEL (3c/3e)",
+        num: "acquire.issuer_cycle",
+        den: &["acquire.handrolled_cycle"],
+        target: None,
+    },
+    RatioDef {
+        key: "job_vs_write",
+        label: "job cycle / Repository::update (4/1a)",
+        num: "job.cycle",
+        den: &["write.repo_update"],
+        target: None,
+    },
+];
+
+/// `v` with `digits` decimals, or `-`.
+fn fmt_opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
+}
+
+/// Prints the tables and builds the JSON document.
+pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info: &Json) -> Json {
+    let cfg = &env.cfg;
+    let mut medians = serde_json::Map::new();
+    println!();
+    println!(
+        "pgfence throughput — {} task(s), pool {}, {} rows, {} s measured after {} s warm-up, \
+         {} round(s); medians",
+        cfg.tasks, cfg.pool, cfg.rows, cfg.secs, cfg.warmup, cfg.rounds
+    );
+    println!();
+    println!(
+        "{:<46} {:>9} {:>7} {:>7} {:>6} {:>6} {:>6} {:>6} {:>6} {:>5}  {:<23} notes",
+        "measurement",
+        "ops/s",
+        "p50 ms",
+        "p99 ms",
+        "cli us",
+        "pg us",
+        "rds us",
+        "oth us",
+        "all us",
+        "cpus",
+        "per round"
+    );
+    for (key, label) in rows(cfg) {
+        let samples: Vec<&Sample> = rounds.iter().filter_map(|r| r.get(&key)).collect();
+        if samples.is_empty() {
+            continue;
+        }
+        let med =
+            |f: fn(&Sample) -> Option<f64>| median(samples.iter().filter_map(|s| f(s)).collect());
+        let ops = med(|s| s.ops_per_sec);
+        let p50 = med(|s| s.p50_ms);
+        let p99 = med(|s| s.p99_ms);
+        let client = med(|s| s.client_cpu_us_per_op);
+        let pg = med(|s| s.pg_server_us_per_op);
+        let redis = med(|s| s.redis_server_us_per_op);
+        let machine = med(|s| s.machine_cpu_us_per_op);
+        let other = med(Sample::other_cpu_us_per_op);
+        let busy = med(|s| s.busy_cpus);
+        let per_round: Vec<String> = samples.iter().map(|s| fmt_opt(s.ops_per_sec, 0)).collect();
+        let bad: u64 = samples.iter().map(|s| s.failed).sum();
+        let mut notes = Vec::new();
+        if bad > 0 {
+            notes.push(format!("{bad} failed"));
+        }
+        if let Some(n) = samples.last().and_then(|s| s.note.clone()) {
+            notes.push(n);
+        }
+        println!(
+            "{label:<46} {:>9} {:>7} {:>7} {:>6} {:>6} {:>6} {:>6} {:>6} {:>5}  {:<23} {}",
+            fmt_opt(ops, 0),
+            fmt_opt(p50, 2),
+            fmt_opt(p99, 2),
+            fmt_opt(client, 0),
+            fmt_opt(pg, 0),
+            fmt_opt(redis, 0),
+            fmt_opt(other, 0),
+            fmt_opt(machine, 0),
+            fmt_opt(busy, 2),
+            per_round.join(" / "),
+            notes.join("; ")
+        );
+        medians.insert(
+            key,
+            json!({
+                "ops_per_sec": ops, "p50_ms": p50, "p99_ms": p99,
+                "client_cpu_us_per_op": client, "machine_cpu_us_per_op": machine,
+                "pg_server_cpu_us_per_op": pg, "other_cpu_us_per_op": other,
+                "redis_server_us_per_op": redis, "busy_cpus": busy,
+            }),
+        );
+    }
+
+    println!(
+        "CPU microseconds per operation — cli: the client (this process or the tool); pg: the \
+         PostgreSQL server; rds: the Redis server (warm-up included); oth: everything else on the \
+         machine (other work skews a row: check it); all: the whole machine; \
+         cpus: busy CPUs in the window (of {})",
+        std::thread::available_parallelism().map_or(0, usize::from)
+    );
+    println!();
+    println!(
+        "{:<58} {:>7} {:>7}  {:<8} per round",
+        "ratio (median of per-round ratios)", "value", "target", "result"
+    );
+    let mut ratios = serde_json::Map::new();
+    for def in RATIOS {
+        let per_round: Vec<f64> = rounds
+            .iter()
+            .filter_map(|r| {
+                let n = r.get(def.num)?.ops_per_sec?;
+                let d = def
+                    .den
+                    .iter()
+                    .filter_map(|k| r.get(*k)?.ops_per_sec)
+                    .reduce(f64::max)?;
+                (d > 0.0).then_some(n / d)
+            })
+            .collect();
+        let value = median(per_round.clone());
+        let result = match (value, def.target) {
+            (None, _) => "n/a",
+            (Some(_), None) => "info",
+            (Some(v), Some(t)) if v >= t => "MET",
+            (Some(_), Some(_)) => "MISSED",
+        };
+        println!(
+            "{:<58} {:>7} {:>7}  {result:<8} {}",
+            def.label,
+            fmt_opt(value, 3),
+            fmt_opt(def.target, 2),
+            per_round
+                .iter()
+                .map(|v| format!("{v:.3}"))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        );
+        ratios.insert(
+            def.key.to_owned(),
+            json!({
+                "label": def.label, "numerator": def.num, "denominator": def.den,
+                "value": value, "per_round": per_round, "target": def.target, "result": result,
+            }),
+        );
+    }
+
+    if !checks.is_empty() {
+        println!();
+        for c in checks {
+            println!(
+                "audit check {:<32} {} rejections, {} audit rows: {}",
+                c.what,
+                c.rejections,
+                c.audit_rows,
+                if c.pass { "PASS" } else { "FAIL" }
+            );
+        }
+    }
+    let matches = env.repo_sql_matches();
+    println!();
+    println!(
+        "repository SQL (Repository::update_sql; {} by the server for one Repository::update, \
+         per pg_prepared_statements):\n  {}",
+        if matches {
+            "the statement prepared"
+        } else {
+            "NOT the statement prepared"
+        },
+        env.repo_sql
+    );
+    if !matches {
+        for sql in &env.repo_sql_prepared {
+            println!("  prepared: {sql}");
+        }
+    }
+
+    json!({
+        "config": cfg,
+        "environment": info,
+        "repository_sql": env.repo_sql,
+        "repository_sql_prepared_by_server": matches,
+        "prepared_statements_on_table": env.repo_sql_prepared,
+        "medians": medians,
+        "ratios": ratios,
+        "audit_checks": checks,
+        "rounds": rounds,
+    })
+}
+
+/// Facts about the machine and the servers, for the report.
+pub(crate) async fn environment(env: &Env, pg_source: &str, redis_source: &str) -> Json {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|l| l.trim_start_matches([' ', '\t', ':']).to_owned());
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:").map(|m| m.trim().to_owned()));
+    let pg_version: Option<String> = sqlx::query_scalar("SHOW server_version")
+        .fetch_one(&env.admin)
+        .await
+        .ok();
+    let redis_version = match redis_conn(&env.redis_url).await {
+        Ok(mut c) => redis::cmd("INFO")
+            .arg("server")
+            .query_async::<String>(&mut c)
+            .await
+            .ok()
+            .and_then(|i| {
+                i.lines()
+                    .find_map(|l| l.strip_prefix("redis_version:").map(str::to_owned))
+            }),
+        Err(_) => None,
+    };
+    let version = |bin: &Option<PathBuf>| {
+        bin.as_ref().and_then(|b| {
+            let out = std::process::Command::new(b)
+                .arg("--version")
+                .output()
+                .ok()?;
+            Some(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        })
+    };
+    json!({
+        "cpus": std::thread::available_parallelism().map_or(0, usize::from),
+        "cpu_model": cpu,
+        "memory": mem,
+        "postgres": pg_version,
+        "postgres_server": pg_source,
+        "redis": redis_version,
+        "redis_server": redis_source,
+        "pgbench": version(&env.pgbench),
+        "redis_benchmark": version(&env.redis_benchmark),
+    })
+}

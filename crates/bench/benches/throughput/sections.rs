@@ -1,0 +1,346 @@
+//! What each section measures, one round at a time, and the unmeasured conditioning run.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+
+use anyhow::Result;
+use pgfence::{Issuer, Repository, Resource};
+use redis::aio::ConnectionManager;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{AssertSqlSafe, SqlSafeStr};
+
+use crate::baselines::{HandRolledCycle, RslockCycle, pgbench_row, redis_benchmark_row};
+use crate::cpu::redis_usec;
+use crate::measure::{Metric, Sample, TOKENS, Workload, lease_fence, measure};
+use crate::servers::{Env, audit_rows, prefix, prep, redis_conn, resync_tokens, tuned_pool};
+use crate::workloads::{
+    AcquireFresh, FENCED_UPDATE_SQL, GuardedRow, IssuerCycle, JobCycle, PLAIN_UPDATE_SQL,
+    PlainUpdate, RawFencedSql, RepoWrite,
+};
+
+/// One round's figures, by key (`write.repo_update`...).
+pub(crate) type Results = BTreeMap<String, Sample>;
+
+/// Records `sample` under `key` and prints a progress line.
+fn put(out: &mut Results, round: usize, key: &str, sample: Sample) {
+    let rate = sample
+        .ops_per_sec
+        .map_or_else(|| "skipped".to_owned(), |r| format!("{r:.0}/s"));
+    let note = sample.note.as_deref().unwrap_or("");
+    eprintln!("  [round {round}] {key:<34} {rate:>10}  {note}");
+    out.insert(key.to_owned(), sample);
+}
+
+/// Brings the tables to a steady state before anything is measured: the first update of each
+/// row in a freshly loaded table is slower (full pages, so no HOT update; on a guarded table
+/// the added `fence` column is written for the first time). One unmeasured run of writes on
+/// each table, then a vacuum.
+pub(crate) async fn condition(env: &Env) -> Result<()> {
+    let cfg = &env.cfg;
+    let (tasks, rows) = (cfg.tasks, cfg.rows);
+    eprintln!("conditioning the tables (unmeasured)");
+    let pool = tuned_pool(env, cfg.pool).await?;
+    prep(env).await?;
+    let repo = Repository::<GuardedRow>::new(pool.clone())?;
+    let work = RepoWrite {
+        pool: pool.clone(),
+        repo,
+        tasks,
+        rows,
+        stale_every: 0,
+        context: None,
+    };
+    measure(cfg, tasks, Metric::Applied, work).await?;
+    let work = PlainUpdate {
+        pool: pool.clone(),
+        tasks,
+        rows,
+    };
+    measure(cfg, tasks, Metric::Applied, work).await?;
+    let work = JobCycle {
+        issuer: Issuer::connect(&env.redis_url).await?,
+        repo: Repository::new(pool.clone())?,
+        pool: pool.clone(),
+        prefix: format!("{}:job", env.run_id),
+        tasks,
+        rows,
+    };
+    measure(cfg, tasks, Metric::Applied, work).await?;
+    pool.close().await;
+    prep(env).await
+}
+
+/// Section `write`: 1a–1e.
+pub(crate) async fn write(env: &Env, round: usize, out: &mut Results) -> Result<()> {
+    let cfg = &env.cfg;
+    let (tasks, rows) = (cfg.tasks, cfg.rows);
+    let pool = tuned_pool(env, cfg.pool).await?;
+    let repo = Repository::<GuardedRow>::new(pool.clone())?;
+    // Rotate the order by round, so drift (bloat, autovacuum) does not favour one variant.
+    for i in 0..4 {
+        prep(env).await?;
+        let pool = pool.clone();
+        let (key, sample) = match (i + round) % 4 {
+            0 => {
+                let work = RepoWrite {
+                    pool,
+                    repo: repo.clone(),
+                    tasks,
+                    rows,
+                    stale_every: 0,
+                    context: None,
+                };
+                (
+                    "write.repo_update",
+                    measure(cfg, tasks, Metric::Applied, work).await?,
+                )
+            }
+            1 => {
+                let work = PlainUpdate { pool, tasks, rows };
+                (
+                    "write.plain_update",
+                    measure(cfg, tasks, Metric::Applied, work).await?,
+                )
+            }
+            2 => {
+                let sql = AssertSqlSafe(env.repo_sql.clone()).into_sql_str();
+                let work = RawFencedSql {
+                    pool,
+                    sql,
+                    tasks,
+                    rows,
+                };
+                (
+                    "write.raw_repo_sql",
+                    measure(cfg, tasks, Metric::Applied, work).await?,
+                )
+            }
+            _ => {
+                let work = RawFencedSql {
+                    pool,
+                    sql: FENCED_UPDATE_SQL.into_sql_str(),
+                    tasks,
+                    rows,
+                };
+                (
+                    "write.fenced_plain_sql",
+                    measure(cfg, tasks, Metric::Applied, work).await?,
+                )
+            }
+        };
+        put(out, round, key, sample);
+    }
+    pool.close().await;
+
+    // The same repository write through a pool with sqlx's defaults (a ping per checkout).
+    prep(env).await?;
+    let pool = PgPoolOptions::new()
+        .max_connections(cfg.pool)
+        .connect_with(env.db.clone())
+        .await?;
+    let work = RepoWrite {
+        repo: Repository::new(pool.clone())?,
+        pool: pool.clone(),
+        tasks,
+        rows,
+        stale_every: 0,
+        context: None,
+    };
+    let sample = measure(cfg, tasks, Metric::Applied, work).await?;
+    put(out, round, "write.repo_update_default_pool", sample);
+    pool.close().await;
+    Ok(())
+}
+
+/// Section `pgbench`: 1b, 1d and 1c through pgbench (2b, 2d, 2c).
+pub(crate) async fn pgbench(env: &Env, round: usize, out: &mut Results) -> Result<()> {
+    // The repository's parameters: the key, the payload, the lease fence (see `RawFencedSql`;
+    // `:tok` steps through the lease fences of successive tokens, see `pgbench_row`).
+    // pgbench gives every `:var` occurrence its own parameter, with no type from the client;
+    // one inside jsonb_build_array(..) needs an explicit int4 (sqlx sends the type).
+    let repo_body = pgfence_bench::pgbench_params(
+        &env.repo_sql
+            .replace("jsonb_build_array($1)", "jsonb_build_array(:id::int4)"),
+        &[":id", ":payload", ":tok"],
+    )
+    .map_err(anyhow::Error::msg)?;
+    let plain_body = pgfence_bench::pgbench_params(PLAIN_UPDATE_SQL, &[":payload", ":id"])
+        .map_err(anyhow::Error::msg)?;
+    let fenced_body =
+        pgfence_bench::pgbench_params(FENCED_UPDATE_SQL, &[":id", ":payload", ":tok"])
+            .map_err(anyhow::Error::msg)?;
+    let rows = [
+        ("pgbench.plain_update", "bench_plain", plain_body),
+        ("pgbench.fenced_plain_sql", "bench_guarded", fenced_body),
+        ("pgbench.repo_sql", "bench_guarded", repo_body),
+    ];
+    for (key, table, body) in rows {
+        let name = key.trim_start_matches("pgbench.");
+        let sample = pgbench_row(env, name, table, &body).await?;
+        put(out, round, key, sample);
+    }
+    Ok(())
+}
+
+/// Runs `work` like [`measure`], and also reads Redis's command time per operation.
+async fn measure_redis<W: Workload>(env: &Env, work: W) -> Result<Sample> {
+    let mut conn = redis_conn(&env.redis_url).await?;
+    let before = redis_usec(&mut conn).await;
+    let mut sample = measure(&env.cfg, env.cfg.tasks, Metric::Applied, work).await?;
+    let after = redis_usec(&mut conn).await;
+    let ops = sample.total_ops;
+    sample.redis_cpu(before, after, ops);
+    Ok(sample)
+}
+
+/// Section `acquire`: 3a–3e.
+pub(crate) async fn acquire(env: &Env, round: usize, out: &mut Results) -> Result<()> {
+    let cfg = &env.cfg;
+    let issuer = Issuer::connect(&env.redis_url).await?;
+
+    let work = AcquireFresh {
+        issuer: issuer.clone(),
+        prefix: prefix(env, "fresh"),
+    };
+    let sample = measure_redis(env, work).await?;
+    put(out, round, "acquire.issuer_fresh", sample);
+
+    let sample = redis_benchmark_row(env, 1).await?;
+    put(out, round, "acquire.redis_benchmark", sample);
+    let threads = cfg.workers.max(2);
+    let sample = redis_benchmark_row(env, threads).await?;
+    put(out, round, "acquire.redis_benchmark_mt", sample);
+
+    let work = IssuerCycle {
+        issuer: issuer.clone(),
+        prefix: prefix(env, "cycle"),
+    };
+    let sample = measure_redis(env, work).await?;
+    put(out, round, "acquire.issuer_cycle", sample);
+
+    // The issuer on one multiplexed connection (what `Issuer::connect` opened before it
+    // opened one per CPU).
+    let client = redis::Client::open(env.redis_url.as_str())?;
+    let work = IssuerCycle {
+        issuer: Issuer::new(ConnectionManager::new(client).await?),
+        prefix: prefix(env, "cycle-single"),
+    };
+    let sample = measure_redis(env, work).await?;
+    put(out, round, "acquire.issuer_cycle_single", sample);
+
+    let work = RslockCycle {
+        manager: rslock::LockManager::new(vec![env.redis_url.clone()]),
+        prefix: prefix(env, "rslock"),
+    };
+    let sample = measure_redis(env, work).await?;
+    put(out, round, "acquire.rslock_cycle", sample);
+
+    let client = redis::Client::open(env.redis_url.as_str())?;
+    let work = HandRolledCycle {
+        conn: ConnectionManager::new(client).await?,
+        prefix: prefix(env, "setnx"),
+    };
+    let sample = measure_redis(env, work).await?;
+    put(out, round, "acquire.handrolled_cycle", sample);
+    Ok(())
+}
+
+/// Section `job`: 4.
+pub(crate) async fn job(env: &Env, round: usize, out: &mut Results) -> Result<()> {
+    let cfg = &env.cfg;
+    let pool = tuned_pool(env, cfg.pool).await?;
+    prep(env).await?;
+    let work = JobCycle {
+        issuer: Issuer::connect(&env.redis_url).await?,
+        repo: Repository::new(pool.clone())?,
+        pool: pool.clone(),
+        // The same resources every round: their counters keep rising with the rows' fences.
+        prefix: format!("{}:job", env.run_id),
+        tasks: cfg.tasks,
+        rows: cfg.rows,
+    };
+    let sample = measure_redis(env, work).await?;
+    put(out, round, "job.cycle", sample);
+    pool.close().await;
+    Ok(())
+}
+
+/// Outcome of one audit check: rejections counted by the clients vs rows added to the audit.
+#[derive(Clone, Debug, serde::Serialize)]
+pub(crate) struct AuditCheck {
+    pub(crate) what: String,
+    pub(crate) rejections: u64,
+    pub(crate) audit_rows: i64,
+    pub(crate) pass: bool,
+}
+
+/// Section `storm`: 5a–5c, each with its audit check.
+pub(crate) async fn storm(
+    env: &Env,
+    round: usize,
+    out: &mut Results,
+    checks: &mut Vec<AuditCheck>,
+) -> Result<()> {
+    let cfg = &env.cfg;
+    let pool = tuned_pool(env, cfg.pool).await?;
+    let repo = Repository::<GuardedRow>::new(pool.clone())?;
+    let context = Some(Resource::new(format!("{}:storm", env.run_id))?);
+    let work = |stale_every| RepoWrite {
+        pool: pool.clone(),
+        repo: repo.clone(),
+        tasks: cfg.tasks,
+        rows: cfg.rows,
+        stale_every,
+        context: context.clone(),
+    };
+
+    // Every row's fence above every token so far: token 1 is stale for every row.
+    resync_tokens(env).await?;
+    let high = TOKENS.load(Ordering::SeqCst) + 1;
+    sqlx::query("UPDATE bench_guarded SET fence = $1")
+        .bind(lease_fence(high))
+        .execute(&env.admin)
+        .await?;
+    TOKENS.fetch_max(high, Ordering::SeqCst);
+
+    for (key, stale_every, metric) in [
+        ("storm.rejections", 1, Metric::Rejected),
+        ("storm.all_fresh", 0, Metric::Applied),
+        ("storm.mixed", 10, Metric::Applied),
+    ] {
+        prep(env).await?;
+        let before = audit_rows(env).await?;
+        let sample = measure(cfg, cfg.tasks, metric, work(stale_every)).await?;
+        let added = audit_rows(env).await? - before;
+        checks.push(AuditCheck {
+            what: format!("round {round} {key}"),
+            rejections: sample.rejected_total,
+            audit_rows: added,
+            pass: i64::try_from(sample.rejected_total).ok() == Some(added),
+        });
+        put(out, round, key, sample);
+    }
+    pool.close().await;
+    Ok(())
+}
+
+/// Section `scaling`: 1a at each concurrency of `PGFENCE_BENCH_SCALING`.
+pub(crate) async fn scaling(env: &Env, round: usize, out: &mut Results) -> Result<()> {
+    let cfg = &env.cfg;
+    for &tasks in &cfg.scaling {
+        let pool = tuned_pool(env, u32::try_from(tasks.min(64))?).await?;
+        prep(env).await?;
+        let work = RepoWrite {
+            repo: Repository::new(pool.clone())?,
+            pool: pool.clone(),
+            tasks,
+            rows: cfg.rows,
+            stale_every: 0,
+            context: None,
+        };
+        let sample = measure(cfg, tasks, Metric::Applied, work).await?;
+        put(out, round, &format!("scaling.c{tasks}"), sample);
+        pool.close().await;
+    }
+    Ok(())
+}

@@ -1,0 +1,240 @@
+//! The loads measured: pgfence's repository and issuer, and the same writes through raw sqlx.
+
+use pgfence::{Fencing, Issuer, Repository, Resource};
+use sqlx::{PgPool, SqlStr};
+
+use crate::measure::{Keys, Outcome, Workload, next_token, stale_token};
+use crate::{LEASE_TTL, PAYLOAD};
+
+/// A row of the guarded table, for the repository.
+#[derive(Clone, Debug)]
+pub(crate) struct GuardedRow {
+    pub(crate) id: i32,
+    pub(crate) payload: String,
+}
+
+pgfence::fenced_table!(GuardedRow {
+    table: "bench_guarded",
+    key: id: i32,
+    columns: [payload],
+});
+
+/// A row of the job-cycle table (guarded, fences start at 0, tokens come from Redis).
+#[derive(Clone, Debug)]
+pub(crate) struct JobRow {
+    id: i32,
+    payload: String,
+}
+
+pgfence::fenced_table!(JobRow {
+    table: "bench_jobs",
+    key: id: i32,
+    columns: [payload],
+});
+
+/// 1b: the plain update, on the unguarded table.
+pub(crate) const PLAIN_UPDATE_SQL: &str = "UPDATE bench_plain SET payload = $1 WHERE id = $2";
+
+/// 1d: the repository's fenced update as a person would write it (unquoted, unqualified), with
+/// the repository's parameters: `$1` the key, `$2` the payload, `$3` the fence.
+pub(crate) const FENCED_UPDATE_SQL: &str =
+    "UPDATE bench_guarded SET payload = $2, fence = $3 WHERE id = $1 AND fence < $3";
+
+/// 1a / 5 / 6: [`Repository::update`] on the guarded table. Every `stale_every`-th write (0:
+/// none) presents token 1, which every row's fence has passed by the time it is used.
+pub(crate) struct RepoWrite {
+    pub(crate) pool: PgPool,
+    pub(crate) repo: Repository<GuardedRow>,
+    pub(crate) tasks: usize,
+    pub(crate) rows: i32,
+    pub(crate) stale_every: u64,
+    /// Audit context (resource and holder) sent with every write, as an application would.
+    pub(crate) context: Option<Resource>,
+}
+
+impl Workload for RepoWrite {
+    type State = (Keys, GuardedRow, u64);
+
+    fn state(&self, task: usize) -> Self::State {
+        let row = GuardedRow {
+            id: 0,
+            payload: PAYLOAD.to_owned(),
+        };
+        (Keys::new(task, self.tasks, self.rows), row, 0)
+    }
+
+    async fn op(&self, (keys, row, n): &mut Self::State) -> Outcome {
+        row.id = keys.next();
+        *n += 1;
+        let token = if self.stale_every > 0 && *n % self.stale_every == 0 {
+            stale_token()
+        } else {
+            next_token()
+        };
+        let fencing = match &self.context {
+            Some(r) => Fencing::new(token)
+                .resource(r.clone())
+                .holder("pgfence-bench"),
+            None => Fencing::new(token),
+        };
+        self.repo.update(&self.pool, fencing, row).await.into()
+    }
+}
+
+/// 1b: the plain update on the unguarded table.
+pub(crate) struct PlainUpdate {
+    pub(crate) pool: PgPool,
+    pub(crate) tasks: usize,
+    pub(crate) rows: i32,
+}
+
+impl Workload for PlainUpdate {
+    type State = (Keys, String);
+
+    fn state(&self, task: usize) -> Self::State {
+        (Keys::new(task, self.tasks, self.rows), PAYLOAD.to_owned())
+    }
+
+    async fn op(&self, (keys, payload): &mut Self::State) -> Outcome {
+        let done = sqlx::query(PLAIN_UPDATE_SQL)
+            .bind(&*payload)
+            .bind(keys.next())
+            .execute(&self.pool)
+            .await;
+        match done {
+            Ok(d) if d.rows_affected() == 1 => Outcome::Applied,
+            Ok(_) => Outcome::Failed("no row updated".into()),
+            Err(e) => Outcome::Failed(e.to_string()),
+        }
+    }
+}
+
+/// 1c / 1d: a fenced `UPDATE` sent by raw sqlx with the repository's parameters — the key
+/// (`$1`), the payload (`$2`), then the one value the fence is compared with and set to, as
+/// the repository computes it from a bare token
+/// ([`Fencing::lease_fence`](pgfence::Fencing::lease_fence)) — running the repository's own
+/// SQL text (1c, [`Repository::update_sql`]) or the same statement written by hand (1d).
+pub(crate) struct RawFencedSql {
+    pub(crate) pool: PgPool,
+    pub(crate) sql: SqlStr,
+    pub(crate) tasks: usize,
+    pub(crate) rows: i32,
+}
+
+impl Workload for RawFencedSql {
+    type State = (Keys, String);
+
+    fn state(&self, task: usize) -> Self::State {
+        (Keys::new(task, self.tasks, self.rows), PAYLOAD.to_owned())
+    }
+
+    async fn op(&self, (keys, payload): &mut Self::State) -> Outcome {
+        let done = sqlx::query(self.sql.clone())
+            .bind(keys.next())
+            .bind(&*payload)
+            .bind(Fencing::from(next_token()).lease_fence())
+            .execute(&self.pool)
+            .await;
+        match done {
+            Ok(d) if d.rows_affected() == 1 => Outcome::Applied,
+            Ok(_) => Outcome::Rejected,
+            Err(e) => Outcome::Failed(e.to_string()),
+        }
+    }
+}
+
+/// 3a: one acquire per operation, each on a resource never used before (fresh lock key and
+/// fresh counter, like `redis-benchmark` on random keys). Leases are left to expire.
+pub(crate) struct AcquireFresh {
+    pub(crate) issuer: Issuer,
+    pub(crate) prefix: String,
+}
+
+impl Workload for AcquireFresh {
+    type State = (usize, u64);
+
+    fn state(&self, task: usize) -> Self::State {
+        (task, 0)
+    }
+
+    async fn op(&self, (task, seq): &mut Self::State) -> Outcome {
+        *seq += 1;
+        let resource = match Resource::new(format!("{}:{task}:{seq}", self.prefix)) {
+            Ok(r) => r,
+            Err(e) => return Outcome::Failed(e.to_string()),
+        };
+        match self.issuer.acquire(&resource, LEASE_TTL).await {
+            Ok(Some(_)) => Outcome::Applied,
+            Ok(None) => Outcome::Rejected,
+            Err(e) => Outcome::Failed(e.to_string()),
+        }
+    }
+}
+
+/// 3c: acquire + release of one resource per task.
+pub(crate) struct IssuerCycle<C = pgfence::RedisConnections> {
+    pub(crate) issuer: Issuer<C>,
+    pub(crate) prefix: String,
+}
+
+impl<C> Workload for IssuerCycle<C>
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+{
+    type State = Resource;
+
+    fn state(&self, task: usize) -> Self::State {
+        Resource::new(format!("{}:{task}", self.prefix)).expect("valid resource name")
+    }
+
+    async fn op(&self, resource: &mut Self::State) -> Outcome {
+        match self.issuer.acquire(resource, LEASE_TTL).await {
+            Ok(Some(lease)) => match self.issuer.release(&lease).await {
+                Ok(pgfence::LeaseState::Held) => Outcome::Applied,
+                Ok(state) => Outcome::Failed(format!("release found {state:?}")),
+                Err(e) => Outcome::Failed(e.to_string()),
+            },
+            Ok(None) => Outcome::Rejected,
+            Err(e) => Outcome::Failed(e.to_string()),
+        }
+    }
+}
+
+/// 4: a job: acquire the task's resource, write one of its rows with the lease's token,
+/// release.
+pub(crate) struct JobCycle {
+    pub(crate) issuer: Issuer,
+    pub(crate) pool: PgPool,
+    pub(crate) repo: Repository<JobRow>,
+    pub(crate) prefix: String,
+    pub(crate) tasks: usize,
+    pub(crate) rows: i32,
+}
+
+impl Workload for JobCycle {
+    type State = (Keys, JobRow, Resource);
+
+    fn state(&self, task: usize) -> Self::State {
+        let row = JobRow {
+            id: 0,
+            payload: PAYLOAD.to_owned(),
+        };
+        let resource = Resource::new(format!("{}:{task}", self.prefix)).expect("valid name");
+        (Keys::new(task, self.tasks, self.rows), row, resource)
+    }
+
+    async fn op(&self, (keys, row, resource): &mut Self::State) -> Outcome {
+        let lease = match self.issuer.acquire(resource, LEASE_TTL).await {
+            Ok(Some(lease)) => lease,
+            Ok(None) => return Outcome::Failed("lock held".into()),
+            Err(e) => return Outcome::Failed(e.to_string()),
+        };
+        row.id = keys.next();
+        let written: Outcome = self.repo.update(&self.pool, &lease, row).await.into();
+        match self.issuer.release(&lease).await {
+            Ok(pgfence::LeaseState::Held) => written,
+            Ok(state) => Outcome::Failed(format!("release found {state:?}")),
+            Err(e) => Outcome::Failed(e.to_string()),
+        }
+    }
+}

@@ -1,0 +1,141 @@
+-- One lease, many writes. A stored fence packs the lease's token, its holder's tag and a
+-- per-row sequence into one bigint:  token << 24 | tag << 16 | sequence  (README, "What a
+-- token means"). A lease's first write to a row stores token << 24 | tag << 16; each later
+-- write by the same lease stores fence + 1, so every applied write still strictly advances
+-- the fence and the guard trigger is unchanged. Fences written before this migration (plain
+-- tokens) are all below every new lease's fence, so they stay fenced out.
+--
+-- Resource marks (pgfence.resource_fence.fence) store the lease fence of the last lease that
+-- checked; the same lease may check again. high_water() returns the token, the number the
+-- issuer's counter must stay above.
+
+-- The fence a lease's first write stores, validated. 22023 for a token outside
+-- 1..2^39-1 or a tag outside 0..255.
+CREATE FUNCTION pgfence.lease_fence(p_token bigint, p_tag integer) RETURNS bigint
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF p_token IS NULL OR p_token < 1 OR p_token > 549755813887 THEN
+        RAISE EXCEPTION 'pgfence: fence tokens are 1 to 549755813887, got %', p_token
+            USING ERRCODE = '22023';
+    END IF;
+    IF p_tag IS NULL OR p_tag < 0 OR p_tag > 255 THEN
+        RAISE EXCEPTION 'pgfence: holder tags are 0 to 255, got %', p_tag USING ERRCODE = '22023';
+    END IF;
+    RETURN (p_token << 24) | (p_tag::bigint << 16);
+END
+$$;
+
+-- The fence a lease's write to a row stores, given the row's current fence: for SQL callers
+-- (psql under `pgfence run`), as `SET ..., fence = pgfence.next_fence(fence, :token, :tag)`.
+-- Raises PF001 when a newer lease wrote the row, PF004 when another lease presented the same
+-- token (the counter went backwards), PF005 when this lease wrote the row 65536 times.
+-- p_table only names the table in the error.
+CREATE FUNCTION pgfence.next_fence(p_current bigint, p_token bigint, p_tag integer DEFAULT 0,
+                                   p_table text DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    lease bigint := pgfence.lease_fence(p_token, p_tag);
+    cur bigint := coalesce(p_current, 0);
+    code text;
+BEGIN
+    IF cur < (p_token << 24) THEN
+        RETURN lease;
+    ELSIF cur >= lease AND cur < lease + 65535 THEN
+        RETURN cur + 1;
+    ELSIF cur = lease + 65535 THEN
+        code := 'PF005';
+    ELSIF cur >> 24 = p_token THEN
+        code := 'PF004';
+    ELSE
+        code := 'PF001';
+    END IF;
+    RAISE EXCEPTION 'pgfence: % on %: presented token %, current token %',
+            CASE code WHEN 'PF001' THEN 'stale fence token'
+                      WHEN 'PF004' THEN 'duplicate fence token (the counter went backwards; reseed it)'
+                      ELSE 'lease wrote the row 65536 times' END,
+            coalesce(p_table, 'a row'), p_token, cur >> 24
+        USING ERRCODE = code,
+              DETAIL = format('presented=%s current=%s table=%s', p_token, cur >> 24,
+                              coalesce(p_table, '?'));
+END
+$$;
+
+-- The guard trigger reports tokens, not packed fences.
+CREATE OR REPLACE FUNCTION pgfence.reject_stale_update() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    RAISE EXCEPTION 'pgfence: stale fence on %.%: presented token %, current token % (every UPDATE of a guarded table must advance fence)',
+            quote_ident(TG_TABLE_SCHEMA), quote_ident(TG_TABLE_NAME), NEW.fence >> 24, OLD.fence >> 24
+        USING ERRCODE = 'PF001',
+              DETAIL = format('presented=%s current=%s table=%s.%s',
+                              NEW.fence >> 24, OLD.fence >> 24,
+                              quote_ident(TG_TABLE_SCHEMA), quote_ident(TG_TABLE_NAME)),
+              HINT = 'set fence = pgfence.next_fence(fence, <token>, <tag>), or write through the pgfence repository',
+              SCHEMA = TG_TABLE_SCHEMA,
+              TABLE = TG_TABLE_NAME,
+              COLUMN = 'fence';
+END
+$$;
+
+-- The transaction-scope check, now per lease: a lease's first check raises the mark to its
+-- lease fence; the same lease (same token and tag) may check again; an older lease fails
+-- with PF001, another lease with the same token with PF004. The row lock ON CONFLICT takes
+-- (even when its WHERE is false) is held until the caller's transaction ends, so holders of
+-- one resource are serialised.
+DROP FUNCTION pgfence.check(text, bigint);
+CREATE FUNCTION pgfence.check(p_resource text, p_token bigint, p_tag integer DEFAULT 0)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    lease bigint;
+    cur bigint;
+BEGIN
+    IF p_token IS NULL OR p_token <= 0 THEN
+        RAISE EXCEPTION 'pgfence: fence tokens are positive, got %', p_token USING ERRCODE = '22023';
+    END IF;
+    IF p_resource IS NULL OR length(p_resource) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'pgfence: resource names are 1 to 200 characters' USING ERRCODE = '22023';
+    END IF;
+    lease := pgfence.lease_fence(p_token, p_tag);
+
+    INSERT INTO pgfence.resource_fence AS r (resource, fence)
+    VALUES (p_resource, lease)
+    ON CONFLICT (resource) DO UPDATE
+        SET fence = EXCLUDED.fence, updated_at = now()
+        WHERE r.fence < (p_token << 24) OR r.fence = EXCLUDED.fence;
+    IF FOUND THEN
+        RETURN;
+    END IF;
+
+    -- ON CONFLICT left the row locked; read the mark that beat us.
+    SELECT r.fence INTO cur FROM pgfence.resource_fence r WHERE r.resource = p_resource;
+    IF cur >> 24 = p_token THEN
+        RAISE EXCEPTION 'pgfence: duplicate fence token for resource %: token % was already presented by another lease (the counter went backwards; reseed it)',
+                p_resource, p_token
+            USING ERRCODE = 'PF004',
+                  DETAIL = format('presented=%s current=%s resource=%s', p_token, p_token, p_resource);
+    END IF;
+    RAISE EXCEPTION 'pgfence: stale fence token for resource %: presented %, current %',
+            p_resource, p_token, cur >> 24
+        USING ERRCODE = 'PF001',
+              DETAIL = format('presented=%s current=%s resource=%s', p_token, cur >> 24, p_resource);
+END
+$$;
+
+-- The token of the newest lease that checked a resource (0 when none, and for marks written
+-- before this migration): what the issuer's counter must stay above.
+CREATE OR REPLACE FUNCTION pgfence.high_water(p_resource text) RETURNS bigint
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT coalesce((SELECT fence >> 24 FROM pgfence.resource_fence WHERE resource = p_resource), 0)
+$$;

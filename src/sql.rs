@@ -1,0 +1,473 @@
+//! The repository's SQL, built once per table from validated identifiers.
+//!
+//! This is the one place where SQL is assembled from user identifiers. Identifiers arrive as
+//! [`Ident`]s and are quoted by [`Ident::quoted`]; the table's name appears as a string
+//! literal through [`quote_literal`], which refuses what it cannot quote; values are always
+//! bind parameters. Every operator, function and type is schema-qualified
+//! (`OPERATOR(pg_catalog.=)`, `pg_catalog.jsonb_build_array`), so objects on the caller's
+//! `search_path` can never stand in for the catalog's.
+//!
+//! Placeholders come from one counter, [`Params`], in the order the values are bound: a
+//! statement records what it binds ([`Slot`]s) as it hands out `$n`, and
+//! [`Statement::bind`] binds in exactly that order.
+//!
+//! # The fenced predicate
+//!
+//! Each statement binds the lease once, as its lease fence `L` ([`Fencing::lease_fence`]:
+//! token and holder tag, sequence 0). A row's `fence` admits the write when it was written by
+//! an older lease (`fence < L & ~0xFFFFFF`, the lease's token with tag and sequence cleared)
+//! or by this very lease with room for one more write (`L <= fence < L + 65535`). The write
+//! stores `GREATEST(fence + 1, L)`: `L` for a lease's first write to the row, the next
+//! sequence number after that — always strictly more than the row had, which the guard
+//! trigger insists on. A fence with the same token and another tag (a duplicate token) and
+//! every newer lease's fence are not admitted.
+
+use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
+
+use crate::ident::{Ident, TableName, quote_literal};
+use crate::{FencedTable, Fencing, PgQuery, Result};
+
+/// The catalog's operators, spelled so that `search_path` cannot substitute others.
+const EQ: &str = "OPERATOR(pg_catalog.=)";
+const LT: &str = "OPERATOR(pg_catalog.<)";
+const LE: &str = "OPERATOR(pg_catalog.<=)";
+const GE: &str = "OPERATOR(pg_catalog.>=)";
+const PLUS: &str = "OPERATOR(pg_catalog.+)";
+const AND: &str = "OPERATOR(pg_catalog.&)";
+const SHR: &str = "OPERATOR(pg_catalog.>>)";
+/// Clears tag and sequence from a lease fence (`~0xFFFFFF`).
+const TOKEN_MASK: &str = "(-16777216)::pg_catalog.int8";
+/// The last sequence number one lease can store in a row.
+const LAST_SEQ: &str = "65535::pg_catalog.int8";
+
+/// A value a statement binds, in the order [`Params`] handed out its placeholders.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// The key columns, one placeholder each.
+    Key,
+    /// The data columns, one placeholder each.
+    Columns,
+    /// The lease fence ([`Fencing::lease_fence`]).
+    LeaseFence,
+    /// The token itself (for the audit row).
+    Token,
+    /// The resource the token was issued for (text, may be NULL).
+    Resource,
+    /// The holder (text, may be NULL).
+    Holder,
+    /// Whether the statement is a transaction of its own (bool).
+    OwnTransaction,
+}
+
+/// Hands out `$1, $2, ...` in bind order and records what each placeholder binds.
+#[derive(Debug, Default)]
+struct Params {
+    next: usize,
+    slots: Vec<Slot>,
+}
+
+impl Params {
+    fn one(&mut self, slot: Slot) -> String {
+        self.slots.push(slot);
+        self.next += 1;
+        format!("${}", self.next)
+    }
+
+    fn many(&mut self, slot: Slot, count: usize) -> Vec<String> {
+        self.slots.push(slot);
+        (0..count)
+            .map(|_| {
+                self.next += 1;
+                format!("${}", self.next)
+            })
+            .collect()
+    }
+
+    fn finish(self, text: String) -> Statement {
+        Statement {
+            text: AssertSqlSafe(text).into_sql_str(),
+            slots: self.slots,
+        }
+    }
+}
+
+/// One statement's text and what it binds, in order.
+#[derive(Debug)]
+pub(crate) struct Statement {
+    text: SqlStr,
+    slots: Vec<Slot>,
+}
+
+/// What a statement's [`Slot::Key`] and [`Slot::Columns`] take their values from.
+pub(crate) enum Source<'a, T: FencedTable> {
+    /// A whole row: its key and data columns.
+    Row(&'a T),
+    /// A bare key (delete, claim): no data columns.
+    Key(&'a T::Key),
+}
+
+impl<T: FencedTable> Clone for Source<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T: FencedTable> Copy for Source<'_, T> {}
+
+impl Statement {
+    /// The statement's text.
+    pub(crate) fn text(&self) -> &str {
+        self.text.as_str()
+    }
+
+    /// The statement with every value bound, in placeholder order. `own_transaction` says
+    /// whether it runs as a transaction of its own (only the client knows).
+    pub(crate) fn bind<T: FencedTable>(
+        &self,
+        source: Source<'_, T>,
+        fencing: &Fencing,
+        own_transaction: bool,
+    ) -> PgQuery {
+        self.slots
+            .iter()
+            .fold(sqlx::query(self.text.clone()), |q, slot| match (slot, source) {
+                (Slot::Key, Source::Row(row)) => row.bind_key(q),
+                (Slot::Key, Source::Key(key)) => T::bind_key_value(key, q),
+                (Slot::Columns, Source::Row(row)) => row.bind_columns(q),
+                (Slot::Columns, Source::Key(_)) => q,
+                (Slot::LeaseFence, _) => q.bind(fencing.lease_fence()),
+                (Slot::Token, _) => q.bind(fencing.token.get()),
+                (Slot::Resource, _) => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
+                (Slot::Holder, _) => q.bind(fencing.holder.clone()),
+                (Slot::OwnTransaction, _) => q.bind(own_transaction),
+            })
+    }
+}
+
+/// The SQL of one table: each write, the claim, and the statements that explain a write that
+/// changed nothing.
+#[derive(Debug)]
+pub(crate) struct Statements {
+    pub update: Statement,
+    pub upsert: Statement,
+    pub delete: Statement,
+    pub claim: Statement,
+    pub explain_update: Statement,
+    pub explain_upsert: Statement,
+    pub explain_delete: Statement,
+}
+
+/// Whether a stored fence admits a write of the lease whose lease fence is `lease`.
+fn admits(fence: &str, lease: &str) -> String {
+    format!(
+        "({fence} {LT} ({lease} {AND} {TOKEN_MASK}) \
+         OR ({fence} {GE} {lease} AND {fence} {LT} ({lease} {PLUS} {LAST_SEQ})))"
+    )
+}
+
+/// The fence an admitted write stores.
+fn next_fence(fence: &str, lease: &str) -> String {
+    format!("GREATEST({fence} {PLUS} 1::pg_catalog.int8, {lease})")
+}
+
+/// Whether a stored fence means the lease was rejected: a newer lease, or the same token
+/// presented by another holder. (Not: older, or this lease's own, exhausted or not.)
+fn rejects(fence: &str, lease: &str) -> String {
+    format!(
+        "{fence} {GE} ({lease} {AND} {TOKEN_MASK}) \
+         AND NOT ({fence} {GE} {lease} AND {fence} {LE} ({lease} {PLUS} {LAST_SEQ}))"
+    )
+}
+
+/// `a = $1 AND b = $2`.
+fn key_match(keys: &[Ident], params: &[String]) -> String {
+    keys.iter()
+        .zip(params)
+        .map(|(c, p)| format!("{} {EQ} {p}", c.quoted()))
+        .collect::<Vec<_>>()
+        .join(" AND ")
+}
+
+/// The key as JSON text (`["A-1"]`), as stored in tombstones and the audit trail.
+fn key_json(params: &[String]) -> String {
+    format!(
+        "pg_catalog.jsonb_build_array({})::pg_catalog.text",
+        params.join(", ")
+    )
+}
+
+impl Statements {
+    /// Builds the statements for `table` with key columns `keys` and data columns `cols`.
+    /// `audit_lock_timeout_ms` is `Some` when rejections of statements that are their own
+    /// transaction write their audit row in the explaining statement.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidIdentifier`] when the table's name cannot be quoted as a literal.
+    pub(crate) fn build(
+        table: &TableName,
+        keys: &[Ident],
+        cols: &[Ident],
+        audit_lock_timeout_ms: Option<i32>,
+    ) -> Result<Self> {
+        let t = table.quoted();
+        let table_literal = quote_literal(&t)?;
+        let rel = format!("{table_literal}::pg_catalog.regclass::pg_catalog.oid");
+        let tomb_fence = |key_params: &[String]| {
+            format!(
+                "(SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel {EQ} {rel} \
+                 AND tb.row_key {EQ} {})",
+                key_json(key_params)
+            )
+        };
+        let set_cols = |col_params: &[String]| -> String {
+            cols.iter()
+                .zip(col_params)
+                .map(|(c, p)| format!("{} = {p}, ", c.quoted()))
+                .collect()
+        };
+
+        let update = {
+            let mut p = Params::default();
+            let key = p.many(Slot::Key, keys.len());
+            let vals = p.many(Slot::Columns, cols.len());
+            let lease = p.one(Slot::LeaseFence);
+            p.finish(format!(
+                "UPDATE {t} SET {set}\"fence\" = {next} WHERE {km} AND {admit}",
+                set = set_cols(&vals),
+                next = next_fence("\"fence\"", &lease),
+                km = key_match(keys, &key),
+                admit = admits("\"fence\"", &lease),
+            ))
+        };
+
+        let upsert = {
+            let mut p = Params::default();
+            let key = p.many(Slot::Key, keys.len());
+            let vals = p.many(Slot::Columns, cols.len());
+            let lease = p.one(Slot::LeaseFence);
+            let all_cols: Vec<String> = keys.iter().chain(cols).map(Ident::quoted).collect();
+            let all_vals: Vec<String> = key.iter().chain(&vals).cloned().collect();
+            let conflict_set: String = cols
+                .iter()
+                .map(|c| format!("{0} = EXCLUDED.{0}, ", c.quoted()))
+                .collect();
+            let key_cols: Vec<String> = keys.iter().map(Ident::quoted).collect();
+            p.finish(format!(
+                "INSERT INTO {t} AS cur ({cols}, \"fence\") SELECT {vals}, {lease} \
+                 WHERE coalesce({tomb_admits}, true) OR EXISTS (SELECT 1 FROM {t} WHERE {km}) \
+                 ON CONFLICT ({keys}) DO UPDATE SET {conflict_set}\"fence\" = {next} \
+                 WHERE {admit} \
+                 RETURNING (xmax {EQ} 0) AS inserted",
+                cols = all_cols.join(", "),
+                vals = all_vals.join(", "),
+                tomb_admits = admits(&tomb_fence(&key), &lease),
+                km = key_match(keys, &key),
+                keys = key_cols.join(", "),
+                next = next_fence("cur.\"fence\"", &lease),
+                admit = admits("cur.\"fence\"", &lease),
+            ))
+        };
+
+        let delete = {
+            let mut p = Params::default();
+            let key = p.many(Slot::Key, keys.len());
+            let lease = p.one(Slot::LeaseFence);
+            p.finish(format!(
+                "WITH w AS (DELETE FROM {t} WHERE {km} AND {admit} RETURNING {next} AS f), \
+                 tomb AS (INSERT INTO pgfence.tombstone AS tb (rel, row_key, fence) \
+                 SELECT {rel}, {kj}, w.f FROM w \
+                 ON CONFLICT (rel, row_key) DO UPDATE SET fence = GREATEST(tb.fence, EXCLUDED.fence), \
+                 deleted_at = pg_catalog.now()) \
+                 SELECT EXISTS (SELECT 1 FROM w)",
+                km = key_match(keys, &key),
+                admit = admits("\"fence\"", &lease),
+                next = next_fence("\"fence\"", &lease),
+                kj = key_json(&key),
+            ))
+        };
+
+        let claim = {
+            let mut p = Params::default();
+            let key = p.many(Slot::Key, keys.len());
+            let lease = p.one(Slot::LeaseFence);
+            p.finish(format!(
+                "UPDATE {t} SET \"fence\" = {next} WHERE {km} AND {admit} RETURNING *",
+                next = next_fence("\"fence\"", &lease),
+                km = key_match(keys, &key),
+                admit = admits("\"fence\"", &lease),
+            ))
+        };
+
+        // Explaining statements: `current` (the row's fence, NULL when there is no row),
+        // `row_key`, for upsert `tombstone`, and `audit` (see `audit_column`).
+        let explain = |operation: &str, with_tombstone: bool| {
+            let mut p = Params::default();
+            let key = p.many(Slot::Key, keys.len());
+            let lease = p.one(Slot::LeaseFence);
+            let current = if with_tombstone {
+                "coalesce(c.current, c.tombstone)"
+            } else {
+                "c.current"
+            };
+            let audit = audit_column(
+                &mut p,
+                &table_literal,
+                &lease,
+                current,
+                operation,
+                audit_lock_timeout_ms,
+            );
+            let (outer, inner) = if with_tombstone {
+                (
+                    ", c.tombstone",
+                    format!(", {} AS tombstone", tomb_fence(&key)),
+                )
+            } else {
+                ("", String::new())
+            };
+            p.finish(format!(
+                "SELECT c.current, c.row_key{outer}, {audit} AS audit FROM (\
+                 SELECT (SELECT \"fence\" FROM {t} WHERE {km}) AS current, \
+                 {kj} AS row_key{inner} OFFSET 0) c",
+                km = key_match(keys, &key),
+                kj = key_json(&key),
+            ))
+        };
+
+        Ok(Self {
+            update,
+            upsert,
+            delete,
+            claim,
+            explain_update: explain("update", false),
+            explain_upsert: explain("upsert", true),
+            explain_delete: explain("delete", false),
+        })
+    }
+}
+
+/// The `audit` column of an explaining statement. For a rejection (a newer lease's fence, or
+/// the same token from another holder) of a statement that is its own transaction, it calls
+/// `pgfence.record_rejection`, which writes the audit row in that same statement and returns
+/// `''` (if it cannot, the statement fails and is explained again without it); NULL
+/// otherwise, and then the `Auditor` writes the row through its own pool.
+fn audit_column(
+    p: &mut Params,
+    table_literal: &str,
+    lease: &str,
+    current: &str,
+    operation: &str,
+    lock_timeout_ms: Option<i32>,
+) -> String {
+    let Some(ms) = lock_timeout_ms else {
+        return "NULL::pg_catalog.text".to_owned();
+    };
+    let token = p.one(Slot::Token);
+    let resource = p.one(Slot::Resource);
+    let holder = p.one(Slot::Holder);
+    let own_transaction = p.one(Slot::OwnTransaction);
+    format!(
+        "CASE WHEN {own_transaction}::pg_catalog.bool AND {rejected} \
+         THEN pgfence.record_rejection({resource}::pg_catalog.text, {table_literal}, c.row_key, \
+         {token}::pg_catalog.int8, ({current} {SHR} 24), {holder}::pg_catalog.text, '{operation}', {ms}) END",
+        rejected = rejects(current, lease),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn build(table: &str, keys: &[&str], cols: &[&str]) -> Statements {
+        let idents = |names: &[&str]| names.iter().map(|n| Ident::new(*n).unwrap()).collect();
+        let keys: Vec<Ident> = idents(keys);
+        let cols: Vec<Ident> = idents(cols);
+        Statements::build(&TableName::parse(table).unwrap(), &keys, &cols, Some(2000)).unwrap()
+    }
+
+    #[test]
+    fn one_key_update_numbers_placeholders_in_bind_order() {
+        let s = build("inventory", &["sku"], &["payload", "qty"]);
+        assert_eq!(
+            s.update.slots,
+            [Slot::Key, Slot::Columns, Slot::LeaseFence]
+        );
+        assert_eq!(
+            s.update.text(),
+            "UPDATE \"public\".\"inventory\" SET \"payload\" = $2, \"qty\" = $3, \
+             \"fence\" = GREATEST(\"fence\" OPERATOR(pg_catalog.+) 1::pg_catalog.int8, $4) \
+             WHERE \"sku\" OPERATOR(pg_catalog.=) $1 AND (\"fence\" OPERATOR(pg_catalog.<) \
+             ($4 OPERATOR(pg_catalog.&) (-16777216)::pg_catalog.int8) OR (\"fence\" \
+             OPERATOR(pg_catalog.>=) $4 AND \"fence\" OPERATOR(pg_catalog.<) ($4 \
+             OPERATOR(pg_catalog.+) 65535::pg_catalog.int8)))"
+        );
+        assert_eq!(
+            s.claim.text(),
+            "UPDATE \"public\".\"inventory\" SET \"fence\" = GREATEST(\"fence\" \
+             OPERATOR(pg_catalog.+) 1::pg_catalog.int8, $2) WHERE \"sku\" \
+             OPERATOR(pg_catalog.=) $1 AND (\"fence\" OPERATOR(pg_catalog.<) ($2 \
+             OPERATOR(pg_catalog.&) (-16777216)::pg_catalog.int8) OR (\"fence\" \
+             OPERATOR(pg_catalog.>=) $2 AND \"fence\" OPERATOR(pg_catalog.<) ($2 \
+             OPERATOR(pg_catalog.+) 65535::pg_catalog.int8))) RETURNING *"
+        );
+    }
+
+    #[test]
+    fn two_key_statements_bind_every_placeholder_once() {
+        let s = build("billing.ledger_line", &["batch", "line"], &["amount"]);
+        let highest = |text: &str| {
+            (1..=20)
+                .rev()
+                .find(|n| text.contains(&format!("${n}")))
+                .unwrap_or(0)
+        };
+        // update: 2 keys, 1 column, the lease.
+        assert_eq!(highest(s.update.text()), 4);
+        assert!(s.update.text().contains("\"batch\" OPERATOR(pg_catalog.=) $1 AND \"line\" OPERATOR(pg_catalog.=) $2"));
+        assert!(s.update.text().contains("\"amount\" = $3"));
+        // upsert inserts keys and column in declaration order, then the lease.
+        assert!(s.upsert.text().contains("(\"batch\", \"line\", \"amount\", \"fence\") SELECT $1, $2, $3, $4"));
+        // delete and claim: keys, then the lease.
+        assert_eq!(highest(s.delete.text()), 3);
+        assert_eq!(s.delete.slots, [Slot::Key, Slot::LeaseFence]);
+        // explaining statements: keys, lease, then the audit context.
+        assert_eq!(
+            s.explain_update.slots,
+            [
+                Slot::Key,
+                Slot::LeaseFence,
+                Slot::Token,
+                Slot::Resource,
+                Slot::Holder,
+                Slot::OwnTransaction
+            ]
+        );
+        assert_eq!(highest(s.explain_upsert.text()), 7);
+        assert!(s.explain_update.text().contains("$7::pg_catalog.bool"));
+    }
+
+    #[test]
+    fn hostile_names_stay_quoted() {
+        let s = build(
+            "\"we'ird\"\"; DROP TABLE x; --\".\"t\"",
+            &["k\"); --"],
+            &["v'"],
+        );
+        let text = s.explain_update.text();
+        // The identifier is double-quoted with inner quotes doubled...
+        assert!(s.update.text().starts_with(
+            "UPDATE \"we'ird\"\"; DROP TABLE x; --\".\"t\" SET \"v'\" = $2"
+        ));
+        assert!(s.update.text().contains("\"k\"\"); --\" OPERATOR(pg_catalog.=) $1"));
+        // ...and as a literal, single quotes are doubled too.
+        assert!(text.contains("'\"we''ird\"\"; DROP TABLE x; --\".\"t\"'"), "{text}");
+    }
+
+    #[test]
+    fn without_statement_audit_the_explaining_statement_binds_no_context() {
+        let keys = [Ident::new("id").unwrap()];
+        let s = Statements::build(&TableName::parse("t").unwrap(), &keys, &[], None).unwrap();
+        assert_eq!(s.explain_delete.slots, [Slot::Key, Slot::LeaseFence]);
+        assert!(s.explain_delete.text().contains("NULL::pg_catalog.text AS audit"));
+    }
+}
