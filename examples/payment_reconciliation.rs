@@ -22,8 +22,8 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use pgfence_testkit::{Kind, url_or_start};
 use pgfence::{Error, Fence, Issuer, Lease, Resource};
+use pgfence_testkit::{Kind, url_or_start};
 use sqlx::PgPool;
 
 const TTL: Duration = Duration::from_millis(300);

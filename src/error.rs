@@ -97,7 +97,9 @@ pub enum Error {
 
     /// This lease wrote the row [`MAX_WRITES_PER_ROW`](crate::MAX_WRITES_PER_ROW) times;
     /// nothing was applied. Take a new lease to write it again.
-    #[error("lease with token {token} wrote {target} the maximum number of times; take a new lease")]
+    #[error(
+        "lease with token {token} wrote {target} the maximum number of times; take a new lease"
+    )]
     LeaseExhausted {
         /// What the write targeted.
         target: StaleTarget,
@@ -317,8 +319,8 @@ mod tests {
 
     #[test]
     fn parses_trigger_detail() {
-        let e = parse_fence_detail("PF001", "presented=1 current=2 table=\"public\".\"t\"")
-            .unwrap();
+        let e =
+            parse_fence_detail("PF001", "presented=1 current=2 table=\"public\".\"t\"").unwrap();
         assert!(
             matches!(e, Error::StaleToken { presented: 1, current: 2, target: StaleTarget::Table(ref t) } if t == "\"public\".\"t\"")
         );

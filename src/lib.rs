@@ -18,8 +18,8 @@ pub use audit::{
     Rejection, list as list_audit, prune as prune_audit,
 };
 pub use error::{
-    Error, Result, SQLSTATE_DUPLICATE, SQLSTATE_EXHAUSTED, SQLSTATE_FENCE_TYPE,
-    SQLSTATE_PROTECTED, SQLSTATE_STALE, StaleTarget,
+    Error, Result, SQLSTATE_DUPLICATE, SQLSTATE_EXHAUSTED, SQLSTATE_FENCE_TYPE, SQLSTATE_PROTECTED,
+    SQLSTATE_STALE, StaleTarget,
 };
 pub use fence::{Fence, high_water};
 pub use guard::{guard, guard_migration_sql, guarded_tables, unguard};

@@ -414,7 +414,12 @@ impl<T: FencedTable> Repository<T> {
     /// repo.update(&pool, &lease, &invoice).await?;
     /// # Ok(()) }
     /// ```
-    pub async fn claim<'c, E, R>(&self, exec: E, fencing: impl Into<Fencing>, key: &T::Key) -> Result<R>
+    pub async fn claim<'c, E, R>(
+        &self,
+        exec: E,
+        fencing: impl Into<Fencing>,
+        key: &T::Key,
+    ) -> Result<R>
     where
         E: WriteExecutor<'c>,
         R: for<'r> sqlx::FromRow<'r, PgRow> + Send + Unpin,
@@ -520,7 +525,10 @@ async fn explain_row<T: FencedTable>(
     lent: &mut Lent<'_>,
 ) -> Result<Explained> {
     let own = lent.own_transaction();
-    let first = explain.bind(source, fencing, own).fetch_one(lent.conn()).await;
+    let first = explain
+        .bind(source, fencing, own)
+        .fetch_one(lent.conn())
+        .await;
     match first {
         Ok(row) => Ok(Explained {
             row,
@@ -563,4 +571,3 @@ fn key_text(out: &PgRow) -> String {
 fn idents(names: &[&str]) -> Result<Vec<Ident>> {
     names.iter().map(|n| Ident::new(*n)).collect()
 }
-

@@ -130,16 +130,18 @@ impl Statement {
     ) -> PgQuery {
         self.slots
             .iter()
-            .fold(sqlx::query(self.text.clone()), |q, slot| match (slot, source) {
-                (Slot::Key, Source::Row(row)) => row.bind_key(q),
-                (Slot::Key, Source::Key(key)) => T::bind_key_value(key, q),
-                (Slot::Columns, Source::Row(row)) => row.bind_columns(q),
-                (Slot::Columns, Source::Key(_)) => q,
-                (Slot::LeaseFence, _) => q.bind(fencing.lease_fence()),
-                (Slot::Token, _) => q.bind(fencing.token.get()),
-                (Slot::Resource, _) => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
-                (Slot::Holder, _) => q.bind(fencing.holder.clone()),
-                (Slot::OwnTransaction, _) => q.bind(own_transaction),
+            .fold(sqlx::query(self.text.clone()), |q, slot| {
+                match (slot, source) {
+                    (Slot::Key, Source::Row(row)) => row.bind_key(q),
+                    (Slot::Key, Source::Key(key)) => T::bind_key_value(key, q),
+                    (Slot::Columns, Source::Row(row)) => row.bind_columns(q),
+                    (Slot::Columns, Source::Key(_)) => q,
+                    (Slot::LeaseFence, _) => q.bind(fencing.lease_fence()),
+                    (Slot::Token, _) => q.bind(fencing.token.get()),
+                    (Slot::Resource, _) => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
+                    (Slot::Holder, _) => q.bind(fencing.holder.clone()),
+                    (Slot::OwnTransaction, _) => q.bind(own_transaction),
+                }
             })
     }
 }
@@ -388,10 +390,7 @@ mod tests {
     #[test]
     fn one_key_update_numbers_placeholders_in_bind_order() {
         let s = build("inventory", &["sku"], &["payload", "qty"]);
-        assert_eq!(
-            s.update.slots,
-            [Slot::Key, Slot::Columns, Slot::LeaseFence]
-        );
+        assert_eq!(s.update.slots, [Slot::Key, Slot::Columns, Slot::LeaseFence]);
         assert_eq!(
             s.update.text(),
             "UPDATE \"public\".\"inventory\" SET \"payload\" = $2, \"qty\" = $3, \
@@ -423,10 +422,16 @@ mod tests {
         };
         // update: 2 keys, 1 column, the lease.
         assert_eq!(highest(s.update.text()), 4);
-        assert!(s.update.text().contains("\"batch\" OPERATOR(pg_catalog.=) $1 AND \"line\" OPERATOR(pg_catalog.=) $2"));
+        assert!(s.update.text().contains(
+            "\"batch\" OPERATOR(pg_catalog.=) $1 AND \"line\" OPERATOR(pg_catalog.=) $2"
+        ));
         assert!(s.update.text().contains("\"amount\" = $3"));
         // upsert inserts keys and column in declaration order, then the lease.
-        assert!(s.upsert.text().contains("(\"batch\", \"line\", \"amount\", \"fence\") SELECT $1, $2, $3, $4"));
+        assert!(
+            s.upsert
+                .text()
+                .contains("(\"batch\", \"line\", \"amount\", \"fence\") SELECT $1, $2, $3, $4")
+        );
         // delete and claim: keys, then the lease.
         assert_eq!(highest(s.delete.text()), 3);
         assert_eq!(s.delete.slots, [Slot::Key, Slot::LeaseFence]);
@@ -455,12 +460,21 @@ mod tests {
         );
         let text = s.explain_update.text();
         // The identifier is double-quoted with inner quotes doubled...
-        assert!(s.update.text().starts_with(
-            "UPDATE \"we'ird\"\"; DROP TABLE x; --\".\"t\" SET \"v'\" = $2"
-        ));
-        assert!(s.update.text().contains("\"k\"\"); --\" OPERATOR(pg_catalog.=) $1"));
+        assert!(
+            s.update
+                .text()
+                .starts_with("UPDATE \"we'ird\"\"; DROP TABLE x; --\".\"t\" SET \"v'\" = $2")
+        );
+        assert!(
+            s.update
+                .text()
+                .contains("\"k\"\"); --\" OPERATOR(pg_catalog.=) $1")
+        );
         // ...and as a literal, single quotes are doubled too.
-        assert!(text.contains("'\"we''ird\"\"; DROP TABLE x; --\".\"t\"'"), "{text}");
+        assert!(
+            text.contains("'\"we''ird\"\"; DROP TABLE x; --\".\"t\"'"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -468,6 +482,10 @@ mod tests {
         let keys = [Ident::new("id").unwrap()];
         let s = Statements::build(&TableName::parse("t").unwrap(), &keys, &[], None).unwrap();
         assert_eq!(s.explain_delete.slots, [Slot::Key, Slot::LeaseFence]);
-        assert!(s.explain_delete.text().contains("NULL::pg_catalog.text AS audit"));
+        assert!(
+            s.explain_delete
+                .text()
+                .contains("NULL::pg_catalog.text AS audit")
+        );
     }
 }

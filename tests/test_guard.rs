@@ -96,8 +96,7 @@ async fn existing_nullable_bigint_fence_is_adopted() {
 async fn migration_sql_guards_like_the_function() {
     let db = TestDb::new().await;
     db.exec(r#"CREATE TABLE "it's" (id int)"#).await;
-    let sql =
-        pgfence::guard_migration_sql(&TableName::new("public", "it's").unwrap()).unwrap();
+    let sql = pgfence::guard_migration_sql(&TableName::new("public", "it's").unwrap()).unwrap();
     assert!(
         sql.contains("SELECT pgfence.guard('public', 'it''s');"),
         "{sql}"

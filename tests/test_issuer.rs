@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
-use pgfence_testkit::{RedisCluster, Server};
-use pgfence::{counter_key, lock_key};
 use pgfence::{Error, Fence, Issuer, LeaseLost, LeaseState, Repository, Resource, TableName};
+use pgfence::{counter_key, lock_key};
+use pgfence_testkit::{RedisCluster, Server};
 use redis::AsyncCommands;
 use support::{Logs, TestDb, issuer, redis_url, unique_resource};
 

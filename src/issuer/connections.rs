@@ -99,4 +99,3 @@ pub fn default_connections() -> NonZeroUsize {
     let cpus = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
     NonZeroUsize::new(cpus.clamp(1, 8)).unwrap_or(NonZeroUsize::MIN)
 }
-

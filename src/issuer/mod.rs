@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 pub use connections::{RedisConnections, default_connections};
 pub use keepalive::{KeepAlive, LeaseLost};
-use scripts::{ACQUIRE, EXTEND, RAISE_FLOOR, RELEASE, REISSUE};
+use scripts::{ACQUIRE, EXTEND, RAISE_FLOOR, REISSUE, RELEASE};
 
 use crate::{Error, FenceToken, Fencing, Resource, Result, StaleTarget};
 

@@ -5,10 +5,13 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
-pub(super) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/acquire.lua")));
-pub(super) static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/release.lua")));
-pub(super) static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/extend.lua")));
+pub(super) static ACQUIRE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("lua/acquire.lua")));
+pub(super) static RELEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("lua/release.lua")));
+pub(super) static EXTEND: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("lua/extend.lua")));
 pub(super) static RAISE_FLOOR: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("lua/raise_floor.lua")));
-pub(super) static REISSUE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/reissue.lua")));
-
+pub(super) static REISSUE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("lua/reissue.lua")));

@@ -452,7 +452,17 @@ async fn a_shell_job_makes_several_fenced_transactions_under_one_lease() {
 
     // A newer lease writes; the first lease's token is now stale, in SQL too.
     let newer = r#"psql "$DATABASE_URL" -qAt -v ON_ERROR_STOP=1 -c "BEGIN; SELECT pgfence.check('$PGFENCE_RESOURCE', $PGFENCE_TOKEN, $PGFENCE_TAG); UPDATE invoices SET status = 'refunded', fence = pgfence.next_fence(fence, $PGFENCE_TOKEN, $PGFENCE_TAG) WHERE id = 42; COMMIT;""#;
-    cli.ok(&["run", "--resource", r, "--ttl", "5s", "--", "sh", "-c", newer]);
+    cli.ok(&[
+        "run",
+        "--resource",
+        r,
+        "--ttl",
+        "5s",
+        "--",
+        "sh",
+        "-c",
+        newer,
+    ]);
     let zombie = sqlx::query(
         "UPDATE invoices SET status = 'zombie', fence = pgfence.next_fence(fence, $1, $2) WHERE id = 42",
     )

@@ -40,7 +40,10 @@ pub async fn run(
         .env("PGFENCE_TOKEN", lease.token().to_string())
         .env("PGFENCE_RESOURCE", resource.as_str())
         .env("PGFENCE_OWNER", lease.owner())
-        .env("PGFENCE_TAG", pgfence::Fencing::from(&lease).tag().to_string())
+        .env(
+            "PGFENCE_TAG",
+            pgfence::Fencing::from(&lease).tag().to_string(),
+        )
         .spawn();
     let mut child = match spawned {
         Ok(child) => child,
