@@ -257,7 +257,11 @@ mod tests {
     #[test]
     fn lease_fences_order_by_token_and_fit_a_bigint() {
         let top = Fencing::new(FenceToken::new(MAX_TOKEN).unwrap()).holder("x");
-        assert!(top.lease_fence().checked_add(MAX_WRITES_PER_ROW - 1).is_some());
+        assert!(
+            top.lease_fence()
+                .checked_add(MAX_WRITES_PER_ROW - 1)
+                .is_some()
+        );
         let older = Fencing::new(FenceToken::new(7).unwrap()).holder("zzz");
         let newer = Fencing::new(FenceToken::new(8).unwrap());
         assert!(older.lease_fence() + MAX_WRITES_PER_ROW < newer.lease_fence());

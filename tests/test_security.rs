@@ -171,15 +171,18 @@ async fn sql_functions_and_trigger_ignore_shadowing_objects() {
 
     // The trigger rejects stale raw SQL. (These statements are the test's own, run in the
     // hijacked session, so they qualify their key comparison themselves.)
-    sqlx::query("UPDATE acct SET balance = 1, fence = 5 WHERE id OPERATOR(pg_catalog.=) 1")
+    // Fences pack token << 24: 83886080 is token 5's first write.
+    sqlx::query("UPDATE acct SET balance = 1, fence = 83886080 WHERE id OPERATOR(pg_catalog.=) 1")
         .execute(&pool)
         .await
         .unwrap();
     let err = Error::from(
-        sqlx::query("UPDATE acct SET balance = 2, fence = 5 WHERE id OPERATOR(pg_catalog.=) 1")
-            .execute(&pool)
-            .await
-            .unwrap_err(),
+        sqlx::query(
+            "UPDATE acct SET balance = 2, fence = 83886080 WHERE id OPERATOR(pg_catalog.=) 1",
+        )
+        .execute(&pool)
+        .await
+        .unwrap_err(),
     );
     support::assert_stale(&err, 5, 5);
 
@@ -248,7 +251,7 @@ async fn repository_statements_ignore_shadowing_objects() {
     );
     pgfence::migrate(&pool).await.unwrap();
     let rows: Vec<(i32, i64, i64)> =
-        sqlx::query_as("SELECT id, balance, fence FROM acct ORDER BY id")
+        sqlx::query_as("SELECT id, balance, fence >> 24 FROM acct ORDER BY id")
             .fetch_all(&db.pool)
             .await
             .unwrap();
