@@ -85,7 +85,7 @@ pub(crate) enum AuditRow {
 }
 
 /// Writes audit rows through its own pool, so they survive the caller's rollback (see the
-/// [module docs](self) for rows written by the rejecting statement itself).
+/// [`WriteExecutor`](crate::WriteExecutor) for rows written by the rejecting statement itself).
 #[derive(Clone, Debug)]
 pub struct Auditor {
     pool: PgPool,

@@ -37,7 +37,7 @@ impl RedisConnections {
     /// Each reconnects by itself, with 5 s connect and response timeouts.
     ///
     /// # Errors
-    /// [`Error::Redis`] for a malformed URL or an unreachable server.
+    /// [`Error::Redis`](crate::Error::Redis) for a malformed URL or an unreachable server.
     pub async fn open(url: &str, count: NonZeroUsize) -> Result<Self> {
         let client = redis::Client::open(url)?;
         let config = redis::aio::ConnectionManagerConfig::new()

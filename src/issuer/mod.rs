@@ -204,7 +204,7 @@ pub struct LockStatus {
 ///
 /// Generic over the connection: [`Issuer::connect`] gives a set of reconnecting connections
 /// ([`RedisConnections`]), [`Issuer::connect_cluster`] a Redis Cluster connection, and
-/// [`Issuer::new`] takes any [`ConnectionLike`] (for example one [`ConnectionManager`]).
+/// [`Issuer::new`] takes any [`ConnectionLike`] (for example one [`ConnectionManager`](redis::aio::ConnectionManager)).
 #[derive(Clone)]
 pub struct Issuer<C = RedisConnections> {
     conn: C,

@@ -1,4 +1,4 @@
-//! One module per command; [`run`] dispatches a parsed command line to it.
+//! One module per command; [`run()`] dispatches a parsed command line to it.
 
 mod audit;
 mod guard;
