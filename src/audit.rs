@@ -45,6 +45,8 @@ pub struct Rejection {
     pub holder: Option<String>,
     /// `update`, `upsert`, `delete`, `claim` or `check`.
     pub operation: &'static str,
+    /// `current` came from another token counter (another resource or fencing domain).
+    pub other_counter: bool,
 }
 
 /// What the audit path reports to an [`AuditSink`]: every rejection, and every rejection
@@ -166,6 +168,7 @@ impl Auditor {
             current = r.current,
             holder,
             operation = r.operation,
+            other_counter = r.other_counter,
             "stale write rejected"
         );
         if let Some(sink) = &self.sink {
@@ -202,8 +205,8 @@ impl Auditor {
     /// Inserts `r` through the pool, within the timeout; the error text otherwise.
     async fn write_row(&self, r: &Rejection) -> std::result::Result<(), String> {
         let insert = sqlx::query!(
-            "INSERT INTO pgfence.audit (resource, table_name, row_key, presented, current, holder, operation) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            "INSERT INTO pgfence.audit (resource, table_name, row_key, presented, current, holder, operation, other_counter) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
             r.resource,
             r.table,
             r.key,
@@ -211,6 +214,7 @@ impl Auditor {
             r.current,
             r.holder,
             r.operation,
+            r.other_counter,
         )
         .execute(&self.pool);
         match tokio::time::timeout(self.timeout, insert).await {
@@ -241,8 +245,10 @@ pub struct AuditEntry {
     pub current: Option<i64>,
     /// Who held the token, when the writer said.
     pub holder: Option<String>,
-    /// `update`, `upsert`, `delete` or `check`.
+    /// `update`, `upsert`, `delete`, `claim` or `check`.
     pub operation: String,
+    /// `current` came from another token counter (another resource or fencing domain).
+    pub other_counter: bool,
 }
 
 /// Filters for [`list`]. The default lists the 100 newest rows.
@@ -274,7 +280,8 @@ pub async fn list(pool: &PgPool, filter: &AuditFilter) -> Result<Vec<AuditEntry>
     let rows = sqlx::query_as!(
         AuditEntry,
         r#"SELECT id AS "id!", at AS "at!", resource, table_name AS "table", row_key AS "key",
-                  presented AS "presented!", current, holder, operation AS "operation!"
+                  presented AS "presented!", current, holder, operation AS "operation!",
+                  other_counter AS "other_counter!"
              FROM pgfence.audit
             WHERE ($1::pg_catalog.timestamptz IS NULL OR at OPERATOR(pg_catalog.>=) $1)
               AND ($2::pg_catalog.text IS NULL OR resource OPERATOR(pg_catalog.=) $2)

@@ -17,6 +17,8 @@ pub const SQLSTATE_DUPLICATE: &str = "PF004";
 /// [`MAX_WRITES_PER_ROW`](crate::MAX_WRITES_PER_ROW) times.
 pub const SQLSTATE_EXHAUSTED: &str = "PF005";
 
+const OTHER_COUNTER_NOTE: &str = " (the current token came from another resource's counter: resources that write the same rows must share a fencing domain)";
+
 /// What a rejected write or check addressed, as structured data.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -71,14 +73,22 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// A newer lease has already written, claimed or checked the row or resource
     /// (`current > presented`). The write was not applied. Do not retry with the same lease.
-    #[error("stale fence token on {target}: presented {presented}, current {current}")]
+    #[error(
+        "stale fence token on {target}: presented {presented}, current {current}{}",
+        if *other_counter { OTHER_COUNTER_NOTE } else { "" }
+    )]
     StaleToken {
         /// What the write targeted.
         target: StaleTarget,
         /// The token the write carried.
         presented: i64,
-        /// The token of the lease that wrote the row or checked the resource (`> presented`).
+        /// The token of the lease that wrote the row or checked the resource (`> presented`,
+        /// or equal when it came from another counter).
         current: i64,
+        /// `current` came from another token counter (another resource or fencing domain):
+        /// the two resources' tokens are not comparable. Resources that write the same rows
+        /// belong in one fencing domain ([`Resource::in_domain`](crate::Resource::in_domain)).
+        other_counter: bool,
     },
 
     /// Another lease presented the same token at this row or resource: the token counter went
@@ -290,6 +300,10 @@ fn parse_fence_detail(code: &str, detail: &str) -> Option<Error> {
     let rest = detail.strip_prefix("presented=")?;
     let (presented, rest) = rest.split_once(" current=")?;
     let (current, rest) = rest.split_once(' ')?;
+    let (other_counter, rest) = match rest.strip_prefix("origin=other ") {
+        Some(rest) => (true, rest),
+        None => (false, rest),
+    };
     let target = if let Some(r) = rest.strip_prefix("resource=") {
         StaleTarget::Resource(r.to_owned())
     } else {
@@ -309,6 +323,7 @@ fn parse_fence_detail(code: &str, detail: &str) -> Option<Error> {
             target,
             presented,
             current,
+            other_counter,
         },
     })
 }
@@ -322,12 +337,22 @@ mod tests {
         let e =
             parse_fence_detail("PF001", "presented=1 current=2 table=\"public\".\"t\"").unwrap();
         assert!(
-            matches!(e, Error::StaleToken { presented: 1, current: 2, target: StaleTarget::Table(ref t) } if t == "\"public\".\"t\"")
+            matches!(e, Error::StaleToken { presented: 1, current: 2, other_counter: false, target: StaleTarget::Table(ref t) } if t == "\"public\".\"t\"")
         );
         let e = parse_fence_detail("PF004", "presented=3 current=3 resource=a:b").unwrap();
         assert!(
             matches!(e, Error::DuplicateToken { token: 3, target: StaleTarget::Resource(ref r) } if r == "a:b")
         );
+        let e =
+            parse_fence_detail("PF001", "presented=1 current=9 origin=other resource=r").unwrap();
+        assert!(matches!(
+            e,
+            Error::StaleToken {
+                other_counter: true,
+                ..
+            }
+        ));
+        assert!(e.to_string().contains("fencing domain"), "{e}");
         assert!(parse_fence_detail("PF001", "garbage").is_none());
     }
 }

@@ -87,9 +87,13 @@ impl Fence {
             Ok(_) => return Ok(()),
             Err(e) => e,
         };
-        let current = match &err {
-            Error::StaleToken { current, .. } => *current,
-            Error::DuplicateToken { token, .. } => *token,
+        let (current, other_counter) = match &err {
+            Error::StaleToken {
+                current,
+                other_counter,
+                ..
+            } => (*current, *other_counter),
+            Error::DuplicateToken { token, .. } => (*token, false),
             _ => return Err(err),
         };
         let rejection = Rejection {
@@ -100,6 +104,7 @@ impl Fence {
             current: Some(current),
             holder: fencing.holder.clone(),
             operation: "check",
+            other_counter,
         };
         self.auditor.record(&rejection, AuditRow::Pending).await;
         Err(err)
@@ -126,5 +131,20 @@ pub async fn high_water<'c, E: PgExecutor<'c>>(exec: E, resource: &Resource) -> 
     )
     .fetch_one(exec)
     .await?;
+    Ok(mark)
+}
+
+/// The floor of the token counter `resource` draws from: [`high_water`] for a resource of
+/// its own, the highest mark of every resource of its fencing domain otherwise.
+///
+/// # Errors
+/// [`Error::Database`].
+pub async fn counter_floor<'c, E: PgExecutor<'c>>(exec: E, resource: &Resource) -> Result<i64> {
+    let Some(domain) = resource.domain() else {
+        return high_water(exec, resource).await;
+    };
+    let mark = sqlx::query_scalar!(r#"SELECT pgfence.domain_high_water($1) AS "mark!""#, domain)
+        .fetch_one(exec)
+        .await?;
     Ok(mark)
 }

@@ -21,7 +21,7 @@ pub use error::{
     Error, Result, SQLSTATE_DUPLICATE, SQLSTATE_EXHAUSTED, SQLSTATE_FENCE_TYPE, SQLSTATE_PROTECTED,
     SQLSTATE_STALE, StaleTarget,
 };
-pub use fence::{Fence, high_water};
+pub use fence::{Fence, counter_floor, high_water};
 pub use guard::{guard, guard_migration_sql, guarded_tables, unguard};
 pub use ident::{Ident, TableName};
 pub use issuer::{

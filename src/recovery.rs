@@ -13,7 +13,7 @@ use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 
 use crate::issuer::FloorSource;
-use crate::{Error, Issuer, Resource, Result, high_water};
+use crate::{Error, Issuer, Resource, Result, counter_floor};
 
 /// A database's high-water marks as an issuer's [`FloorSource`].
 #[derive(Clone, Debug)]
@@ -24,7 +24,7 @@ impl FloorSource for PgFloor {
         &'a self,
         resource: &'a Resource,
     ) -> Pin<Box<dyn Future<Output = Result<i64>> + Send + 'a>> {
-        Box::pin(high_water(&self.0, resource))
+        Box::pin(counter_floor(&self.0, resource))
     }
 }
 
@@ -45,13 +45,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     }
 
     /// Reseeds after a failover: raises `resource`'s counter to the high-water mark Postgres
-    /// recorded for it ([`crate::Fence::check`]), so the next lease is accepted. Returns the
-    /// counter afterwards.
+    /// recorded for it ([`crate::Fence::check`]; for a resource in a fencing domain, the
+    /// highest mark of the domain), so the next lease is accepted. Returns the counter
+    /// afterwards.
     ///
     /// # Errors
     /// [`Error::Database`]; [`Error::Redis`].
     pub async fn reseed(&self, pool: &PgPool, resource: &Resource) -> Result<i64> {
-        let mark = high_water(pool, resource).await?;
+        let mark = counter_floor(pool, resource).await?;
         self.raise_floor(resource, mark).await
     }
 

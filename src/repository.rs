@@ -466,11 +466,19 @@ impl<T: FencedTable> Repository<T> {
             resource: fencing.resource.as_ref().map(ToString::to_string),
         };
         let token = fencing.token.get();
-        let err = match fencing.classify(fence) {
-            Relation::Newer => Error::StaleToken {
+        let relation = fencing.classify(fence);
+        let other_counter = matches!(
+            relation,
+            Relation::Newer {
+                other_counter: true
+            }
+        );
+        let err = match relation {
+            Relation::Newer { other_counter } => Error::StaleToken {
                 target,
                 presented: token,
                 current: crate::FenceToken::of_fence(fence),
+                other_counter,
             },
             Relation::Duplicate => Error::DuplicateToken { target, token },
             Relation::Exhausted => return Err(Error::LeaseExhausted { target, token }),
@@ -491,6 +499,7 @@ impl<T: FencedTable> Repository<T> {
             current: Some(crate::FenceToken::of_fence(fence)),
             holder: fencing.holder.clone(),
             operation,
+            other_counter,
         };
         self.auditor.record(&rejection, out.audit_row()?).await;
         Err(err)

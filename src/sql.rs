@@ -16,7 +16,7 @@
 //! Each statement binds the lease once, as its lease fence `L` ([`Fencing::lease_fence`]:
 //! token and holder tag, sequence 0). A row's `fence` admits the write when it was written by
 //! an older lease (`fence < L & ~0xFFFFFF`, the lease's token with tag and sequence cleared)
-//! or by this very lease with room for one more write (`L <= fence < L + 65535`). The write
+//! or by this very lease with room for one more write (`L <= fence < L + 4095`). The write
 //! stores `GREATEST(fence + 1, L)`: `L` for a lease's first write to the row, the next
 //! sequence number after that — always strictly more than the row had, which the guard
 //! trigger insists on. A fence with the same token and another tag (a duplicate token) and
@@ -35,10 +35,14 @@ const GE: &str = "OPERATOR(pg_catalog.>=)";
 const PLUS: &str = "OPERATOR(pg_catalog.+)";
 const AND: &str = "OPERATOR(pg_catalog.&)";
 const SHR: &str = "OPERATOR(pg_catalog.>>)";
+const GT: &str = "OPERATOR(pg_catalog.>)";
+const NE: &str = "OPERATOR(pg_catalog.<>)";
 /// Clears tag and sequence from a lease fence (`~0xFFFFFF`).
 const TOKEN_MASK: &str = "(-16777216)::pg_catalog.int8";
 /// The last sequence number one lease can store in a row.
-const LAST_SEQ: &str = "65535::pg_catalog.int8";
+const LAST_SEQ: &str = "4095::pg_catalog.int8";
+/// The counter bits of a fence (bits 20..23).
+const COUNTER_MASK: &str = "15728640::pg_catalog.int8";
 
 /// A value a statement binds, in the order [`Params`] handed out its placeholders.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -371,7 +375,8 @@ fn audit_column(
     format!(
         "CASE WHEN {own_transaction}::pg_catalog.bool AND {rejected} \
          THEN pgfence.record_rejection({resource}::pg_catalog.text, {table_literal}, c.row_key, \
-         {token}::pg_catalog.int8, ({current} {SHR} 24), {holder}::pg_catalog.text, '{operation}', {ms}) END",
+         {token}::pg_catalog.int8, ({current} {SHR} 24), {holder}::pg_catalog.text, '{operation}', {ms}, \
+         ({current} {SHR} 24) {GT} 0 AND ({current} {AND} {COUNTER_MASK}) {NE} ({lease} {AND} {COUNTER_MASK})) END",
         rejected = rejects(current, lease),
     )
 }
@@ -398,7 +403,7 @@ mod tests {
              WHERE \"sku\" OPERATOR(pg_catalog.=) $1 AND (\"fence\" OPERATOR(pg_catalog.<) \
              ($4 OPERATOR(pg_catalog.&) (-16777216)::pg_catalog.int8) OR (\"fence\" \
              OPERATOR(pg_catalog.>=) $4 AND \"fence\" OPERATOR(pg_catalog.<) ($4 \
-             OPERATOR(pg_catalog.+) 65535::pg_catalog.int8)))"
+             OPERATOR(pg_catalog.+) 4095::pg_catalog.int8)))"
         );
         assert_eq!(
             s.claim.text(),
@@ -407,7 +412,7 @@ mod tests {
              OPERATOR(pg_catalog.=) $1 AND (\"fence\" OPERATOR(pg_catalog.<) ($2 \
              OPERATOR(pg_catalog.&) (-16777216)::pg_catalog.int8) OR (\"fence\" \
              OPERATOR(pg_catalog.>=) $2 AND \"fence\" OPERATOR(pg_catalog.<) ($2 \
-             OPERATOR(pg_catalog.+) 65535::pg_catalog.int8))) RETURNING *"
+             OPERATOR(pg_catalog.+) 4095::pg_catalog.int8))) RETURNING *"
         );
     }
 

@@ -9,20 +9,26 @@
 //! numbers into one `BIGINT`:
 //!
 //! ```text
-//!  63            24 23     16 15           0
-//! +----------------+---------+--------------+
-//! |     token      |   tag   |   sequence   |
-//! +----------------+---------+--------------+
+//!  63            24 23     20 19      12 11          0
+//! +----------------+---------+----------+-------------+
+//! |     token      | counter |  holder  |  sequence   |
+//! +----------------+---------+----------+-------------+
+//!                  \------ tag -------/
 //! ```
 //!
 //! * **token** (39 bits, `1..=`[`MAX_TOKEN`]): the lease's number. A fence written by a newer
 //!   lease is numerically greater than any fence an older lease can write, so
 //!   `fence < $mine` keeps the design card's meaning: an older lease's write is rejected.
-//! * **tag** (8 bits): a hash of the holder id ([`Fencing::holder`]). Two leases that got the
-//!   same token — a Redis failover that lost `INCR`s — almost always have different tags, and
-//!   a write that meets the same token with another tag fails with
-//!   [`Error::DuplicateToken`](crate::Error::DuplicateToken) instead of letting both progress.
-//! * **sequence** (16 bits): a row write by the lease that already wrote the row stores
+//! * **counter** (4 bits): a hash of the counter the token came from — the resource's fencing
+//!   domain, or the resource itself ([`Resource::counter_id`]). A rejection whose current
+//!   fence came from another counter says so: resources that write the same rows must draw
+//!   tokens from one counter ([`Resource::in_domain`]).
+//! * **holder** (8 bits): a hash of the holder id ([`Fencing::holder`]). Two leases that got
+//!   the same token from the same counter — a Redis failover that lost `INCR`s — almost
+//!   always differ here, and a write that meets the same token with another holder fails
+//!   with [`Error::DuplicateToken`](crate::Error::DuplicateToken) instead of letting both
+//!   progress.
+//! * **sequence** (12 bits): a row write by the lease that already wrote the row stores
 //!   `fence + 1`, so every applied write strictly advances the fence — which is what lets the
 //!   guard trigger keep rejecting raw SQL that leaves the fence alone. One lease can write one
 //!   row [`MAX_WRITES_PER_ROW`] times.
@@ -37,13 +43,16 @@ use crate::{Error, Resource, Result};
 /// The largest token: 39 bits, so that token, tag and sequence fit a positive `BIGINT`.
 pub const MAX_TOKEN: i64 = (1 << 39) - 1;
 
-/// How many times one lease can write one row (the 16-bit sequence). A lease that needs more
+/// How many times one lease can write one row (the 12-bit sequence). A lease that needs more
 /// gets [`Error::LeaseExhausted`](crate::Error::LeaseExhausted) and takes a new lease.
 pub const MAX_WRITES_PER_ROW: i64 = 1 << SEQ_BITS;
 
-const SEQ_BITS: u32 = 16;
-const TAG_BITS: u32 = 8;
+const SEQ_BITS: u32 = 12;
+const HOLDER_BITS: u32 = 8;
+const COUNTER_BITS: u32 = 4;
+const TAG_BITS: u32 = HOLDER_BITS + COUNTER_BITS;
 const TOKEN_SHIFT: u32 = SEQ_BITS + TAG_BITS;
+const COUNTER_SHIFT: u32 = SEQ_BITS + HOLDER_BITS;
 
 /// A fence token: an integer in `1..=`[`MAX_TOKEN`], issued once per lock acquisition and
 /// strictly increasing per resource (or fencing domain). `0` and negative numbers are never
@@ -140,8 +149,8 @@ pub struct Fencing {
     pub token: FenceToken,
     /// The resource the token was issued for, if known (recorded in the audit trail).
     pub resource: Option<Resource>,
-    /// Who holds the token (lease owner id, job id...), if known. Its hash is the tag that
-    /// tells two leases with the same token apart.
+    /// Who holds the token (lease owner id, job id...), if known. Its hash tells two leases
+    /// with the same token apart.
     pub holder: Option<String>,
 }
 
@@ -170,17 +179,20 @@ impl Fencing {
         self
     }
 
-    /// The holder's 8-bit tag: FNV-1a of the holder id, 0 without one.
+    /// The lease's 12-bit tag, `counter << 8 | holder`: a 4-bit hash of the counter the
+    /// token came from ([`Resource::counter_id`]; 0 without a resource) and an 8-bit hash of
+    /// the holder (0 without one). `pgfence run` exports it as `PGFENCE_TAG` for SQL callers.
     #[must_use]
-    pub fn tag(&self) -> u8 {
-        let Some(holder) = &self.holder else {
-            return 0;
-        };
-        let mut h: u32 = 0x811c_9dc5;
-        for b in holder.bytes() {
-            h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
-        }
-        h.to_le_bytes().iter().fold(0, |acc, b| acc ^ b)
+    pub fn tag(&self) -> u16 {
+        let counter = self
+            .resource
+            .as_ref()
+            .map_or(0, |r| fold(fnv1a(r.counter_id()), COUNTER_BITS));
+        let holder = self
+            .holder
+            .as_deref()
+            .map_or(0, |h| fold(fnv1a(h), HOLDER_BITS));
+        (counter << HOLDER_BITS) | holder
     }
 
     /// The fence this lease's first write to a row stores: token and tag, sequence 0. This is
@@ -195,14 +207,39 @@ impl Fencing {
     pub fn classify(&self, fence: i64) -> Relation {
         let mine = self.lease_fence();
         let last = mine + (MAX_WRITES_PER_ROW - 1);
-        match FenceToken::of_fence(fence).cmp(&self.token.get()) {
+        let theirs = FenceToken::of_fence(fence);
+        let other_counter = theirs > 0 && counter_bits(fence) != counter_bits(mine);
+        match theirs.cmp(&self.token.get()) {
             std::cmp::Ordering::Less => Relation::Older,
-            std::cmp::Ordering::Greater => Relation::Newer,
+            std::cmp::Ordering::Greater => Relation::Newer { other_counter },
+            std::cmp::Ordering::Equal if other_counter => Relation::Newer { other_counter },
             std::cmp::Ordering::Equal if (mine..last).contains(&fence) => Relation::Own,
             std::cmp::Ordering::Equal if fence == last => Relation::Exhausted,
             std::cmp::Ordering::Equal => Relation::Duplicate,
         }
     }
+}
+
+/// The counter hash of a stored fence.
+fn counter_bits(fence: i64) -> i64 {
+    (fence >> COUNTER_SHIFT) & ((1 << COUNTER_BITS) - 1)
+}
+
+fn fnv1a(text: &str) -> u32 {
+    text.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
+}
+
+/// Folds a 32-bit hash to its low `bits` bits by xor-ing all its `bits`-wide slices.
+fn fold(mut h: u32, bits: u32) -> u16 {
+    let mask = (1_u32 << bits) - 1;
+    let mut out = 0;
+    while h != 0 {
+        out ^= h & mask;
+        h >>= bits;
+    }
+    u16::try_from(out).unwrap_or(0)
 }
 
 /// How a stored fence relates to a [`Fencing`] ([`Fencing::classify`]).
@@ -214,10 +251,15 @@ pub enum Relation {
     Own,
     /// Written by this lease [`MAX_WRITES_PER_ROW`] times.
     Exhausted,
-    /// Written by another lease that presented the same token (the counter went backwards).
+    /// Written by another lease that presented the same token from the same counter (the
+    /// counter went backwards).
     Duplicate,
-    /// Written by a newer lease: this lease is stale.
-    Newer,
+    /// Written by a newer lease: this lease is stale. `other_counter` when that lease's token
+    /// came from another counter (another resource or fencing domain).
+    Newer {
+        /// The fence's token came from another counter.
+        other_counter: bool,
+    },
 }
 
 impl From<FenceToken> for Fencing {
@@ -281,6 +323,25 @@ mod tests {
         assert_eq!(me.classify(f + MAX_WRITES_PER_ROW - 1), Relation::Exhausted);
         assert_eq!(me.classify(twin.lease_fence()), Relation::Duplicate);
         let next = Fencing::new(FenceToken::new(6).unwrap());
-        assert_eq!(me.classify(next.lease_fence()), Relation::Newer);
+        assert_eq!(
+            me.classify(next.lease_fence()),
+            Relation::Newer {
+                other_counter: false
+            }
+        );
+        // Tokens of two counters: "billing" and "reports" hash apart.
+        let billing = Fencing::new(FenceToken::new(11).unwrap())
+            .resource(Resource::in_domain("billing", "account:2").unwrap());
+        let report = Fencing::new(FenceToken::new(1).unwrap())
+            .resource(Resource::new("reports:daily").unwrap());
+        assert_eq!(
+            report.classify(billing.lease_fence()),
+            Relation::Newer {
+                other_counter: true
+            }
+        );
+        let same_domain = Fencing::new(FenceToken::new(12).unwrap())
+            .resource(Resource::in_domain("billing", "account:3").unwrap());
+        assert_eq!(same_domain.classify(billing.lease_fence()), Relation::Older);
     }
 }

@@ -116,7 +116,7 @@ async fn one_lease_checks_in_many_transactions() {
     fence.check(&db.pool, &res, token(8)).await.unwrap();
     let err = fence.check(&db.pool, &res, &lease).await.unwrap_err();
     assert!(
-        matches!(err, Error::StaleToken { presented: 7, current: 8, ref target } if target.resource() == Some("payments:batch:42")),
+        matches!(err, Error::StaleToken { presented: 7, current: 8, ref target, .. } if target.resource() == Some("payments:batch:42")),
         "{err:?}"
     );
 }

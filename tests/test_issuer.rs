@@ -331,6 +331,7 @@ async fn restarted_redis_recovers_automatically_with_a_floor_source() {
         },
         presented: 1,
         current: 40,
+        other_counter: false,
     };
     assert!(issuer.recover_from(&err).await.unwrap());
     assert_eq!(

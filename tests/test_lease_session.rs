@@ -232,7 +232,7 @@ async fn a_second_lease_with_the_same_token_is_detected_not_let_through() {
 }
 
 #[tokio::test]
-async fn a_lease_that_wrote_a_row_65536_times_must_take_a_new_lease() {
+async fn a_lease_that_wrote_a_row_4096_times_must_take_a_new_lease() {
     let (db, repo) = setup().await;
     let job = lease(8, "job");
     repo.update(&db.pool, &job, &invoice(1, "a", 1))
@@ -279,4 +279,103 @@ async fn resource_checks_and_row_writes_share_the_lease_across_transactions() {
         .await
         .unwrap_err();
     assert_stale(&err, 10, 11);
+}
+
+/// Rows written under more than one resource: without a shared counter the tokens do not
+/// compare, and the rejection says so; in one fencing domain they do.
+#[tokio::test]
+async fn resources_that_write_the_same_rows_share_a_fencing_domain() {
+    let (db, repo) = setup().await;
+    let issuer = support::issuer().await;
+    let ttl = std::time::Duration::from_secs(5);
+    // Fixed names (their 4-bit counter hashes differ, which the flag relies on), fresh keys.
+    let name = |s: &str| format!("lease-session-test:{s}");
+    let account = Resource::new(name("billing:account:2")).unwrap();
+    let report = Resource::new(name("reports:daily")).unwrap();
+    let domain = name("billing");
+    let in_domain = |n: &str| Resource::in_domain(&domain, n).unwrap();
+    let client = redis::Client::open(support::redis_url().await).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    for r in [
+        &account,
+        &report,
+        &in_domain("account:2"),
+        &in_domain("reports:daily"),
+    ] {
+        let _: () = redis::cmd("DEL")
+            .arg(pgfence::lock_key(r))
+            .arg(pgfence::counter_key(r))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    let tag = |r: &Resource| Fencing::new(token(1)).resource(r.clone()).tag() >> 8;
+    assert_ne!(
+        tag(&account),
+        tag(&report),
+        "precondition: counter hashes differ"
+    );
+
+    // Two counters: the account lock has issued 11 tokens, the report lock 1.
+    issuer.raise_floor(&account, 10).await.unwrap();
+    let a = issuer.acquire(&account, ttl).await.unwrap().unwrap();
+    let r = issuer.acquire(&report, ttl).await.unwrap().unwrap();
+    assert_eq!((a.token().get(), r.token().get()), (11, 1));
+    repo.update(&db.pool, &a, &invoice(1, "account job", 1))
+        .await
+        .unwrap();
+    let err = repo
+        .update(&db.pool, &r, &invoice(1, "report job", 1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::StaleToken {
+                presented: 1,
+                current: 11,
+                other_counter: true,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("fencing domain"), "{err}");
+    let flagged: bool = sqlx::query_scalar("SELECT other_counter FROM pgfence.audit")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(
+        flagged,
+        "the audit row says the current token came from another counter"
+    );
+    issuer.release(&a).await.unwrap();
+    issuer.release(&r).await.unwrap();
+
+    // One domain: separate locks, one counter, so tokens compare across the two jobs.
+    let account = in_domain("account:2");
+    let report = in_domain("reports:daily");
+    let a = issuer.acquire(&account, ttl).await.unwrap().unwrap();
+    let r = issuer.acquire(&report, ttl).await.unwrap().unwrap();
+    assert_eq!(r.token().get(), a.token().get() + 1, "one counter");
+    assert_ne!(pgfence::lock_key(&account), pgfence::lock_key(&report));
+    assert_eq!(
+        pgfence::counter_key(&account),
+        pgfence::counter_key(&report)
+    );
+    repo.update(&db.pool, &a, &invoice(2, "account job", 1))
+        .await
+        .unwrap();
+    repo.update(&db.pool, &r, &invoice(2, "report job", 1))
+        .await
+        .unwrap();
+    // And the older of the two is now fenced out, as within one resource.
+    assert!(
+        repo.update(&db.pool, &a, &invoice(2, "late account job", 1))
+            .await
+            .unwrap_err()
+            .is_stale()
+    );
+    issuer.release(&a).await.unwrap();
+    issuer.release(&r).await.unwrap();
 }

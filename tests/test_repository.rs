@@ -242,6 +242,7 @@ async fn raw_sql_that_does_not_advance_the_fence_fails_with_the_documented_sqlst
                 current: 10,
                 presented,
                 target,
+                ..
             } => {
                 assert!(presented <= 10);
                 assert_eq!(

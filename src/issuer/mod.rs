@@ -1,8 +1,9 @@
 //! The Redis token issuer: a lock and its fence token in one atomic round trip, owner-safe
 //! release and extend, waiting, and recovery of the counter after a Redis failover.
 //!
-//! Keys for resource `R` are `pgfence:{R}:lock` and `pgfence:{R}:fence`; the `{R}` hash tag
-//! puts both in one Redis Cluster slot. The counter never expires and nothing here deletes
+//! Keys for resource `R` are `pgfence:{R}:lock` and `pgfence:{R}:fence`; for resource `NAME`
+//! in fencing domain `D`, `pgfence:{D}:lock:NAME` and the domain's `pgfence:{D}:fence`. The
+//! hash tag puts a lock and its counter in one Redis Cluster slot. The counter never expires and nothing here deletes
 //! it. Redis only hands out numbers: safety comes from Postgres rejecting old tokens, so a
 //! counter that goes backwards costs liveness (rejected writes) until it is reseeded, never
 //! correctness.
@@ -45,16 +46,24 @@ pub const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// How many times an acquire is re-sent, with the same owner id, after a transport error.
 const ACQUIRE_ATTEMPTS: u32 = 3;
 
-/// The Redis key of `resource`'s lock.
+/// The Redis key of `resource`'s lock: `pgfence:{R}:lock`, or `pgfence:{D}:lock:NAME` for
+/// resource `NAME` in fencing domain `D` (one hash slot per domain).
 #[must_use]
 pub fn lock_key(resource: &Resource) -> String {
-    format!("pgfence:{{{resource}}}:lock")
+    match resource.domain() {
+        Some(domain) => {
+            let name = &resource.as_str()[domain.len() + 2..];
+            format!("pgfence:{{{domain}}}:lock:{name}")
+        }
+        None => format!("pgfence:{{{resource}}}:lock"),
+    }
 }
 
-/// The Redis key of `resource`'s fence counter.
+/// The Redis key of `resource`'s token counter: `pgfence:{R}:fence`, or the domain's
+/// `pgfence:{D}:fence`, shared by every resource of the domain.
 #[must_use]
 pub fn counter_key(resource: &Resource) -> String {
-    format!("pgfence:{{{resource}}}:fence")
+    format!("pgfence:{{{}}}:fence", resource.counter_id())
 }
 
 /// Validates a lease TTL.
@@ -479,6 +488,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
                 target: StaleTarget::Resource(lease.resource.to_string()),
                 presented: lease.token.get(),
                 current: mark,
+                other_counter: false,
             });
         }
         tracing::info!(
