@@ -636,8 +636,22 @@ async fn malformed_input_and_unreachable_servers_fail_cleanly() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no PostgreSQL URL"));
 }
 
+/// The index of the one line of `out` that contains `needle`.
+fn line_of(out: &str, needle: &str) -> usize {
+    let found: Vec<usize> = out
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.contains(needle))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(found.len(), 1, "{needle:?} once in:\n{out}");
+    found[0]
+}
+
 /// The demo on a machine where the servers are installed but not running: it starts its own,
-/// shows the rejection, and leaves no process or directory behind.
+/// shows the rejection, and leaves no process or directory behind. The story: B claims the row
+/// and writes twice under one lease; A, the zombie, wakes between B's two writes and is
+/// rejected; B's second write still applies.
 #[tokio::test]
 async fn simulate_starts_and_removes_its_own_servers() {
     let out = Command::new(BIN)
@@ -652,11 +666,44 @@ async fn simulate_starts_and_removes_its_own_servers() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    line_of(
+        &stdout,
+        "A      claims batch-42 with token 1: status = pending",
+    );
+    let b_claim = line_of(
+        &stdout,
+        "B      claims batch-42 with token 2: status = pending",
+    );
+    let b_first = line_of(
+        &stdout,
+        "B      step 1: writes status = processing by B with token 2: applied",
+    );
+    let a_rejected = line_of(
+        &stdout,
+        "A      step 1: writes status = processing by A with token 1: \
+         REJECTED: stale token (presented 1, current 2)",
+    );
+    let b_second = line_of(
+        &stdout,
+        "B      step 2: writes status = paid, paid_by = B with token 2: \
+         applied (same lease, second write)",
+    );
     assert!(
-        stdout.contains("REJECTED: stale token (presented 1, current 2)"),
+        b_claim < b_first && b_first < a_rejected && a_rejected < b_second,
+        "A's rejection between B's two writes:\n{stdout}"
+    );
+    line_of(&stdout, "A      stops: a newer lease owns batch-42");
+    assert!(!stdout.contains("A      step 2"), "A stopped:\n{stdout}");
+    assert!(
+        stdout.contains(
+            "result: the row holds B's final write (status = paid, paid_by = B, fence = 2)"
+        ),
         "{stdout}"
     );
-    assert!(stdout.contains("the row holds B's write"), "{stdout}");
+    assert!(
+        stdout.contains("audit:  1 rejected write(s)") && stdout.contains("fencing works."),
+        "{stdout}"
+    );
     let stderr = String::from_utf8(out.stderr).unwrap();
     assert!(
         stderr.contains("pgfence::audit") && stderr.contains("presented=1 current=2"),
@@ -680,9 +727,35 @@ async fn simulate_without_fencing_shows_the_damage_and_leaves_no_demo_table() {
     let db = TestDb::new().await;
     let cli = Cli::new(&db).await;
     let out = cli.ok(&["simulate", "--no-fence"]);
+    // The same job without fencing: A's writes land, over each of B's.
+    let b_first = line_of(
+        &out,
+        "B      step 1: writes status = processing by B: applied (no fence to check)",
+    );
+    let a_first = line_of(
+        &out,
+        "A      step 1: writes status = processing by A: applied (no fence to check)",
+    );
+    let b_second = line_of(
+        &out,
+        "B      step 2: writes status = paid, paid_by = B: applied (no fence to check)",
+    );
+    let a_second = line_of(
+        &out,
+        "A      step 2: writes status = paid, paid_by = A: applied (no fence to check)",
+    );
+    assert!(
+        b_first < a_first && a_first < b_second && b_second < a_second,
+        "{out}"
+    );
+    assert!(!out.contains("REJECTED"), "{out}");
+    assert!(
+        out.contains("result: the row says status = paid, paid_by = A"),
+        "{out}"
+    );
     assert!(
         out.contains(
-            "DAMAGE: A's stale write (token 1, unfenced) overwrote B's newer write (token 2)"
+            "DAMAGE: A's stale writes (token 1, unfenced) overwrote both of B's newer writes (token 2)"
         ),
         "{out}"
     );
@@ -722,6 +795,16 @@ async fn simulate_mermaid_is_a_sequence_diagram() {
         .count();
     assert!(arrows >= 12, "{out}");
     assert!(out.contains("P--xA: REJECTED"), "{out}");
+    assert!(!out.contains("P--xB"), "{out}");
+    assert_eq!(out.matches("P-->>B: applied").count(), 2, "{out}");
+    assert!(
+        out.contains("B->>P: ") && out.contains("claim batch-42 fence=2"),
+        "{out}"
+    );
+    assert!(
+        out.contains("step 2 UPDATE status = paid, paid_by = B fence=2"),
+        "{out}"
+    );
     // Every line after the header is a participant, a message, or a note.
     for l in &lines[1..] {
         let l = l.trim();

@@ -15,8 +15,12 @@ pub enum What {
         /// Its lease TTL.
         ttl: Duration,
     },
-    /// A worker read the row.
+    /// A worker read the row: claimed it with its token (fenced), or a plain read.
     Read {
+        /// The token it claimed the row with; `None` for an unfenced read.
+        claimed_with: Option<i64>,
+        /// The row's status.
+        status: String,
         /// Who the row says paid.
         paid_by: String,
     },
@@ -26,8 +30,12 @@ pub enum What {
     Expired,
     /// Worker A resumes.
     Wake,
-    /// A worker wrote the row, or tried to.
+    /// A worker wrote the row, or tried to: one step of its job.
     Write {
+        /// Which step of the job (1: processing, 2: paid).
+        step: u8,
+        /// What it set, in words (`status = paid, paid_by = B`).
+        set: String,
         /// The token it wrote with; `None` for an unfenced write.
         token: Option<i64>,
         /// Whether Postgres applied it.
@@ -35,6 +43,10 @@ pub enum What {
         /// What Postgres answered.
         detail: String,
     },
+    /// A worker calls the payment provider between its two writes; it takes this long.
+    Provider(Duration),
+    /// A worker gave up its job: a newer lease owns the row.
+    FencedOut,
     /// A worker released the lock; what Redis answered.
     Released(&'static str),
 }

@@ -1,9 +1,12 @@
 //! `pgfence simulate`: the lock-expiry race, replayed with real servers and real timing.
 //!
-//! Worker A takes the lock, reads, and pauses past the TTL (a stand-in for a GC pause or VM
-//! stall). The lock expires; worker B takes it with a newer token and writes. A wakes, still
-//! believing it holds the lock, and writes too. With fencing, Postgres rejects A's write;
-//! with `--no-fence`, A's stale write silently overwrites B's.
+//! Two workers run the same job under the lock: claim the row, write step 1 (`processing`),
+//! call the payment provider, write step 2 (`paid`) — several writes under one lease. Worker A
+//! claims the row and pauses past the TTL (a stand-in for a GC pause or VM stall). The lock
+//! expires; worker B takes it with a newer token, claims the row and writes step 1. A wakes,
+//! still believing it holds the lock, and writes its step 1; then B writes step 2. With
+//! fencing, Postgres rejects A's write (A stops) and still applies B's second write under the
+//! same lease; with `--no-fence`, A's stale writes silently overwrite both of B's.
 
 mod events;
 mod race;
@@ -70,12 +73,10 @@ pub async fn simulate(conn: &Conn, args: &SimulateArgs) -> Result<ExitCode> {
         servers::cleanup(&stage).await;
     }
     let (a_token, b_token) = tokens?;
-    let (paid_by, fence) = final_row?;
     let outcome = Outcome {
         a_token,
         b_token,
-        paid_by,
-        fence,
+        row: final_row?,
         audit: audit?,
         events: stage.rec.sorted(),
     };

@@ -1,5 +1,7 @@
-//! The scenario: two workers, one lock, one row. A pauses past its lease; B takes the lock and
-//! writes; A wakes and writes too.
+//! The scenario: two workers run the same two-step job on one row under one lock. A claims the
+//! row and pauses past its lease; B takes the lock, claims the row and writes step 1; A wakes
+//! and writes its step 1; B writes step 2 under the same lease. Fenced, A's write is rejected
+//! and A stops, while B's second write is applied; unfenced, A overwrites both of B's writes.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,21 +9,29 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use pgfence::{Error, FenceToken, Issuer, Lease, LeaseState, Repository, Resource, TableName};
 use sqlx::{AssertSqlSafe, PgPool};
+use tokio::sync::Notify;
 
 use super::events::{Recorder, What};
 
+/// The demo row's key.
+const BATCH: &str = "batch-42";
+
+/// How long a worker waits at most for the other worker's step it must follow.
+const CUE_WAIT: Duration = Duration::from_secs(10);
+
 /// A row of the demo table, whose name is chosen at run time.
+#[derive(Clone, sqlx::FromRow)]
 pub struct DemoRow {
     batch: String,
+    status: String,
     paid_by: String,
-    amount: i64,
 }
 
 // The demo's table name is random; `Repository::for_table` supplies it.
 pgfence::fenced_table!(DemoRow {
     table: "pgfence_demo",
     key: batch: String,
-    columns: [paid_by, amount],
+    columns: [status, paid_by],
 });
 
 /// Everything the two workers share.
@@ -44,23 +54,53 @@ pub struct Stage {
     pub rec: Recorder,
 }
 
+/// The points where one worker's step must follow the other's. The timing is real and
+/// normally orders the steps by itself; a worker also waits (at most [`CUE_WAIT`]) for the
+/// step it must follow, so a loaded machine, or a `--pause` barely longer than `--ttl`, cannot
+/// reorder the story.
+#[derive(Default)]
+struct Cues {
+    /// B has written step 1 (A's step 1 comes after it).
+    b_first: Notify,
+    /// A has tried its step 1 (B's step 2 comes after it).
+    a_first: Notify,
+    /// B has written step 2 (an unfenced A's step 2 comes after it).
+    b_second: Notify,
+}
+
+/// Waits for `cue`, or [`CUE_WAIT`] if it never comes (the other worker failed).
+async fn after(cue: &Notify) {
+    let _ = tokio::time::timeout(CUE_WAIT, cue.notified()).await;
+}
+
 /// Runs both workers; returns (A's token, B's token).
 pub async fn race(stage: Arc<Stage>, ttl: Duration, pause: Duration) -> Result<(i64, i64)> {
+    // The provider call between a job's two writes: B's outlasts A's pause, so A wakes
+    // between B's two writes.
+    let provider = pause.saturating_sub(ttl / 2);
+    let cues = Arc::new(Cues::default());
     let a = {
-        let stage = stage.clone();
-        tokio::spawn(async move { worker_a(&stage, ttl, pause).await })
+        let (stage, cues) = (stage.clone(), cues.clone());
+        tokio::spawn(async move { worker_a(&stage, &cues, ttl, pause, provider).await })
     };
     let b = {
-        let stage = stage.clone();
-        tokio::spawn(async move { worker_b(&stage, ttl, pause).await })
+        let (stage, cues) = (stage.clone(), cues.clone());
+        tokio::spawn(async move { worker_b(&stage, &cues, ttl, pause, provider).await })
     };
     let a_token = a.await.context("worker A panicked")??;
     let b_token = b.await.context("worker B panicked")??;
     Ok((a_token, b_token))
 }
 
-/// Takes the lock, reads, pauses past the TTL, wakes and writes anyway.
-async fn worker_a(stage: &Stage, ttl: Duration, pause: Duration) -> Result<i64> {
+/// Takes the lock, claims the row, pauses past the TTL, wakes and carries on with its job
+/// anyway: step 1, and (if that was applied) the provider call and step 2.
+async fn worker_a(
+    stage: &Stage,
+    cues: &Cues,
+    ttl: Duration,
+    pause: Duration,
+    provider: Duration,
+) -> Result<i64> {
     let rec = &stage.rec;
     let acquired_at = rec.t0.elapsed();
     let lease = stage
@@ -76,37 +116,65 @@ async fn worker_a(stage: &Stage, ttl: Duration, pause: Duration) -> Result<i64> 
         },
     );
     rec.record_at(acquired_at + ttl, '-', What::Expired);
-    let paid_by = read(stage).await?;
-    rec.record('A', What::Read { paid_by });
+    let mut row = claim(stage, 'A', &lease).await?;
     rec.record('A', What::Pause(pause));
     tokio::time::sleep(pause).await;
     rec.record('A', What::Wake);
-    write(stage, 'A', &lease).await?;
+    after(&cues.b_first).await;
+    let applied = write(stage, 'A', &lease, &mut row, 1).await;
+    cues.a_first.notify_one();
+    if applied? {
+        rec.record('A', What::Provider(provider));
+        tokio::time::sleep(provider).await;
+        after(&cues.b_second).await;
+        write(stage, 'A', &lease, &mut row, 2).await?;
+    } else {
+        rec.record('A', What::FencedOut);
+    }
     let state = stage.issuer.release(&lease).await?;
     rec.record('A', What::Released(release_word(state)));
     Ok(lease.token().get())
 }
 
-/// Queues for the lock behind A, gets it once A's lease expires, reads and writes.
-async fn worker_b(stage: &Stage, ttl: Duration, pause: Duration) -> Result<i64> {
+/// Queues for the lock behind A, gets it once A's lease expires, and runs the job under that
+/// one lease: claim, step 1, the provider call, step 2.
+async fn worker_b(
+    stage: &Stage,
+    cues: &Cues,
+    ttl: Duration,
+    pause: Duration,
+    provider: Duration,
+) -> Result<i64> {
     let rec = &stage.rec;
-    // Let A go first; then queue for the lock like a second job instance would.
+    // Let A go first; then queue for the lock like a second job instance would. The lease
+    // (as long as A's pause) outlasts the job, which ends about half a TTL after A wakes.
     tokio::time::sleep(Duration::from_millis(20)).await;
+    let lease_ttl = ttl.max(pause);
     let lease = stage
         .issuer
-        .acquire_wait(&stage.resource, ttl.max(pause), pause * 2)
+        .acquire_wait(&stage.resource, lease_ttl, pause * 2)
         .await?
         .context("worker B never got the lock")?;
     rec.record(
         'B',
         What::Acquired {
             token: lease.token().get(),
-            ttl: ttl.max(pause),
+            ttl: lease_ttl,
         },
     );
-    let paid_by = read(stage).await?;
-    rec.record('B', What::Read { paid_by });
-    write(stage, 'B', &lease).await?;
+    let mut row = claim(stage, 'B', &lease).await?;
+    let applied = write(stage, 'B', &lease, &mut row, 1).await;
+    cues.b_first.notify_one();
+    if applied? {
+        rec.record('B', What::Provider(provider));
+        tokio::time::sleep(provider).await;
+        after(&cues.a_first).await;
+        let applied = write(stage, 'B', &lease, &mut row, 2).await;
+        cues.b_second.notify_one();
+        applied?;
+    } else {
+        rec.record('B', What::FencedOut);
+    }
     let state = stage.issuer.release(&lease).await?;
     rec.record('B', What::Released(release_word(state)));
     Ok(lease.token().get())
@@ -121,81 +189,120 @@ fn release_word(state: LeaseState) -> &'static str {
     }
 }
 
-/// Who the demo row says paid.
-async fn read(stage: &Stage) -> Result<String> {
-    let sql = format!(
-        "SELECT paid_by FROM {} WHERE batch = 'batch-42'",
-        stage.table.quoted()
+/// Reads the demo row before the job's writes: fenced, claims it for `lease` in the same
+/// statement (claim before read); unfenced, a plain `SELECT`.
+async fn claim(stage: &Stage, actor: char, lease: &Lease) -> Result<DemoRow> {
+    let key = BATCH.to_owned();
+    let (row, claimed_with) = if let (true, Some(repo)) = (stage.fenced, &stage.repo) {
+        let row: DemoRow = repo.claim(&stage.pool, lease, &key).await?;
+        (row, Some(lease.token().get()))
+    } else {
+        let sql = format!(
+            "SELECT batch, status, paid_by FROM {} WHERE batch = $1",
+            stage.table.quoted()
+        );
+        let row: DemoRow = sqlx::query_as(AssertSqlSafe(sql))
+            .bind(&key)
+            .fetch_one(&stage.pool)
+            .await?;
+        (row, None)
+    };
+    stage.rec.record(
+        actor,
+        What::Read {
+            claimed_with,
+            status: row.status.clone(),
+            paid_by: row.paid_by.clone(),
+        },
     );
-    Ok(sqlx::query_scalar(AssertSqlSafe(sql))
-        .fetch_one(&stage.pool)
-        .await?)
+    Ok(row)
 }
 
-/// Writes `paid_by = actor`: fenced through the repository, or a plain `UPDATE`.
-async fn write(stage: &Stage, actor: char, lease: &Lease) -> Result<()> {
-    let row = DemoRow {
-        batch: "batch-42".into(),
-        paid_by: actor.to_string(),
-        amount: 100,
+/// Writes step `step` of `actor`'s job into `row` and the table: step 1 marks the batch
+/// `processing by <actor>`, step 2 marks it `paid` by `actor`. Fenced through the repository,
+/// or a plain `UPDATE`. True if the write was applied, false if it was rejected as stale.
+async fn write(
+    stage: &Stage,
+    actor: char,
+    lease: &Lease,
+    row: &mut DemoRow,
+    step: u8,
+) -> Result<bool> {
+    let set = if step == 1 {
+        row.status = format!("processing by {actor}");
+        format!("status = {}", row.status)
+    } else {
+        row.status = "paid".into();
+        row.paid_by = actor.to_string();
+        format!("status = {}, paid_by = {}", row.status, row.paid_by)
     };
-    let rec = &stage.rec;
-    if let (true, Some(repo)) = (stage.fenced, &stage.repo) {
-        match repo.update(&stage.pool, lease, &row).await {
-            Ok(()) => rec.record(
-                actor,
-                What::Write {
-                    token: Some(lease.token().get()),
-                    applied: true,
-                    detail: "applied".into(),
-                },
+    let (token, applied, detail) = if let (true, Some(repo)) = (stage.fenced, &stage.repo) {
+        match repo.update(&stage.pool, lease, &*row).await {
+            Ok(()) if step == 1 => (Some(lease.token().get()), true, "applied".to_owned()),
+            Ok(()) => (
+                Some(lease.token().get()),
+                true,
+                "applied (same lease, second write)".to_owned(),
             ),
             Err(Error::StaleToken {
                 presented, current, ..
-            }) => rec.record(
-                actor,
-                What::Write {
-                    token: Some(presented),
-                    applied: false,
-                    detail: format!(
-                        "REJECTED: stale token (presented {presented}, current {current})"
-                    ),
-                },
+            }) => (
+                Some(presented),
+                false,
+                format!("REJECTED: stale token (presented {presented}, current {current})"),
             ),
             Err(e) => return Err(e.into()),
         }
     } else {
         let sql = format!(
-            "UPDATE {} SET paid_by = $1, amount = $2 WHERE batch = 'batch-42'",
+            "UPDATE {} SET status = $1, paid_by = $2 WHERE batch = $3",
             stage.table.quoted()
         );
         sqlx::query(AssertSqlSafe(sql))
+            .bind(&row.status)
             .bind(&row.paid_by)
-            .bind(row.amount)
+            .bind(&row.batch)
             .execute(&stage.pool)
             .await?;
-        rec.record(
-            actor,
-            What::Write {
-                token: None,
-                applied: true,
-                detail: "applied (no fence to check)".into(),
-            },
-        );
-    }
-    Ok(())
+        (None, true, "applied (no fence to check)".to_owned())
+    };
+    stage.rec.record(
+        actor,
+        What::Write {
+            step,
+            set,
+            token,
+            applied,
+            detail,
+        },
+    );
+    Ok(applied)
 }
 
-/// The demo row once the race is over: who paid, and the token its fence was written with
-/// (0 when unfenced). A stored fence also packs the holder's tag and a write sequence; the
-/// story is told in tokens.
-pub async fn final_row(stage: &Stage) -> Result<(String, i64)> {
-    let (paid_by, fence): (String, i64) = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT paid_by, {} FROM {} WHERE batch = 'batch-42'",
+/// The demo row once the race is over.
+pub struct FinalRow {
+    /// Its status.
+    pub status: String,
+    /// Who it says paid.
+    pub paid_by: String,
+    /// The token its fence was written with (0 when unfenced). A stored fence also packs the
+    /// holder's tag and a write sequence; the story is told in tokens.
+    pub token: i64,
+}
+
+/// The demo row once the race is over.
+pub async fn final_row(stage: &Stage) -> Result<FinalRow> {
+    let (status, paid_by, fence): (String, String, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT status, paid_by, {} FROM {} WHERE batch = $1",
         if stage.fenced { "fence" } else { "0::bigint" },
         stage.table.quoted()
     )))
+    .bind(BATCH)
     .fetch_one(&stage.pool)
     .await?;
-    Ok((paid_by, FenceToken::of_fence(fence)))
+    Ok(FinalRow {
+        status,
+        paid_by,
+        token: FenceToken::of_fence(fence),
+    })
 }

@@ -8,6 +8,7 @@ use std::fmt::Write as _;
 use pgfence::AuditEntry;
 
 use super::events::{Event, What};
+use super::race::FinalRow;
 use crate::util::fmt_duration;
 
 /// Prints narration: to stdout, except in `--mermaid` mode where stdout is the diagram.
@@ -33,10 +34,8 @@ pub struct Outcome {
     pub a_token: i64,
     /// B's fence token.
     pub b_token: i64,
-    /// Who the row says paid in the end.
-    pub paid_by: String,
-    /// The token the row's fence was written with in the end (0 when unfenced).
-    pub fence: i64,
+    /// The demo row in the end.
+    pub row: FinalRow,
     /// The demo resource's audit rows.
     pub audit: Vec<AuditEntry>,
     /// Everything that happened, in time order.
@@ -56,22 +55,27 @@ pub fn print_events(events: &[Event], fenced: bool, mermaid: bool) {
 }
 
 /// Says what the race did to the row; true if it went as the mode predicts (fenced: A
-/// rejected and audited; unfenced: A's stale write won).
+/// rejected and audited, both of B's writes applied; unfenced: A's stale writes won).
 pub fn verdict(say: &Narrator, outcome: &Outcome, fenced: bool) -> bool {
     let Outcome {
         a_token,
         b_token,
-        paid_by,
-        fence,
+        row,
         audit,
         events,
     } = outcome;
-    let a_rejected = events
-        .iter()
-        .any(|e| e.actor == 'A' && matches!(e.what, What::Write { applied: false, .. }));
+    let writes = |actor: char, applied: bool| {
+        events
+            .iter()
+            .filter(|e| {
+                e.actor == actor && matches!(e.what, What::Write { applied: a, .. } if a == applied)
+            })
+            .count()
+    };
     if fenced {
         say.line(format!(
-            "result: the row holds B's write (paid_by = {paid_by}, fence = {fence})"
+            "result: the row holds B's final write (status = {}, paid_by = {}, fence = {})",
+            row.status, row.paid_by, row.token
         ));
         say.line(format!(
             "audit:  {} rejected write(s) recorded in pgfence.audit{}",
@@ -87,22 +91,33 @@ pub fn verdict(say: &Narrator, outcome: &Outcome, fenced: bool) -> bool {
                 ))
                 .unwrap_or_default()
         ));
-        let ok = a_rejected && paid_by == "B" && audit.len() == 1;
+        let ok = writes('A', false) == 1
+            && writes('A', true) == 0
+            && writes('B', true) == 2
+            && row.paid_by == "B"
+            && row.status == "paid"
+            && row.token == *b_token
+            && audit.len() == 1;
         if ok {
             say.line(format!(
-                "A's stale write (token {a_token}) was REJECTED because B's token {b_token} had already written: fencing works."
+                "A's stale write (token {a_token}) was REJECTED because B's token {b_token} had already claimed the row; \
+                 B's second write under the same lease was applied after it: fencing works."
             ));
         } else {
             say.line("unexpected outcome: A's stale write was not rejected as expected".into());
         }
         ok
     } else {
-        say.line(format!("result: the row says paid_by = {paid_by}"));
-        let damaged = paid_by == "A";
+        say.line(format!(
+            "result: the row says status = {}, paid_by = {}",
+            row.status, row.paid_by
+        ));
+        let damaged = row.paid_by == "A" && writes('A', true) == 2;
         if damaged {
             say.line(format!(
-                "DAMAGE: A's stale write (token {a_token}, unfenced) overwrote B's newer write (token {b_token}). \
-                 Both workers believed they held the lock. Run without --no-fence to see fencing stop it."
+                "DAMAGE: A's stale writes (token {a_token}, unfenced) overwrote both of B's newer writes (token {b_token}): \
+                 B's step 1, then B's final paid_by = B. Both workers believed they held the lock, and both paid batch-42. \
+                 Run without --no-fence to see fencing stop it."
             ));
         } else {
             say.line("the race did not reproduce this time (try a longer --pause)".into());
@@ -125,7 +140,17 @@ fn describe(e: &Event) -> String {
             "acquires the lock (TTL {}) -> fence token {token}",
             fmt_duration(*ttl)
         ),
-        What::Read { paid_by } => format!("reads batch-42: paid_by = {paid_by}"),
+        What::Read {
+            claimed_with,
+            status,
+            paid_by,
+        } => format!(
+            "{}: status = {status}, paid_by = {paid_by}",
+            match claimed_with {
+                Some(t) => format!("claims batch-42 with token {t}"),
+                None => "reads batch-42".into(),
+            }
+        ),
         What::Pause(d) => format!(
             "pauses for {} (GC pause, VM stall, swap...)",
             fmt_duration(*d)
@@ -135,15 +160,19 @@ fn describe(e: &Event) -> String {
         }
         What::Wake => "wakes up, still believing it holds the lock".into(),
         What::Write {
-            token: Some(t),
+            step,
+            set,
+            token,
             detail,
             ..
-        } => format!("writes paid_by = {} with token {t}: {detail}", e.actor),
-        What::Write {
-            token: None,
-            detail,
-            ..
-        } => format!("writes paid_by = {}: {detail}", e.actor),
+        } => format!(
+            "step {step}: writes {set}{}: {detail}",
+            token
+                .map(|t| format!(" with token {t}"))
+                .unwrap_or_default()
+        ),
+        What::Provider(d) => format!("calls the payment provider ({})", fmt_duration(*d)),
+        What::FencedOut => "stops: a newer lease owns batch-42, so its job is over".into(),
         What::Released(word) => (*word).to_owned(),
     }
 }
@@ -178,8 +207,16 @@ fn mermaid(events: &[Event], fenced: bool) -> String {
                 "    {who}->>R: +{at}ms acquire lock (TTL {})\n    R-->>{who}: token {token}\n",
                 fmt_duration(*ttl)
             ),
-            What::Read { paid_by } => format!(
-                "    {who}->>P: +{at}ms read batch-42\n    P-->>{who}: paid_by = {paid_by}\n"
+            What::Read {
+                claimed_with,
+                status,
+                paid_by,
+            } => format!(
+                "    {who}->>P: +{at}ms {}\n    P-->>{who}: status = {status}, paid_by = {paid_by}\n",
+                match claimed_with {
+                    Some(t) => format!("claim batch-42 fence={t}"),
+                    None => "read batch-42".into(),
+                }
             ),
             What::Pause(d) => format!(
                 "    Note over A: +{at}ms paused {} (GC)\n",
@@ -190,6 +227,8 @@ fn mermaid(events: &[Event], fenced: bool) -> String {
                 format!("    Note over A: +{at}ms wakes, still believes it holds the lock\n")
             }
             What::Write {
+                step,
+                set,
                 token,
                 applied,
                 detail,
@@ -200,7 +239,14 @@ fn mermaid(events: &[Event], fenced: bool) -> String {
                 } else {
                     format!("P--x{who}: {detail}")
                 };
-                format!("    {who}->>P: +{at}ms UPDATE paid_by={who}{with}\n    {reply}\n")
+                format!("    {who}->>P: +{at}ms step {step} UPDATE {set}{with}\n    {reply}\n")
+            }
+            What::Provider(d) => format!(
+                "    Note over {who}: +{at}ms calls the payment provider {}\n",
+                fmt_duration(*d)
+            ),
+            What::FencedOut => {
+                format!("    Note over {who}: +{at}ms stops, a newer lease owns the row\n")
             }
             What::Released(word) => {
                 format!("    {who}->>R: +{at}ms release\n    R-->>{who}: {word}\n")
@@ -212,9 +258,9 @@ fn mermaid(events: &[Event], fenced: bool) -> String {
         out,
         "    Note over P: {}",
         if fenced {
-            "fenced: stale write rejected"
+            "fenced: A's stale write rejected, B's second write applied"
         } else {
-            "unfenced: stale write overwrote B"
+            "unfenced: A's stale writes overwrote both of B's"
         }
     );
     out

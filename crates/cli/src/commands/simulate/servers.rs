@@ -90,8 +90,8 @@ pub async fn setup(servers: &Servers, fenced: bool, say: &Narrator) -> Result<Ar
     let table = TableName::new("public", &format!("pgfence_demo_{suffix}"))?;
     let resource = Resource::new(format!("demo:payments:batch-42:{suffix}"))?;
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE TABLE {t} (batch text PRIMARY KEY, paid_by text NOT NULL, amount bigint NOT NULL);
-         INSERT INTO {t} VALUES ('batch-42', 'nobody', 0);",
+        "CREATE TABLE {t} (batch text PRIMARY KEY, status text NOT NULL, paid_by text NOT NULL);
+         INSERT INTO {t} VALUES ('batch-42', 'pending', 'nobody');",
         t = table.quoted()
     )))
     .execute(&pool)
