@@ -156,6 +156,16 @@ pub enum Error {
         reason: String,
     },
 
+    /// A batch write was refused before anything was sent: too many rows, the same key twice,
+    /// or a table type whose [`FencedTable`](crate::FencedTable) impl does not bind arrays.
+    #[error("invalid batch for {table}: {reason}")]
+    InvalidBatch {
+        /// The (quoted) table.
+        table: String,
+        /// What is wrong (for duplicate keys, the keys as JSON arrays).
+        reason: String,
+    },
+
     /// The table to guard does not exist.
     #[error("table {0} does not exist")]
     TableNotFound(String),

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 mod audit;
+mod batch;
 mod error;
 mod fence;
 mod guard;
@@ -17,6 +18,7 @@ pub use audit::{
     AuditEntry, AuditEvent, AuditFilter, AuditSink, Auditor, DEFAULT_AUDIT_TIMEOUT, LOG_TARGET,
     Rejection, list as list_audit, prune as prune_audit,
 };
+pub use batch::{BatchOutcome, BatchSummary, Claimed, MAX_BATCH_ROWS, RowOutcome};
 pub use error::{
     Error, Result, SQLSTATE_DUPLICATE, SQLSTATE_EXHAUSTED, SQLSTATE_FENCE_TYPE, SQLSTATE_PROTECTED,
     SQLSTATE_STALE, StaleTarget,
@@ -29,6 +31,6 @@ pub use issuer::{
     RedisConnections, check_ttl, counter_key, default_connections, lock_key, new_owner_id,
 };
 pub use migrate::{MigrationInfo, migrate, status as migration_status};
-pub use repository::{FencedTable, PgQuery, Repository, Upserted, WriteExecutor};
+pub use repository::{FencedTable, KeyArrays, PgQuery, Repository, Upserted, WriteExecutor};
 pub use resource::{MAX_RESOURCE_LEN, Resource};
 pub use token::{FenceToken, Fencing, MAX_TOKEN, MAX_WRITES_PER_ROW, Relation};

@@ -51,6 +51,54 @@ pub trait FencedTable: Send + Sync + 'static {
     fn bind_columns(&self, query: PgQuery) -> PgQuery;
     /// Binds a bare key, in [`Self::KEY_COLUMNS`] order.
     fn bind_key_value(key: &Self::Key, query: PgQuery) -> PgQuery;
+
+    /// Binds the key columns of `rows` as arrays, one per key column in
+    /// [`Self::KEY_COLUMNS`] order, for batch writes ([`Repository::update_many`]...).
+    /// [`fenced_table!`](crate::fenced_table) implements it; the default returns `None`, and
+    /// batch methods then fail with [`Error::InvalidBatch`].
+    fn bind_key_arrays(rows: &[&Self], query: PgQuery) -> Option<PgQuery> {
+        let _ = (rows, query);
+        None
+    }
+    /// Binds the other columns of `rows` as arrays, one per column in [`Self::COLUMNS`]
+    /// order. See [`FencedTable::bind_key_arrays`].
+    fn bind_column_arrays(rows: &[&Self], query: PgQuery) -> Option<PgQuery> {
+        let _ = (rows, query);
+        None
+    }
+    /// Binds bare keys as arrays, one per key column. See [`FencedTable::bind_key_arrays`].
+    fn bind_key_value_arrays(keys: &[&Self::Key], query: PgQuery) -> Option<PgQuery> {
+        let _ = (keys, query);
+        None
+    }
+}
+
+/// Binds the columns of tuple keys as arrays, one per element (for
+/// [`FencedTable::bind_key_value_arrays`] of composite keys; used by
+/// [`fenced_table!`](crate::fenced_table)).
+pub trait KeyArrays {
+    /// Binds `keys`' elements as one array per tuple position.
+    fn bind_arrays(keys: &[&Self], query: PgQuery) -> PgQuery;
+}
+
+macro_rules! key_arrays_for_tuples {
+    ($(($($t:ident . $i:tt),+))+) => {$(
+        impl<$($t),+> KeyArrays for ($($t,)+)
+        where
+            $($t: Clone, Vec<$t>: for<'q> sqlx::Encode<'q, Postgres> + sqlx::Type<Postgres> + Send + 'static,)+
+        {
+            fn bind_arrays(keys: &[&Self], query: PgQuery) -> PgQuery {
+                query $(.bind(keys.iter().map(|k| k.$i.clone()).collect::<Vec<$t>>()))+
+            }
+        }
+    )+};
+}
+
+key_arrays_for_tuples! {
+    (A.0)
+    (A.0, B.1)
+    (A.0, B.1, C.2)
+    (A.0, B.1, C.2, D.3)
 }
 
 /// Declares a struct as a fenced table: its field names are the column names.
@@ -91,6 +139,15 @@ macro_rules! fenced_table {
                 let ($($key,)+) = key;
                 q $(.bind($key))+
             }
+            fn bind_key_arrays(rows: &[&Self], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
+                Some(q $(.bind(rows.iter().map(|r| r.$key.clone()).collect::<Vec<_>>()))+)
+            }
+            fn bind_column_arrays(rows: &[&Self], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
+                Some(q $(.bind(rows.iter().map(|r| r.$col.clone()).collect::<Vec<_>>()))*)
+            }
+            fn bind_key_value_arrays(keys: &[&Self::Key], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
+                Some(<Self::Key as $crate::KeyArrays>::bind_arrays(keys, q))
+            }
         }
     };
     ($ty:ty { $(schema: $schema:literal,)? table: $table:literal,
@@ -104,6 +161,15 @@ macro_rules! fenced_table {
             fn bind_key(&self, q: $crate::PgQuery) -> $crate::PgQuery { q.bind(&self.$key) }
             fn bind_columns(&self, q: $crate::PgQuery) -> $crate::PgQuery { q $(.bind(&self.$col))* }
             fn bind_key_value(key: &Self::Key, q: $crate::PgQuery) -> $crate::PgQuery { q.bind(key) }
+            fn bind_key_arrays(rows: &[&Self], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
+                Some(q.bind(rows.iter().map(|r| r.$key.clone()).collect::<Vec<_>>()))
+            }
+            fn bind_column_arrays(rows: &[&Self], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
+                Some(q $(.bind(rows.iter().map(|r| r.$col.clone()).collect::<Vec<_>>()))*)
+            }
+            fn bind_key_value_arrays(keys: &[&Self::Key], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
+                Some(q.bind(keys.iter().map(|k| (*k).clone()).collect::<Vec<$kty>>()))
+            }
         }
     };
 }
@@ -155,13 +221,13 @@ impl<'c> WriteExecutor<'c> for &'c mut sqlx::PgConnection {
 
 /// The connection a write's statements run on: one checked out of the pool for the whole
 /// write, or the caller's.
-enum Lent<'c> {
+pub(crate) enum Lent<'c> {
     Pooled(sqlx::pool::PoolConnection<Postgres>),
     Borrowed(&'c mut sqlx::PgConnection),
 }
 
 impl<'c> WriteTarget<'c> {
-    async fn lend(self) -> sqlx::Result<Lent<'c>> {
+    pub(crate) async fn lend(self) -> sqlx::Result<Lent<'c>> {
         Ok(match self {
             Self::Pool(pool) => Lent::Pooled(pool.acquire().await?),
             Self::Connection(conn) => Lent::Borrowed(conn),
@@ -170,7 +236,7 @@ impl<'c> WriteTarget<'c> {
 }
 
 impl Lent<'_> {
-    fn conn(&mut self) -> &mut sqlx::PgConnection {
+    pub(crate) fn conn(&mut self) -> &mut sqlx::PgConnection {
         match self {
             Self::Pooled(conn) => conn,
             Self::Borrowed(conn) => conn,
@@ -179,7 +245,7 @@ impl Lent<'_> {
 
     /// Whether every statement is a transaction of its own: only for a pooled connection
     /// (only the client knows; the server cannot tell autocommit from a transaction block).
-    fn own_transaction(&self) -> bool {
+    pub(crate) fn own_transaction(&self) -> bool {
         matches!(self, Self::Pooled(_))
     }
 }
@@ -202,7 +268,7 @@ pub enum Upserted {
 /// the caller's transaction.
 pub struct Repository<T> {
     table: Arc<TableName>,
-    sql: Arc<Statements>,
+    pub(crate) sql: Arc<Statements>,
     auditor: Auditor,
     _row: PhantomData<fn() -> T>,
 }
@@ -287,6 +353,10 @@ impl<T: FencedTable> Repository<T> {
     #[must_use]
     pub fn table(&self) -> &TableName {
         &self.table
+    }
+
+    pub(crate) fn auditor(&self) -> &Auditor {
+        &self.auditor
     }
 
     /// The exact text of the update statement (for benchmarks comparing it with raw sqlx).
@@ -560,7 +630,7 @@ async fn explain_row<T: FencedTable>(
 }
 
 /// The message of an error raised inside `pgfence.record_rejection`.
-fn audit_failure(e: &sqlx::Error) -> Option<String> {
+pub(crate) fn audit_failure(e: &sqlx::Error) -> Option<String> {
     let sqlx::Error::Database(db) = e else {
         return None;
     };

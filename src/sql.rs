@@ -61,6 +61,12 @@ pub(crate) enum Slot {
     Holder,
     /// Whether the statement is a transaction of its own (bool).
     OwnTransaction,
+    /// Batch: the key columns as arrays, one placeholder each.
+    KeyArrays,
+    /// Batch: the data columns as arrays, one placeholder each.
+    ColumnArrays,
+    /// Batch: the input positions of the rows an explaining statement is about (bigint[]).
+    Ordinals,
 }
 
 /// Hands out `$1, $2, ...` in bind order and records what each placeholder binds.
@@ -145,13 +151,54 @@ impl Statement {
                     (Slot::Resource, _) => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
                     (Slot::Holder, _) => q.bind(fencing.holder.clone()),
                     (Slot::OwnTransaction, _) => q.bind(own_transaction),
+                    // Array slots belong to batch statements (`bind_batch`).
+                    (Slot::KeyArrays | Slot::ColumnArrays | Slot::Ordinals, _) => q,
                 }
             })
     }
 }
 
-/// The SQL of one table: each write, the claim, and the statements that explain a write that
-/// changed nothing.
+/// What a batch statement's array slots take their values from.
+pub(crate) enum BatchSource<'a, T: FencedTable> {
+    /// Whole rows: key and data columns.
+    Rows(&'a [&'a T]),
+    /// Bare keys (delete, claim): no data columns.
+    Keys(&'a [&'a T::Key]),
+}
+
+impl Statement {
+    /// A batch statement with every value bound, in placeholder order; `None` when `T`'s
+    /// [`FencedTable`] impl does not bind arrays. `ordinals` are the input positions an
+    /// explaining statement reports on.
+    pub(crate) fn bind_batch<T: FencedTable>(
+        &self,
+        source: &BatchSource<'_, T>,
+        ordinals: &[i64],
+        fencing: &Fencing,
+        own_transaction: bool,
+    ) -> Option<PgQuery> {
+        let mut q = sqlx::query(self.text.clone());
+        for slot in &self.slots {
+            q = match (slot, source) {
+                (Slot::KeyArrays, BatchSource::Rows(rows)) => T::bind_key_arrays(rows, q)?,
+                (Slot::KeyArrays, BatchSource::Keys(keys)) => T::bind_key_value_arrays(keys, q)?,
+                (Slot::ColumnArrays, BatchSource::Rows(rows)) => T::bind_column_arrays(rows, q)?,
+                (Slot::ColumnArrays, BatchSource::Keys(_)) => q,
+                (Slot::Ordinals, _) => q.bind(ordinals.to_vec()),
+                (Slot::LeaseFence, _) => q.bind(fencing.lease_fence()),
+                (Slot::Token, _) => q.bind(fencing.token.get()),
+                (Slot::Resource, _) => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
+                (Slot::Holder, _) => q.bind(fencing.holder.clone()),
+                (Slot::OwnTransaction, _) => q.bind(own_transaction),
+                (Slot::Key | Slot::Columns, _) => q,
+            };
+        }
+        Some(q)
+    }
+}
+
+/// The SQL of one table: each write, the claim, the statements that explain a write that
+/// changed nothing, and their batch forms.
 #[derive(Debug)]
 pub(crate) struct Statements {
     pub update: Statement,
@@ -161,6 +208,25 @@ pub(crate) struct Statements {
     pub explain_update: Statement,
     pub explain_upsert: Statement,
     pub explain_delete: Statement,
+    pub batch: BatchStatements,
+}
+
+/// The batch forms: one statement per batch, the rows passed as one array per column and
+/// expanded with `ROWS FROM (unnest(..), ..) WITH ORDINALITY`, so the text does not depend on
+/// the batch's size and is prepared once. Each returns, for the rows it applied, their input
+/// position (`ord`, 1-based) — and for upsert whether the row was inserted — and, instead of
+/// writing anything, the keys that appear twice in the batch (`dup`). The explaining
+/// statement takes the keys and positions of the rows that were not applied.
+#[derive(Debug)]
+pub(crate) struct BatchStatements {
+    pub update: Statement,
+    pub upsert: Statement,
+    pub delete: Statement,
+    pub claim: Statement,
+    pub explain_update: Statement,
+    pub explain_upsert: Statement,
+    pub explain_delete: Statement,
+    pub explain_claim: Statement,
 }
 
 /// Whether a stored fence admits a write of the lease whose lease fence is `lease`.
@@ -348,7 +414,213 @@ impl Statements {
             explain_update: explain("update", false),
             explain_upsert: explain("upsert", true),
             explain_delete: explain("delete", false),
+            batch: BatchStatements::build(&t, &table_literal, keys, cols, audit_lock_timeout_ms),
         })
+    }
+}
+
+impl BatchStatements {
+    fn build(
+        t: &str,
+        table_literal: &str,
+        keys: &[Ident],
+        cols: &[Ident],
+        audit_lock_timeout_ms: Option<i32>,
+    ) -> Self {
+        // Input columns get generated names (k0.., c0.., ord), so no user column can clash.
+        let kn: Vec<String> = (0..keys.len()).map(|i| format!("i.k{i}")).collect();
+        let cn: Vec<String> = (0..cols.len()).map(|i| format!("i.c{i}")).collect();
+        let rel = format!("{table_literal}::pg_catalog.regclass::pg_catalog.oid");
+        let input = |p: &mut Params, with_cols: bool| {
+            let mut arrays = p.many(Slot::KeyArrays, keys.len());
+            let mut names: Vec<String> = (0..keys.len()).map(|i| format!("k{i}")).collect();
+            if with_cols {
+                arrays.extend(p.many(Slot::ColumnArrays, cols.len()));
+                names.extend((0..cols.len()).map(|i| format!("c{i}")));
+            }
+            let unnests: Vec<String> = arrays
+                .iter()
+                .map(|a| format!("pg_catalog.unnest({a})"))
+                .collect();
+            format!(
+                "i AS (SELECT * FROM ROWS FROM ({}) WITH ORDINALITY AS i({}, ord)), \
+                 dup AS (SELECT {kj} AS key FROM i GROUP BY {k} \
+                 HAVING pg_catalog.count(*) OPERATOR(pg_catalog.>) 1)",
+                unnests.join(", "),
+                names.join(", "),
+                kj = key_json(&kn),
+                k = kn.join(", "),
+            )
+        };
+        let matches = |alias: &str| {
+            keys.iter()
+                .zip(&kn)
+                .map(|(c, i)| format!("{alias}.{} {EQ} {i}", c.quoted()))
+                .collect::<Vec<_>>()
+                .join(" AND ")
+        };
+        let set_cols: String = cols
+            .iter()
+            .zip(&cn)
+            .map(|(c, i)| format!("{} = {i}, ", c.quoted()))
+            .collect();
+        let applied_or_dup = "SELECT w.ord, NULL::pg_catalog.text AS dup FROM w \
+             UNION ALL SELECT NULL, dup.key FROM dup";
+        let no_dup = "NOT EXISTS (SELECT 1 FROM dup)";
+
+        let update = {
+            let mut p = Params::default();
+            let i = input(&mut p, true);
+            let lease = p.one(Slot::LeaseFence);
+            p.finish(format!(
+                "WITH {i}, w AS (UPDATE {t} AS tgt SET {set_cols}\"fence\" = {next} FROM i \
+                 WHERE {m} AND {admit} AND {no_dup} RETURNING i.ord) {applied_or_dup}",
+                next = next_fence("tgt.\"fence\"", &lease),
+                m = matches("tgt"),
+                admit = admits("tgt.\"fence\"", &lease),
+            ))
+        };
+
+        let upsert = {
+            let mut p = Params::default();
+            let i = input(&mut p, true);
+            let lease = p.one(Slot::LeaseFence);
+            let all_cols: Vec<String> = keys.iter().chain(cols).map(Ident::quoted).collect();
+            let all_vals: Vec<String> = kn.iter().chain(&cn).cloned().collect();
+            let conflict_set: String = cols
+                .iter()
+                .map(|c| format!("{0} = EXCLUDED.{0}, ", c.quoted()))
+                .collect();
+            let key_cols: Vec<String> = keys.iter().map(Ident::quoted).collect();
+            let returned: Vec<String> = keys
+                .iter()
+                .enumerate()
+                .map(|(n, c)| format!("cur.{} AS r{n}", c.quoted()))
+                .collect();
+            let joined = keys
+                .iter()
+                .enumerate()
+                .map(|(n, _)| format!("w.r{n} {EQ} i.k{n}"))
+                .collect::<Vec<_>>()
+                .join(" AND ");
+            let tomb = format!(
+                "(SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel {EQ} {rel} \
+                 AND tb.row_key {EQ} {})",
+                key_json(&kn)
+            );
+            p.finish(format!(
+                "WITH {i}, w AS (INSERT INTO {t} AS cur ({cols}, \"fence\") \
+                 SELECT {vals}, {lease} FROM i WHERE {no_dup} \
+                 AND (coalesce({tomb_admits}, true) OR EXISTS (SELECT 1 FROM {t} x WHERE {mx})) \
+                 ON CONFLICT ({keys}) DO UPDATE SET {conflict_set}\"fence\" = {next} \
+                 WHERE {admit} \
+                 RETURNING {returned}, (cur.xmax {EQ} 0) AS inserted) \
+                 SELECT i.ord, w.inserted, NULL::pg_catalog.text AS dup FROM w JOIN i ON {joined} \
+                 UNION ALL SELECT NULL, NULL, dup.key FROM dup",
+                cols = all_cols.join(", "),
+                vals = all_vals.join(", "),
+                tomb_admits = admits(&tomb, &lease),
+                mx = matches("x"),
+                keys = key_cols.join(", "),
+                next = next_fence("cur.\"fence\"", &lease),
+                admit = admits("cur.\"fence\"", &lease),
+                returned = returned.join(", "),
+            ))
+        };
+
+        let delete = {
+            let mut p = Params::default();
+            let i = input(&mut p, false);
+            let lease = p.one(Slot::LeaseFence);
+            p.finish(format!(
+                "WITH {i}, w AS (DELETE FROM {t} AS tgt USING i WHERE {m} AND {admit} AND {no_dup} \
+                 RETURNING i.ord, {kj} AS key, {next} AS f), \
+                 tomb AS (INSERT INTO pgfence.tombstone AS tb (rel, row_key, fence) \
+                 SELECT {rel}, w.key, w.f FROM w \
+                 ON CONFLICT (rel, row_key) DO UPDATE SET fence = GREATEST(tb.fence, EXCLUDED.fence), \
+                 deleted_at = pg_catalog.now()) {applied_or_dup}",
+                m = matches("tgt"),
+                admit = admits("tgt.\"fence\"", &lease),
+                kj = key_json(&kn),
+                next = next_fence("tgt.\"fence\"", &lease),
+            ))
+        };
+
+        // Claim returns the claimed rows (`tgt.*`) with their position; `pgfence_dups` counts
+        // duplicate keys (then nothing was claimed and the row's other columns are NULL).
+        let claim = {
+            let mut p = Params::default();
+            let i = input(&mut p, false);
+            let lease = p.one(Slot::LeaseFence);
+            p.finish(format!(
+                "WITH {i}, w AS (UPDATE {t} AS tgt SET \"fence\" = {next} FROM i \
+                 WHERE {m} AND {admit} AND {no_dup} RETURNING i.ord AS pgfence_ord, tgt.*) \
+                 SELECT d.pgfence_dups, w.* FROM (SELECT pg_catalog.count(*) AS pgfence_dups FROM dup) d \
+                 LEFT JOIN w ON true ORDER BY w.pgfence_ord",
+                next = next_fence("tgt.\"fence\"", &lease),
+                m = matches("tgt"),
+                admit = admits("tgt.\"fence\"", &lease),
+            ))
+        };
+
+        let explain = |operation: &str, with_tombstone: bool| {
+            let mut p = Params::default();
+            let arrays = p.many(Slot::KeyArrays, keys.len());
+            let ords = p.one(Slot::Ordinals);
+            let lease = p.one(Slot::LeaseFence);
+            let mut unnests: Vec<String> = arrays
+                .iter()
+                .map(|a| format!("pg_catalog.unnest({a})"))
+                .collect();
+            unnests.push(format!("pg_catalog.unnest({ords})"));
+            let mut names: Vec<String> = (0..keys.len()).map(|i| format!("k{i}")).collect();
+            names.push("ord".to_owned());
+            let current = if with_tombstone {
+                "coalesce(c.current, c.tombstone)"
+            } else {
+                "c.current"
+            };
+            let audit = audit_column(
+                &mut p,
+                table_literal,
+                &lease,
+                current,
+                operation,
+                audit_lock_timeout_ms,
+            );
+            let (outer, inner) = if with_tombstone {
+                (
+                    ", c.tombstone",
+                    format!(
+                        ", (SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel {EQ} {rel} \
+                         AND tb.row_key {EQ} {}) AS tombstone",
+                        key_json(&kn)
+                    ),
+                )
+            } else {
+                ("", String::new())
+            };
+            p.finish(format!(
+                "SELECT c.ord, c.current, c.row_key{outer}, {audit} AS audit FROM (\
+                 SELECT i.ord, (SELECT tgt.\"fence\" FROM {t} tgt WHERE {m}) AS current, \
+                 {kj} AS row_key{inner} \
+                 FROM ROWS FROM ({u}) AS i({n}) OFFSET 0) c ORDER BY c.ord",
+                m = matches("tgt"),
+                kj = key_json(&kn),
+                u = unnests.join(", "),
+                n = names.join(", "),
+            ))
+        };
+        Self {
+            update,
+            upsert,
+            delete,
+            claim,
+            explain_update: explain("update", false),
+            explain_upsert: explain("upsert", true),
+            explain_delete: explain("delete", false),
+            explain_claim: explain("claim", false),
+        }
     }
 }
 
@@ -454,6 +726,42 @@ mod tests {
         );
         assert_eq!(highest(s.explain_upsert.text()), 7);
         assert!(s.explain_update.text().contains("$7::pg_catalog.bool"));
+    }
+
+    #[test]
+    fn batch_statements_bind_one_array_per_column_then_the_lease() {
+        let s = build("billing.ledger_line", &["batch", "line"], &["amount"]);
+        let b = &s.batch;
+        assert_eq!(
+            b.update.slots,
+            [Slot::KeyArrays, Slot::ColumnArrays, Slot::LeaseFence]
+        );
+        assert!(b.update.text().starts_with(
+            "WITH i AS (SELECT * FROM ROWS FROM (pg_catalog.unnest($1), pg_catalog.unnest($2), \
+             pg_catalog.unnest($3)) WITH ORDINALITY AS i(k0, k1, c0, ord))"
+        ));
+        assert!(b.update.text().contains("\"amount\" = i.c0, \"fence\" = GREATEST(tgt.\"fence\" OPERATOR(pg_catalog.+) 1::pg_catalog.int8, $4)"));
+        assert_eq!(b.delete.slots, [Slot::KeyArrays, Slot::LeaseFence]);
+        assert!(b.delete.text().contains(
+            "tgt.\"batch\" OPERATOR(pg_catalog.=) i.k0 AND tgt.\"line\" OPERATOR(pg_catalog.=) i.k1"
+        ));
+        assert_eq!(
+            b.explain_update.slots,
+            [
+                Slot::KeyArrays,
+                Slot::Ordinals,
+                Slot::LeaseFence,
+                Slot::Token,
+                Slot::Resource,
+                Slot::Holder,
+                Slot::OwnTransaction
+            ]
+        );
+        assert!(
+            b.explain_update
+                .text()
+                .contains("pg_catalog.unnest($3)) AS i(k0, k1, ord)")
+        );
     }
 
     #[test]

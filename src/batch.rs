@@ -1,0 +1,482 @@
+//! Batch fenced writes: many rows in one statement, one outcome per row.
+//!
+//! [`Repository::update_many`], [`upsert_many`](Repository::upsert_many),
+//! [`delete_many`](Repository::delete_many) and [`claim_many`](Repository::claim_many) send
+//! the batch as one array per column in **one statement** whose text does not depend on the
+//! batch's size. Every row gets its own [`RowOutcome`], in input order; nothing is collapsed.
+//! As for single writes, a batch whose rows all applied costs that one statement; only when
+//! some rows were not applied does a second statement, about those rows only, tell stale
+//! from duplicate token from not found — and, on a pool, write one audit row per rejected row
+//! in that same statement (on a connection the [`Auditor`](crate::Auditor)'s pool writes them).
+//! Each rejected row is logged as its own WARN event with the usual fields.
+//!
+//! Rules: an empty batch is a no-op (no statement is sent); a batch naming one key twice is
+//! refused before anything is written ([`Error::InvalidBatch`], listing the keys); a batch
+//! of more than [`MAX_BATCH_ROWS`] rows is refused (split it; parameters never run out, as
+//! each column is one array parameter). Inside the caller's transaction (`&mut *tx`) a batch
+//! is part of that transaction; on a pool it is a transaction of its own, applied rows and
+//! rejections alike.
+
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+
+use crate::audit::{AuditRow, Rejection};
+use crate::repository::{Lent, WriteExecutor, audit_failure};
+use crate::sql::{BatchSource, Statement};
+use crate::token::Relation;
+use crate::{Error, FenceToken, FencedTable, Fencing, Repository, Result};
+
+/// The most rows one batch call takes.
+pub const MAX_BATCH_ROWS: usize = 10_000;
+
+/// What happened to one row of a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RowOutcome {
+    /// Written (update, delete, claim).
+    Applied,
+    /// Upsert: the row did not exist and was inserted.
+    Inserted,
+    /// Upsert: the row existed and was updated.
+    Updated,
+    /// A newer lease had written or claimed the row (or, for upsert, deleted it). Audited.
+    Stale {
+        /// The token of that lease.
+        current: i64,
+        /// That token came from another counter (another resource or fencing domain).
+        other_counter: bool,
+    },
+    /// Another lease presented the same token at this row (the counter went backwards).
+    /// Audited.
+    DuplicateToken,
+    /// No such row.
+    NotFound,
+    /// This lease wrote the row [`MAX_WRITES_PER_ROW`](crate::MAX_WRITES_PER_ROW) times.
+    Exhausted,
+    /// The row was replaced while the batch ran; nothing was written to it. Retryable.
+    Contended,
+}
+
+impl RowOutcome {
+    /// Whether the row was written.
+    #[must_use]
+    pub fn is_applied(self) -> bool {
+        matches!(self, Self::Applied | Self::Inserted | Self::Updated)
+    }
+}
+
+/// Counts of a batch's outcomes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchSummary {
+    /// Rows written (inserted and updated included).
+    pub applied: usize,
+    /// Upsert: rows inserted.
+    pub inserted: usize,
+    /// Upsert: rows updated.
+    pub updated: usize,
+    /// Rows a newer lease had written.
+    pub stale: usize,
+    /// Rows where another lease had presented the same token.
+    pub duplicate_token: usize,
+    /// Rows that did not exist.
+    pub not_found: usize,
+    /// Rows this lease had written too often.
+    pub exhausted: usize,
+    /// Rows replaced while the batch ran.
+    pub contended: usize,
+}
+
+/// One outcome per input row, in input order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BatchOutcome {
+    /// The outcomes, `rows[i]` for input row `i`.
+    pub rows: Vec<RowOutcome>,
+}
+
+impl BatchOutcome {
+    /// Counts by outcome.
+    #[must_use]
+    pub fn summary(&self) -> BatchSummary {
+        let mut s = BatchSummary::default();
+        for row in &self.rows {
+            match row {
+                RowOutcome::Applied => s.applied += 1,
+                RowOutcome::Inserted => {
+                    s.applied += 1;
+                    s.inserted += 1;
+                }
+                RowOutcome::Updated => {
+                    s.applied += 1;
+                    s.updated += 1;
+                }
+                RowOutcome::Stale { .. } => s.stale += 1,
+                RowOutcome::DuplicateToken => s.duplicate_token += 1,
+                RowOutcome::NotFound => s.not_found += 1,
+                RowOutcome::Exhausted => s.exhausted += 1,
+                RowOutcome::Contended => s.contended += 1,
+            }
+        }
+        s
+    }
+
+    /// Whether every row was written.
+    #[must_use]
+    pub fn all_applied(&self) -> bool {
+        self.rows.iter().all(|r| r.is_applied())
+    }
+}
+
+/// What [`Repository::claim_many`] returns: the claimed rows and every row's outcome.
+#[derive(Clone, Debug)]
+pub struct Claimed<R> {
+    /// `rows[i]` is input key `i`'s row when it was claimed, `None` otherwise.
+    pub rows: Vec<Option<R>>,
+    /// One outcome per input key.
+    pub outcome: BatchOutcome,
+}
+
+impl<T: FencedTable> Repository<T> {
+    /// Updates many existing rows under one lease, in one statement: like
+    /// [`Repository::update`] for each row, with one [`RowOutcome`] per row in input order.
+    ///
+    /// # Errors
+    /// [`Error::InvalidBatch`] for a key given twice, more than [`MAX_BATCH_ROWS`] rows, or a
+    /// table type that does not bind arrays (nothing is written); [`Error::Database`].
+    /// Stale, duplicate-token and missing rows are outcomes, not errors.
+    ///
+    /// # Example
+    /// ```no_run
+    /// # #[derive(Clone)] struct Invoice { id: i64, status: String }
+    /// # pgfence::fenced_table!(Invoice { table: "invoices", key: id: i64, columns: [status] });
+    /// # async fn f(pool: sqlx::PgPool, lease: pgfence::Lease, invoices: Vec<Invoice>) -> pgfence::Result<()> {
+    /// let repo = pgfence::Repository::<Invoice>::new(pool.clone())?;
+    /// let outcome = repo.update_many(&pool, &lease, &invoices).await?;
+    /// let summary = outcome.summary();
+    /// if summary.stale > 0 {
+    ///     // A newer lease owns some of these invoices: this job has been fenced out.
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn update_many<'c, E: WriteExecutor<'c>>(
+        &self,
+        exec: E,
+        fencing: impl Into<Fencing>,
+        rows: &[T],
+    ) -> Result<BatchOutcome> {
+        let refs: Vec<&T> = rows.iter().collect();
+        self.write_many(exec, &fencing.into(), BatchSource::Rows(&refs), Op::Update)
+            .await
+    }
+
+    /// Inserts or updates many rows under one lease, in one statement: like
+    /// [`Repository::upsert`] for each row ([`RowOutcome::Inserted`] / [`RowOutcome::Updated`]).
+    ///
+    /// # Errors
+    /// As [`Repository::update_many`].
+    pub async fn upsert_many<'c, E: WriteExecutor<'c>>(
+        &self,
+        exec: E,
+        fencing: impl Into<Fencing>,
+        rows: &[T],
+    ) -> Result<BatchOutcome> {
+        let refs: Vec<&T> = rows.iter().collect();
+        self.write_many(exec, &fencing.into(), BatchSource::Rows(&refs), Op::Upsert)
+            .await
+    }
+
+    /// Deletes many rows under one lease, in one statement, leaving tombstones: like
+    /// [`Repository::delete`] for each key.
+    ///
+    /// # Errors
+    /// As [`Repository::update_many`].
+    pub async fn delete_many<'c, E: WriteExecutor<'c>>(
+        &self,
+        exec: E,
+        fencing: impl Into<Fencing>,
+        keys: &[T::Key],
+    ) -> Result<BatchOutcome> {
+        let refs: Vec<&T::Key> = keys.iter().collect();
+        self.write_many(exec, &fencing.into(), BatchSource::Keys(&refs), Op::Delete)
+            .await
+    }
+
+    /// Claims many rows for the lease and reads them, in one statement: like
+    /// [`Repository::claim`] for each key.
+    ///
+    /// # Errors
+    /// As [`Repository::update_many`].
+    pub async fn claim_many<'c, E, R>(
+        &self,
+        exec: E,
+        fencing: impl Into<Fencing>,
+        keys: &[T::Key],
+    ) -> Result<Claimed<R>>
+    where
+        E: WriteExecutor<'c>,
+        R: for<'r> sqlx::FromRow<'r, PgRow> + Send + Unpin,
+    {
+        let fencing = fencing.into();
+        let refs: Vec<&T::Key> = keys.iter().collect();
+        let source = BatchSource::<T>::Keys(&refs);
+        let mut claimed: Vec<Option<R>> =
+            std::iter::repeat_with(|| None).take(keys.len()).collect();
+        if keys.is_empty() {
+            return Ok(Claimed {
+                rows: claimed,
+                outcome: BatchOutcome::default(),
+            });
+        }
+        self.check_size(keys.len())?;
+        let mut lent = exec.into_target().lend().await?;
+        let query = self.bound(&self.sql.batch.claim, &source, &[], &fencing, false)?;
+        let mut outcomes = vec![None; keys.len()];
+        for row in query.fetch_all(lent.conn()).await? {
+            if row.try_get::<i64, _>("pgfence_dups")? > 0 {
+                return Err(self.invalid("the same key appears more than once in the batch"));
+            }
+            if let Some(ord) = row.try_get::<Option<i64>, _>("pgfence_ord")? {
+                let i = index(ord, keys.len())?;
+                claimed[i] = Some(R::from_row(&row)?);
+                outcomes[i] = Some(RowOutcome::Applied);
+            }
+        }
+        let outcome = self
+            .explain_rest(&mut lent, &source, &fencing, outcomes, Op::Claim)
+            .await?;
+        Ok(Claimed {
+            rows: claimed,
+            outcome,
+        })
+    }
+
+    async fn write_many<'c, E: WriteExecutor<'c>>(
+        &self,
+        exec: E,
+        fencing: &Fencing,
+        source: BatchSource<'_, T>,
+        op: Op,
+    ) -> Result<BatchOutcome> {
+        let n = match &source {
+            BatchSource::Rows(rows) => rows.len(),
+            BatchSource::Keys(keys) => keys.len(),
+        };
+        if n == 0 {
+            return Ok(BatchOutcome::default());
+        }
+        self.check_size(n)?;
+        let statement = match op {
+            Op::Update => &self.sql.batch.update,
+            Op::Upsert => &self.sql.batch.upsert,
+            Op::Delete | Op::Claim => &self.sql.batch.delete,
+        };
+        let mut lent = exec.into_target().lend().await?;
+        let query = self.bound(statement, &source, &[], fencing, false)?;
+        let mut outcomes = vec![None; n];
+        let mut dups = Vec::new();
+        for row in query.fetch_all(lent.conn()).await? {
+            if let Some(key) = row.try_get::<Option<String>, _>("dup")? {
+                dups.push(key);
+                continue;
+            }
+            let Some(ord) = row.try_get::<Option<i64>, _>("ord")? else {
+                continue;
+            };
+            outcomes[index(ord, n)?] = Some(match op {
+                Op::Upsert if row.try_get::<bool, _>("inserted")? => RowOutcome::Inserted,
+                Op::Upsert => RowOutcome::Updated,
+                _ => RowOutcome::Applied,
+            });
+        }
+        if !dups.is_empty() {
+            return Err(self.invalid(&format!(
+                "keys appear more than once in the batch (nothing was written): {}",
+                dups.join(", ")
+            )));
+        }
+        self.explain_rest(&mut lent, &source, fencing, outcomes, op)
+            .await
+    }
+
+    /// Explains the rows `outcomes` has no outcome for (they were not applied), records
+    /// their rejections, and returns every row's outcome.
+    async fn explain_rest(
+        &self,
+        lent: &mut Lent<'_>,
+        source: &BatchSource<'_, T>,
+        fencing: &Fencing,
+        mut outcomes: Vec<Option<RowOutcome>>,
+        op: Op,
+    ) -> Result<BatchOutcome> {
+        let missing: Vec<usize> = (0..outcomes.len())
+            .filter(|&i| outcomes[i].is_none())
+            .collect();
+        if !missing.is_empty() {
+            let ords: Vec<i64> = missing
+                .iter()
+                .map(|&i| i64::try_from(i + 1).unwrap_or(i64::MAX))
+                .collect();
+            let (rows, keys);
+            let subset = match source {
+                BatchSource::Rows(all) => {
+                    rows = missing.iter().map(|&i| all[i]).collect::<Vec<_>>();
+                    BatchSource::Rows(&rows)
+                }
+                BatchSource::Keys(all) => {
+                    keys = missing.iter().map(|&i| all[i]).collect::<Vec<_>>();
+                    BatchSource::Keys(&keys)
+                }
+            };
+            let explain = match op {
+                Op::Update => &self.sql.batch.explain_update,
+                Op::Upsert => &self.sql.batch.explain_upsert,
+                Op::Delete => &self.sql.batch.explain_delete,
+                Op::Claim => &self.sql.batch.explain_claim,
+            };
+            let own = lent.own_transaction();
+            let first = self
+                .bound(explain, &subset, &ords, fencing, own)?
+                .fetch_all(lent.conn())
+                .await;
+            let (explained, audit_error) = match first {
+                Ok(rows) => (rows, None),
+                Err(e) => match audit_failure(&e) {
+                    // The in-statement audit failed: explain again without it, keep the error.
+                    Some(audit_error) => (
+                        self.bound(explain, &subset, &ords, fencing, false)?
+                            .fetch_all(lent.conn())
+                            .await?,
+                        Some(audit_error),
+                    ),
+                    None => return Err(e.into()),
+                },
+            };
+            for row in &explained {
+                let i = index(row.try_get("ord")?, outcomes.len())?;
+                outcomes[i] = Some(self.classify_row(row, fencing, op, &audit_error).await?);
+            }
+        }
+        Ok(BatchOutcome {
+            rows: outcomes
+                .into_iter()
+                .map(|o| o.unwrap_or(RowOutcome::Contended))
+                .collect(),
+        })
+    }
+
+    /// One explained row's outcome; a rejection is logged and audited.
+    async fn classify_row(
+        &self,
+        row: &PgRow,
+        fencing: &Fencing,
+        op: Op,
+        audit_error: &Option<String>,
+    ) -> Result<RowOutcome> {
+        let mut fence = row.try_get::<Option<i64>, _>("current")?;
+        if fence.is_none() && op == Op::Upsert {
+            // No row but a tombstone: a lease deleted it.
+            fence = row.try_get::<Option<i64>, _>("tombstone")?;
+            if fence.is_none() {
+                return Ok(RowOutcome::Contended);
+            }
+        }
+        let Some(fence) = fence else {
+            return Ok(RowOutcome::NotFound);
+        };
+        let outcome = match fencing.classify(fence) {
+            Relation::Newer { other_counter } => RowOutcome::Stale {
+                current: FenceToken::of_fence(fence),
+                other_counter,
+            },
+            Relation::Duplicate => RowOutcome::DuplicateToken,
+            Relation::Exhausted => return Ok(RowOutcome::Exhausted),
+            Relation::Older | Relation::Own => return Ok(RowOutcome::Contended),
+        };
+        let audit_row = match audit_error {
+            Some(e) => AuditRow::Failed(e.clone()),
+            None if row.try_get::<Option<String>, _>("audit")?.is_some() => AuditRow::Written,
+            None => AuditRow::Pending,
+        };
+        let rejection = Rejection {
+            resource: fencing.resource.as_ref().map(ToString::to_string),
+            table: Some(self.table().quoted()),
+            key: row.try_get::<Option<String>, _>("row_key")?,
+            presented: fencing.token.get(),
+            current: Some(FenceToken::of_fence(fence)),
+            holder: fencing.holder.clone(),
+            operation: op.name(),
+            other_counter: matches!(
+                outcome,
+                RowOutcome::Stale {
+                    other_counter: true,
+                    ..
+                }
+            ),
+        };
+        self.auditor().record(&rejection, audit_row).await;
+        Ok(outcome)
+    }
+
+    fn bound(
+        &self,
+        statement: &Statement,
+        source: &BatchSource<'_, T>,
+        ords: &[i64],
+        fencing: &Fencing,
+        own_transaction: bool,
+    ) -> Result<crate::PgQuery> {
+        statement
+            .bind_batch(source, ords, fencing, own_transaction)
+            .ok_or_else(|| {
+                self.invalid("its FencedTable impl does not bind arrays (use fenced_table!)")
+            })
+    }
+
+    fn check_size(&self, n: usize) -> Result<()> {
+        if n > MAX_BATCH_ROWS {
+            return Err(self.invalid(&format!(
+                "{n} rows; at most {MAX_BATCH_ROWS} per call (split the batch)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn invalid(&self, reason: &str) -> Error {
+        Error::InvalidBatch {
+            table: self.table().quoted(),
+            reason: reason.to_owned(),
+        }
+    }
+}
+
+/// Which batch write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Update,
+    Upsert,
+    Delete,
+    Claim,
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::Update => "update",
+            Op::Upsert => "upsert",
+            Op::Delete => "delete",
+            Op::Claim => "claim",
+        }
+    }
+}
+
+/// The 0-based index of a 1-based position the server returned.
+fn index(ord: i64, len: usize) -> Result<usize> {
+    usize::try_from(ord)
+        .ok()
+        .and_then(|o| o.checked_sub(1))
+        .filter(|&i| i < len)
+        .ok_or_else(|| {
+            Error::Database(sqlx::Error::Protocol(format!(
+                "batch statement returned position {ord} for a batch of {len}"
+            )))
+        })
+}
