@@ -16,10 +16,35 @@ pub enum Mode {
     /// `Fence::check` + read + fenced update in one transaction: token order and no lost
     /// updates.
     Fenced,
+    /// One lease, 2–3 transactions, each `Fence::check` + read + fenced increment: the lease is
+    /// a session of work; token order and no lost updates.
+    FencedMulti,
+    /// One lease: `Repository::claim` (fences the row and reads it), then 2–4 fenced updates
+    /// (the first increments) over 1–3 transactions: token order and no lost updates without a
+    /// resource check.
+    RowClaim,
     /// Read, then a fenced row update: token order per row, but lost updates remain possible.
     RowFence,
     /// Read, then a plain `UPDATE ... SET value = $1` on an unguarded table: the control.
     Unfenced,
+}
+
+impl Mode {
+    /// Every mode, in the order `--all-modes` runs them (the control last).
+    pub const ALL: [Mode; 5] = [
+        Mode::Fenced,
+        Mode::FencedMulti,
+        Mode::RowClaim,
+        Mode::RowFence,
+        Mode::Unfenced,
+    ];
+
+    /// Whether the mode must show no violation *and* no lost update (the row fence alone only
+    /// promises token order; the unfenced control promises nothing).
+    #[must_use]
+    pub fn prevents_lost_updates(self) -> bool {
+        matches!(self, Mode::Fenced | Mode::FencedMulti | Mode::RowClaim)
+    }
 }
 
 impl std::str::FromStr for Mode {
@@ -27,10 +52,12 @@ impl std::str::FromStr for Mode {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "fenced" | "tx" => Ok(Mode::Fenced),
+            "fenced-multi" | "fenced_multi" | "multi" => Ok(Mode::FencedMulti),
+            "row-claim" | "row_claim" | "claim" => Ok(Mode::RowClaim),
             "row-fence" | "row_fence" | "row" => Ok(Mode::RowFence),
             "unfenced" | "none" => Ok(Mode::Unfenced),
             other => Err(format!(
-                "unknown mode {other:?} (expected fenced, row-fence or unfenced)"
+                "unknown mode {other:?} (expected fenced, fenced-multi, row-claim, row-fence or unfenced)"
             )),
         }
     }
@@ -40,6 +67,8 @@ impl fmt::Display for Mode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Mode::Fenced => "fenced",
+            Mode::FencedMulti => "fenced-multi",
+            Mode::RowClaim => "row-claim",
             Mode::RowFence => "row-fence",
             Mode::Unfenced => "unfenced",
         })
@@ -78,7 +107,9 @@ pub struct Config {
     pub ttl: Duration,
     /// How long a worker waits for a busy lock before giving up on that unit.
     pub acquire_wait: Duration,
-    /// Probability that a unit stalls once, either before its read or between read and write.
+    /// Probability that a unit stalls once: before its read or between read and write; in the
+    /// multi-statement modes before any one of its statements (between transactions or inside
+    /// one).
     pub pause_probability: f64,
     /// Shortest injected stall (make it longer than `ttl` so the lease expires).
     pub pause_min: Duration,

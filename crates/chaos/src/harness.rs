@@ -12,7 +12,7 @@ use sqlx::postgres::PgPoolOptions;
 use tokio::time::Instant;
 
 use crate::faults::kill_backends;
-use crate::schema::{self, Cell};
+use crate::schema::{self, Cell, ClaimCell};
 use crate::util::{lock, millis};
 use crate::verify::{RunId, RunOutput, verify};
 use crate::worker::{Plan, worker};
@@ -50,6 +50,8 @@ pub(crate) struct Ctx {
     pub(crate) pool: PgPool,
     pub(crate) fence: Fence,
     pub(crate) repo: Repository<Cell>,
+    /// The same table, as the row-claim mode claims and writes it.
+    pub(crate) claim_repo: Repository<ClaimCell>,
     pub(crate) issuer: Issuer,
     /// For the counter resets.
     pub(crate) redis: ConnectionManager,
@@ -116,7 +118,7 @@ impl Harness {
     /// Each run gets fresh rows keyed by its run id; the tables (and the run's audit rows) stay
     /// for inspection afterwards — `DROP SCHEMA pgfence_chaos CASCADE` removes them.
     ///
-    /// The fence and the repository share one [`Auditor`] whose sink is the run's
+    /// The fence and the repositories share one [`Auditor`] whose sink is the run's
     /// [`AuditCounter`].
     ///
     /// # Errors
@@ -145,7 +147,8 @@ impl Harness {
         let audit = Arc::new(AuditCounter::new());
         let auditor = Auditor::new(audit_pool).sink(audit.clone());
         let fence = Fence::with_auditor(auditor.clone());
-        let repo = Repository::<Cell>::with_auditor(auditor)?;
+        let repo = Repository::<Cell>::with_auditor(auditor.clone())?;
+        let claim_repo = Repository::<ClaimCell>::with_auditor(auditor)?;
         let shared = Arc::new(Shared {
             started: Mutex::new(Instant::now()),
             units: AtomicU64::new(0),
@@ -161,6 +164,7 @@ impl Harness {
                 pool,
                 fence,
                 repo,
+                claim_repo,
                 issuer,
                 redis,
                 shared,

@@ -11,9 +11,11 @@ pub enum Stage {
     Begin,
     /// `Fence::check`.
     Check,
+    /// `Repository::claim` (row-claim mode).
+    Claim,
     /// Reading the value.
     Read,
-    /// The row update.
+    /// A row update.
     Write,
     /// The history insert.
     Record,
@@ -48,7 +50,8 @@ pub enum Outcome {
     },
 }
 
-/// One attempted write.
+/// One try of a unit: one write in the single-transaction modes, the unit's statements (from
+/// `first_txn` on) in the multi-statement modes.
 #[derive(Clone, Debug, Serialize)]
 pub struct Attempt {
     /// The work unit (one lease).
@@ -71,8 +74,15 @@ pub struct Attempt {
     pub paused_ms: u64,
     /// The value read, if the read happened.
     pub value_read: Option<i64>,
-    /// The value written, if the write statement succeeded.
+    /// The value written, if the write statement succeeded (the last one, in the
+    /// multi-statement modes).
     pub value_written: Option<i64>,
+    /// The first of the unit's transactions this try ran (0 except for a `fenced-multi` retry,
+    /// which resumes at the transaction that failed).
+    pub first_txn: u32,
+    /// Transactions of this try whose `COMMIT` was acknowledged; the outcome (if not
+    /// accepted) is that of transaction `first_txn + commits`.
+    pub commits: u32,
     /// The outcome.
     pub outcome: Outcome,
 }

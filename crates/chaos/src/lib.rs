@@ -3,15 +3,16 @@
 //! N workers repeatedly take the lock of one of K counter rows through the
 //! [`Issuer`](pgfence::Issuer), read the row's value, sometimes pause past the lease's TTL (an
 //! injected stall, like a GC pause or a frozen VM), then write `value + 1` with their fence
-//! token. Every attempted write is recorded (row, token, value read, value written, outcome,
+//! token (in the multi-statement modes: several transactions and writes per lease, see
+//! below). Every try is recorded (row, token, value read, value written, outcome,
 //! timestamps), and after the run the history is checked against what Postgres actually
 //! committed:
 //!
-//! * **token order** — on each row, accepted writes in commit order carry increasing tokens
-//!   (a token repeats only for writes of the same lease: pgfence lets one lease write a row
-//!   more than once, and a retry after a lost commit acknowledgement does);
-//! * **no lost updates** — each row's final value equals its number of accepted writes, and
-//!   every accepted write read the value the previous accepted write left;
+//! * **token order** — on each row, accepted writes (and claims) in commit order carry
+//!   non-decreasing tokens, and an equal token only from the same lease (pgfence lets one
+//!   lease write a row more than once, and a retry after a lost commit acknowledgement does);
+//! * **no lost updates** — each row's final value equals its number of committed increments,
+//!   and every committed statement read the value the previous one left;
 //! * **every rejection is reported** — one `pgfence.audit` row and one audit event (which
 //!   pgfence also logs at WARN) per rejection a worker saw
 //!   ([`Error::StaleToken`](pgfence::Error::StaleToken), or
@@ -28,7 +29,10 @@
 //!
 //! # What guarantees what
 //!
-//! Three [`Mode`]s run the same read-modify-write loop with different protection.
+//! Five [`Mode`]s run a read-modify-write under one lease with different protection. Three do
+//! it in one statement's or one transaction's worth of work per lease; two treat the lease as
+//! a session of work, as pgfence does (one lease writes a row many times and checks a resource
+//! in many transactions).
 //!
 //! * [`Mode::Unfenced`] — what an application without pgfence does: read the value, then
 //!   `UPDATE ... SET value = $1` without a token, on a table that is not guarded. A worker
@@ -61,12 +65,55 @@
 //!   before any wait, so a conflicting holder gets a serialization failure — still safe, and
 //!   retryable.)
 //!
+//! * [`Mode::FencedMulti`] — the same lease runs 2–3 transactions, each `Fence::check`, read,
+//!   fenced increment, commit. The check accepts the lease that already holds the mark, so
+//!   the lease's later transactions pass; once a newer lease has checked, the older lease's
+//!   next check fails (and its row writes would too). Every transaction is ordered by its own
+//!   check exactly as in `fenced`, so each of them increments: the unit adds 2–3. A stall may
+//!   fall before any statement — between two transactions (the lease expires and a newer one
+//!   gets in: the next check is rejected) or inside one (it holds the mark's lock and only
+//!   delays the next holder). A retry resumes at the transaction that failed.
+//!
+//! * [`Mode::RowClaim`] — no resource check at all. The lease claims its row with
+//!   [`Repository::claim`](pgfence::Repository::claim) (`UPDATE ... SET fence = <next>
+//!   WHERE <key> AND <fence admits the lease> RETURNING *`): the read and the fencing are one
+//!   statement, so nothing an older lease does can land after the read, and anything a newer
+//!   lease does (claim or write) fences this one out. Then 2–4 fenced updates of the row: the
+//!   first writes `value + 1` and `last_unit = <unit>`, the others rewrite the value with
+//!   `step = n`. The claim and the writes are spread over 1–3 transactions (cut at random;
+//!   the claim may share the first write's transaction or commit on its own), and a stall may
+//!   fall before any statement. A retry after a failed try claims again from the start; the
+//!   claim reads `last_unit` back, so a retry whose earlier try's increment committed (its
+//!   acknowledgement lost with a killed backend) does not increment again.
+//!
+//! ## What counts as an applied increment
+//!
+//! A unit's increment counts when, and only when, the statement that wrote it committed —
+//! whatever happened to the unit's other statements. A `row-claim` unit that claimed, stalled
+//! past its TTL and was fenced out before its first update added nothing (its committed claim
+//! changed only the fence); one fenced out after its increment committed, at a later rewrite,
+//! added exactly one. Ground truth is the history (next section), where every committed
+//! statement is a row with its kind: `claim` (value unchanged), `increment` (value read + 1)
+//! or `rewrite` (value unchanged). Per row, in commit order, each statement must have read the
+//! value the previous one left and changed it by what its kind says (else it is a *stale
+//! read*), and the row's final value must equal its committed increments (the shortfall is
+//! *lost updates*). So for `row-claim` the final values add up to the units whose increment
+//! committed (each at most once: `repeated_increments` is 0); for `fenced-multi`, to the
+//! committed transactions; for the single-write modes, to the committed writes (a retry after
+//! a lost acknowledgement may write twice, and both count, since both committed).
+//!
+//! Token order applies to every recorded statement, claims included: per row, in commit
+//! order, tokens never decrease, and an equal token must come from the same unit (lease).
+//! A try that reports its transactions acknowledged must find them all in the history, and
+//! the transaction it failed in only if it failed in `COMMIT` (*ack mismatches*).
+//!
 //! # How commit order is observed
 //!
 //! Ordering accepted writes by client-side timestamps would be wrong: the commit a client
 //! sees is not the order Postgres applied. Instead each counter row has a `version` column that
-//! a trigger bumps on every update, and each write inserts its history row **in the same
-//! transaction**, copying that version. Updates of one row are serialised by its row lock, so
+//! a trigger bumps on every update (claims included), and each write or claim inserts its
+//! history row **in the same transaction**, copying that version (multi-statement units run
+//! every statement inside an explicit transaction for this reason). Updates of one row are serialised by its row lock, so
 //! versions `1, 2, 3, ...` are the commit order of the row's writes; the history row exists if
 //! and only if the write committed, which also settles commits whose acknowledgement was lost
 //! (a connection killed during `COMMIT`).

@@ -59,11 +59,21 @@ pub struct Summary {
     pub rows: usize,
     /// Work units started (leases that went on to write).
     pub units: u64,
-    /// Attempted writes, retries included.
+    /// Tries (attempted writes in the single-transaction modes), retries included.
     pub attempts: u64,
-    /// Writes Postgres committed (from the history written in the same transactions).
+    /// Statements Postgres committed (from the history written in the same transactions): one
+    /// write per unit in the single-transaction modes; claims, increments and rewrites in the
+    /// multi-statement modes.
     pub accepted: u64,
-    /// Committed writes whose acknowledgement the worker received.
+    /// Committed increments (value-changing writes); the rows' values must add up to this.
+    pub increments: u64,
+    /// Units with a committed increment.
+    pub units_incremented: u64,
+    /// Committed increments beyond a unit's first (in `fenced-multi`, beyond the first of each
+    /// of its transactions): retries after a lost commit acknowledgement (always 0 in
+    /// `row-claim`, whose claim reads back whether the increment landed).
+    pub repeated_increments: u64,
+    /// Tries that ended accepted: every transaction's commit acknowledged.
     pub acknowledged: u64,
     /// Writes rejected as stale (or as a duplicate token).
     pub rejected: u64,
@@ -83,9 +93,10 @@ pub struct Summary {
     pub ack_mismatches: u64,
     /// Row updates and history rows that did not commit together (version gaps).
     pub torn_writes: u64,
-    /// Sum over rows of accepted writes minus the final value.
+    /// Sum over rows of committed increments minus the final value.
     pub lost_updates: u64,
-    /// Accepted writes that read a value other than the previous accepted write's.
+    /// Committed statements that read a value other than the previous one left (or changed it
+    /// by other than their kind says).
     pub stale_reads: u64,
     /// `pgfence.audit` rows for the run's resources.
     pub audit_rows: u64,
@@ -156,14 +167,19 @@ impl fmt::Display for Summary {
         )?;
         writeln!(
             f,
-            "  writes:     {} attempted, {} accepted ({} acknowledged), {} rejected as stale, {} failed ({} retryable), {} retries",
+            "  writes:     {} tries ({} acknowledged), {} statements accepted, {} rejected as stale, {} failed ({} retryable), {} retries",
             self.attempts,
-            self.accepted,
             self.acknowledged,
+            self.accepted,
             self.rejected,
             self.errors,
             self.retryable_errors,
             self.retries
+        )?;
+        writeln!(
+            f,
+            "  increments: {} committed by {} units ({} repeated by retries)",
+            self.increments, self.units_incremented, self.repeated_increments
         )?;
         writeln!(
             f,

@@ -20,6 +20,9 @@ CREATE TABLE IF NOT EXISTS pgfence_chaos.cell (
     version bigint  NOT NULL DEFAULT 0,
     PRIMARY KEY (run, id)
 );
+-- row-claim mode: which write of its unit last wrote the row, and which unit incremented it
+ALTER TABLE pgfence_chaos.cell ADD COLUMN IF NOT EXISTS step integer NOT NULL DEFAULT 0;
+ALTER TABLE pgfence_chaos.cell ADD COLUMN IF NOT EXISTS last_unit bigint NOT NULL DEFAULT -1;
 CREATE TABLE IF NOT EXISTS pgfence_chaos.plain_cell (
     run     text    NOT NULL,
     id      integer NOT NULL,
@@ -40,6 +43,10 @@ CREATE TABLE IF NOT EXISTS pgfence_chaos.history (
     committed_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
     PRIMARY KEY (run, id, version)
 );
+-- multi-statement modes: the transaction of the try, the statement in the unit, what it did
+ALTER TABLE pgfence_chaos.history ADD COLUMN IF NOT EXISTS txn integer NOT NULL DEFAULT 0;
+ALTER TABLE pgfence_chaos.history ADD COLUMN IF NOT EXISTS step integer NOT NULL DEFAULT 0;
+ALTER TABLE pgfence_chaos.history ADD COLUMN IF NOT EXISTS kind text NOT NULL DEFAULT 'increment';
 CREATE OR REPLACE FUNCTION pgfence_chaos.bump_version() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
@@ -78,6 +85,51 @@ pgfence::fenced_table!(Cell {
     columns: [value],
 });
 
+/// A counter row of the guarded table as the row-claim mode claims and writes it: the value,
+/// which write of the unit wrote it last (`step`), and which unit applied the last increment
+/// (`last_unit`, the idempotency key a retry reads back through its claim).
+#[derive(Clone, Debug, sqlx::FromRow)]
+pub(crate) struct ClaimCell {
+    pub(crate) run: String,
+    pub(crate) id: i32,
+    pub(crate) value: i64,
+    pub(crate) step: i32,
+    pub(crate) last_unit: i64,
+}
+
+pgfence::fenced_table!(ClaimCell {
+    schema: "pgfence_chaos",
+    table: "cell",
+    key: (run: String, id: i32),
+    columns: [value, step, last_unit],
+});
+
+/// What a recorded statement did to the row's value (the `kind` column of the history).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Wrote the value it read plus one.
+    Increment,
+    /// Claimed the row (fence only; the value is unchanged).
+    Claim,
+    /// Wrote the value it read again (another field changed).
+    Rewrite,
+}
+
+impl Kind {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Kind::Increment => "increment",
+            Kind::Claim => "claim",
+            Kind::Rewrite => "rewrite",
+        }
+    }
+
+    /// What the statement adds to the value.
+    pub(crate) fn delta(kind: &str) -> i64 {
+        i64::from(kind == "increment")
+    }
+}
+
 /// A counter table, with the statements run on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum CounterTable {
@@ -91,7 +143,9 @@ impl CounterTable {
     /// The table a mode's workers write.
     pub(crate) fn of(mode: Mode) -> Self {
         match mode {
-            Mode::Fenced | Mode::RowFence => CounterTable::Guarded,
+            Mode::Fenced | Mode::FencedMulti | Mode::RowFence | Mode::RowClaim => {
+                CounterTable::Guarded
+            }
             Mode::Unfenced => CounterTable::Plain,
         }
     }
@@ -117,20 +171,23 @@ impl CounterTable {
     }
 
     /// Copies a row's new version and value into the history, in the write's transaction:
-    /// `$1` run, `$2` row, `$3` token, `$4` value read, `$5` unit, `$6` try, `$7` worker.
+    /// `$1` run, `$2` row, `$3` token, `$4` value read, `$5` unit, `$6` try, `$7` worker,
+    /// `$8` transaction of the try, `$9` statement of the unit, `$10` [`Kind`].
     pub(crate) fn record_sql(self) -> &'static str {
         match self {
             CounterTable::Guarded => {
                 "INSERT INTO pgfence_chaos.history \
-                 (run, id, version, token, value_read, value_written, unit, try_no, worker) \
-                 SELECT run, id, version, $3, $4, value, $5, $6, $7 FROM pgfence_chaos.cell \
-                 WHERE run = $1 AND id = $2"
+                 (run, id, version, token, value_read, value_written, unit, try_no, worker, \
+                  txn, step, kind) \
+                 SELECT run, id, version, $3, $4, value, $5, $6, $7, $8, $9, $10 \
+                 FROM pgfence_chaos.cell WHERE run = $1 AND id = $2"
             }
             CounterTable::Plain => {
                 "INSERT INTO pgfence_chaos.history \
-                 (run, id, version, token, value_read, value_written, unit, try_no, worker) \
-                 SELECT run, id, version, $3, $4, value, $5, $6, $7 FROM pgfence_chaos.plain_cell \
-                 WHERE run = $1 AND id = $2"
+                 (run, id, version, token, value_read, value_written, unit, try_no, worker, \
+                  txn, step, kind) \
+                 SELECT run, id, version, $3, $4, value, $5, $6, $7, $8, $9, $10 \
+                 FROM pgfence_chaos.plain_cell WHERE run = $1 AND id = $2"
             }
         }
     }

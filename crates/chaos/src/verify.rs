@@ -10,10 +10,12 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use sqlx::{PgPool, Row};
 
 use crate::report::{ErrorKind, FaultRecovery, Report, Summary};
-use crate::schema::CounterTable;
+use crate::schema::{CounterTable, Kind};
 use crate::util::count;
 use crate::worker::{Stats, WorkerOut};
-use crate::{Attempt, AuditTally, ChaosError, Config, FaultMark, LeaseRecord, Outcome, Stage};
+use crate::{
+    Attempt, AuditTally, ChaosError, Config, FaultMark, LeaseRecord, Mode, Outcome, Stage,
+};
 
 /// What the run produced on the client side, handed to [`verify`].
 pub(crate) struct RunOutput {
@@ -49,6 +51,8 @@ struct Committed {
     value_written: i64,
     unit: u64,
     try_no: u32,
+    txn: u32,
+    kind: String,
 }
 
 /// A counter row's final state.
@@ -74,12 +78,13 @@ pub(crate) async fn verify(
     .fetch_one(admin)
     .await?;
 
-    let row_checks = check_rows(&committed, &rows);
-    let in_history: HashSet<(u64, u32)> = committed
+    let row_checks = check_rows(&committed, &rows, cfg.mode);
+    let in_history: HashSet<(u64, u32, u32)> = committed
         .values()
         .flatten()
-        .map(|w| (w.unit, w.try_no))
+        .map(|w| (w.unit, w.try_no, w.txn))
         .collect();
+    let tries_committed: HashSet<(u64, u32)> = in_history.iter().map(|&(u, t, _)| (u, t)).collect();
 
     let mut attempts = Vec::new();
     let mut leases = Vec::new();
@@ -99,7 +104,7 @@ pub(crate) async fn verify(
     let fault_recovery = output
         .faults
         .iter()
-        .map(|f| recovery(f, cfg.rows, &attempts, &leases, &in_history, &stats))
+        .map(|f| recovery(f, cfg.rows, &attempts, &leases, &tries_committed, &stats))
         .collect();
 
     let summary = Summary {
@@ -110,6 +115,9 @@ pub(crate) async fn verify(
         units: count(leases.len()),
         attempts: count(attempts.len()),
         accepted: count(committed.values().map(Vec::len).sum()),
+        increments: row_checks.increments,
+        units_incremented: row_checks.units_incremented,
+        repeated_increments: row_checks.repeated_increments,
         acknowledged: acks.acknowledged,
         rejected: acks.rejected,
         errors: acks.errors,
@@ -158,7 +166,7 @@ async fn committed_writes(
     run: &str,
 ) -> Result<BTreeMap<i32, Vec<Committed>>, ChaosError> {
     let history = sqlx::query(
-        "SELECT id, version, token, value_read, value_written, unit, try_no \
+        "SELECT id, version, token, value_read, value_written, unit, try_no, txn, kind \
          FROM pgfence_chaos.history WHERE run = $1 ORDER BY id, version",
     )
     .bind(run)
@@ -176,6 +184,8 @@ async fn committed_writes(
                 value_written: r.try_get("value_written")?,
                 unit: u64::try_from(r.try_get::<i64, _>("unit")?).unwrap_or(u64::MAX),
                 try_no: u32::try_from(r.try_get::<i32, _>("try_no")?).unwrap_or(u32::MAX),
+                txn: u32::try_from(r.try_get::<i32, _>("txn")?).unwrap_or(u32::MAX),
+                kind: r.try_get("kind")?,
             });
     }
     Ok(committed)
@@ -213,20 +223,36 @@ struct RowChecks {
     token_order: u64,
     /// Version gaps, and row versions without their history row.
     torn: u64,
-    /// Accepted writes minus final value, summed.
+    /// Committed increments minus final value, summed.
     lost: u64,
-    /// Accepted writes that did not read the previous one's value (or did not add one).
+    /// Recorded statements that did not read the previous one's value, or changed it by other
+    /// than their kind says (one for an increment, nothing for a claim or a rewrite).
     stale_reads: u64,
+    /// Committed increments.
+    increments: u64,
+    /// Units with at least one committed increment.
+    units_incremented: u64,
+    /// Committed increments beyond a unit's first (per transaction in fenced-multi): a retry
+    /// after a lost commit acknowledgement that did not know its increment had landed.
+    repeated_increments: u64,
 }
 
-fn check_rows(committed: &BTreeMap<i32, Vec<Committed>>, rows: &[FinalRow]) -> RowChecks {
+fn check_rows(
+    committed: &BTreeMap<i32, Vec<Committed>>,
+    rows: &[FinalRow],
+    mode: Mode,
+) -> RowChecks {
     let mut c = RowChecks::default();
+    let mut units: HashSet<u64> = HashSet::new();
+    // Where a unit means to increment: once per transaction in fenced-multi, once otherwise.
+    let mut slots: HashSet<(u64, u32)> = HashSet::new();
     for row in rows {
         let writes = committed
             .get(&row.id)
             .map(Vec::as_slice)
             .unwrap_or_default();
         let n = i64::try_from(writes.len()).unwrap_or(i64::MAX);
+        let mut increments = 0i64;
         // Version gaps or a row version without its history row: not all-or-nothing.
         c.torn += u64::try_from((row.version - n).abs()).unwrap_or(u64::MAX);
         let mut prev: Option<&Committed> = None;
@@ -238,13 +264,25 @@ fn check_rows(committed: &BTreeMap<i32, Vec<Committed>>, rows: &[FinalRow]) -> R
             if prev.is_some_and(|p| out_of_order(p, w)) {
                 c.token_order += 1;
             }
-            if w.value_read != prev_value || w.value_written != w.value_read + 1 {
+            let delta = Kind::delta(&w.kind);
+            if w.value_read != prev_value || w.value_written != w.value_read + delta {
                 c.stale_reads += 1;
+            }
+            if delta > 0 {
+                increments += 1;
+                if units.insert(w.unit) {
+                    c.units_incremented += 1;
+                }
+                let slot = if mode == Mode::FencedMulti { w.txn } else { 0 };
+                if !slots.insert((w.unit, slot)) {
+                    c.repeated_increments += 1;
+                }
             }
             prev = Some(w);
             prev_value = w.value_written;
         }
-        c.lost += u64::try_from(n - row.value).unwrap_or(0);
+        c.increments += u64::try_from(increments).unwrap_or(0);
+        c.lost += u64::try_from(increments - row.value).unwrap_or(0);
     }
     c
 }
@@ -269,14 +307,38 @@ struct AttemptChecks {
     kinds: BTreeMap<(String, bool), u64>,
 }
 
-fn check_attempts(attempts: &[Attempt], in_history: &HashSet<(u64, u32)>) -> AttemptChecks {
+/// Checks each try's transactions against the history (every transaction records at least one
+/// statement): the ones acknowledged committed; the one that failed committed only if it failed
+/// in `COMMIT`; none after it ran.
+fn check_attempts(attempts: &[Attempt], in_history: &HashSet<(u64, u32, u32)>) -> AttemptChecks {
     let mut c = AttemptChecks::default();
+    // Highest transaction in the history per try.
+    let mut last_txn: HashMap<(u64, u32), u32> = HashMap::new();
+    for &(unit, try_no, txn) in in_history {
+        let e = last_txn.entry((unit, try_no)).or_insert(txn);
+        *e = (*e).max(txn);
+    }
     for a in attempts {
-        let committed = in_history.contains(&(a.unit, a.try_no));
+        let acked = a.first_txn..a.first_txn + a.commits;
+        c.mismatches += count(
+            acked
+                .clone()
+                .filter(|&t| !in_history.contains(&(a.unit, a.try_no, t)))
+                .count(),
+        );
+        // The transaction the try ended in, if it did not end accepted.
+        let failed_txn = a.first_txn + a.commits;
+        let committed = in_history.contains(&(a.unit, a.try_no, failed_txn));
+        let beyond = last_txn
+            .get(&(a.unit, a.try_no))
+            .is_some_and(|&t| t > failed_txn);
+        if beyond {
+            c.mismatches += 1;
+        }
         match &a.outcome {
             Outcome::Accepted => {
                 c.acknowledged += 1;
-                if !committed {
+                if committed {
                     c.mismatches += 1;
                 }
             }
@@ -316,6 +378,7 @@ fn recovery(
     in_history: &HashSet<(u64, u32)>,
     stats: &Stats,
 ) -> FaultRecovery {
+    // A try counts as writing once any of its transactions committed.
     // First committed try per unit, and rejections per unit.
     let mut success_at: HashMap<u64, u64> = HashMap::new();
     let mut rejections: HashMap<u64, u64> = HashMap::new();

@@ -4,6 +4,8 @@
 //! A worker's loop ([`worker`]) handles leases, stalls, retries and releases; one try of a
 //! write is a [`Try`], which runs the steps a [`Plan`] lists. The plan is what differs between
 //! modes: a new mode is a new [`Plan::of`] arm, and a new kind of write a new [`WriteKind`].
+//! The multi-statement modes (`fenced-multi`, `row-claim`) draw a [`Script`] per unit — which
+//! statements ([`Op`]s) run in which of the unit's transactions — and a try runs it.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,7 +20,7 @@ use tokio::time::Instant;
 
 use crate::faults::reset_counters;
 use crate::harness::Ctx;
-use crate::schema::{Cell, CounterTable, WRITE_PLAIN};
+use crate::schema::{Cell, ClaimCell, CounterTable, Kind, WRITE_PLAIN};
 use crate::util::millis;
 use crate::{Attempt, LeaseRecord, Mode, Outcome, Stage};
 
@@ -33,6 +35,87 @@ pub(crate) struct Plan {
     check_first: bool,
     /// How the row is written.
     write: WriteKind,
+    /// One transaction per try (the plan's other fields apply), or a [`Script`] per unit.
+    script: Option<ScriptKind>,
+}
+
+/// The multi-statement modes' unit shapes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ScriptKind {
+    /// 2–3 transactions, each check, read, fenced increment.
+    MultiCheck,
+    /// Claim, then 2–4 fenced updates (the first increments), over 1–3 transactions.
+    RowClaim,
+}
+
+/// One statement of a multi-statement unit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    /// `Fence::check` of the row's resource.
+    Check,
+    /// Read the value.
+    Read,
+    /// Fenced update to the value read plus one.
+    Increment,
+    /// `Repository::claim`: fence the row and read it.
+    Claim,
+    /// Fenced update number `n` (from 1) after the claim: the first one that finds the unit's
+    /// increment not yet applied writes value + 1, the others rewrite the value with `step = n`.
+    Update(i32),
+}
+
+/// A unit's statements, grouped in its transactions.
+#[derive(Clone, Debug)]
+struct Script {
+    txns: Vec<Vec<Op>>,
+}
+
+impl Script {
+    /// Draws a unit's script.
+    fn draw(kind: ScriptKind, rng: &mut StdRng) -> Self {
+        match kind {
+            ScriptKind::MultiCheck => {
+                let n = rng.random_range(2..=3);
+                Script {
+                    txns: (0..n)
+                        .map(|_| vec![Op::Check, Op::Read, Op::Increment])
+                        .collect(),
+                }
+            }
+            ScriptKind::RowClaim => {
+                let writes = rng.random_range(2..=4);
+                let mut ops = vec![Op::Claim];
+                ops.extend((1..=writes).map(Op::Update));
+                // 1–3 transactions: cut the statement list at distinct points.
+                let txns = rng.random_range(1..=3usize);
+                let mut cuts: Vec<usize> = Vec::new();
+                while cuts.len() + 1 < txns {
+                    let c = rng.random_range(1..ops.len());
+                    if !cuts.contains(&c) {
+                        cuts.push(c);
+                    }
+                }
+                cuts.sort_unstable();
+                let mut groups = Vec::new();
+                let mut from = 0;
+                for c in cuts.into_iter().chain([ops.len()]) {
+                    groups.push(ops[from..c].to_vec());
+                    from = c;
+                }
+                Script { txns: groups }
+            }
+        }
+    }
+
+    /// Statements in all.
+    fn len(&self) -> usize {
+        self.txns.iter().map(Vec::len).sum()
+    }
+
+    /// Transactions.
+    fn txn_count(&self) -> u32 {
+        u32::try_from(self.txns.len()).unwrap_or(u32::MAX)
+    }
 }
 
 /// How a try writes the row.
@@ -53,16 +136,31 @@ impl Plan {
                 table,
                 check_first: true,
                 write: WriteKind::Fenced,
+                script: None,
+            },
+            Mode::FencedMulti => Plan {
+                table,
+                check_first: true,
+                write: WriteKind::Fenced,
+                script: Some(ScriptKind::MultiCheck),
+            },
+            Mode::RowClaim => Plan {
+                table,
+                check_first: false,
+                write: WriteKind::Fenced,
+                script: Some(ScriptKind::RowClaim),
             },
             Mode::RowFence => Plan {
                 table,
                 check_first: false,
                 write: WriteKind::Fenced,
+                script: None,
             },
             Mode::Unfenced => Plan {
                 table,
                 check_first: false,
                 write: WriteKind::Plain,
+                script: None,
             },
         }
     }
@@ -116,9 +214,19 @@ enum Pause {
     None,
     BeforeRead(Duration),
     BeforeWrite(Duration),
+    /// Before statement `n` of a multi-statement unit (counted over the whole script): between
+    /// two transactions when it starts one, inside one otherwise.
+    BeforeOp(usize, Duration),
 }
 
 impl Pause {
+    fn before_op(self, n: usize) -> Option<Duration> {
+        match self {
+            Pause::BeforeOp(at, d) if at == n => Some(d),
+            _ => None,
+        }
+    }
+
     fn before_read(self) -> Option<Duration> {
         match self {
             Pause::BeforeRead(d) => Some(d),
@@ -136,7 +244,7 @@ impl Pause {
     fn length(self) -> Duration {
         match self {
             Pause::None => Duration::ZERO,
-            Pause::BeforeRead(d) | Pause::BeforeWrite(d) => d,
+            Pause::BeforeRead(d) | Pause::BeforeWrite(d) | Pause::BeforeOp(_, d) => d,
         }
     }
 }
@@ -269,8 +377,13 @@ impl Worker {
         if cfg.reset_counters_at.contains(&unit) {
             reset_counters(&ctx).await;
         }
-        let pause = self.pick_pause();
+        let script = ctx
+            .plan
+            .script
+            .map(|kind| Script::draw(kind, &mut self.rng));
+        let pause = self.pick_pause(script.as_ref().map(Script::len));
         let mut try_no = 0u32;
+        let mut first_txn = 0u32;
         loop {
             let started_ms = self.now();
             let mut t = Try {
@@ -283,8 +396,15 @@ impl Worker {
                 pause: if try_no == 0 { pause } else { Pause::None },
                 read: None,
                 written: None,
+                first_txn,
+                commits: 0,
+                believed: 0,
+                applied: false,
             };
-            let result = t.run().await;
+            let result = match &script {
+                Some(script) => t.run_script(script).await,
+                None => t.run().await,
+            };
             let (outcome, stale) = outcome(result);
             let retry = matches!(
                 outcome,
@@ -306,6 +426,8 @@ impl Worker {
                 paused_ms: millis(t.pause.length()),
                 value_read: t.read,
                 value_written: t.written,
+                first_txn: t.first_txn,
+                commits: t.commits,
                 outcome,
             });
             if let Some(err) = stale
@@ -318,6 +440,12 @@ impl Worker {
                 break;
             }
             self.out.stats.retries += 1;
+            // A fenced-multi retry resumes at the transaction that failed (each one checks and
+            // reads afresh); a row-claim retry claims again from the start (the claim reads
+            // back whether the unit's increment landed).
+            if ctx.plan.script == Some(ScriptKind::MultiCheck) {
+                first_txn = t.first_txn + t.commits;
+            }
             try_no += 1;
             let backoff = self.rng.random_range(5..25);
             tokio::time::sleep(Duration::from_millis(backoff)).await;
@@ -329,8 +457,9 @@ impl Worker {
         }
     }
 
-    /// Decides whether this unit stalls, for how long, and where.
-    fn pick_pause(&mut self) -> Pause {
+    /// Decides whether this unit stalls, for how long, and where (`ops`: the statements of a
+    /// multi-statement unit).
+    fn pick_pause(&mut self, ops: Option<usize>) -> Pause {
         let cfg = &self.ctx.cfg;
         if !self.rng.random_bool(cfg.pause_probability) {
             return Pause::None;
@@ -339,6 +468,9 @@ impl Worker {
         let hi = millis(cfg.pause_max).max(lo);
         let d = Duration::from_millis(self.rng.random_range(lo..=hi));
         self.out.stats.pauses += 1;
+        if let Some(ops) = ops {
+            return Pause::BeforeOp(self.rng.random_range(0..ops.max(1)), d);
+        }
         if self.rng.random_bool(0.5) {
             Pause::BeforeRead(d)
         } else {
@@ -361,10 +493,10 @@ fn outcome(result: Step<()>) -> (Outcome, Option<Error>) {
     };
     match rejected {
         Some((current, duplicate)) => {
-            let by = if stage == Stage::Check {
-                "check"
-            } else {
-                "update"
+            let by = match stage {
+                Stage::Check => "check",
+                Stage::Claim => "claim",
+                _ => "update",
             };
             let rejected = Outcome::Rejected {
                 current,
@@ -398,6 +530,16 @@ struct Try<'a> {
     read: Option<i64>,
     /// The value written, once the write statement succeeded.
     written: Option<i64>,
+    /// The script transaction this try starts at.
+    first_txn: u32,
+    /// Transactions committed (acknowledged) so far.
+    commits: u32,
+    /// Multi-statement modes: the value the unit believes the row holds (read, claimed, or
+    /// written last).
+    believed: i64,
+    /// Row-claim mode: whether the unit's increment is known to have been applied (by this try
+    /// or, as its claim read back from `last_unit`, by an earlier one).
+    applied: bool,
 }
 
 impl Try<'_> {
@@ -424,8 +566,107 @@ impl Try<'_> {
         };
         self.write_value(&mut tx, value + 1).await?;
         self.written = Some(value + 1);
-        self.record(&mut tx, value).await?;
-        tx.commit().await.map_err(db_at(Stage::Commit))
+        self.record(&mut tx, value, 0, 0, Kind::Increment).await?;
+        tx.commit().await.map_err(db_at(Stage::Commit))?;
+        self.commits = 1;
+        Ok(())
+    }
+
+    /// Runs a multi-statement unit's script from transaction `first_txn` on: each transaction
+    /// begins (after a stall placed before its first statement), runs its statements (a stall
+    /// may fall between two of them) and commits.
+    async fn run_script(&mut self, script: &Script) -> Step<()> {
+        let mut n = 0usize;
+        for (txn, ops) in script.txns.iter().enumerate() {
+            let first = n;
+            n += ops.len();
+            let txn = u32::try_from(txn).unwrap_or(u32::MAX);
+            if txn < self.first_txn {
+                continue;
+            }
+            stall(self.pause.before_op(first)).await;
+            let mut tx = self.begin().await?;
+            for (i, op) in ops.iter().enumerate() {
+                if i > 0 {
+                    stall(self.pause.before_op(first + i)).await;
+                }
+                self.op(&mut tx, *op, txn, first + i).await?;
+            }
+            tx.commit().await.map_err(db_at(Stage::Commit))?;
+            self.commits += 1;
+        }
+        debug_assert_eq!(self.first_txn + self.commits, script.txn_count());
+        Ok(())
+    }
+
+    /// Runs one statement of a script (and records it, if it changed the row) in `conn`'s
+    /// transaction.
+    async fn op(&mut self, conn: &mut PgConnection, op: Op, txn: u32, n: usize) -> Step<()> {
+        let step = i32::try_from(n).unwrap_or(i32::MAX);
+        match op {
+            Op::Check => self
+                .ctx
+                .fence
+                .check(&mut *conn, self.lease.resource(), self.lease)
+                .await
+                .map_err(at(Stage::Check)),
+            Op::Read => {
+                let value = self.read_value(Some(conn)).await?;
+                self.read.get_or_insert(value);
+                self.believed = value;
+                Ok(())
+            }
+            Op::Increment => {
+                let read = self.believed;
+                self.write_value(&mut *conn, read + 1).await?;
+                self.written = Some(read + 1);
+                self.believed = read + 1;
+                self.record(conn, read, txn, step, Kind::Increment).await
+            }
+            Op::Claim => {
+                let key = (self.ctx.run.clone(), self.row);
+                let claimed: ClaimCell = self
+                    .ctx
+                    .claim_repo
+                    .claim(&mut *conn, self.lease, &key)
+                    .await
+                    .map_err(at(Stage::Claim))?;
+                self.read.get_or_insert(claimed.value);
+                self.believed = claimed.value;
+                self.applied = claimed.last_unit == self.unit_id();
+                self.record(conn, claimed.value, txn, step, Kind::Claim)
+                    .await
+            }
+            Op::Update(k) => {
+                let read = self.believed;
+                let (value, kind) = if self.applied {
+                    (read, Kind::Rewrite)
+                } else {
+                    (read + 1, Kind::Increment)
+                };
+                let cell = ClaimCell {
+                    run: self.ctx.run.clone(),
+                    id: self.row,
+                    value,
+                    step: k,
+                    last_unit: self.unit_id(),
+                };
+                self.ctx
+                    .claim_repo
+                    .update(&mut *conn, self.lease, &cell)
+                    .await
+                    .map_err(at(Stage::Write))?;
+                self.written = Some(value);
+                self.believed = value;
+                self.applied = true;
+                self.record(conn, read, txn, step, kind).await
+            }
+        }
+    }
+
+    /// The unit as stored in `last_unit` and the history.
+    fn unit_id(&self) -> i64 {
+        i64::try_from(self.unit).unwrap_or(i64::MAX)
     }
 
     async fn begin(&self) -> Step<Transaction<'static, Postgres>> {
@@ -474,15 +715,25 @@ impl Try<'_> {
     }
 
     /// Inserts the history row, copying the row's new version and value.
-    async fn record(&self, conn: &mut PgConnection, value_read: i64) -> Step<()> {
+    async fn record(
+        &self,
+        conn: &mut PgConnection,
+        value_read: i64,
+        txn: u32,
+        step: i32,
+        kind: Kind,
+    ) -> Step<()> {
         sqlx::query(self.ctx.plan.table.record_sql())
             .bind(self.ctx.run.as_str())
             .bind(self.row)
             .bind(self.lease.token().get())
             .bind(value_read)
-            .bind(i64::try_from(self.unit).unwrap_or(i64::MAX))
+            .bind(self.unit_id())
             .bind(i32::try_from(self.try_no).unwrap_or(i32::MAX))
             .bind(i32::try_from(self.worker).unwrap_or(i32::MAX))
+            .bind(i32::try_from(txn).unwrap_or(i32::MAX))
+            .bind(step)
+            .bind(kind.as_str())
             .execute(conn)
             .await
             .map_err(db_at(Stage::Record))?;

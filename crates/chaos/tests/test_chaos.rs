@@ -223,6 +223,186 @@ async fn postgres_restart_mid_run_is_safe_and_errors_are_retryable() {
     assert_eq!(f.rows_recovered, f.rows, "writes resume on every row: {s}");
 }
 
+/// The checks every safe multi-statement run must pass.
+fn assert_session_run_safe(report: &Report) {
+    let s = &report.summary;
+    assert!(!s.timed_out, "time limit hit: {s}");
+    assert_eq!(s.violations, 0, "{s}");
+    assert_eq!(s.lost_updates, 0, "{s}");
+    assert_eq!(s.stale_reads, 0, "{s}");
+    assert!(s.rejected > 0, "the stalls must cause rejections: {s}");
+    assert_eq!(s.audit_rows, s.rejected, "one audit row per rejection: {s}");
+    assert_eq!(
+        s.log_events, s.rejected,
+        "one audit event per rejection: {s}"
+    );
+    assert_eq!(s.audit_failures, 0, "{s}");
+    assert_failures_retryable(report);
+}
+
+/// Tries fenced out after an earlier transaction of the same try had committed: the lease
+/// worked, stalled past its TTL between transactions, and a newer lease got in.
+fn fenced_out_part_way(report: &Report, by: &str) -> usize {
+    report
+        .attempts
+        .iter()
+        .filter(|a| a.commits > 0)
+        .filter(|a| matches!(&a.outcome, Outcome::Rejected { by: b, .. } if *b == by))
+        .count()
+}
+
+/// The sum of the run's counter values.
+async fn total(db: &TestDb, run: &str) -> u64 {
+    let total: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(value), 0)::bigint FROM pgfence_chaos.cell WHERE run = $1",
+    )
+    .bind(run)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    u64::try_from(total).unwrap()
+}
+
+fn session_cfg(mode: Mode) -> Config {
+    Config {
+        mode,
+        workers: 8,
+        rows: 8,
+        units: 2_000,
+        reset_counters_at: vec![900],
+        kill_every: Some(Duration::from_millis(150)),
+        // Stall more often than the single-write runs: a unit has more places to stall in.
+        pause_probability: 0.08,
+        ..Config::default()
+    }
+}
+
+/// Row claim: one lease claims its row (fence + read in one statement), then writes it 2–4
+/// times over 1–3 transactions, with stalls past the TTL anywhere in between, a counter
+/// reset and killed backends. No violation and no lost update; each unit's increment lands
+/// at most once (its claim reads back whether it did), so the rows add up to the units that
+/// incremented; every rejection is audited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn row_claim_sessions_hold_under_faults() {
+    let db = TestDb::new().await;
+    let target = Target {
+        database: db.options.clone(),
+        redis_url: redis_url().await,
+    };
+    let report = run(session_cfg(Mode::RowClaim), &target).await;
+    assert_session_run_safe(&report);
+    let s = &report.summary;
+    assert_eq!(s.repeated_increments, 0, "{s}");
+    assert_eq!(s.increments, s.units_incremented, "{s}");
+    assert_eq!(total(&db, &s.run).await, s.units_incremented, "{s}");
+    assert!(
+        s.accepted > 2 * s.increments,
+        "claims and rewrites are recorded besides the increments: {s}"
+    );
+    assert!(
+        fenced_out_part_way(&report, "update") + fenced_out_part_way(&report, "claim") > 0,
+        "some lease must be fenced out after a committed transaction: {s}"
+    );
+    let reset = s
+        .faults
+        .iter()
+        .find(|f| f.name == "counter_reset")
+        .expect("the reset happened");
+    assert_eq!(reset.rows_recovered, reset.rows, "{s}");
+}
+
+/// Multi-transaction fenced work: one lease checks its resource first in each of 2–3
+/// transactions and increments its row in each, under the same faults. No violation, no
+/// lost update; the rows add up to the committed increments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fenced_multi_sessions_hold_under_faults() {
+    let db = TestDb::new().await;
+    let target = Target {
+        database: db.options.clone(),
+        redis_url: redis_url().await,
+    };
+    let report = run(session_cfg(Mode::FencedMulti), &target).await;
+    assert_session_run_safe(&report);
+    let s = &report.summary;
+    assert_eq!(total(&db, &s.run).await, s.increments, "{s}");
+    assert!(s.increments > 2 * s.units_incremented, "{s}");
+    assert!(
+        fenced_out_part_way(&report, "check") > 0,
+        "some lease must fail its check after a committed transaction: {s}"
+    );
+    let reset = s
+        .faults
+        .iter()
+        .find(|f| f.name == "counter_reset")
+        .expect("the reset happened");
+    assert_eq!(reset.rows_recovered, reset.rows, "{s}");
+}
+
+/// Both session modes through a Redis restart (counters and locks gone). Row claims leave no
+/// resource high-water mark for the floor source, so they recover through `recover_from`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn session_modes_survive_a_redis_restart() {
+    let db = TestDb::new().await;
+    for (mode, seed) in [(Mode::RowClaim, 13), (Mode::FencedMulti, 17)] {
+        let redis = Server::redis().await.expect("throwaway Redis");
+        let target = Target {
+            database: db.options.clone(),
+            redis_url: redis.url(),
+        };
+        let cfg = Config {
+            mode,
+            units: 1_200,
+            seed,
+            ..Config::default()
+        };
+        let (report, redis) = run_with_restart(cfg, &target, redis, "redis_restart").await;
+        assert_session_run_safe(&report);
+        let s = &report.summary;
+        let f = s
+            .faults
+            .iter()
+            .find(|f| f.name == "redis_restart")
+            .expect("restart happened");
+        assert_eq!(f.rows_recovered, f.rows, "writes resume on every row: {s}");
+        redis.stop();
+    }
+}
+
+/// Both session modes through a Postgres restart (own server). Safety holds, every error is
+/// retryable, writes resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn session_modes_survive_a_postgres_restart() {
+    let mut pg = Server::postgres().await.expect("throwaway PostgreSQL");
+    for (mode, seed) in [(Mode::RowClaim, 19), (Mode::FencedMulti, 23)] {
+        let target = Target {
+            database: PgConnectOptions::from_str(&pg.url()).unwrap(),
+            redis_url: redis_url().await,
+        };
+        let cfg = Config {
+            mode,
+            units: 1_200,
+            seed,
+            ..Config::default()
+        };
+        let report;
+        (report, pg) = run_with_restart(cfg, &target, pg, "postgres_restart").await;
+        let s = &report.summary;
+        assert!(!s.timed_out, "{s}");
+        assert!(s.is_safe(), "{s}");
+        assert!(s.errors > 0, "the restart must have been felt: {s}");
+        assert_failures_retryable(&report);
+        assert!(s.audit_rows <= s.rejected, "{s}");
+        assert!(s.audit_rows + s.audit_failures >= s.rejected, "{s}");
+        assert_eq!(s.log_events, s.rejected, "{s}");
+        let f = s
+            .faults
+            .iter()
+            .find(|f| f.name == "postgres_restart")
+            .expect("restart happened");
+        assert_eq!(f.rows_recovered, f.rows, "writes resume on every row: {s}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Why the harness's fenced mode checks in a transaction: the row fence alone keeps tokens in
 // order but cannot make read-modify-write atomic.
