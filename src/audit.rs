@@ -171,6 +171,7 @@ impl Auditor {
             other_counter = r.other_counter,
             "stale write rejected"
         );
+        crate::metrics::rejection(r.table.as_deref(), r.resource.as_deref(), r.operation);
         if let Some(sink) = &self.sink {
             sink.event(AuditEvent::Rejected(r));
         }
@@ -194,6 +195,7 @@ impl Auditor {
             error = failure.as_str(),
             "could not write the audit row for a rejected write"
         );
+        crate::metrics::audit_failure(r.operation);
         if let Some(sink) = &self.sink {
             sink.event(AuditEvent::AuditFailed {
                 rejection: r,
@@ -256,7 +258,8 @@ pub struct AuditEntry {
 pub struct AuditFilter {
     /// Only rows recorded at or after this time.
     pub since: Option<OffsetDateTime>,
-    /// Only rows for this resource.
+    /// Only rows for this resource; a trailing `*` matches every resource with that prefix
+    /// (`billing:*`, `{billing}*` for a fencing domain).
     pub resource: Option<String>,
     /// At most this many rows (newest first).
     pub limit: i64,
@@ -284,7 +287,9 @@ pub async fn list(pool: &PgPool, filter: &AuditFilter) -> Result<Vec<AuditEntry>
                   other_counter AS "other_counter!"
              FROM pgfence.audit
             WHERE ($1::pg_catalog.timestamptz IS NULL OR at OPERATOR(pg_catalog.>=) $1)
-              AND ($2::pg_catalog.text IS NULL OR resource OPERATOR(pg_catalog.=) $2)
+              AND ($2::pg_catalog.text IS NULL OR resource OPERATOR(pg_catalog.=) $2
+                   OR (pg_catalog.right($2, 1) OPERATOR(pg_catalog.=) '*'
+                       AND pg_catalog.starts_with(resource, pg_catalog.left($2, -1))))
             ORDER BY id DESC
             LIMIT $3"#,
         filter.since,

@@ -215,6 +215,7 @@ impl<T: FencedTable> Repository<T> {
         E: WriteExecutor<'c>,
         R: for<'r> sqlx::FromRow<'r, PgRow> + Send + Unpin,
     {
+        let _timer = crate::metrics::Timer::write("claim_many");
         let fencing = fencing.into();
         let refs: Vec<&T::Key> = keys.iter().collect();
         let source = BatchSource::<T>::Keys(&refs);
@@ -256,6 +257,7 @@ impl<T: FencedTable> Repository<T> {
         source: BatchSource<'_, T>,
         op: Op,
     ) -> Result<BatchOutcome> {
+        let _timer = crate::metrics::Timer::write(op.batch_name());
         let n = match &source {
             BatchSource::Rows(rows) => rows.len(),
             BatchSource::Keys(keys) => keys.len(),
@@ -458,6 +460,15 @@ enum Op {
 }
 
 impl Op {
+    fn batch_name(self) -> &'static str {
+        match self {
+            Op::Update => "update_many",
+            Op::Upsert => "upsert_many",
+            Op::Delete => "delete_many",
+            Op::Claim => "claim_many",
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Op::Update => "update",

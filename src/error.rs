@@ -204,6 +204,11 @@ pub enum Error {
     /// A Redis error.
     #[error("redis error: {0}")]
     Redis(#[source] redis::RedisError),
+
+    /// An etcd error (the [`EtcdIssuer`](crate::EtcdIssuer), feature `etcd`).
+    #[cfg(feature = "etcd")]
+    #[error("etcd error: {0}")]
+    Etcd(#[source] etcd_client::Error),
 }
 
 impl Error {
@@ -222,6 +227,11 @@ impl Error {
     /// True when the error is transient and the same operation may be retried as is
     /// (connection loss, serialization failure, deadlock, concurrent change). A stale token is
     /// never retryable: take a new lease instead.
+    ///
+    /// Serialization failures (SQLSTATE `40001`, e.g. a `Fence::check` under REPEATABLE READ
+    /// that met a concurrent holder) and deadlocks (`40P01`) are retryable: the whole
+    /// transaction was rolled back, so retry it from the start — re-running only the failed
+    /// statement inside the aborted transaction fails again.
     #[must_use]
     pub fn is_retryable(&self) -> bool {
         match self {
@@ -233,6 +243,8 @@ impl Error {
                     || e.is_timeout()
                     || e.is_connection_refusal()
             }
+            #[cfg(feature = "etcd")]
+            Error::Etcd(e) => crate::issuer::etcd_is_transient(e),
             _ => false,
         }
     }

@@ -1,10 +1,11 @@
 //! Guarding tables: the `fence` column and the trigger that rejects any UPDATE — library or
 //! raw SQL — that does not advance a row's fence (SQLSTATE [`crate::SQLSTATE_STALE`]).
 
+use serde::Serialize;
 use sqlx::PgExecutor;
 
 use crate::Result;
-use crate::ident::{TableName, quote_literal};
+use crate::ident::{Ident, TableName, quote_literal};
 
 /// Guards `table`: adds `fence BIGINT NOT NULL DEFAULT 0` if missing (metadata-only, no table
 /// rewrite), and installs the trigger. Returns `true` if anything changed, `false` if the
@@ -21,15 +22,138 @@ use crate::ident::{TableName, quote_literal};
 /// pgfence::guard(&pool, &table).await?;
 /// # Ok(()) }
 /// ```
+///
+/// This is [`guard_with`] in [`GuardMode::Enforce`]: a table in observe mode is switched to
+/// enforcing.
 pub async fn guard<'c, E: PgExecutor<'c>>(exec: E, table: &TableName) -> Result<bool> {
+    guard_with(exec, table, GuardMode::Enforce).await
+}
+
+/// What the guard trigger does with an UPDATE that does not advance a row's fence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GuardMode {
+    /// Reject it with `PF001` (the default), unless the transaction set `pgfence.bypass` and
+    /// its role may bypass (`pgfence.allow_bypass`): then let it through, audited.
+    Enforce,
+    /// Report only: let it through, record it in `pgfence.audit` (operation `observe`, holder
+    /// = the writing role, `application_name`) and raise a PostgreSQL `WARNING`. For rolling
+    /// pgfence out: find every writer that does not fence before enforcing.
+    Observe,
+}
+
+impl GuardMode {
+    /// `"enforce"` or `"observe"`, as SQL and the CLI spell it.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Enforce => "enforce",
+            Self::Observe => "observe",
+        }
+    }
+
+    fn from_sql(mode: &str) -> Self {
+        if mode == "observe" {
+            Self::Observe
+        } else {
+            Self::Enforce
+        }
+    }
+}
+
+impl std::fmt::Display for GuardMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Guards `table` in `mode`: like [`guard`] (adds or adopts the `fence` column), then installs
+/// the trigger in that mode, switches an installed trigger to it (the trigger is replaced,
+/// under the same lock `guard` takes) and re-enables a disabled one. Returns `true` if
+/// anything changed.
+///
+/// # Errors
+/// As [`guard`].
+///
+/// # Example
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool) -> pgfence::Result<()> {
+/// use pgfence::{GuardMode, TableName};
+/// let table = TableName::parse("accounts")?;
+/// pgfence::guard_with(&pool, &table, GuardMode::Observe).await?; // roll out: report only
+/// // ... once `pgfence audit` shows no more `observe` rows for it:
+/// pgfence::guard_with(&pool, &table, GuardMode::Enforce).await?;
+/// # Ok(()) }
+/// ```
+pub async fn guard_with<'c, E: PgExecutor<'c>>(
+    exec: E,
+    table: &TableName,
+    mode: GuardMode,
+) -> Result<bool> {
     let changed = sqlx::query_scalar!(
-        r#"SELECT pgfence.guard($1, $2) AS "changed!""#,
+        r#"SELECT pgfence.guard($1, $2, $3) AS "changed!""#,
         table.schema().as_str(),
-        table.name().as_str()
+        table.name().as_str(),
+        mode.as_str()
     )
     .fetch_one(exec)
     .await?;
     Ok(changed)
+}
+
+/// The mode of `table`'s guard trigger, or `None` when it is not guarded.
+///
+/// # Errors
+/// [`crate::Error::Database`].
+pub async fn guard_mode<'c, E: PgExecutor<'c>>(
+    exec: E,
+    table: &TableName,
+) -> Result<Option<GuardMode>> {
+    let mode = sqlx::query_scalar!(
+        r#"SELECT mode AS "mode!" FROM pgfence.guarded_tables
+            WHERE schema_name OPERATOR(pg_catalog.=) $1 AND table_name OPERATOR(pg_catalog.=) $2"#,
+        table.schema().as_str(),
+        table.name().as_str()
+    )
+    .fetch_optional(exec)
+    .await?;
+    Ok(mode.as_deref().map(GuardMode::from_sql))
+}
+
+/// A guarded table, as [`guarded_tables_with_modes`] lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GuardedTable {
+    /// The table.
+    pub table: TableName,
+    /// What its trigger does.
+    pub mode: GuardMode,
+    /// Whether the trigger fires (`false` after `ALTER TABLE ... DISABLE TRIGGER`).
+    pub enabled: bool,
+}
+
+/// Lists guarded tables with their mode and whether the trigger is enabled.
+///
+/// # Errors
+/// [`crate::Error::Database`].
+pub async fn guarded_tables_with_modes<'c, E: PgExecutor<'c>>(
+    exec: E,
+) -> Result<Vec<GuardedTable>> {
+    let rows = sqlx::query!(
+        r#"SELECT schema_name AS "schema!", table_name AS "table!", mode AS "mode!",
+                  enabled AS "enabled!"
+             FROM pgfence.guarded_tables ORDER BY 1, 2"#
+    )
+    .fetch_all(exec)
+    .await?;
+    rows.into_iter()
+        .map(|r| {
+            Ok(GuardedTable {
+                table: TableName::new(&r.schema, &r.table)?,
+                mode: GuardMode::from_sql(&r.mode),
+                enabled: r.enabled,
+            })
+        })
+        .collect()
 }
 
 /// Removes the guard trigger from `table`; with `drop_column`, drops the `fence` column too.
@@ -75,6 +199,25 @@ pub async fn guarded_tables<'c, E: PgExecutor<'c>>(exec: E) -> Result<Vec<TableN
 /// Only for names that cannot be written as SQL literals (NUL bytes), which [`TableName`]
 /// already refuses.
 pub fn guard_migration_sql(table: &TableName) -> Result<String> {
+    guard_migration_sql_with(table, GuardMode::Enforce)
+}
+
+/// The SQL of a migration that guards `table` in `mode` (what [`guard_with`] does).
+///
+/// # Errors
+/// As [`guard_migration_sql`].
+pub fn guard_migration_sql_with(table: &TableName, mode: GuardMode) -> Result<String> {
+    if mode == GuardMode::Observe {
+        return Ok(format!(
+            "-- Guard a table with pgfence in observe mode: adds `fence bigint NOT NULL DEFAULT 0` (if\n\
+             -- missing) and the trigger, which lets updates that do not advance a row's fence through\n\
+             -- and records them in pgfence.audit. Switch to enforcing with\n\
+             -- SELECT pgfence.guard(schema, table, 'enforce'). Needs `pgfence migrate` first.\n\
+             SELECT pgfence.guard({}, {}, 'observe');\n",
+            quote_literal(table.schema().as_str())?,
+            quote_literal(table.name().as_str())?
+        ));
+    }
     Ok(format!(
         "-- Guard a table with pgfence: adds `fence bigint NOT NULL DEFAULT 0` (if missing) and the\n\
          -- trigger that rejects updates which do not advance a row's fence.\n\
@@ -83,4 +226,37 @@ pub fn guard_migration_sql(table: &TableName) -> Result<String> {
         quote_literal(table.schema().as_str())?,
         quote_literal(table.name().as_str())?
     ))
+}
+
+/// Allows `role` (and its members) to bypass the guard of every guarded table with
+/// `SET LOCAL pgfence.bypass = '<reason>'` in a transaction. Each bypassed row is audited
+/// (operation `bypass`, holder = the role, the reason) and raises a PostgreSQL `WARNING`; its
+/// fence is sealed against the lease that last wrote it. Run it as the owner of the `pgfence`
+/// schema. Returns `true` if the role was not allowed before.
+///
+/// # Errors
+/// [`crate::Error::Database`] when the role does not exist (SQLSTATE `42704`) or the caller
+/// is not the schema's owner.
+pub async fn allow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &Ident) -> Result<bool> {
+    let changed = sqlx::query_scalar!(
+        r#"SELECT pgfence.allow_bypass($1) AS "changed!""#,
+        role.as_str()
+    )
+    .fetch_one(exec)
+    .await?;
+    Ok(changed)
+}
+
+/// Takes back [`allow_bypass`]. Returns `true` if the role was allowed.
+///
+/// # Errors
+/// [`crate::Error::Database`].
+pub async fn disallow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &Ident) -> Result<bool> {
+    let changed = sqlx::query_scalar!(
+        r#"SELECT pgfence.disallow_bypass($1) AS "changed!""#,
+        role.as_str()
+    )
+    .fetch_one(exec)
+    .await?;
+    Ok(changed)
 }

@@ -88,8 +88,10 @@ impl TableName {
 
     /// Parses the command-line form: `table` or `schema.table`, where either part may be
     /// double-quoted (with `""` for a literal quote) to contain dots or capitals as stored.
-    /// Unquoted parts are taken as written (no case folding), so `Payments` names the table
-    /// whose catalog name is `Payments`.
+    /// Unquoted parts are case-folded the way SQL folds them (ASCII `A`-`Z` to lower case,
+    /// other characters kept), so `Payments` names the table `payments`, as it would in
+    /// `SELECT * FROM Payments`, and `"Payments"` names the table whose catalog name is
+    /// `Payments`. [`TableName::new`] takes names as stored, without folding.
     ///
     /// # Errors
     /// [`Error::InvalidIdentifier`] for malformed input.
@@ -139,6 +141,7 @@ fn split_qualified(s: &str) -> Result<Vec<String>> {
     let mut chars = s.chars().peekable();
     loop {
         let mut part = String::new();
+        // Quoted parts keep their case; unquoted ones fold ASCII letters, as SQL does.
         if chars.peek() == Some(&'"') {
             chars.next();
             loop {
@@ -160,7 +163,7 @@ fn split_qualified(s: &str) -> Result<Vec<String>> {
                 if c == '"' {
                     return Err(bad("stray quote in unquoted identifier"));
                 }
-                part.push(c);
+                part.push(c.to_ascii_lowercase());
                 chars.next();
             }
         }
@@ -196,12 +199,40 @@ mod tests {
     fn quoting() {
         assert_eq!(Ident::new("a\"b").unwrap().quoted(), "\"a\"\"b\"");
         assert_eq!(TableName::parse("t").unwrap().quoted(), "\"public\".\"t\"");
-        assert_eq!(TableName::parse("s.T").unwrap().quoted(), "\"s\".\"T\"");
+        assert_eq!(TableName::parse("s.T").unwrap().quoted(), "\"s\".\"t\"");
         assert_eq!(
             TableName::parse("\"a.b\".\"c\"\"d\"").unwrap().quoted(),
             "\"a.b\".\"c\"\"d\""
         );
         assert_eq!(quote_literal("it's").unwrap(), "'it''s'");
+    }
+
+    #[test]
+    fn folds_unquoted_names_like_sql() {
+        let t = TableName::parse("MixedCase").unwrap();
+        assert_eq!(
+            (t.schema().as_str(), t.name().as_str()),
+            ("public", "mixedcase")
+        );
+        let t = TableName::parse("\"MixedCase\"").unwrap();
+        assert_eq!(t.name().as_str(), "MixedCase");
+        let t = TableName::parse("Billing.\"Invoices\"").unwrap();
+        assert_eq!(
+            (t.schema().as_str(), t.name().as_str()),
+            ("billing", "Invoices")
+        );
+        let t = TableName::parse("\"Billing\".INVOICES").unwrap();
+        assert_eq!(
+            (t.schema().as_str(), t.name().as_str()),
+            ("Billing", "invoices")
+        );
+        // Only ASCII letters fold (as in a UTF-8 database); other characters are kept.
+        assert_eq!(TableName::parse("ÉtÉ_T").unwrap().name().as_str(), "ÉtÉ_t");
+        // Quoted parts may still contain dots and quotes, exactly as written.
+        let t = TableName::parse("\"A.B\".\"C\"\"D\"").unwrap();
+        assert_eq!((t.schema().as_str(), t.name().as_str()), ("A.B", "C\"D"));
+        // `new` takes names as stored.
+        assert_eq!(TableName::new("S", "T").unwrap().quoted(), "\"S\".\"T\"");
     }
 
     #[test]

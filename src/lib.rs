@@ -2,30 +2,42 @@
 
 mod audit;
 mod batch;
+mod doctor;
 mod error;
 mod fence;
+mod grant;
 mod guard;
 mod ident;
 mod issuer;
+mod metrics;
 mod migrate;
 mod recovery;
 mod repository;
 mod resource;
 mod sql;
 mod token;
+mod verify;
 
 pub use audit::{
     AuditEntry, AuditEvent, AuditFilter, AuditSink, Auditor, DEFAULT_AUDIT_TIMEOUT, LOG_TARGET,
     Rejection, list as list_audit, prune as prune_audit,
 };
 pub use batch::{BatchOutcome, BatchSummary, Claimed, MAX_BATCH_ROWS, RowOutcome};
+pub use doctor::{DEFAULT_LIMIT_MARGIN, DoctorOptions, Finding, FindingKind, Severity, doctor};
 pub use error::{
     Error, Result, SQLSTATE_DUPLICATE, SQLSTATE_EXHAUSTED, SQLSTATE_FENCE_TYPE, SQLSTATE_PROTECTED,
     SQLSTATE_STALE, StaleTarget,
 };
 pub use fence::{Fence, counter_floor, high_water};
-pub use guard::{guard, guard_migration_sql, guarded_tables, unguard};
+pub use grant::{grant, grant_sql};
+pub use guard::{
+    GuardMode, GuardedTable, allow_bypass, disallow_bypass, guard, guard_migration_sql,
+    guard_migration_sql_with, guard_mode, guard_with, guarded_tables, guarded_tables_with_modes,
+    unguard,
+};
 pub use ident::{Ident, TableName};
+#[cfg(feature = "etcd")]
+pub use issuer::{ETCD_SCHEME, EtcdIssuer, etcd_lock_key, is_etcd_url};
 pub use issuer::{
     FloorSource, Issuer, KeepAlive, Lease, LeaseLost, LeaseState, LockStatus, MAX_TTL, MIN_TTL,
     RedisConnections, check_ttl, counter_key, default_connections, lock_key, new_owner_id,
@@ -34,3 +46,11 @@ pub use migrate::{MigrationInfo, migrate, status as migration_status};
 pub use repository::{FencedTable, KeyArrays, PgQuery, Repository, Upserted, WriteExecutor};
 pub use resource::{MAX_RESOURCE_LEN, Resource};
 pub use token::{FenceToken, Fencing, MAX_TOKEN, MAX_WRITES_PER_ROW, Relation};
+pub use verify::ColumnType;
+
+/// `#[derive(FencedTable)]`: implements [`FencedTable`](trait@FencedTable) from a struct's
+/// fields and `#[fenced(...)]` / `#[sqlx(...)]` attributes, so the struct that reads rows
+/// (`#[derive(sqlx::FromRow)]`) also declares the table. See [`pgfence_derive`]'s docs for the
+/// attributes.
+#[cfg(feature = "derive")]
+pub use pgfence_derive::FencedTable;

@@ -19,6 +19,9 @@ pub const HISTORY_TABLE: &str = "pgfence.refinery_schema_history";
 /// Advisory lock key held while migrating ("pgfence" in ASCII).
 const MIGRATION_LOCK_KEY: i64 = 0x0070_6766_656e_6365;
 
+/// Set on the migrating connection before anything else runs.
+const PINNED_SEARCH_PATH: &str = "SET search_path = pg_catalog, pg_temp";
+
 /// The migrations shipped with this version, in order: `(refinery name, SQL)`.
 const MIGRATIONS: &[(&str, &str)] = &[
     ("V1__core", include_str!("../migrations/V1__core.sql")),
@@ -33,6 +36,14 @@ const MIGRATIONS: &[(&str, &str)] = &[
     (
         "V4__one_lease_many_writes",
         include_str!("../migrations/V4__one_lease_many_writes.sql"),
+    ),
+    (
+        "V5__least_privilege",
+        include_str!("../migrations/V5__least_privilege.sql"),
+    ),
+    (
+        "V6__observe_mode",
+        include_str!("../migrations/V6__observe_mode.sql"),
     ),
 ];
 
@@ -51,7 +62,9 @@ pub struct MigrationInfo {
 /// this call applied (empty when the schema was already current).
 ///
 /// Safe on an existing, populated database: it only creates objects in the `pgfence` schema.
-/// Safe to run from several processes at once.
+/// Safe to run from several processes at once. Runs with `search_path = pg_catalog, pg_temp`
+/// whatever the role's own setting, so no pgfence object can come to depend on an object in
+/// another schema that shadows a catalog name.
 ///
 /// # Errors
 /// [`Error::Migration`] when a migration fails or the applied history diverges from the
@@ -69,6 +82,11 @@ pub async fn migrate(pool: &PgPool) -> Result<Vec<MigrationInfo>> {
     // A dedicated connection: if anything fails, closing it releases the advisory lock.
     let mut conn = PgConnection::connect_with(&pool.connect_options()).await?;
     let result = async {
+        // Every name the migrations (and refinery's history statements) leave unqualified —
+        // `now()`, `length`, operators, types — resolves in the catalog, whatever the
+        // migrating role's search_path puts first; new objects land nowhere by accident.
+        // Session-level on this dedicated connection, which is closed afterwards.
+        sqlx::raw_sql(PINNED_SEARCH_PATH).execute(&mut conn).await?;
         sqlx::query("SELECT pg_catalog.pg_advisory_lock($1)")
             .bind(MIGRATION_LOCK_KEY)
             .execute(&mut conn)

@@ -15,8 +15,9 @@
 //! reports stale to `upsert`; a row deleted by raw SQL in between reports not found — the
 //! write was rejected either way and nothing was written.
 
+use std::collections::HashMap;
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::{PgPool, Postgres, Row};
@@ -25,6 +26,7 @@ use crate::audit::{AuditRow, Auditor, Rejection};
 use crate::ident::{Ident, TableName};
 use crate::sql::{Source, Statement, Statements};
 use crate::token::Relation;
+use crate::verify::ColumnType;
 use crate::{Error, Fencing, Result, StaleTarget};
 
 /// A query under construction, as handed to [`FencedTable`]'s bind methods.
@@ -32,8 +34,30 @@ pub type PgQuery = sqlx::query::Query<'static, Postgres, PgArguments>;
 
 /// A table whose rows are written only with a fence token.
 ///
-/// Implement it with [`fenced_table!`](crate::fenced_table); by hand, the bind methods must
-/// bind exactly the columns listed, in order.
+/// Implement it with `#[derive(FencedTable)]` (feature `derive`, on by default: the same
+/// struct can derive `sqlx::FromRow` to read rows) or [`fenced_table!`](crate::fenced_table);
+/// by hand, the bind methods must bind exactly the columns listed, in order.
+///
+/// ```
+/// #[derive(Debug, Clone, sqlx::FromRow, pgfence::FencedTable)]
+/// #[fenced(schema = "billing", table = "ledger_line")]
+/// struct Line {
+///     #[fenced(key)]
+///     batch: i64,
+///     #[fenced(key)]
+///     line: i32,
+///     #[sqlx(rename = "amount_cents")] // the column's name, for reads and writes
+///     amount: i64,
+///     #[fenced(skip)] // read by FromRow, never written
+///     fence: i64,
+/// }
+///
+/// use pgfence::FencedTable;
+/// assert_eq!(Line::KEY_COLUMNS, ["batch", "line"]);
+/// assert_eq!(Line::COLUMNS, ["amount_cents"]);
+/// let key: <Line as FencedTable>::Key = (7, 1); // (i64, i32), from the fields
+/// # let _ = key;
+/// ```
 pub trait FencedTable: Send + Sync + 'static {
     /// The key, as passed to [`Repository::delete`]: a single value or a tuple.
     type Key: Send + Sync;
@@ -70,6 +94,29 @@ pub trait FencedTable: Send + Sync + 'static {
     fn bind_key_value_arrays(keys: &[&Self::Key], query: PgQuery) -> Option<PgQuery> {
         let _ = (keys, query);
         None
+    }
+
+    /// Binds this row's value of one data column, `column` (one of [`Self::COLUMNS`]), for
+    /// [`Repository::update_columns`]. The derive and [`fenced_table!`](crate::fenced_table)
+    /// implement it; the default returns `None`, and `update_columns` then fails with
+    /// [`Error::InvalidTable`] before sending anything.
+    fn bind_column(&self, column: &str, query: PgQuery) -> Option<PgQuery> {
+        let _ = (column, query);
+        None
+    }
+
+    /// The Rust types of the key columns, one per [`Self::KEY_COLUMNS`] entry, which
+    /// [`Repository::verify`] checks against the catalog. Empty (the default) leaves them
+    /// unchecked.
+    fn key_types() -> Vec<ColumnType> {
+        Vec::new()
+    }
+
+    /// The Rust types of the data columns, one per [`Self::COLUMNS`] entry, for
+    /// [`Repository::verify`]. The derive knows them; [`fenced_table!`](crate::fenced_table)
+    /// (which names only the columns) and the default return an empty list: unchecked.
+    fn column_types() -> Vec<ColumnType> {
+        Vec::new()
     }
 }
 
@@ -148,6 +195,14 @@ macro_rules! fenced_table {
             fn bind_key_value_arrays(keys: &[&Self::Key], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
                 Some(<Self::Key as $crate::KeyArrays>::bind_arrays(keys, q))
             }
+            fn bind_column(&self, column: &str, q: $crate::PgQuery) -> Option<$crate::PgQuery> {
+                $(if column == stringify!($col) { return Some(q.bind(&self.$col)); })*
+                let _ = (column, q);
+                None
+            }
+            fn key_types() -> ::std::vec::Vec<$crate::ColumnType> {
+                ::std::vec![$($crate::ColumnType::of::<$kty>()),+]
+            }
         }
     };
     ($ty:ty { $(schema: $schema:literal,)? table: $table:literal,
@@ -169,6 +224,14 @@ macro_rules! fenced_table {
             }
             fn bind_key_value_arrays(keys: &[&Self::Key], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
                 Some(q.bind(keys.iter().map(|k| (*k).clone()).collect::<Vec<$kty>>()))
+            }
+            fn bind_column(&self, column: &str, q: $crate::PgQuery) -> Option<$crate::PgQuery> {
+                $(if column == stringify!($col) { return Some(q.bind(&self.$col)); })*
+                let _ = (column, q);
+                None
+            }
+            fn key_types() -> ::std::vec::Vec<$crate::ColumnType> {
+                ::std::vec![$crate::ColumnType::of::<$kty>()]
             }
         }
     };
@@ -270,8 +333,14 @@ pub struct Repository<T> {
     table: Arc<TableName>,
     pub(crate) sql: Arc<Statements>,
     auditor: Auditor,
+    /// [`Repository::update_columns`]' statements, by (sorted) column positions.
+    partial: Arc<Mutex<HashMap<Vec<usize>, Arc<Statement>>>>,
     _row: PhantomData<fn() -> T>,
 }
+
+/// At most this many column sets keep their partial-update statement; others are built per
+/// call.
+const MAX_CACHED_PARTIAL: usize = 64;
 
 impl<T> Clone for Repository<T> {
     fn clone(&self) -> Self {
@@ -279,6 +348,7 @@ impl<T> Clone for Repository<T> {
             table: self.table.clone(),
             sql: self.sql.clone(),
             auditor: self.auditor.clone(),
+            partial: self.partial.clone(),
             _row: PhantomData,
         }
     }
@@ -345,6 +415,7 @@ impl<T: FencedTable> Repository<T> {
             table: Arc::new(table),
             sql: Arc::new(sql),
             auditor,
+            partial: Arc::default(),
             _row: PhantomData,
         })
     }
@@ -395,6 +466,7 @@ impl<T: FencedTable> Repository<T> {
         fencing: impl Into<Fencing>,
         row: &T,
     ) -> Result<()> {
+        let _timer = crate::metrics::Timer::write("update");
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
         let source = Source::Row(row);
@@ -418,6 +490,7 @@ impl<T: FencedTable> Repository<T> {
         fencing: impl Into<Fencing>,
         row: &T,
     ) -> Result<Upserted> {
+        let _timer = crate::metrics::Timer::write("upsert");
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
         let source = Source::Row(row);
@@ -452,6 +525,7 @@ impl<T: FencedTable> Repository<T> {
         fencing: impl Into<Fencing>,
         key: &T::Key,
     ) -> Result<()> {
+        let _timer = crate::metrics::Timer::write("delete");
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
         let source = Source::<T>::Key(key);
@@ -494,6 +568,7 @@ impl<T: FencedTable> Repository<T> {
         E: WriteExecutor<'c>,
         R: for<'r> sqlx::FromRow<'r, PgRow> + Send + Unpin,
     {
+        let _timer = crate::metrics::Timer::write("claim");
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
         let source = Source::<T>::Key(key);
@@ -503,6 +578,129 @@ impl<T: FencedTable> Repository<T> {
         }
         let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
         self.rejected(&out, &fencing, "claim").await
+    }
+
+    /// Reads the row with `key` (`SELECT * FROM <table> WHERE <key>`), or `None`: a plain
+    /// read, without a lease and without fencing anything, into `R` (usually `T` itself with
+    /// `#[derive(sqlx::FromRow)]`; extra columns such as `fence` are ignored by the derive).
+    /// To read a row and keep older leases from writing it, [`claim`](Repository::claim) it.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    ///
+    /// # Example
+    /// ```no_run
+    /// # #[derive(Clone, sqlx::FromRow)] struct Invoice { id: i64, status: String }
+    /// # pgfence::fenced_table!(Invoice { table: "invoices", key: id: i64, columns: [status] });
+    /// # async fn f(pool: sqlx::PgPool) -> pgfence::Result<()> {
+    /// let repo = pgfence::Repository::<Invoice>::new(pool.clone())?;
+    /// if let Some(invoice) = repo.fetch::<_, Invoice>(&pool, &42).await? {
+    ///     println!("invoice 42 is {}", invoice.status);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn fetch<'c, E, R>(&self, exec: E, key: &T::Key) -> Result<Option<R>>
+    where
+        E: WriteExecutor<'c>,
+        R: for<'r> sqlx::FromRow<'r, PgRow> + Send + Unpin,
+    {
+        let mut lent = exec.into_target().lend().await?;
+        let query = self.sql.fetch.bind_key::<T>(key);
+        match query.fetch_optional(lent.conn()).await? {
+            Some(row) => Ok(Some(R::from_row(&row)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Like [`Repository::update`], but sets only `columns` (names from
+    /// [`FencedTable::COLUMNS`]): the other columns keep what the row has, whoever wrote it.
+    /// The write is fenced exactly like `update` — same predicate, same next fence, same
+    /// stale / duplicate / not-found classification and audit (operation `update`). Each
+    /// column set's statement is built once and kept.
+    ///
+    /// # Errors
+    /// [`Error::InvalidTable`] before anything is sent when `columns` is empty, names a column
+    /// that is not declared (or a key column), or `T`'s impl does not bind single columns
+    /// ([`FencedTable::bind_column`]); otherwise as [`Repository::update`].
+    ///
+    /// # Example
+    /// ```no_run
+    /// # #[derive(Clone)] struct Invoice { id: i64, status: String, amount: i64 }
+    /// # pgfence::fenced_table!(Invoice { table: "invoices", key: id: i64, columns: [status, amount] });
+    /// # async fn f(pool: sqlx::PgPool, lease: pgfence::Lease, mut invoice: Invoice) -> pgfence::Result<()> {
+    /// let repo = pgfence::Repository::<Invoice>::new(pool.clone())?;
+    /// invoice.status = "paid".into();
+    /// // Writes `status` (and the fence) only; `amount` keeps what the row has.
+    /// repo.update_columns(&pool, &lease, &invoice, &["status"]).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn update_columns<'c, E: WriteExecutor<'c>>(
+        &self,
+        exec: E,
+        fencing: impl Into<Fencing>,
+        row: &T,
+        columns: &[&str],
+    ) -> Result<()> {
+        let _timer = crate::metrics::Timer::write("update_columns");
+        let fencing = fencing.into();
+        let statement = self.partial_update(columns)?;
+        let write = statement.bind_partial(row, &fencing).ok_or_else(|| {
+            self.invalid_table(
+                "its FencedTable impl does not bind single columns (implement \
+                 FencedTable::bind_column, or use #[derive(FencedTable)] / fenced_table!)",
+            )
+        })?;
+        let mut lent = exec.into_target().lend().await?;
+        if write.execute(lent.conn()).await?.rows_affected() > 0 {
+            return Ok(());
+        }
+        let source = Source::Row(row);
+        let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
+        self.rejected(&out, &fencing, "update").await
+    }
+
+    /// The partial-update statement for `columns`, from the cache or built (and cached).
+    fn partial_update(&self, columns: &[&str]) -> Result<Arc<Statement>> {
+        let mut set = Vec::with_capacity(columns.len());
+        for name in columns {
+            match T::COLUMNS.iter().position(|c| c == name) {
+                Some(i) => set.push(i),
+                None if T::KEY_COLUMNS.contains(name) => {
+                    return Err(self.invalid_table(&format!(
+                        "column \"{name}\" is a key column: update_columns sets data columns only"
+                    )));
+                }
+                None => {
+                    return Err(self.invalid_table(&format!(
+                        "column \"{name}\" is not a declared column (declared: {})",
+                        T::COLUMNS.join(", ")
+                    )));
+                }
+            }
+        }
+        set.sort_unstable();
+        set.dedup();
+        if set.is_empty() {
+            return Err(self.invalid_table("update_columns needs at least one column"));
+        }
+        // A poisoned lock only means another thread panicked while inserting: the map is
+        // still a valid cache.
+        let mut cache = self.partial.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(statement) = cache.get(&set) {
+            return Ok(statement.clone());
+        }
+        let statement = Arc::new(self.sql.update_columns(&set));
+        if cache.len() < MAX_CACHED_PARTIAL {
+            cache.insert(set, statement.clone());
+        }
+        Ok(statement)
+    }
+
+    fn invalid_table(&self, reason: &str) -> Error {
+        Error::InvalidTable {
+            table: self.table.quoted(),
+            reason: reason.to_owned(),
+        }
     }
 
     /// Classifies a write that changed nothing from its explaining row: the row's fence

@@ -67,6 +67,8 @@ pub(crate) enum Slot {
     ColumnArrays,
     /// Batch: the input positions of the rows an explaining statement is about (bigint[]).
     Ordinals,
+    /// Partial update: one data column, by its position in [`FencedTable::COLUMNS`].
+    Column(usize),
 }
 
 /// Hands out `$1, $2, ...` in bind order and records what each placeholder binds.
@@ -151,8 +153,12 @@ impl Statement {
                     (Slot::Resource, _) => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
                     (Slot::Holder, _) => q.bind(fencing.holder.clone()),
                     (Slot::OwnTransaction, _) => q.bind(own_transaction),
-                    // Array slots belong to batch statements (`bind_batch`).
-                    (Slot::KeyArrays | Slot::ColumnArrays | Slot::Ordinals, _) => q,
+                    // Array slots belong to batch statements (`bind_batch`), single columns
+                    // to partial updates (`bind_partial`).
+                    (
+                        Slot::KeyArrays | Slot::ColumnArrays | Slot::Ordinals | Slot::Column(_),
+                        _,
+                    ) => q,
                 }
             })
     }
@@ -190,10 +196,45 @@ impl Statement {
                 (Slot::Resource, _) => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
                 (Slot::Holder, _) => q.bind(fencing.holder.clone()),
                 (Slot::OwnTransaction, _) => q.bind(own_transaction),
-                (Slot::Key | Slot::Columns, _) => q,
+                (Slot::Key | Slot::Columns | Slot::Column(_), _) => q,
             };
         }
         Some(q)
+    }
+
+    /// A partial update ([`Statements::update_columns`]) with every value bound: the row's
+    /// key, the columns it sets, one by one, and the lease. `None` when `T`'s
+    /// [`FencedTable`] impl does not bind single columns.
+    pub(crate) fn bind_partial<T: FencedTable>(
+        &self,
+        row: &T,
+        fencing: &Fencing,
+    ) -> Option<PgQuery> {
+        let mut q = sqlx::query(self.text.clone());
+        for slot in &self.slots {
+            q = match slot {
+                Slot::Key => row.bind_key(q),
+                Slot::Columns => row.bind_columns(q),
+                Slot::Column(i) => row.bind_column(T::COLUMNS.get(*i)?, q)?,
+                Slot::LeaseFence => q.bind(fencing.lease_fence()),
+                Slot::Token => q.bind(fencing.token.get()),
+                Slot::Resource => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
+                Slot::Holder => q.bind(fencing.holder.clone()),
+                Slot::OwnTransaction => q.bind(false),
+                Slot::KeyArrays | Slot::ColumnArrays | Slot::Ordinals => q,
+            };
+        }
+        Some(q)
+    }
+
+    /// A statement that binds only a key (`fetch`).
+    pub(crate) fn bind_key<T: FencedTable>(&self, key: &T::Key) -> PgQuery {
+        self.slots
+            .iter()
+            .fold(sqlx::query(self.text.clone()), |q, slot| match slot {
+                Slot::Key => T::bind_key_value(key, q),
+                _ => q,
+            })
     }
 }
 
@@ -201,6 +242,11 @@ impl Statement {
 /// changed nothing, and their batch forms.
 #[derive(Debug)]
 pub(crate) struct Statements {
+    /// The quoted table, key and data columns, for statements built later
+    /// ([`Statements::update_columns`]).
+    table: String,
+    keys: Vec<Ident>,
+    cols: Vec<Ident>,
     pub update: Statement,
     pub upsert: Statement,
     pub delete: Statement,
@@ -208,6 +254,8 @@ pub(crate) struct Statements {
     pub explain_update: Statement,
     pub explain_upsert: Statement,
     pub explain_delete: Statement,
+    /// `SELECT * FROM <table> WHERE <key>`: a plain read, no fence.
+    pub fetch: Statement,
     pub batch: BatchStatements,
 }
 
@@ -406,7 +454,20 @@ impl Statements {
             ))
         };
 
+        let fetch = {
+            let mut p = Params::default();
+            let key = p.many(Slot::Key, keys.len());
+            p.finish(format!(
+                "SELECT * FROM {t} WHERE {km}",
+                km = key_match(keys, &key)
+            ))
+        };
+
         Ok(Self {
+            table: t.clone(),
+            keys: keys.to_vec(),
+            cols: cols.to_vec(),
+            fetch,
             update,
             upsert,
             delete,
@@ -417,6 +478,42 @@ impl Statements {
             batch: BatchStatements::build(&t, &table_literal, keys, cols, audit_lock_timeout_ms),
         })
     }
+}
+
+impl Statements {
+    /// The update statement that sets only the data columns at positions `set` (sorted,
+    /// distinct, in range): the same fenced predicate and next fence as [`Statements::update`],
+    /// binding the key, each column of `set` ([`Slot::Column`]), then the lease.
+    pub(crate) fn update_columns(&self, set: &[usize]) -> Statement {
+        let mut p = Params::default();
+        let key = p.many(Slot::Key, self.keys.len());
+        let assignments: String = set
+            .iter()
+            .filter_map(|&i| self.cols.get(i).map(|c| (i, c)))
+            .map(|(i, c)| format!("{} = {}, ", c.quoted(), p.one(Slot::Column(i))))
+            .collect();
+        let lease = p.one(Slot::LeaseFence);
+        p.finish(format!(
+            "UPDATE {t} SET {assignments}\"fence\" = {next} WHERE {km} AND {admit}",
+            t = self.table,
+            next = next_fence("\"fence\"", &lease),
+            km = key_match(&self.keys, &key),
+            admit = admits("\"fence\"", &lease),
+        ))
+    }
+}
+
+/// `SELECT "a", "b" FROM <table>`: prepared (never run) by
+/// [`Repository::verify`](crate::Repository::verify), to learn the columns' types exactly as
+/// sqlx sees them when it reads a row.
+pub(crate) fn select_columns(table: &TableName, columns: &[Ident]) -> SqlStr {
+    let list: Vec<String> = columns.iter().map(Ident::quoted).collect();
+    AssertSqlSafe(format!(
+        "SELECT {} FROM {}",
+        list.join(", "),
+        table.quoted()
+    ))
+    .into_sql_str()
 }
 
 impl BatchStatements {
@@ -762,6 +859,38 @@ mod tests {
                 .text()
                 .contains("pg_catalog.unnest($3)) AS i(k0, k1, ord)")
         );
+    }
+
+    #[test]
+    fn a_partial_update_is_the_update_with_fewer_assignments() {
+        let s = build("inventory", &["sku"], &["payload", "qty"]);
+        // Every column: the very text of `update`.
+        let all = s.update_columns(&[0, 1]);
+        assert_eq!(all.text(), s.update.text());
+        assert_eq!(
+            all.slots,
+            [
+                Slot::Key,
+                Slot::Column(0),
+                Slot::Column(1),
+                Slot::LeaseFence
+            ]
+        );
+        // One column: the same predicate and next fence, one assignment.
+        let qty = s.update_columns(&[1]);
+        assert_eq!(qty.slots, [Slot::Key, Slot::Column(1), Slot::LeaseFence]);
+        assert_eq!(
+            qty.text(),
+            s.update
+                .text()
+                .replace("\"payload\" = $2, \"qty\" = $3", "\"qty\" = $2")
+                .replace("$4", "$3")
+        );
+        assert_eq!(
+            s.fetch.text(),
+            "SELECT * FROM \"public\".\"inventory\" WHERE \"sku\" OPERATOR(pg_catalog.=) $1"
+        );
+        assert_eq!(s.fetch.slots, [Slot::Key]);
     }
 
     #[test]

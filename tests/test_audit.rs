@@ -275,3 +275,41 @@ async fn a_role_that_may_not_write_the_audit_table_still_gets_its_stale_token() 
     db.exec(&format!("DROP OWNED BY {role}; DROP ROLE {role};"))
         .await;
 }
+
+#[tokio::test]
+async fn audit_list_filters_by_resource_prefix() {
+    let db = TestDb::new().await;
+    let fence = pgfence::Fence::new(db.pool.clone());
+    for name in ["billing:1", "billing:2", "reports:x", "billing"] {
+        let r = Resource::new(name).unwrap();
+        fence.check(&db.pool, &r, token(5)).await.unwrap();
+        assert!(
+            fence
+                .check(&db.pool, &r, token(4))
+                .await
+                .unwrap_err()
+                .is_stale()
+        );
+    }
+    let list = |resource: &str| {
+        let filter = pgfence::AuditFilter {
+            resource: Some(resource.to_owned()),
+            ..Default::default()
+        };
+        let pool = db.pool.clone();
+        async move { pgfence::list_audit(&pool, &filter).await.unwrap() }
+    };
+    let mut prefixed: Vec<String> = list("billing:*")
+        .await
+        .into_iter()
+        .filter_map(|e| e.resource)
+        .collect();
+    prefixed.sort();
+    assert_eq!(prefixed, ["billing:1", "billing:2"]);
+    assert_eq!(
+        list("billing").await.len(),
+        1,
+        "without '*' the match is exact"
+    );
+    assert_eq!(list("*").await.len(), 4);
+}

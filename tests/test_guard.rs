@@ -72,12 +72,13 @@ async fn wrong_fence_type_and_missing_tables_are_typed_errors() {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::TableNotFound(_)), "{err:?}");
-    // Case matters: names are taken as stored, not folded.
+    // Names fold as SQL folds them: unquoted to lower case, quoted as written.
     db.exec("CREATE TABLE lower_only (id int)").await;
     assert!(matches!(
-        pgfence::guard(&db.pool, &t("LOWER_ONLY")).await,
+        pgfence::guard(&db.pool, &t("\"LOWER_ONLY\"")).await,
         Err(Error::TableNotFound(_))
     ));
+    assert!(pgfence::guard(&db.pool, &t("LOWER_ONLY")).await.unwrap());
 }
 
 #[tokio::test]

@@ -1,12 +1,15 @@
-//! The issuer's Redis connections: a few reconnecting connections used in turn.
+//! The issuer's Redis connections: a few reconnecting connections used in turn, and the
+//! bounded retry of owner-safe calls after a transport failure.
 
+use std::future::Future;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use redis::Value;
 use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::{RedisError, RedisResult, RetryMethod, Value};
+use tokio::time::Instant;
 
 use crate::Result;
 
@@ -18,10 +21,27 @@ use crate::Result;
 /// on the benchmark machine (`BENCHMARKS.md`). Commands of one call (an acquire, a release)
 /// are awaited one after the other, so spreading them over connections never reorders what a
 /// caller does.
+///
+/// A connection learns that the server closed it (an idle `timeout`, a restart, a reset) only
+/// when a command fails on it, and then reconnects. Two things keep such a failure from
+/// costing more than the one command: the next command goes to the connection that just
+/// reconnected rather than to the next in turn (which has likely been closed for the same
+/// reason), and the other connections are probed with a `PING` in the background so that the
+/// dead ones reconnect before they are used. The issuer re-sends its own calls (acquire,
+/// extend, release) after such a failure; other commands are not re-sent.
 #[derive(Clone)]
 pub struct RedisConnections {
     conns: Arc<[ConnectionManager]>,
-    next: Arc<AtomicUsize>,
+    shared: Arc<Shared>,
+}
+
+#[derive(Default)]
+struct Shared {
+    next: AtomicUsize,
+    /// 1 + the index of a connection that has just lost its link and is reconnecting (0: none).
+    reconnected: AtomicUsize,
+    /// A background probe of every connection is running.
+    probing: AtomicBool,
 }
 
 impl std::fmt::Debug for RedisConnections {
@@ -50,7 +70,7 @@ impl RedisConnections {
         }
         Ok(Self {
             conns: conns.into(),
-            next: Arc::new(AtomicUsize::new(0)),
+            shared: Arc::default(),
         })
     }
 
@@ -66,16 +86,59 @@ impl RedisConnections {
         self.conns.is_empty()
     }
 
-    fn pick(&self) -> ConnectionManager {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
-        self.conns[i].clone()
+    fn pick(&self) -> (usize, ConnectionManager) {
+        let i = match self.shared.reconnected.swap(0, Ordering::Relaxed) {
+            0 => self.shared.next.fetch_add(1, Ordering::Relaxed) % self.conns.len(),
+            fresh => fresh - 1,
+        };
+        (i, self.conns[i].clone())
+    }
+
+    /// Notes the outcome of a command sent on connection `i`.
+    fn observe<T>(&self, i: usize, result: &RedisResult<T>) {
+        let Err(e) = result else { return };
+        // `ConnectionManager` reconnects after exactly these errors.
+        if !e.is_connection_dropped() {
+            return;
+        }
+        self.shared.reconnected.store(i + 1, Ordering::Relaxed);
+        self.probe_others(i);
+    }
+
+    /// PINGs every connection but `failed` in the background (one probe at a time), so that
+    /// those the server closed too find out and reconnect now rather than on their next use.
+    fn probe_others(&self, failed: usize) {
+        if self.conns.len() < 2 || self.shared.probing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.shared.probing.store(false, Ordering::Release);
+            return;
+        };
+        let this = self.clone();
+        runtime.spawn(async move {
+            for (i, conn) in this.conns.iter().enumerate() {
+                if i == failed {
+                    continue;
+                }
+                let (mut conn, ping) = (conn.clone(), redis::cmd("PING"));
+                let ping = ping.query_async::<()>(&mut conn);
+                // A dead connection fails at once (and reconnects); a stalled one is left alone.
+                let _ = tokio::time::timeout(Duration::from_secs(1), ping).await;
+            }
+            this.shared.probing.store(false, Ordering::Release);
+        });
     }
 }
 
 impl ConnectionLike for RedisConnections {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
-        let mut conn = self.pick();
-        Box::pin(async move { conn.req_packed_command(cmd).await })
+        let (i, mut conn) = self.pick();
+        Box::pin(async move {
+            let result = conn.req_packed_command(cmd).await;
+            self.observe(i, &result);
+            result
+        })
     }
 
     fn req_packed_commands<'a>(
@@ -84,8 +147,12 @@ impl ConnectionLike for RedisConnections {
         offset: usize,
         count: usize,
     ) -> redis::RedisFuture<'a, Vec<Value>> {
-        let mut conn = self.pick();
-        Box::pin(async move { conn.req_packed_commands(pipeline, offset, count).await })
+        let (i, mut conn) = self.pick();
+        Box::pin(async move {
+            let result = conn.req_packed_commands(pipeline, offset, count).await;
+            self.observe(i, &result);
+            result
+        })
     }
 
     fn get_db(&self) -> i64 {
@@ -98,4 +165,101 @@ impl ConnectionLike for RedisConnections {
 pub fn default_connections() -> NonZeroUsize {
     let cpus = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
     NonZeroUsize::new(cpus.clamp(1, 8)).unwrap_or(NonZeroUsize::MIN)
+}
+
+/// Whether `e` says nothing about the lock — the request or its reply was lost on the way
+/// (I/O error, dropped or refused connection, timeout) or the server could not answer yet
+/// (loading, failing over, read-only after a demotion) — so that sending the same owner-safe
+/// call again may succeed.
+pub(super) fn transport_error(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || matches!(
+            e.retry_method(),
+            RetryMethod::Reconnect
+                | RetryMethod::RetryImmediately
+                | RetryMethod::WaitAndRetry
+                | RetryMethod::RefreshSlotsAndRetry
+                | RetryMethod::ReconnectFromInitialConnections
+        )
+}
+
+/// How long one attempt of a retried call may take before it is abandoned and re-sent (on
+/// another connection: a stalled connection is not reconnected by the client).
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(1);
+/// The shortest time the first attempt is given, even when the caller's time is up.
+const FIRST_ATTEMPT_MIN: Duration = Duration::from_millis(100);
+/// Pause before the second retry; it doubles up to [`BACKOFF_MAX`]. The first retry is
+/// immediate: it goes to the connection that just reconnected.
+const BACKOFF_START: Duration = Duration::from_millis(10);
+const BACKOFF_MAX: Duration = Duration::from_millis(250);
+
+/// What [`retry_transport`] got.
+pub(super) struct Attempts<T> {
+    /// The last attempt's result.
+    pub(super) result: RedisResult<T>,
+    /// When the last attempt was sent.
+    pub(super) sent_at: Instant,
+    /// An earlier attempt failed in transit: it may or may not have been executed.
+    pub(super) retried: bool,
+}
+
+/// Runs `attempt` (an owner-safe call, harmless to execute twice) until it succeeds, fails
+/// with something other than a [`transport_error`], `max_attempts` attempts were made, or
+/// `until` passes. Each attempt is cut off at `until` (the first one gets at least
+/// [`FIRST_ATTEMPT_MIN`]) and after [`ATTEMPT_TIMEOUT`]; retries back off briefly.
+pub(super) async fn retry_transport<T, F, Fut>(
+    until: Instant,
+    max_attempts: u32,
+    mut attempt: F,
+) -> Attempts<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = RedisResult<T>>,
+{
+    let mut backoff = Duration::ZERO;
+    let mut made = 0;
+    loop {
+        let sent_at = Instant::now();
+        let mut budget = until.saturating_duration_since(sent_at);
+        if made == 0 {
+            budget = budget.max(FIRST_ATTEMPT_MIN);
+        }
+        made += 1;
+        let result = match tokio::time::timeout(budget.min(ATTEMPT_TIMEOUT), attempt()).await {
+            Ok(result) => result,
+            Err(_) => Err(RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "no reply from Redis within {:?}",
+                    budget.min(ATTEMPT_TIMEOUT)
+                ),
+            ))),
+        };
+        let retried = made > 1;
+        match result {
+            Err(e) if transport_error(&e) && made < max_attempts => {
+                let now = Instant::now();
+                if now + backoff >= until {
+                    return Attempts {
+                        result: Err(e),
+                        sent_at,
+                        retried,
+                    };
+                }
+                tracing::debug!(target: "pgfence::issuer", error = %e, attempt = made, "Redis call failed in transit; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).clamp(BACKOFF_START, BACKOFF_MAX);
+            }
+            result => {
+                return Attempts {
+                    result,
+                    sent_at,
+                    retried,
+                };
+            }
+        }
+    }
 }

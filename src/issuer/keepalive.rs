@@ -34,6 +34,9 @@ impl std::fmt::Display for LeaseLost {
     }
 }
 
+/// Pause before renewing again after an error that was not about the lock.
+const RETRY_PAUSE: Duration = Duration::from_millis(100);
+
 #[derive(Clone, Debug)]
 enum State {
     Held(Instant),
@@ -42,6 +45,11 @@ enum State {
 
 /// Renews a lease every TTL/3 until stopped or lost. Dropping it stops renewal (the lock then
 /// expires on its own unless released).
+///
+/// A renewal that fails in transit (a connection closed by the server's idle `timeout`, a
+/// reset, a refused reconnect, a stall) is re-sent on a fresh connection, with short
+/// backoff, until the lease's local deadline. The lease is reported lost only when Redis
+/// answers that it expired or was taken, or when the deadline passes with no renewal.
 ///
 /// ```no_run
 /// # async fn f(issuer: pgfence::Issuer, lease: pgfence::Lease) {
@@ -68,20 +76,31 @@ impl KeepAlive {
         let task = tokio::spawn(async move {
             let ttl = lease.ttl();
             let every = (ttl / 3).max(Duration::from_millis(5));
+            let mut next = Instant::now() + every;
             loop {
-                tokio::time::sleep(every).await;
-                let lost = match issuer.extend(&mut lease, ttl).await {
+                tokio::time::sleep_until(next).await;
+                // Transport failures are retried inside, on fresh connections, until the
+                // deadline: only Redis's answer or the deadline ends a renewal.
+                let deadline = lease.deadline();
+                let lost = match issuer.extend_until(&mut lease, ttl, deadline).await {
                     Ok(LeaseState::Held) => {
                         let _ = tx.send(State::Held(lease.deadline()));
+                        next = Instant::now() + every;
                         continue;
                     }
                     Ok(LeaseState::Expired) => LeaseLost::Expired,
                     Ok(LeaseState::Taken) => LeaseLost::Taken,
-                    // Keep trying while the lease may still be valid.
-                    Err(_) if Instant::now() + every < lease.deadline() => continue,
+                    // Not an answer about the lock (say, a server error): try again while
+                    // the lease may still be valid.
+                    Err(e) if Instant::now() < deadline => {
+                        tracing::debug!(target: "pgfence::keepalive", resource = lease.resource().as_str(), error = %e, "renewal failed; retrying");
+                        next = Instant::now() + every.min(RETRY_PAUSE);
+                        continue;
+                    }
                     Err(e) => LeaseLost::Unreachable(e.to_string()),
                 };
                 tracing::warn!(target: "pgfence::keepalive", resource = lease.resource().as_str(), reason = %lost, "lease lost");
+                crate::metrics::lease_lost();
                 let _ = tx.send(State::Lost(lost));
                 return;
             }

@@ -9,6 +9,8 @@
 //! correctness.
 
 mod connections;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod keepalive;
 mod scripts;
 
@@ -22,7 +24,12 @@ use redis::Value;
 use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 
+use connections::retry_transport;
 pub use connections::{RedisConnections, default_connections};
+#[cfg(feature = "etcd")]
+pub(crate) use etcd::is_transient as etcd_is_transient;
+#[cfg(feature = "etcd")]
+pub use etcd::{ETCD_SCHEME, EtcdIssuer, etcd_lock_key, is_etcd_url};
 pub use keepalive::{KeepAlive, LeaseLost};
 use scripts::{ACQUIRE, EXTEND, RAISE_FLOOR, REISSUE, RELEASE};
 
@@ -309,13 +316,34 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
             ));
         }
         let (lock, counter) = (lock_key(resource), counter_key(resource));
+        let _timer = crate::metrics::Timer::acquire();
+        let result = self
+            .acquire_once(resource, owner, ttl, ttl_ms, &lock, &counter)
+            .await;
+        crate::metrics::acquisition(match &result {
+            Ok(Ok(_)) => "acquired",
+            Ok(Err(_)) => "busy",
+            Err(_) => "error",
+        });
+        result
+    }
+
+    async fn acquire_once(
+        &self,
+        resource: &Resource,
+        owner: &str,
+        ttl: Duration,
+        ttl_ms: u64,
+        lock: &str,
+        counter: &str,
+    ) -> Result<std::result::Result<Lease, Duration>> {
         let mut attempt = 0;
         let (reply, sent_at) = loop {
             let sent_at = Instant::now();
             let mut conn = self.conn.clone();
             match ACQUIRE
-                .key(&lock)
-                .key(&counter)
+                .key(lock)
+                .key(counter)
                 .arg(owner)
                 .arg(ttl_ms)
                 .invoke_async::<Vec<Value>>(&mut conn)
@@ -375,9 +403,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
                 return Ok(None);
             }
             let jittered = backoff.mul_f64(0.5 + rand::random::<f64>() / 2.0);
-            let nap = jittered
-                .min(retry_in.max(Duration::from_millis(1)))
-                .min(give_up - now);
+            // A lock with no expiry reports no remaining time: back off as usual then, instead
+            // of polling every millisecond.
+            let nap = if retry_in.is_zero() {
+                jittered
+            } else {
+                jittered.min(retry_in)
+            }
+            .min(give_up - now);
             tokio::time::sleep(nap).await;
             backoff = (backoff * 2).min(Duration::from_millis(500));
         }
@@ -385,37 +418,76 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
 
     /// Releases the lock if `lease` still holds it. The counter is left alone.
     ///
+    /// A release lost in transit (a dropped or refused connection, a timeout) is sent again
+    /// for up to 2 s: releasing is owner-safe. When a re-sent release finds the lock gone
+    /// before the lease's local deadline, the lock cannot have expired, so an earlier attempt
+    /// released it: that is reported as [`LeaseState::Held`].
+    ///
     /// # Errors
     /// [`Error::Redis`].
     pub async fn release(&self, lease: &Lease) -> Result<LeaseState> {
-        let mut conn = self.conn.clone();
-        let code: i64 = RELEASE
-            .key(lock_key(&lease.resource))
-            .arg(lease.value())
-            .invoke_async(&mut conn)
-            .await?;
-        Ok(LeaseState::from_reply(code))
+        const WINDOW: Duration = Duration::from_secs(2);
+        const ATTEMPTS: u32 = 8;
+        let (lock, value) = (lock_key(&lease.resource), lease.value());
+        let sent = retry_transport(Instant::now() + WINDOW, ATTEMPTS, || {
+            let (mut conn, lock, value) = (self.conn.clone(), &lock, &value);
+            async move {
+                RELEASE
+                    .key(lock)
+                    .arg(value)
+                    .invoke_async::<i64>(&mut conn)
+                    .await
+            }
+        })
+        .await;
+        let state = LeaseState::from_reply(sent.result?);
+        if state == LeaseState::Expired && sent.retried && Instant::now() < lease.deadline {
+            return Ok(LeaseState::Held);
+        }
+        Ok(state)
     }
 
     /// Extends the lock to `ttl` from now if `lease` still holds it, and moves the lease's
     /// local deadline accordingly.
     ///
+    /// An extend lost in transit is sent again (extending is owner-safe and idempotent) until
+    /// the lease's local deadline, or for 2 s when that is sooner; only Redis's answer
+    /// ([`LeaseState::Expired`], [`LeaseState::Taken`]) or running out of time ends it early.
+    ///
     /// # Errors
     /// [`Error::InvalidDuration`]; [`Error::Redis`].
     pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
+        let until = lease.deadline.max(Instant::now() + Duration::from_secs(2));
+        self.extend_until(lease, ttl, until).await
+    }
+
+    /// [`Issuer::extend`], re-sending after transport failures until `until`.
+    async fn extend_until(
+        &self,
+        lease: &mut Lease,
+        ttl: Duration,
+        until: Instant,
+    ) -> Result<LeaseState> {
         let ttl_ms = ttl_millis(ttl)?;
-        let sent_at = Instant::now();
-        let mut conn = self.conn.clone();
-        let code: i64 = EXTEND
-            .key(lock_key(&lease.resource))
-            .arg(lease.value())
-            .arg(ttl_ms)
-            .invoke_async(&mut conn)
-            .await?;
-        let state = LeaseState::from_reply(code);
+        let (lock, value) = (lock_key(&lease.resource), lease.value());
+        let sent = retry_transport(until, u32::MAX, || {
+            let (mut conn, lock, value) = (self.conn.clone(), &lock, &value);
+            async move {
+                EXTEND
+                    .key(lock)
+                    .arg(value)
+                    .arg(ttl_ms)
+                    .invoke_async::<i64>(&mut conn)
+                    .await
+            }
+        })
+        .await;
+        let state = LeaseState::from_reply(sent.result?);
         if state == LeaseState::Held {
+            // From the attempt that succeeded: an earlier one that arrives later only moves
+            // the server's expiry further out.
             lease.ttl = ttl;
-            lease.deadline = sent_at + ttl;
+            lease.deadline = sent.sent_at + ttl;
         }
         Ok(state)
     }
@@ -425,14 +497,21 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     /// # Errors
     /// [`Error::Redis`].
     pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
-        let mut conn = self.conn.clone();
         let (lock, counter) = (lock_key(resource), counter_key(resource));
-        let (held, pttl, count): (Option<String>, i64, Option<i64>) = redis::pipe()
-            .get(&lock)
-            .pttl(&lock)
-            .get(&counter)
-            .query_async(&mut conn)
-            .await?;
+        // A read: re-sent after a connection dropped in transit, for up to 2 s.
+        let sent = retry_transport(Instant::now() + Duration::from_secs(2), 8, || {
+            let (mut conn, lock, counter) = (self.conn.clone(), &lock, &counter);
+            async move {
+                redis::pipe()
+                    .get(lock)
+                    .pttl(lock)
+                    .get(counter)
+                    .query_async::<(Option<String>, i64, Option<i64>)>(&mut conn)
+                    .await
+            }
+        })
+        .await;
+        let (held, pttl, count) = sent.result?;
         let (owner, token) = match held.as_deref().and_then(|v| v.rsplit_once(':')) {
             Some((o, t)) => (Some(o.to_owned()), t.parse().ok()),
             None => (None, None),
@@ -455,13 +534,20 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         if floor < 0 {
             return Err(Error::InvalidToken(floor.to_string()));
         }
-        let mut conn = self.conn.clone();
-        let after: Value = RAISE_FLOOR
-            .key(counter_key(resource))
-            .arg(floor.to_string())
-            .invoke_async(&mut conn)
-            .await?;
-        int(&after)
+        // Raising only ever raises, so a re-send after a dropped connection is harmless.
+        let counter = counter_key(resource);
+        let sent = retry_transport(Instant::now() + Duration::from_secs(2), 8, || {
+            let (mut conn, counter) = (self.conn.clone(), &counter);
+            async move {
+                RAISE_FLOOR
+                    .key(counter)
+                    .arg(floor.to_string())
+                    .invoke_async::<Value>(&mut conn)
+                    .await
+            }
+        })
+        .await;
+        int(&sent.result?)
     }
 
     async fn reseed_fresh(&self, lease: &mut Lease) -> Result<()> {

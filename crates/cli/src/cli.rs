@@ -47,20 +47,37 @@ pub enum Command {
     },
     /// Guard an existing table: add `fence bigint NOT NULL DEFAULT 0` and the trigger.
     Guard {
-        /// `table` or `schema.table` (names as stored; double-quote parts containing dots).
+        /// `table` or `schema.table`, as in SQL: unquoted names fold to lower case; double-quote
+        /// a part to keep its case or to contain dots.
         table: String,
         /// Write `V{n}__guard_<table>.sql` into this refinery migrations folder instead of
         /// touching the database.
         #[arg(long, value_name = "DIR")]
         emit_migration: Option<PathBuf>,
+        /// Report-only mode: let updates that do not advance the fence through, recording
+        /// each in `pgfence audit` (operation `observe`, role, application_name) with a
+        /// PostgreSQL WARNING. For rolling pgfence out.
+        #[arg(long, conflicts_with = "enforce")]
+        observe: bool,
+        /// Enforce (the default): reject updates that do not advance the fence; switches a
+        /// table in observe mode to enforcing.
+        #[arg(long)]
+        enforce: bool,
+        /// How long to wait, in all, for the table lock (an open transaction that wrote the
+        /// table holds it off); tried a few times within this.
+        #[arg(long, default_value = "5s", value_parser = util::parse_duration, allow_hyphen_values = true)]
+        lock_timeout: Duration,
     },
     /// Remove the guard trigger from a table.
     Unguard {
-        /// `table` or `schema.table`.
+        /// `table` or `schema.table` (unquoted names fold to lower case).
         table: String,
         /// Drop the `fence` column too.
         #[arg(long)]
         drop_column: bool,
+        /// How long to wait, in all, for the table lock.
+        #[arg(long, default_value = "5s", value_parser = util::parse_duration, allow_hyphen_values = true)]
+        lock_timeout: Duration,
     },
     /// List guarded tables.
     Tables {
@@ -89,8 +106,37 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Give an application role exactly the privileges on pgfence's schema that an
+    /// application needs (run as the schema's owner, after `migrate`).
+    Grant {
+        /// The role, as in SQL: unquoted names fold to lower case; double-quote to keep case.
+        role: String,
+    },
     /// Reproduce the lock-expiry race with real servers and show the stale write rejected.
     Simulate(SimulateArgs),
+    /// Check the setup: schema migrated, guard triggers present and enabled, fence columns,
+    /// Redis counters not below Postgres's marks, tokens near the limit, old audit rows.
+    /// Exit 0 when clean, 1 when anything but info was found (or doctor could not run).
+    Doctor(DoctorArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct DoctorArgs {
+    /// JSON output: `{"ok": bool, "findings": [...]}`.
+    #[arg(long)]
+    pub json: bool,
+    /// Report audit rows older than this (`30d`).
+    #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
+    pub audit_retention: Option<Duration>,
+    /// Also compare this resource's Redis counter with its high-water mark (repeatable).
+    #[arg(long = "resource", value_name = "RESOURCE")]
+    pub resources: Vec<String>,
+    /// Do not scan guarded tables for their highest fence (large tables).
+    #[arg(long)]
+    pub no_scan: bool,
+    /// Only check PostgreSQL, even when a Redis URL is configured.
+    #[arg(long)]
+    pub no_redis: bool,
 }
 
 #[derive(Args, Debug)]
@@ -105,7 +151,7 @@ pub struct AuditArgs {
     #[arg(long)]
     pub resource: Option<String>,
     /// At most this many rows.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 50, allow_negative_numbers = true)]
     pub limit: i64,
     /// JSON output (one array).
     #[arg(long)]

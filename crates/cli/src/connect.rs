@@ -1,14 +1,21 @@
 //! Connections to the servers, and taking a lock on one.
 
+use std::str::FromStr;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, anyhow, bail};
 use pgfence::{Issuer, Lease, Resource};
-use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Connection, PgConnection, PgPool};
+use tokio::time::Instant;
 
 use crate::cli::Conn;
-use crate::util::{cell, redact};
+use crate::util::{cell, fmt_duration, redact};
+
+/// How long establishing a connection may take before the command gives up.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a pool checkout may wait (the CLI's pool is small and lightly used).
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Conn {
     /// The PostgreSQL URL, or an error saying how to give one.
@@ -32,41 +39,172 @@ impl Conn {
         connect_pg(self.database_url()?).await
     }
 
+    /// A pool on the configured PostgreSQL, which must have pgfence's schema.
+    pub async fn pg_migrated(&self) -> Result<PgPool> {
+        let pool = self.pg().await?;
+        require_schema(&pool).await?;
+        Ok(pool)
+    }
+
     /// An issuer on the configured Redis.
     pub async fn issuer(&self) -> Result<Issuer> {
         connect_redis(self.redis_url()?).await
     }
+
+    /// An issuer for taking locks: when a PostgreSQL URL is configured, it recovers a lost
+    /// counter by itself ([`Issuer::with_floor_source`]): a lease taken on a missing counter
+    /// gets a token above the resource's high-water mark. Without a reachable, migrated
+    /// database it says so on stderr and issues tokens from Redis alone (safety does not
+    /// depend on it: Postgres still rejects old tokens).
+    pub async fn lock_issuer(&self) -> Result<Issuer> {
+        let issuer = self.issuer().await?;
+        let Ok(url) = self.database_url() else {
+            return Ok(issuer);
+        };
+        let floor = async {
+            let pool = connect_pg(url).await?;
+            require_schema(&pool).await?;
+            anyhow::Ok(pool)
+        };
+        match floor.await {
+            Ok(pool) => Ok(issuer.with_floor_source(pool)),
+            Err(e) => {
+                eprintln!(
+                    "pgfence: warning: a lost Redis counter cannot be recovered from PostgreSQL ({})",
+                    crate::util::one_line(&e)
+                );
+                Ok(issuer)
+            }
+        }
+    }
 }
 
-/// A small pool on PostgreSQL at `url`.
+/// A small pool on PostgreSQL at `url`. One connection is made first, directly, so that a
+/// refused or failed connection reports its real cause at once (a pool keeps retrying a
+/// refused connection until its timeout and then only says that it timed out).
 pub async fn connect_pg(url: &str) -> Result<PgPool> {
+    let context = || format!("cannot connect to PostgreSQL at {}", redact(url));
+    let options = PgConnectOptions::from_str(url).with_context(context)?;
+    let probe = tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(&options))
+        .await
+        .map_err(|_| anyhow!("timed out after {}", fmt_duration(CONNECT_TIMEOUT)))
+        .and_then(|r| r.map_err(anyhow::Error::from))
+        .with_context(context)?;
+    let _ = probe.close().await;
     PgPoolOptions::new()
         .max_connections(4)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(url)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect_with(options)
         .await
-        .with_context(|| format!("cannot connect to PostgreSQL at {}", redact(url)))
+        .with_context(context)
 }
 
-/// An issuer on Redis at `url`, giving up after ten seconds.
-pub async fn connect_redis(url: &str) -> Result<Issuer> {
-    tokio::time::timeout(Duration::from_secs(10), Issuer::connect(url))
+/// Fails with "run `pgfence migrate`" when the database has no `pgfence` schema.
+pub async fn require_schema(pool: &PgPool) -> Result<()> {
+    let present: bool = sqlx::query_scalar("SELECT to_regnamespace('pgfence') IS NOT NULL")
+        .fetch_one(pool)
         .await
-        .map_err(|_| anyhow::anyhow!("timed out"))
+        .context("cannot read the catalog")?;
+    if !present {
+        bail!("this database has no pgfence schema: run `pgfence migrate` first");
+    }
+    Ok(())
+}
+
+/// An issuer on Redis at `url`, giving up after a few seconds.
+pub async fn connect_redis(url: &str) -> Result<Issuer> {
+    tokio::time::timeout(CONNECT_TIMEOUT, Issuer::connect(url))
+        .await
+        .map_err(|_| anyhow!("timed out after {}", fmt_duration(CONNECT_TIMEOUT)))
         .and_then(|r| r.map_err(anyhow::Error::from))
         .with_context(|| format!("cannot connect to Redis at {}", redact(url)))
 }
 
-/// Takes `resource`'s lock, waiting up to `wait` if given; fails if another holder keeps it.
+/// Backoff between attempts while waiting: 10 ms doubling to 500 ms, jittered.
+const FIRST_BACKOFF: Duration = Duration::from_millis(10);
+const MAX_BACKOFF: Duration = Duration::from_millis(500);
+
+/// Takes `resource`'s lock, waiting up to `wait` if given; fails if another holder keeps it,
+/// saying who and for how long.
+///
+/// The wait is this loop rather than [`Issuer::acquire_wait`]: that one never sleeps past the
+/// holder's remaining TTL, which Redis reports as nothing (PTTL -1) for a lock key without an
+/// expiry, and so polls it about every millisecond. Here the backoff only shortens to a
+/// positive remaining TTL, and a lock that will never expire is reported.
 pub async fn take_lock(
     issuer: &Issuer,
     resource: &Resource,
     ttl: Duration,
     wait: Option<Duration>,
 ) -> Result<Lease> {
-    let lease = match wait {
-        Some(wait) => issuer.acquire_wait(resource, ttl, wait).await?,
-        None => issuer.acquire(resource, ttl).await?,
+    pgfence::check_ttl(ttl)?;
+    let started = Instant::now();
+    let give_up = wait.map(|w| started.checked_add(w).unwrap_or_else(far_future));
+    let owner = pgfence::new_owner_id();
+    let mut backoff = FIRST_BACKOFF;
+    let mut warned = false;
+    loop {
+        let retry_in = match issuer.acquire_as(resource, &owner, ttl).await? {
+            Ok(lease) => return Ok(lease),
+            Err(retry_in) => retry_in,
+        };
+        let now = Instant::now();
+        let Some(give_up) = give_up.filter(|g| now < *g) else {
+            return Err(held_error(issuer, resource, wait.map(|_| now - started)).await);
+        };
+        if retry_in.is_zero() && !warned {
+            warned = true;
+            if let Ok(status) = issuer.status(resource).await
+                && status.ttl_ms == Some(-1)
+            {
+                eprintln!(
+                    "pgfence: warning: the lock on {} has no expiry (its key was set outside pgfence?); it will not free itself",
+                    cell(resource.as_str())
+                );
+            }
+        }
+        let jittered = backoff.mul_f64(0.5 + rand::random::<f64>() / 2.0);
+        let mut nap = jittered.min(give_up - now);
+        if !retry_in.is_zero() {
+            // The holder's lease ends sooner: try again right then.
+            nap = nap.min(retry_in.max(Duration::from_millis(1)));
+        }
+        tokio::time::sleep(nap).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// About thirty years from now: a deadline that is never reached.
+fn far_future() -> Instant {
+    Instant::now() + Duration::from_secs(86_400 * 365 * 30)
+}
+
+/// "R is locked by another holder: held by OWNER (token N), for another N ms".
+async fn held_error(
+    issuer: &Issuer,
+    resource: &Resource,
+    waited: Option<Duration>,
+) -> anyhow::Error {
+    let name = cell(resource.as_str());
+    let mut msg = match waited {
+        Some(w) => format!(
+            "{name} is locked by another holder (still after waiting {})",
+            fmt_duration(w)
+        ),
+        None => format!("{name} is locked by another holder"),
     };
-    lease.with_context(|| format!("{} is locked by another holder", cell(resource.as_str())))
+    if let Ok(status) = issuer.status(resource).await
+        && let Some(owner) = &status.owner
+    {
+        let token = status
+            .token
+            .map(|t| format!(" (token {t})"))
+            .unwrap_or_default();
+        let until = match status.ttl_ms {
+            Some(ms) if ms >= 0 => format!("for another {ms} ms"),
+            _ => "with no expiry (the key was set without a TTL)".to_owned(),
+        };
+        msg.push_str(&format!(": held by {}{token}, {until}", cell(owner)));
+    }
+    anyhow!(msg)
 }

@@ -20,19 +20,40 @@ async fn main() -> ExitCode {
             // Usage errors in one line, like every other pgfence error.
             let text = e.to_string();
             let first = text.lines().next().unwrap_or("invalid arguments");
+            // Arguments are echoed back: hide URLs' secrets and escape control characters.
             eprintln!(
                 "pgfence: {}; see --help",
-                first.trim_start_matches("error: ")
+                util::cell(&util::scrub(first.trim_start_matches("error: ")))
             );
             return ExitCode::from(2);
         }
         Err(e) => e.exit(), // --help, --version
     };
+    util::register_secrets(
+        [&cli.conn.database_url, &cli.conn.redis_url]
+            .into_iter()
+            .flatten()
+            .map(String::as_str),
+    );
+    // A panic is a bug; still one line, with URLs and secrets hidden.
+    std::panic::set_hook(Box::new(|info| {
+        let what = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        let at = info.location().map(ToString::to_string).unwrap_or_default();
+        eprintln!(
+            "pgfence: internal error (a bug, please report it): {} at {at}",
+            util::cell(&util::scrub(&what))
+        );
+    }));
     util::init_logging(cli.verbose);
     match commands::run(cli).await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("pgfence: {}", util::one_line(&e));
+            eprintln!("pgfence: {}{}", util::one_line(&e), util::hint(&e));
             ExitCode::FAILURE
         }
     }

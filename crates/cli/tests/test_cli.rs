@@ -101,7 +101,7 @@ async fn migrate_guard_and_raw_sql() {
     );
     assert!(
         cli.ok(&["tables", "--json"])
-            .contains(r#"{"schema":"public","table":"accounts"}"#)
+            .contains(r#""schema":"public","table":"accounts"}"#)
     );
 
     sqlx::query("UPDATE accounts SET balance = 5, fence = 3")
@@ -167,7 +167,7 @@ async fn emit_migration_writes_the_next_version() {
     let before = snapshot(&db).await;
     let out = cli.ok(&[
         "guard",
-        "billing.Invoices",
+        "billing.\"Invoices\"",
         "--emit-migration",
         dir.to_str().unwrap(),
     ]);

@@ -10,6 +10,13 @@
 //!
 //! PostgreSQL refuses to run as root; when this process is root the supervisor runs as the
 //! `postgres` user (through `runuser`).
+//!
+//! [`Proxy`] is a loopback TCP proxy that drops or stalls the connections through it, for
+//! resilience tests.
+
+mod etcd;
+
+pub use etcd::{ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, EtcdCluster, EtcdMember, etcd_installed};
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
@@ -521,4 +528,176 @@ fn postgres_bindir() -> Result<PathBuf, ServerError> {
             what: "PostgreSQL server (initdb, postgres)",
             hint: PG_HINT,
         })
+}
+
+/// A loopback TCP proxy in front of a server, to break its clients' connections on demand:
+/// close every open connection ([`Proxy::drop_connections`], as a server's idle timeout or a
+/// reset would), or stop forwarding for a while ([`Proxy::pause`], as a failover pause or a
+/// stalled network would: connections stay open, bytes wait).
+///
+/// Plain threads and blocking sockets, so it runs whatever runtime (or none) the test uses.
+/// Dropping it closes the listener and every connection.
+#[derive(Debug)]
+pub struct Proxy {
+    port: u16,
+    shared: std::sync::Arc<ProxyShared>,
+    acceptor: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Debug, Default)]
+struct ProxyShared {
+    stop: std::sync::atomic::AtomicBool,
+    /// Both sockets of every connection accepted since the last drop.
+    open: std::sync::Mutex<Vec<(TcpStream, TcpStream)>>,
+    /// Nothing is forwarded before this instant.
+    paused_until: std::sync::Mutex<Option<Instant>>,
+    accepted: std::sync::atomic::AtomicUsize,
+}
+
+impl Proxy {
+    /// Listens on a free port of 127.0.0.1 and forwards every connection to
+    /// `127.0.0.1:target_port`.
+    ///
+    /// # Errors
+    /// The listener could not be bound.
+    pub fn start(target_port: u16) -> std::io::Result<Self> {
+        use std::sync::atomic::Ordering;
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+        let port = listener.local_addr()?.port();
+        listener.set_nonblocking(true)?;
+        let shared = std::sync::Arc::new(ProxyShared::default());
+        let acceptor = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name(format!("testkit-proxy-{port}"))
+                .spawn(move || {
+                    while !shared.stop.load(Ordering::SeqCst) {
+                        match listener.accept() {
+                            Ok((client, _)) => {
+                                shared.accepted.fetch_add(1, Ordering::SeqCst);
+                                let _ = Self::connect(&shared, client, target_port);
+                            }
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                                std::thread::sleep(Duration::from_millis(5));
+                            }
+                            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                        }
+                    }
+                })?
+        };
+        Ok(Self {
+            port,
+            shared,
+            acceptor: Some(acceptor),
+        })
+    }
+
+    fn connect(
+        shared: &std::sync::Arc<ProxyShared>,
+        client: TcpStream,
+        target_port: u16,
+    ) -> std::io::Result<()> {
+        client.set_nonblocking(false)?;
+        client.set_nodelay(true)?;
+        let upstream = match TcpStream::connect((Ipv4Addr::LOCALHOST, target_port)) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = client.shutdown(std::net::Shutdown::Both);
+                return Err(e);
+            }
+        };
+        upstream.set_nodelay(true)?;
+        shared
+            .open
+            .lock()
+            .expect("proxy lock")
+            .push((client.try_clone()?, upstream.try_clone()?));
+        for (from, to) in [
+            (client.try_clone()?, upstream.try_clone()?),
+            (upstream, client),
+        ] {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("testkit-proxy-pipe".into())
+                .spawn(move || pipe(&shared, from, to))?;
+        }
+        Ok(())
+    }
+
+    /// The port clients connect to (on 127.0.0.1).
+    #[must_use]
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:PORT`, for a proxy in front of a Redis.
+    #[must_use]
+    pub fn redis_url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Closes every connection open now, both towards the client and towards the server (a
+    /// client sees its connection closed under it). New connections are accepted as before.
+    pub fn drop_connections(&self) {
+        let open = std::mem::take(&mut *self.shared.open.lock().expect("proxy lock"));
+        for (client, upstream) in open {
+            let _ = client.shutdown(std::net::Shutdown::Both);
+            let _ = upstream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// Stops forwarding for `duration` from now, in both directions and on every connection,
+    /// old and new; connections stay open. Returns at once.
+    pub fn pause(&self, duration: Duration) {
+        *self.shared.paused_until.lock().expect("proxy lock") = Some(Instant::now() + duration);
+    }
+
+    /// How many client connections the proxy has accepted so far.
+    #[must_use]
+    pub fn accepted(&self) -> usize {
+        self.shared
+            .accepted
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.shared
+            .stop
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(acceptor) = self.acceptor.take() {
+            let _ = acceptor.join();
+        }
+        self.drop_connections();
+    }
+}
+
+/// Copies `from` to `to` until either side closes, holding bytes while the proxy is paused.
+fn pipe(shared: &ProxyShared, mut from: TcpStream, mut to: TcpStream) {
+    use std::io::Write;
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        loop {
+            let until = *shared.paused_until.lock().expect("proxy lock");
+            match until {
+                Some(until) if Instant::now() < until => {
+                    std::thread::sleep(Duration::from_millis(5).min(until - Instant::now()));
+                }
+                _ => break,
+            }
+            if shared.stop.load(std::sync::atomic::Ordering::SeqCst) {
+                break;
+            }
+        }
+        if to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = from.shutdown(std::net::Shutdown::Both);
+    let _ = to.shutdown(std::net::Shutdown::Both);
 }

@@ -14,14 +14,27 @@ use time::format_description::well_known::Rfc3339;
 use crate::cli::Conn;
 use crate::util::{self, cell, print_table};
 
+/// `older_than` before now, or an error naming `flag` when that is before the year -9999.
+fn ago(flag: &str, older_than: Duration) -> Result<OffsetDateTime> {
+    time::Duration::try_from(older_than)
+        .ok()
+        .and_then(|d| OffsetDateTime::now_utc().checked_sub(d))
+        .with_context(|| {
+            format!(
+                "{flag} {}: too far back (the earliest date is the year -9999)",
+                util::fmt_duration(older_than)
+            )
+        })
+}
+
 fn parse_since(s: &str) -> Result<OffsetDateTime> {
     if let Ok(d) = util::parse_duration(s) {
-        return Ok(OffsetDateTime::now_utc() - d);
+        return ago("--since", d);
     }
     OffsetDateTime::parse(s, &Rfc3339).with_context(|| {
         format!(
             "--since {:?}: expected a duration (1h, 30m) or an RFC 3339 time",
-            cell(s)
+            cell(&util::shorten(s))
         )
     })
 }
@@ -42,7 +55,7 @@ pub async fn list(
         resource,
         limit,
     };
-    let pool = conn.pg().await?;
+    let pool = conn.pg_migrated().await?;
     let rows = pgfence::list_audit(&pool, &filter).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -88,8 +101,8 @@ pub async fn list(
 
 /// Deletes audit rows older than `older_than`.
 pub async fn prune(conn: &Conn, older_than: Duration) -> Result<ExitCode> {
-    let pool = conn.pg().await?;
-    let cutoff = OffsetDateTime::now_utc() - older_than;
+    let cutoff = ago("--older-than", older_than)?;
+    let pool = conn.pg_migrated().await?;
     let n = pgfence::prune_audit(&pool, cutoff).await?;
     println!(
         "pruned {n} audit row(s) older than {}",

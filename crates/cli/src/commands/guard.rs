@@ -5,33 +5,107 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use pgfence::TableName;
 use serde_json::json;
+use sqlx::PgPool;
+use tokio::time::Instant;
 
 use crate::cli::Conn;
-use crate::util::{self, cell};
+use crate::util::{self, cell, fmt_duration};
+
+/// SQLSTATE `lock_not_available`: `lock_timeout` expired.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+/// Attempts within `--lock-timeout`.
+const LOCK_ATTEMPTS: u32 = 3;
+
+/// What to do to the table under `lock_timeout`.
+#[derive(Clone, Copy)]
+enum Op {
+    Guard(pgfence::GuardMode),
+    Unguard { drop_column: bool },
+}
+
+/// Runs `op` on one connection with `lock_timeout` set, so that a table held by an open
+/// transaction makes it fail instead of queueing behind it (and every later query on the
+/// table behind it); retries with backoff while the budget `timeout` lasts.
+async fn with_lock_timeout(
+    pool: &PgPool,
+    table: &TableName,
+    timeout: Duration,
+    op: Op,
+) -> Result<bool> {
+    if timeout < Duration::from_millis(1) {
+        bail!("--lock-timeout must be at least 1ms");
+    }
+    let give_up = Instant::now()
+        .checked_add(timeout)
+        .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
+    let per_attempt = (timeout / LOCK_ATTEMPTS).max(Duration::from_millis(1));
+    let mut backoff = Duration::from_millis(50);
+    let mut conn = pool.acquire().await?;
+    loop {
+        let left = give_up.saturating_duration_since(Instant::now());
+        let this = per_attempt.min(left).max(Duration::from_millis(1));
+        // `lock_timeout` is in milliseconds; cap it at its maximum (about 24 days).
+        let ms = this.as_millis().clamp(1, i32::MAX as u128).to_string();
+        sqlx::query("SELECT set_config('lock_timeout', $1, false)")
+            .bind(&ms)
+            .execute(&mut *conn)
+            .await?;
+        let outcome = match op {
+            Op::Guard(mode) => pgfence::guard_with(&mut *conn, table, mode).await,
+            Op::Unguard { drop_column } => pgfence::unguard(&mut *conn, table, drop_column).await,
+        };
+        match outcome {
+            Err(pgfence::Error::Database(sqlx::Error::Database(db)))
+                if db.code().as_deref() == Some(LOCK_NOT_AVAILABLE) =>
+            {
+                let left = give_up.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    bail!(
+                        "table {} is busy (an open transaction holds a lock on it; waited {}); retry or raise --lock-timeout",
+                        cell(&table.quoted()),
+                        fmt_duration(timeout)
+                    );
+                }
+                let nap = backoff.mul_f64(0.5 + rand::random::<f64>() / 2.0).min(left);
+                tokio::time::sleep(nap).await;
+                backoff = (backoff * 2).min(Duration::from_millis(1000));
+            }
+            other => return Ok(other?),
+        }
+    }
+}
 
 /// Guards `table`, or with `emit` writes the guarding migration into that folder instead.
-pub async fn guard(conn: &Conn, table: &str, emit: Option<&Path>) -> Result<ExitCode> {
+pub async fn guard(
+    conn: &Conn,
+    table: &str,
+    emit: Option<&Path>,
+    mode: pgfence::GuardMode,
+    lock_timeout: Duration,
+) -> Result<ExitCode> {
     let table = util::table(table)?;
     if let Some(dir) = emit {
-        let path = emit_migration(dir, &table)?;
+        let path = emit_migration(dir, &table, mode)?;
         println!("wrote {}", path.display());
         return Ok(ExitCode::SUCCESS);
     }
-    let pool = conn.pg().await?;
-    if pgfence::guard(&pool, &table).await? {
-        println!("guarded {}", cell(&table.quoted()));
+    let pool = conn.pg_migrated().await?;
+    let changed = with_lock_timeout(&pool, &table, lock_timeout, Op::Guard(mode)).await?;
+    if changed {
+        println!("guarded {} ({mode})", cell(&table.quoted()));
     } else {
-        println!("{} was already guarded", cell(&table.quoted()));
+        println!("{} was already guarded ({mode})", cell(&table.quoted()));
     }
     Ok(ExitCode::SUCCESS)
 }
 
 /// Writes `V{n}__guard_<table>.sql` after the highest version in a refinery folder.
-fn emit_migration(dir: &Path, table: &TableName) -> Result<PathBuf> {
+fn emit_migration(dir: &Path, table: &TableName, mode: pgfence::GuardMode) -> Result<PathBuf> {
     let entries = std::fs::read_dir(dir)
         .with_context(|| format!("cannot read migrations folder {}", dir.display()))?;
     let mut highest: u64 = 0;
@@ -60,7 +134,7 @@ fn emit_migration(dir: &Path, table: &TableName) -> Result<PathBuf> {
         .collect();
     let safe = safe.strip_prefix("public_").unwrap_or(&safe).to_owned();
     let path = dir.join(format!("V{}__guard_{safe}.sql", highest + 1));
-    let sql = pgfence::guard_migration_sql(table)?;
+    let sql = pgfence::guard_migration_sql_with(table, mode)?;
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -71,10 +145,17 @@ fn emit_migration(dir: &Path, table: &TableName) -> Result<PathBuf> {
 }
 
 /// Removes the guard trigger from `table` (and its `fence` column with `drop_column`).
-pub async fn unguard(conn: &Conn, table: &str, drop_column: bool) -> Result<ExitCode> {
+pub async fn unguard(
+    conn: &Conn,
+    table: &str,
+    drop_column: bool,
+    lock_timeout: Duration,
+) -> Result<ExitCode> {
     let table = util::table(table)?;
-    let pool = conn.pg().await?;
-    if pgfence::unguard(&pool, &table, drop_column).await? {
+    let pool = conn.pg_migrated().await?;
+    let changed =
+        with_lock_timeout(&pool, &table, lock_timeout, Op::Unguard { drop_column }).await?;
+    if changed {
         println!("unguarded {}", cell(&table.quoted()));
     } else {
         println!("{} was not guarded", cell(&table.quoted()));
@@ -84,17 +165,25 @@ pub async fn unguard(conn: &Conn, table: &str, drop_column: bool) -> Result<Exit
 
 /// Lists the guarded tables, one per line or as a JSON array.
 pub async fn tables(conn: &Conn, json: bool) -> Result<ExitCode> {
-    let pool = conn.pg().await?;
-    let tables = pgfence::guarded_tables(&pool).await?;
+    let pool = conn.pg_migrated().await?;
+    let tables = pgfence::guarded_tables_with_modes(&pool).await?;
     if json {
         let list: Vec<_> = tables
             .iter()
-            .map(|t| json!({"schema": t.schema().as_str(), "table": t.name().as_str()}))
+            .map(|g| {
+                json!({
+                    "schema": g.table.schema().as_str(),
+                    "table": g.table.name().as_str(),
+                    "mode": g.mode,
+                    "enabled": g.enabled,
+                })
+            })
             .collect();
         println!("{}", serde_json::Value::Array(list));
     } else {
-        for t in tables {
-            println!("{}", cell(&t.quoted()));
+        for g in tables {
+            let disabled = if g.enabled { "" } else { " (trigger disabled)" };
+            println!("{}\t{}{disabled}", cell(&g.table.quoted()), g.mode);
         }
     }
     Ok(ExitCode::SUCCESS)

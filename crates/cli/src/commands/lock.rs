@@ -24,7 +24,7 @@ pub async fn acquire(
 ) -> Result<ExitCode> {
     let resource = util::resource(resource)?;
     pgfence::check_ttl(ttl)?;
-    let lease = take_lock(&conn.issuer().await?, &resource, ttl, wait).await?;
+    let lease = take_lock(&conn.lock_issuer().await?, &resource, ttl, wait).await?;
     if json {
         println!(
             "{}",
@@ -91,9 +91,13 @@ pub async fn status(conn: &Conn, resource: &str, json: bool) -> Result<ExitCode>
     if json {
         println!("{}", serde_json::to_string(&status)?);
     } else if let (Some(owner), Some(token)) = (&status.owner, status.token) {
+        let expires = match status.ttl_ms {
+            Some(ms) if ms >= 0 => format!("expires in {ms}ms"),
+            _ => "no expiry (the key was set without a TTL)".to_owned(),
+        };
         println!(
-            "{resource}: held by {owner} token={token} expires in {}ms; counter={}",
-            status.ttl_ms.unwrap_or(0),
+            "{resource}: held by {} token={token} {expires}; counter={}",
+            cell(owner),
             status.counter
         );
     } else {

@@ -1,6 +1,8 @@
 //! One module per command; [`run()`] dispatches a parsed command line to it.
 
 mod audit;
+mod doctor;
+mod grant;
 mod guard;
 mod lock;
 mod migrate;
@@ -37,8 +39,22 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Guard {
             table,
             emit_migration,
-        } => guard::guard(&conn, &table, emit_migration.as_deref()).await,
-        Command::Unguard { table, drop_column } => guard::unguard(&conn, &table, drop_column).await,
+            observe,
+            enforce: _,
+            lock_timeout,
+        } => {
+            let mode = if observe {
+                pgfence::GuardMode::Observe
+            } else {
+                pgfence::GuardMode::Enforce
+            };
+            guard::guard(&conn, &table, emit_migration.as_deref(), mode, lock_timeout).await
+        }
+        Command::Unguard {
+            table,
+            drop_column,
+            lock_timeout,
+        } => guard::unguard(&conn, &table, drop_column, lock_timeout).await,
         Command::Tables { json } => guard::tables(&conn, json).await,
         Command::Audit(args) => match args.action {
             Some(AuditAction::Prune { older_than }) => audit::prune(&conn, older_than).await,
@@ -76,6 +92,8 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
             floor,
             json,
         } => reseed::reseed(&conn, &resource, floor, json).await,
+        Command::Grant { role } => grant::grant(&conn, &role).await,
         Command::Simulate(args) => simulate::simulate(&conn, &args).await,
+        Command::Doctor(args) => doctor::doctor(&conn, &args).await,
     }
 }

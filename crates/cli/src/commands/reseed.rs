@@ -19,13 +19,23 @@ pub async fn reseed(
     json: bool,
 ) -> Result<ExitCode> {
     let resource = util::resource(resource)?;
+    match floor {
+        Some(f) if f < 0 => bail!("--floor must not be negative"),
+        // The next token would be out of range: every acquire would fail.
+        Some(f) if f >= pgfence::MAX_TOKEN => {
+            bail!(
+                "--floor must be below {} (the largest token)",
+                pgfence::MAX_TOKEN
+            )
+        }
+        _ => {}
+    }
     let issuer = conn.issuer().await?;
     let (source, floor) = match floor {
-        Some(f) if f < 0 => bail!("--floor must not be negative"),
         Some(f) => ("--floor", f),
         None => (
             "postgres high-water mark",
-            pgfence::high_water(&conn.pg().await?, &resource).await?,
+            pgfence::counter_floor(&conn.pg_migrated().await?, &resource).await?,
         ),
     };
     let before = issuer.status(&resource).await?.counter;

@@ -32,11 +32,13 @@ pub async fn run(
     let Some(program) = command.first() else {
         bail!("no command given after --")
     };
-    let issuer = conn.issuer().await?;
+    // Resolve the program before taking the lock: a missing one is reported as such.
+    resolve_program(program)
+        .with_context(|| format!("cannot run {:?}", cell(&util::shorten(program))))?;
+    let issuer = conn.lock_issuer().await?;
     let lease = take_lock(&issuer, &resource, ttl, wait).await?;
 
-    let spawned = tokio::process::Command::new(program)
-        .args(&command[1..])
+    let spawned = child_command(program, &command[1..])
         .env("PGFENCE_TOKEN", lease.token().to_string())
         .env("PGFENCE_RESOURCE", resource.as_str())
         .env("PGFENCE_OWNER", lease.owner())
@@ -49,7 +51,8 @@ pub async fn run(
         Ok(child) => child,
         Err(e) => {
             let _ = issuer.release(&lease).await;
-            return Err(e).with_context(|| format!("cannot run {:?}", cell(program)));
+            return Err(e)
+                .with_context(|| format!("cannot run {:?}", cell(&util::shorten(program))));
         }
     };
 
@@ -89,6 +92,58 @@ pub async fn run(
         ),
     }
     Ok(exit_code(status))
+}
+
+/// `setpriv`, from util-linux, when installed: it sets the parent-death signal.
+const SETPRIV: &str = "/usr/bin/setpriv";
+
+/// The command to spawn for `program`. Where `setpriv` is installed it is started through
+/// `setpriv --pdeathsig TERM`, which makes the kernel send it SIGTERM if pgfence dies
+/// (even by SIGKILL, which pgfence cannot handle) and then execs the program in the same
+/// process: so the command does not outlive the lock's keep-alive. (Setting the signal
+/// directly needs `prctl` between fork and exec, i.e. unsafe code, which this workspace
+/// forbids.) Elsewhere the program is started directly.
+fn child_command(program: &str, args: &[String]) -> tokio::process::Command {
+    // The parent-death signal fires when the *thread* that forked exits: this runs on the
+    // main thread (the command's future is not spawned onto the runtime's workers), which
+    // lives as long as pgfence.
+    if std::path::Path::new(SETPRIV).is_file() {
+        let mut c = tokio::process::Command::new(SETPRIV);
+        c.args(["--pdeathsig", "TERM", "--"])
+            .arg(program)
+            .args(args);
+        c
+    } else {
+        tracing::info!(target: "pgfence::run", "{SETPRIV} not found: the command will outlive pgfence if pgfence is killed with SIGKILL");
+        let mut c = tokio::process::Command::new(program);
+        c.args(args);
+        c
+    }
+}
+
+/// `program` as a path to an executable file: as given when it contains a `/`, else the
+/// first match on `PATH` (the lookup the spawn itself makes; checked first so that a missing
+/// program is reported as such, not as `setpriv`'s failure).
+fn resolve_program(program: &str) -> Result<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &std::path::Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.is_empty() {
+        bail!("empty program name");
+    }
+    if program.contains('/') {
+        let path = std::path::PathBuf::from(program);
+        if executable(&path) {
+            return Ok(path);
+        }
+        bail!("no such executable file");
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(program))
+        .find(|p| executable(p))
+        .context("not found on PATH")
 }
 
 /// Sleeps until `at`, or forever without one.

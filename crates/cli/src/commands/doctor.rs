@@ -1,0 +1,103 @@
+//! `pgfence doctor`: checks the setup and exits non-zero when anything but information was
+//! found (see [`pgfence::doctor`] for the checks).
+
+// Printing the findings is the command's job.
+#![allow(clippy::print_stdout)]
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use pgfence::{DoctorOptions, Finding, FindingKind, Severity};
+use serde_json::json;
+
+use crate::cli::{Conn, DoctorArgs};
+use crate::util::{self, cell};
+
+/// Exit code when doctor found a problem (a warning or an error).
+const FINDINGS: u8 = 1;
+
+/// Runs the checks; one line per finding (or one JSON object), exit 0 when clean, 1 when
+/// any finding is a warning or an error.
+pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
+    let pool = conn.pg().await?;
+    let mut options = DoctorOptions::default().scan_tables(!args.no_scan);
+    if let Some(retention) = args.audit_retention {
+        options = options.audit_retention(retention);
+    }
+    let resources = args
+        .resources
+        .iter()
+        .map(|r| util::resource(r))
+        .collect::<Result<Vec<_>>>()?;
+    options = options.resources(resources);
+
+    let mut early = Vec::new();
+    let issuer = match conn.redis_url() {
+        Ok(_) if !args.no_redis => match conn.issuer().await {
+            Ok(issuer) => Some(issuer),
+            Err(e) => {
+                early.push(Finding {
+                    severity: Severity::Error,
+                    kind: FindingKind::RedisUnavailable,
+                    object: "redis".to_owned(),
+                    message: util::one_line(&e),
+                    suggestion: Some(
+                        "check the Redis URL and that Redis is up, or pass --no-redis".to_owned(),
+                    ),
+                });
+                None
+            }
+        },
+        _ => None,
+    };
+    let mut findings = pgfence::doctor(&pool, issuer.as_ref(), &options).await?;
+    findings.splice(0..0, early);
+    // Without an issuer, doctor reports the counters it could not compare; the Redis error
+    // above already says why.
+    if findings
+        .iter()
+        .any(|f| f.kind == FindingKind::RedisUnavailable)
+    {
+        findings.retain(|f| f.kind != FindingKind::CountersNotChecked || f.object != "redis");
+    }
+    let problems = findings.iter().filter(|f| f.is_problem()).count();
+
+    if args.json {
+        println!(
+            "{}",
+            json!({"ok": problems == 0, "problems": problems, "findings": findings})
+        );
+    } else {
+        for f in &findings {
+            let severity = match f.severity {
+                Severity::Error => "error",
+                Severity::Warning => "warning",
+                Severity::Info => "info",
+            };
+            let kind = serde_json::to_value(f.kind)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default();
+            let fix = f
+                .suggestion
+                .as_deref()
+                .map(|s| format!(" (fix: {})", cell(s)))
+                .unwrap_or_default();
+            println!(
+                "{severity:<7} {kind:<22} {}: {}{fix}",
+                cell(&f.object),
+                cell(&f.message)
+            );
+        }
+        if problems == 0 {
+            println!("ok: no problems found");
+        } else {
+            println!("{problems} problem(s) found");
+        }
+    }
+    Ok(if problems == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(FINDINGS)
+    })
+}

@@ -1,0 +1,36 @@
+//! `pgfence grant`: an application role's privileges on pgfence's schema.
+
+// Printing the result is the command's job.
+#![allow(clippy::print_stdout)]
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+
+use crate::cli::Conn;
+use crate::util::{self, cell};
+
+/// Grants `role` what an application needs on the `pgfence` schema, and prints the grants.
+pub async fn grant(conn: &Conn, role: &str) -> Result<ExitCode> {
+    let role = util::role(role)?;
+    let pool = conn.pg_migrated().await?;
+    pgfence::grant(&pool, &role).await?;
+    println!(
+        "granted {} an application's privileges on pgfence (after revoking any others):",
+        cell(&role.quoted())
+    );
+    // The statements that granted, one per privilege, as run.
+    let sql = pgfence::grant_sql(&role);
+    let mut statement = String::new();
+    for line in sql.lines().filter(|l| !l.starts_with("--")) {
+        statement.push_str(line.trim());
+        statement.push(' ');
+        if line.trim_end().ends_with(';') {
+            if statement.starts_with("GRANT") {
+                println!("  {}", cell(statement.trim_end()));
+            }
+            statement.clear();
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

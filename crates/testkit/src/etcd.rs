@@ -1,0 +1,526 @@
+//! Throwaway etcd servers: one node, or a cluster of members on 127.0.0.1, started from the
+//! installed `etcd` binary, each member killable (`SIGKILL`, by PID) and restartable in place.
+//!
+//! Every member runs under a small `sh` supervisor that owns a fresh temporary directory
+//! (under `/dev/shm` when it is writable, so etcd's fsyncs cost nothing; else `$TMPDIR` or
+//! `/tmp`) and starts etcd when told to on its stdin. When the pipe closes — this process
+//! dropped the cluster, exited, panicked or was killed — the supervisor kills etcd and removes
+//! the directory, like the other throwaway servers of this crate.
+//!
+//! Members use a short heartbeat (50 ms) and election timeout (500 ms), so a killed leader is
+//! replaced within about a second; the smallest lease TTL they grant is then 1 s.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::{ServerError, find_in_path, sh_quote};
+
+const ETCD_HINT: &str = "install etcd (Debian: apt-get install etcd-server), or set \
+    PGFENCE_ETCD_BIN to the etcd binary";
+
+/// Heartbeat interval of throwaway members, in milliseconds.
+pub const ETCD_HEARTBEAT_MS: u64 = 50;
+/// Election timeout of throwaway members, in milliseconds.
+pub const ETCD_ELECTION_MS: u64 = 500;
+
+/// Whether an `etcd` binary is available (`PGFENCE_ETCD_BIN`, or `etcd` on `PATH`).
+#[must_use]
+pub fn etcd_installed() -> bool {
+    etcd_bin().is_ok()
+}
+
+fn etcd_bin() -> Result<PathBuf, ServerError> {
+    let found = match std::env::var_os("PGFENCE_ETCD_BIN") {
+        Some(bin) => Some(PathBuf::from(bin)).filter(|p| p.is_file()),
+        None => find_in_path("etcd"),
+    };
+    found.ok_or(ServerError::NotInstalled {
+        what: "etcd",
+        hint: ETCD_HINT,
+    })
+}
+
+/// One member of an [`EtcdCluster`].
+#[derive(Debug)]
+pub struct EtcdMember {
+    name: String,
+    client_port: u16,
+    peer_port: u16,
+    dir: PathBuf,
+    supervisor: Child,
+    stdin: Option<ChildStdin>,
+    running: bool,
+}
+
+impl EtcdMember {
+    /// The member's name (`m0`, `m1`, ...).
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Client port on 127.0.0.1.
+    #[must_use]
+    pub fn client_port(&self) -> u16 {
+        self.client_port
+    }
+
+    /// Peer (Raft) port on 127.0.0.1.
+    #[must_use]
+    pub fn peer_port(&self) -> u16 {
+        self.peer_port
+    }
+
+    /// `http://127.0.0.1:PORT`, the member's client endpoint.
+    #[must_use]
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The member's temporary directory (removed when it stops).
+    #[must_use]
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Whether the member was started and not killed since.
+    #[must_use]
+    pub fn is_running(&self) -> bool {
+        self.running
+    }
+
+    /// The etcd process id, while it runs.
+    #[must_use]
+    pub fn pid(&self) -> Option<u32> {
+        if !self.running {
+            return None;
+        }
+        std::fs::read_to_string(self.dir.join("pid"))
+            .ok()
+            .and_then(|p| p.trim().parse().ok())
+    }
+
+    fn spawn(
+        bin: &Path,
+        base: &Path,
+        name: String,
+        client_port: u16,
+        peer_port: u16,
+        initial_cluster: &str,
+        cluster_token: &str,
+    ) -> Result<Self, ServerError> {
+        let etcd = format!(
+            "{bin} --name {name} --data-dir \"$dir/data\" \
+             --listen-client-urls http://127.0.0.1:{client_port} \
+             --advertise-client-urls http://127.0.0.1:{client_port} \
+             --listen-peer-urls http://127.0.0.1:{peer_port} \
+             --initial-advertise-peer-urls http://127.0.0.1:{peer_port} \
+             --initial-cluster {initial_cluster} --initial-cluster-state new \
+             --initial-cluster-token {cluster_token} \
+             --heartbeat-interval {ETCD_HEARTBEAT_MS} --election-timeout {ETCD_ELECTION_MS} \
+             --logger zap --log-outputs stderr --log-level warn",
+            bin = sh_quote(bin),
+        );
+        // `start` lines start etcd (again, on the same data directory); EOF stops everything.
+        let script = format!(
+            r#"set -u
+umask 077
+dir=$(mktemp -d {base}/pgfence-etcd.XXXXXX) || exit 1
+trap 'kill -KILL $(cat "$dir/pid" 2>/dev/null) 2>/dev/null; rm -rf "$dir"' EXIT
+echo "dir=$dir"
+while IFS= read -r cmd; do
+  if [ "$cmd" = start ]; then
+    {etcd} >>"$dir/server.log" 2>&1 &
+    echo $! >"$dir/pid.new" && mv "$dir/pid.new" "$dir/pid"
+  fi
+done"#,
+            base = sh_quote(base),
+        );
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", &script])
+            .current_dir("/")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        let mut supervisor = cmd.spawn()?;
+        let stdin = supervisor.stdin.take();
+        let mut line = String::new();
+        let stdout = supervisor.stdout.take().expect("stdout is piped");
+        BufReader::new(stdout).read_line(&mut line)?;
+        let Some(dir) = line.trim().strip_prefix("dir=").map(PathBuf::from) else {
+            let _ = supervisor.wait();
+            let mut detail = String::new();
+            if let Some(mut err) = supervisor.stderr.take() {
+                let _ = err.read_to_string(&mut detail);
+            }
+            return Err(ServerError::StartFailed {
+                what: "etcd",
+                detail,
+            });
+        };
+        Ok(Self {
+            name,
+            client_port,
+            peer_port,
+            dir,
+            supervisor,
+            stdin,
+            running: false,
+        })
+    }
+
+    fn start(&mut self) -> Result<(), ServerError> {
+        let _ = std::fs::remove_file(self.dir.join("pid"));
+        let stdin = self.stdin.as_mut().ok_or(ServerError::StartFailed {
+            what: "etcd",
+            detail: "member already stopped".into(),
+        })?;
+        stdin.write_all(b"start\n")?;
+        stdin.flush()?;
+        self.running = true;
+        Ok(())
+    }
+
+    /// The last lines of the member's log, for error messages.
+    #[must_use]
+    pub fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    fn accepts_connections(&self) -> bool {
+        TcpStream::connect_timeout(
+            &SocketAddr::from((Ipv4Addr::LOCALHOST, self.client_port)),
+            Duration::from_millis(200),
+        )
+        .is_ok()
+    }
+
+    /// Whether the member answers `/health` with `"health":"true"` (it has a leader).
+    #[must_use]
+    pub fn healthy(&self) -> bool {
+        http(self.client_port, "GET", "/health", "")
+            .is_some_and(|body| body.contains("\"health\":\"true\""))
+    }
+
+    /// The member's view of the cluster (the v3 gateway's `/v3/maintenance/status`): its own
+    /// member id and the leader's, or `None` when it does not answer.
+    #[must_use]
+    pub fn status(&self) -> Option<(u64, u64)> {
+        let body = http(self.client_port, "POST", "/v3/maintenance/status", "{}")?;
+        let member = json_u64(&body, "member_id")?;
+        let leader = json_u64(&body, "leader")?;
+        Some((member, leader))
+    }
+
+    fn shutdown(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.supervisor.wait();
+        self.running = false;
+    }
+}
+
+impl Drop for EtcdMember {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A throwaway etcd cluster on 127.0.0.1 (one member for a single node). Dropping it stops
+/// every member and removes their directories.
+#[derive(Debug)]
+pub struct EtcdCluster {
+    members: Vec<EtcdMember>,
+}
+
+impl EtcdCluster {
+    /// Starts a single-node etcd.
+    ///
+    /// # Errors
+    /// As [`EtcdCluster::start`].
+    pub async fn single() -> Result<Self, ServerError> {
+        Self::start(1).await
+    }
+
+    /// Starts `size` members (1 for a single node; 3 for a cluster that survives losing one)
+    /// on free ports and waits until every member reports a leader (`/health`).
+    ///
+    /// # Errors
+    /// [`ServerError::NotInstalled`] when no `etcd` binary is found;
+    /// [`ServerError::StartFailed`] when the cluster does not form within 30 s (after three
+    /// tries with fresh ports).
+    pub async fn start(size: usize) -> Result<Self, ServerError> {
+        assert!(size >= 1, "an etcd cluster has at least one member");
+        let bin = etcd_bin()?;
+        let mut last = None;
+        for _ in 0..3 {
+            match Self::try_start(&bin, size).await {
+                Ok(cluster) => return Ok(cluster),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.expect("at least one attempt"))
+    }
+
+    async fn try_start(bin: &Path, size: usize) -> Result<Self, ServerError> {
+        let ports = free_ports(size * 2)?;
+        let base = scratch_base();
+        let names: Vec<String> = (0..size).map(|i| format!("m{i}")).collect();
+        let initial_cluster = names
+            .iter()
+            .zip(ports.chunks(2))
+            .map(|(name, p)| format!("{name}=http://127.0.0.1:{}", p[1]))
+            .collect::<Vec<_>>()
+            .join(",");
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let token = format!("pgfence-{}-{nanos}-{}", std::process::id(), ports[0]);
+        let mut members = Vec::with_capacity(size);
+        for (name, p) in names.into_iter().zip(ports.chunks(2)) {
+            let (bin, base, ic, token) = (
+                bin.to_owned(),
+                base.clone(),
+                initial_cluster.clone(),
+                token.clone(),
+            );
+            let (client, peer) = (p[0], p[1]);
+            let member = tokio::task::spawn_blocking(move || {
+                EtcdMember::spawn(&bin, &base, name, client, peer, &ic, &token)
+            })
+            .await
+            .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
+            members.push(member);
+        }
+        let mut cluster = Self { members };
+        for member in &mut cluster.members {
+            member.start()?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for i in 0..size {
+            cluster.wait_healthy(i, deadline).await?;
+        }
+        Ok(cluster)
+    }
+
+    async fn wait_healthy(&mut self, i: usize, deadline: Instant) -> Result<(), ServerError> {
+        loop {
+            let member = &mut self.members[i];
+            if let Some(status) = member.supervisor.try_wait()? {
+                return Err(ServerError::StartFailed {
+                    what: "etcd",
+                    detail: format!("supervisor exited with {status}"),
+                });
+            }
+            let exited = member.pid().is_some_and(|pid| !process_alive(pid));
+            if exited {
+                return Err(ServerError::StartFailed {
+                    what: "etcd",
+                    detail: format!("member {} exited: {}", member.name, member.log_tail()),
+                });
+            }
+            let healthy = {
+                let port = member.client_port;
+                tokio::task::spawn_blocking(move || {
+                    http(port, "GET", "/health", "")
+                        .is_some_and(|body| body.contains("\"health\":\"true\""))
+                })
+                .await
+                .unwrap_or(false)
+            };
+            if healthy {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(ServerError::StartFailed {
+                    what: "etcd",
+                    detail: format!(
+                        "member {} not healthy in time: {}",
+                        member.name,
+                        member.log_tail()
+                    ),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The members, in start order.
+    #[must_use]
+    pub fn members(&self) -> &[EtcdMember] {
+        &self.members
+    }
+
+    /// Every member's client endpoint (`http://127.0.0.1:PORT`).
+    #[must_use]
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members.iter().map(EtcdMember::endpoint).collect()
+    }
+
+    /// `etcd://127.0.0.1:P1,127.0.0.1:P2,...`, the URL that selects pgfence's etcd issuer.
+    #[must_use]
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.client_port))
+            .collect();
+        format!("etcd://{}", hosts.join(","))
+    }
+
+    /// The index of the member every running member names as leader, if they agree.
+    #[must_use]
+    pub fn leader(&self) -> Option<usize> {
+        let views: Vec<(usize, u64, u64)> = self
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.running)
+            .filter_map(|(i, m)| m.status().map(|(id, leader)| (i, id, leader)))
+            .collect();
+        let leader = views.first()?.2;
+        if leader == 0 || views.iter().any(|v| v.2 != leader) {
+            return None;
+        }
+        views.iter().find(|v| v.1 == leader).map(|v| v.0)
+    }
+
+    /// Kills member `i` with `SIGKILL` (its PID only) and waits until its client port is closed.
+    /// Its data directory stays, for [`EtcdCluster::restart`].
+    ///
+    /// # Errors
+    /// The member is not running, or `kill` failed.
+    pub fn kill(&mut self, i: usize) -> Result<(), ServerError> {
+        let member = &mut self.members[i];
+        let pid = member.pid().ok_or(ServerError::StartFailed {
+            what: "etcd",
+            detail: format!("member {} is not running", member.name),
+        })?;
+        let status = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()?;
+        if !status.success() {
+            return Err(ServerError::StartFailed {
+                what: "etcd",
+                detail: format!("could not kill pid {pid}"),
+            });
+        }
+        member.running = false;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while member.accepts_connections() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(())
+    }
+
+    /// Starts killed member `i` again on its data directory and waits until it is healthy.
+    ///
+    /// # Errors
+    /// [`ServerError::StartFailed`] when it does not rejoin within 30 s.
+    pub async fn restart(&mut self, i: usize) -> Result<(), ServerError> {
+        if self.members[i].running {
+            self.kill(i)?;
+        }
+        self.members[i].start()?;
+        self.wait_healthy(i, Instant::now() + Duration::from_secs(30))
+            .await
+    }
+}
+
+/// Where member directories go: `/dev/shm` when writable (no fsync cost), else `$TMPDIR`, else
+/// `/tmp`.
+fn scratch_base() -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    let writable = shm.is_dir()
+        && tempfile_probe(shm)
+            .map(|p| std::fs::remove_file(p).is_ok())
+            .unwrap_or(false);
+    if writable {
+        return shm.to_owned();
+    }
+    std::env::var_os("TMPDIR")
+        .map(PathBuf::from)
+        .filter(|p| p.is_dir())
+        .unwrap_or_else(|| PathBuf::from("/tmp"))
+}
+
+fn tempfile_probe(dir: &Path) -> std::io::Result<PathBuf> {
+    let path = dir.join(format!(".pgfence-probe-{}", std::process::id()));
+    std::fs::write(&path, b"")?;
+    Ok(path)
+}
+
+/// `count` distinct free ports (all bound at once, then released).
+fn free_ports(count: usize) -> std::io::Result<Vec<u16>> {
+    let listeners = (0..count)
+        .map(|_| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    listeners
+        .iter()
+        .map(|l| l.local_addr().map(|a| a.port()))
+        .collect()
+}
+
+fn process_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the parenthesised command name; a zombie has exited.
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
+    })
+}
+
+/// A tiny HTTP/1.1 client for etcd's `/health` and gateway endpoints. `None` on any failure.
+fn http(port: u16, method: &str, path: &str, body: &str) -> Option<String> {
+    let mut stream = TcpStream::connect_timeout(
+        &SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
+        Duration::from_millis(500),
+    )
+    .ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    stream
+        .set_write_timeout(Some(Duration::from_secs(2)))
+        .ok()?;
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.1 200").then(|| body.to_owned())
+}
+
+/// The number in `"key":"123"` or `"key":123` (the gateway writes 64-bit integers as strings).
+fn json_u64(body: &str, key: &str) -> Option<u64> {
+    let at = body.find(&format!("\"{key}\":"))? + key.len() + 3;
+    let digits: String = body[at..]
+        .trim_start_matches('"')
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::json_u64;
+
+    #[test]
+    fn reads_gateway_numbers() {
+        let body =
+            r#"{"header":{"cluster_id":"1","member_id":"42","revision":"7"},"leader":"42","x":9}"#;
+        assert_eq!(json_u64(body, "member_id"), Some(42));
+        assert_eq!(json_u64(body, "leader"), Some(42));
+        assert_eq!(json_u64(body, "x"), Some(9));
+        assert_eq!(json_u64(body, "nope"), None);
+    }
+}

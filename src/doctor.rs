@@ -1,0 +1,618 @@
+//! [`doctor`]: checks a database (and optionally the Redis counters) for the ways a pgfence
+//! setup goes wrong quietly, and reports each as a typed [`Finding`].
+//!
+//! What it checks, in order:
+//!
+//! | kind | severity | when |
+//! |---|---|---|
+//! | [`SchemaNotMigrated`](FindingKind::SchemaNotMigrated) | error | no `pgfence` schema / history (the other checks are skipped) |
+//! | [`SchemaBehind`](FindingKind::SchemaBehind) | error | migrations of this version are not applied (the other checks are skipped) |
+//! | [`SchemaAhead`](FindingKind::SchemaAhead) | warning | the database has migrations this version does not know |
+//! | [`TriggerMissing`](FindingKind::TriggerMissing) | error | a table `guard` guarded has no `pgfence_guard` trigger any more (and `unguard` was not run) |
+//! | [`TriggerDisabled`](FindingKind::TriggerDisabled) | error | `ALTER TABLE ... DISABLE TRIGGER` (or `ENABLE REPLICA TRIGGER`): nothing is enforced |
+//! | [`FenceColumnMissing`](FindingKind::FenceColumnMissing), [`FenceColumnType`](FindingKind::FenceColumnType), [`FenceColumnNullable`](FindingKind::FenceColumnNullable) | error | a guarded table's `fence` is gone, not `bigint`, or nullable (a `NULL` fence slips past the trigger) |
+//! | [`ObserveMode`](FindingKind::ObserveMode) | info | a table is guarded in observe mode (how many unfenced writes were recorded) |
+//! | [`FenceInvalid`](FindingKind::FenceInvalid) | error | rows with a negative fence (no valid token) |
+//! | [`FenceNearLimit`](FindingKind::FenceNearLimit) | warning | a row, resource mark or counter above [`MAX_TOKEN`] − [`DoctorOptions::limit_margin`] |
+//! | [`HighestToken`](FindingKind::HighestToken) | info | the highest token on each guarded table |
+//! | [`TokenAboveCounters`](FindingKind::TokenAboveCounters) | warning | a table's highest token is above every Redis counter doctor read |
+//! | [`CounterBelowMark`](FindingKind::CounterBelowMark) | error | a Redis counter below Postgres's high-water mark: it went backwards (failover), new leases are rejected |
+//! | [`RedisUnavailable`](FindingKind::RedisUnavailable) | error | Redis could not be read |
+//! | [`CountersNotChecked`](FindingKind::CountersNotChecked) | info | no issuer was given, or a recorded resource name is not a valid [`Resource`] |
+//! | [`AuditRetention`](FindingKind::AuditRetention) | warning | audit rows older than [`DoctorOptions::audit_retention`] |
+//!
+//! Counters: for each resource in `pgfence.resource_fence` (resources that ran
+//! `pgfence.check`) and each of [`DoctorOptions::resources`], doctor compares the token of
+//! `pgfence.high_water(resource)` with the Redis counter ([`Issuer::status`]). Rows carry no
+//! resource name, so a table's highest token (`max(fence) >> 24`) is only compared with the
+//! highest counter doctor read: above it means the table was written by a counter doctor was
+//! not told about (list its resource in [`DoctorOptions::resources`]), or one that went
+//! backwards. Reading `max(fence)` scans each guarded table; turn it off with
+//! [`DoctorOptions::scan_tables`] on very large tables.
+
+use std::time::Duration;
+
+use serde::Serialize;
+use sqlx::{AssertSqlSafe, PgPool};
+
+use crate::{Issuer, MAX_TOKEN, Resource, Result, TableName};
+
+/// How close to [`MAX_TOKEN`] a token may come before doctor warns by default (2^20 tokens).
+pub const DEFAULT_LIMIT_MARGIN: i64 = 1 << 20;
+
+/// How serious a [`Finding`] is. Only [`Severity::Info`] findings leave a setup "clean".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    /// For information (a table in observe mode, the highest token per table).
+    Info,
+    /// Needs attention soon (old audit rows, tokens near the limit).
+    Warning,
+    /// Fencing is not (or not fully) in force.
+    Error,
+}
+
+/// What a [`Finding`] is about. The README ("`pgfence doctor`") says when each is reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum FindingKind {
+    /// No `pgfence` schema or migration history.
+    SchemaNotMigrated,
+    /// Migrations of this version are not applied.
+    SchemaBehind,
+    /// The database has migrations this version does not know.
+    SchemaAhead,
+    /// A guarded table's trigger was dropped.
+    TriggerMissing,
+    /// A guarded table's trigger is disabled.
+    TriggerDisabled,
+    /// A guarded table has no `fence` column.
+    FenceColumnMissing,
+    /// A guarded table's `fence` column is not `bigint`.
+    FenceColumnType,
+    /// A guarded table's `fence` column is nullable.
+    FenceColumnNullable,
+    /// A table is guarded in observe mode.
+    ObserveMode,
+    /// Rows whose fence decodes to no valid token.
+    FenceInvalid,
+    /// A token close to [`MAX_TOKEN`].
+    FenceNearLimit,
+    /// The highest token on a guarded table.
+    HighestToken,
+    /// A table's highest token is above every counter doctor read.
+    TokenAboveCounters,
+    /// A Redis counter is below Postgres's high-water mark.
+    CounterBelowMark,
+    /// Redis could not be read.
+    RedisUnavailable,
+    /// Some counters were not compared.
+    CountersNotChecked,
+    /// Audit rows older than the retention.
+    AuditRetention,
+}
+
+/// One finding: what, about which object, why, and what to do.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Finding {
+    /// How serious it is.
+    pub severity: Severity,
+    /// What kind of problem.
+    pub kind: FindingKind,
+    /// The object: a quoted table, `resource <name>`, `schema pgfence`, `pgfence.audit`.
+    pub object: String,
+    /// What doctor found.
+    pub message: String,
+    /// What to do about it, if anything.
+    pub suggestion: Option<String>,
+}
+
+impl Finding {
+    /// Whether this finding makes the setup unhealthy (anything but [`Severity::Info`]).
+    #[must_use]
+    pub fn is_problem(&self) -> bool {
+        self.severity != Severity::Info
+    }
+
+    fn new(severity: Severity, kind: FindingKind, object: impl Into<String>) -> Self {
+        Self {
+            severity,
+            kind,
+            object: object.into(),
+            message: String::new(),
+            suggestion: None,
+        }
+    }
+
+    fn says(mut self, message: impl Into<String>) -> Self {
+        self.message = message.into();
+        self
+    }
+
+    fn fix(mut self, suggestion: impl Into<String>) -> Self {
+        self.suggestion = Some(suggestion.into());
+        self
+    }
+}
+
+/// What [`doctor`] checks beyond the defaults.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DoctorOptions {
+    /// Report audit rows older than this ([`FindingKind::AuditRetention`]). Default: not checked.
+    pub audit_retention: Option<Duration>,
+    /// Read `max(fence)` / `min(fence)` of every guarded table (a scan). Default: `true`.
+    pub scan_tables: bool,
+    /// Resources whose counters to compare besides those in `pgfence.resource_fence`.
+    pub resources: Vec<Resource>,
+    /// Warn about tokens above `MAX_TOKEN - limit_margin`. Default: [`DEFAULT_LIMIT_MARGIN`].
+    pub limit_margin: i64,
+}
+
+impl Default for DoctorOptions {
+    fn default() -> Self {
+        Self {
+            audit_retention: None,
+            scan_tables: true,
+            resources: Vec::new(),
+            limit_margin: DEFAULT_LIMIT_MARGIN,
+        }
+    }
+}
+
+impl DoctorOptions {
+    /// Reports audit rows older than `retention`.
+    #[must_use]
+    pub fn audit_retention(mut self, retention: Duration) -> Self {
+        self.audit_retention = Some(retention);
+        self
+    }
+
+    /// Whether to scan guarded tables for their highest and lowest fence.
+    #[must_use]
+    pub fn scan_tables(mut self, scan: bool) -> Self {
+        self.scan_tables = scan;
+        self
+    }
+
+    /// Also compares these resources' counters with their high-water marks.
+    #[must_use]
+    pub fn resources(mut self, resources: impl IntoIterator<Item = Resource>) -> Self {
+        self.resources.extend(resources);
+        self
+    }
+
+    /// Warns about tokens above `MAX_TOKEN - margin`.
+    #[must_use]
+    pub fn limit_margin(mut self, margin: i64) -> Self {
+        self.limit_margin = margin.max(0);
+        self
+    }
+}
+
+/// Checks the database behind `pool` (and, with `issuer`, the Redis counters) and returns
+/// every finding, most serious first. An empty list, or one with only [`Severity::Info`]
+/// findings ([`Finding::is_problem`]), means healthy.
+///
+/// Read-only. The README ("`pgfence doctor`") lists the checks.
+///
+/// # Errors
+/// [`crate::Error::Database`] when PostgreSQL cannot be read. Redis failures are findings
+/// ([`FindingKind::RedisUnavailable`]), not errors.
+///
+/// # Example
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool, issuer: pgfence::Issuer) -> pgfence::Result<()> {
+/// use std::time::Duration;
+/// let options = pgfence::DoctorOptions::default().audit_retention(Duration::from_secs(30 * 86_400));
+/// for finding in pgfence::doctor(&pool, Some(&issuer), &options).await? {
+///     println!("{:?} {}: {}", finding.severity, finding.object, finding.message);
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn doctor(
+    pool: &PgPool,
+    issuer: Option<&Issuer>,
+    options: &DoctorOptions,
+) -> Result<Vec<Finding>> {
+    let mut findings = Vec::new();
+    if schema(pool, &mut findings).await? {
+        let highest = tables(pool, options, &mut findings).await?;
+        counters(pool, issuer, options, &highest, &mut findings).await?;
+        audit(pool, options, &mut findings).await?;
+    }
+    findings.sort_by_key(|f| std::cmp::Reverse(f.severity));
+    Ok(findings)
+}
+
+/// The schema check; `true` when the other checks can run.
+async fn schema(pool: &PgPool, findings: &mut Vec<Finding>) -> Result<bool> {
+    let object = "schema pgfence";
+    let present: bool = sqlx::query_scalar(
+        "SELECT pg_catalog.to_regclass('pgfence.refinery_schema_history') IS NOT NULL",
+    )
+    .fetch_one(pool)
+    .await?;
+    if !present {
+        findings.push(
+            Finding::new(Severity::Error, FindingKind::SchemaNotMigrated, object)
+                .says("pgfence's schema is not migrated in this database (other checks skipped)")
+                .fix("run `pgfence migrate` (or pgfence::migrate)"),
+        );
+        return Ok(false);
+    }
+    let status = crate::migration_status(pool).await?;
+    let pending: Vec<String> = status
+        .iter()
+        .filter(|m| m.applied_on.is_none())
+        .map(|m| format!("V{}__{}", m.version, m.name))
+        .collect();
+    let known = status.iter().map(|m| m.version).max().unwrap_or(0);
+    let applied: Option<i32> =
+        sqlx::query_scalar("SELECT max(version) FROM pgfence.refinery_schema_history")
+            .fetch_one(pool)
+            .await?;
+    if let Some(applied) = applied.filter(|v| *v > known) {
+        findings.push(
+            Finding::new(Severity::Warning, FindingKind::SchemaAhead, object)
+                .says(format!(
+                    "the database has pgfence migration V{applied}, newer than this version knows (V{known})"
+                ))
+                .fix("upgrade this pgfence (library or CLI) to the version that migrated the database"),
+        );
+    }
+    if pending.is_empty() {
+        return Ok(true);
+    }
+    findings.push(
+        Finding::new(Severity::Error, FindingKind::SchemaBehind, object)
+            .says(format!(
+                "pgfence's schema is behind: {} not applied (other checks skipped)",
+                pending.join(", ")
+            ))
+            .fix("run `pgfence migrate` (or pgfence::migrate)"),
+    );
+    Ok(false)
+}
+
+/// One guarded (or formerly guarded) table, from the catalog.
+#[derive(sqlx::FromRow)]
+struct TableRow {
+    schema: String,
+    name: String,
+    /// `format('%I.%I')`, as the trigger writes it in audit rows.
+    audit_name: String,
+    has_trigger: bool,
+    enabled: Option<String>,
+    mode: Option<String>,
+    fence_type: Option<String>,
+    fence_not_null: Option<bool>,
+}
+
+/// Table checks; returns `(table, highest token)` of every scanned table.
+async fn tables(
+    pool: &PgPool,
+    options: &DoctorOptions,
+    findings: &mut Vec<Finding>,
+) -> Result<Vec<(String, i64)>> {
+    let rows: Vec<TableRow> = sqlx::query_as(
+        "SELECT n.nspname::pg_catalog.text AS schema, c.relname::pg_catalog.text AS name,
+                pg_catalog.format('%I.%I', n.nspname, c.relname) AS audit_name,
+                t.oid IS NOT NULL AS has_trigger,
+                t.tgenabled::pg_catalog.text AS enabled,
+                CASE WHEN t.oid IS NOT NULL THEN pgfence.trigger_mode(t.tgnargs, t.tgargs) END AS mode,
+                pg_catalog.format_type(a.atttypid, a.atttypmod) AS fence_type,
+                a.attnotnull AS fence_not_null
+           FROM pg_catalog.pg_class c
+           JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
+           LEFT JOIN pg_catalog.pg_trigger t ON t.tgrelid OPERATOR(pg_catalog.=) c.oid
+                AND t.tgname OPERATOR(pg_catalog.=) 'pgfence_guard' AND NOT t.tgisinternal
+           LEFT JOIN pgfence.guarded_table g ON g.rel OPERATOR(pg_catalog.=) c.oid
+           LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid OPERATOR(pg_catalog.=) c.oid
+                AND a.attname OPERATOR(pg_catalog.=) 'fence' AND NOT a.attisdropped
+          WHERE t.oid IS NOT NULL OR g.rel IS NOT NULL
+          ORDER BY 1, 2",
+    )
+    .fetch_all(pool)
+    .await?;
+    let limit = MAX_TOKEN.saturating_sub(options.limit_margin);
+    let mut highest = Vec::new();
+    for row in rows {
+        let table = TableName::new(&row.schema, &row.name)?;
+        let object = table.quoted();
+        let guard_cmd = format!("`pgfence guard '{object}'`");
+        if !row.has_trigger {
+            findings.push(
+                Finding::new(Severity::Error, FindingKind::TriggerMissing, &object)
+                    .says("the table was guarded but its pgfence_guard trigger is gone: no update is fenced")
+                    .fix(format!("run {guard_cmd} (or `pgfence unguard` if it should not be guarded)")),
+            );
+        } else if !matches!(row.enabled.as_deref(), Some("O" | "A")) {
+            findings.push(
+                Finding::new(Severity::Error, FindingKind::TriggerDisabled, &object)
+                    .says("the pgfence_guard trigger is disabled: no update is fenced")
+                    .fix(format!(
+                        "run {guard_cmd} (re-enables it) or ALTER TABLE {object} ENABLE TRIGGER pgfence_guard"
+                    )),
+            );
+        }
+        if row.mode.as_deref() == Some("observe") {
+            let (count, last): (i64, Option<time::OffsetDateTime>) = sqlx::query_as(
+                "SELECT pg_catalog.count(*), pg_catalog.max(at) FROM pgfence.audit
+                  WHERE operation OPERATOR(pg_catalog.=) 'observe'
+                    AND table_name OPERATOR(pg_catalog.=) $1",
+            )
+            .bind(&row.audit_name)
+            .fetch_one(pool)
+            .await?;
+            let last = last
+                .and_then(|t| {
+                    t.format(&time::format_description::well_known::Rfc3339)
+                        .ok()
+                })
+                .map(|t| format!(", the last at {t}"))
+                .unwrap_or_default();
+            findings.push(
+                Finding::new(Severity::Info, FindingKind::ObserveMode, &object)
+                    .says(format!(
+                        "guarded in observe mode: {count} unfenced update(s) recorded in pgfence.audit{last}"
+                    ))
+                    .fix(format!(
+                        "once no new `observe` rows appear, run `pgfence guard --enforce '{object}'`"
+                    )),
+            );
+        }
+        match row.fence_type.as_deref() {
+            None => {
+                findings.push(
+                    Finding::new(Severity::Error, FindingKind::FenceColumnMissing, &object)
+                        .says("the guarded table has no fence column")
+                        .fix(format!("run {guard_cmd}")),
+                );
+                continue;
+            }
+            Some("bigint") => {}
+            Some(other) => {
+                findings.push(
+                    Finding::new(Severity::Error, FindingKind::FenceColumnType, &object)
+                        .says(format!("the fence column has type {other}, not bigint"))
+                        .fix(format!(
+                            "ALTER TABLE {object} ALTER COLUMN fence TYPE bigint, then run {guard_cmd}"
+                        )),
+                );
+                continue;
+            }
+        }
+        if row.fence_not_null != Some(true) {
+            findings.push(
+                Finding::new(Severity::Error, FindingKind::FenceColumnNullable, &object)
+                    .says("the fence column is nullable: an update that sets it to NULL is not fenced")
+                    .fix(format!("run {guard_cmd} (fills NULLs with 0 and sets NOT NULL)")),
+            );
+        }
+        if !options.scan_tables {
+            continue;
+        }
+        // The name comes from the catalog and is quoted by TableName.
+        let (max, min, nulls): (Option<i64>, Option<i64>, i64) =
+            sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT pg_catalog.max(fence), pg_catalog.min(fence), \
+                 pg_catalog.count(*) FILTER (WHERE fence IS NULL) FROM {object}"
+            )))
+            .fetch_one(pool)
+            .await?;
+        if nulls > 0 {
+            findings.push(
+                Finding::new(Severity::Error, FindingKind::FenceInvalid, &object)
+                    .says(format!("{nulls} row(s) have a NULL fence"))
+                    .fix(format!("run {guard_cmd} (fills NULLs with 0)")),
+            );
+        }
+        if let Some(min) = min.filter(|m| *m < 0) {
+            findings.push(
+                Finding::new(Severity::Error, FindingKind::FenceInvalid, &object)
+                    .says(format!(
+                        "rows have a negative fence (lowest {min}), which decodes to no valid token"
+                    ))
+                    .fix("find them with `SELECT ... WHERE fence < 0`; a fence is written by pgfence.next_fence or the repository only"),
+            );
+        }
+        let Some(max) = max else { continue };
+        let token = max >> 24;
+        highest.push((object.clone(), token));
+        findings.push(
+            Finding::new(Severity::Info, FindingKind::HighestToken, &object)
+                .says(format!("highest token {token} (fence {max})")),
+        );
+        if token > limit {
+            findings.push(
+                Finding::new(Severity::Warning, FindingKind::FenceNearLimit, &object)
+                    .says(format!(
+                        "a row carries token {token}, within {} of the largest token ({MAX_TOKEN})",
+                        MAX_TOKEN - token
+                    ))
+                    .fix("find the writer that set it; tokens come from the Redis counter, one per lease"),
+            );
+        }
+    }
+    Ok(highest)
+}
+
+/// Counter checks.
+async fn counters(
+    pool: &PgPool,
+    issuer: Option<&Issuer>,
+    options: &DoctorOptions,
+    highest: &[(String, i64)],
+    findings: &mut Vec<Finding>,
+) -> Result<()> {
+    let limit = MAX_TOKEN.saturating_sub(options.limit_margin);
+    let marks: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT resource, fence OPERATOR(pg_catalog.>>) 24 FROM pgfence.resource_fence ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await?;
+    for (resource, mark) in &marks {
+        if *mark > limit {
+            findings.push(
+                Finding::new(
+                    Severity::Warning,
+                    FindingKind::FenceNearLimit,
+                    format!("resource {resource}"),
+                )
+                .says(format!(
+                    "its high-water mark is token {mark}, within {} of the largest token",
+                    MAX_TOKEN - mark
+                ))
+                .fix("if the mark is bogus (poisoned), lower it with pgfence.unpoison_resource"),
+            );
+        }
+    }
+    let mut checks: Vec<(Resource, i64)> = Vec::new();
+    let mut invalid = Vec::new();
+    for (name, mark) in marks {
+        match Resource::new(name.clone()) {
+            Ok(r) => checks.push((r, mark)),
+            Err(_) => invalid.push(name),
+        }
+    }
+    for resource in &options.resources {
+        if !checks.iter().any(|(r, _)| r == resource) {
+            let mark = crate::high_water(pool, resource).await?;
+            checks.push((resource.clone(), mark));
+        }
+    }
+    if !invalid.is_empty() {
+        findings.push(
+            Finding::new(Severity::Info, FindingKind::CountersNotChecked, "pgfence.resource_fence")
+                .says(format!(
+                    "{} recorded resource name(s) are not valid resource names; their counters were not checked",
+                    invalid.len()
+                )),
+        );
+    }
+    let Some(issuer) = issuer else {
+        if !checks.is_empty() {
+            findings.push(
+                Finding::new(Severity::Info, FindingKind::CountersNotChecked, "redis")
+                    .says(format!(
+                        "{} resource counter(s) not compared: no Redis given",
+                        checks.len()
+                    ))
+                    .fix("pass a Redis URL (--redis-url / REDIS_URL)"),
+            );
+        }
+        return Ok(());
+    };
+    let mut top_counter: Option<i64> = None;
+    for (resource, mark) in &checks {
+        let status = match issuer.status(resource).await {
+            Ok(s) => s,
+            Err(e) => {
+                findings.push(
+                    Finding::new(Severity::Error, FindingKind::RedisUnavailable, "redis")
+                        .says(format!("cannot read the counters: {e}"))
+                        .fix("check the Redis URL and that Redis is up; then run doctor again"),
+                );
+                return Ok(());
+            }
+        };
+        let counter = status.counter;
+        top_counter = Some(top_counter.map_or(counter, |t| t.max(counter)));
+        let object = format!("resource {resource}");
+        if counter < *mark {
+            findings.push(
+                Finding::new(Severity::Error, FindingKind::CounterBelowMark, &object)
+                    .says(format!(
+                        "the Redis counter ({counter}) is below Postgres's high-water mark ({mark}): it went backwards (failover or restart), and new leases get tokens Postgres rejects"
+                    ))
+                    .fix(format!("run `pgfence reseed '{resource}'`")),
+            );
+        }
+        if counter > limit {
+            findings.push(
+                Finding::new(Severity::Warning, FindingKind::FenceNearLimit, &object)
+                    .says(format!(
+                        "the Redis counter ({counter}) is within {} of the largest token ({MAX_TOKEN})",
+                        MAX_TOKEN - counter
+                    )),
+            );
+        }
+    }
+    if let Some(top) = top_counter {
+        for (table, token) in highest {
+            if *token > top {
+                findings.push(
+                    Finding::new(Severity::Warning, FindingKind::TokenAboveCounters, table)
+                        .says(format!(
+                            "its highest token ({token}) is above every counter doctor read (highest {top}): a counter went backwards, or the table is written by a resource doctor was not told about"
+                        ))
+                        .fix(format!(
+                            "name the table's resources with --resource; if a counter went backwards, `pgfence reseed RESOURCE --floor {token}`"
+                        )),
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Audit retention check.
+async fn audit(pool: &PgPool, options: &DoctorOptions, findings: &mut Vec<Finding>) -> Result<()> {
+    let Some(retention) = options.audit_retention else {
+        return Ok(());
+    };
+    let (count, oldest): (i64, Option<time::OffsetDateTime>) = sqlx::query_as(
+        "SELECT pg_catalog.count(*), pg_catalog.min(at) FROM pgfence.audit
+          WHERE at OPERATOR(pg_catalog.<) (pg_catalog.now()
+                OPERATOR(pg_catalog.-) pg_catalog.make_interval(secs => $1))",
+    )
+    .bind(retention.as_secs_f64())
+    .fetch_one(pool)
+    .await?;
+    if count > 0 {
+        let age = fmt_retention(retention);
+        let oldest = oldest
+            .and_then(|t| {
+                t.format(&time::format_description::well_known::Rfc3339)
+                    .ok()
+            })
+            .map(|t| format!(" (oldest {t})"))
+            .unwrap_or_default();
+        findings.push(
+            Finding::new(
+                Severity::Warning,
+                FindingKind::AuditRetention,
+                "pgfence.audit",
+            )
+            .says(format!("{count} audit row(s) are older than {age}{oldest}"))
+            .fix(format!("run `pgfence audit prune --older-than {age}`")),
+        );
+    }
+    Ok(())
+}
+
+/// `30d`, `12h`, `5m`, `90s`: the largest whole unit.
+fn fmt_retention(d: Duration) -> String {
+    let s = d.as_secs().max(1);
+    for (unit, secs) in [("d", 86_400), ("h", 3_600), ("m", 60)] {
+        if s.is_multiple_of(secs) {
+            return format!("{}{unit}", s / secs);
+        }
+    }
+    format!("{s}s")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retention_is_printed_in_its_largest_unit() {
+        assert_eq!(fmt_retention(Duration::from_secs(30 * 86_400)), "30d");
+        assert_eq!(fmt_retention(Duration::from_secs(7_200)), "2h");
+        assert_eq!(fmt_retention(Duration::from_secs(90)), "90s");
+        assert_eq!(fmt_retention(Duration::from_millis(10)), "1s");
+    }
+}

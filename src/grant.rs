@@ -1,0 +1,112 @@
+//! Least privilege for application roles: [`grant_sql`] and [`grant`].
+
+use sqlx::{Acquire, AssertSqlSafe, Postgres};
+
+use crate::{Error, Ident, Result};
+
+/// The functions an application role may execute, with their argument types.
+const APP_FUNCTIONS: &[&str] = &[
+    "pgfence.check(pg_catalog.text, pg_catalog.int8, pg_catalog.int4)",
+    "pgfence.try_check(pg_catalog.text, pg_catalog.int8, pg_catalog.int4)",
+    "pgfence.next_fence(pg_catalog.int8, pg_catalog.int8, pg_catalog.int4, pg_catalog.text)",
+    "pgfence.lease_fence(pg_catalog.int8, pg_catalog.int4)",
+    "pgfence.high_water(pg_catalog.text)",
+    "pgfence.domain_high_water(pg_catalog.text)",
+    "pgfence.record_rejection(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
+     pg_catalog.int8, pg_catalog.text, pg_catalog.text, pg_catalog.int4, pg_catalog.bool)",
+    "pgfence.append_audit(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
+     pg_catalog.int8, pg_catalog.text, pg_catalog.text, pg_catalog.bool)",
+];
+
+/// The SQL that gives `role` exactly an application's privileges on pgfence's schema — what
+/// a role that writes through pgfence (the repository, `Fence::check`, the issuer's floor
+/// source, `pgfence.check` / `try_check` / `next_fence` from SQL) needs, and nothing more. It
+/// first revokes whatever `role` had on the schema's objects, then grants.
+///
+/// Since migration V5 nothing in the `pgfence` schema is usable by `PUBLIC` (except
+/// `record_rejection`, which runs with the caller's rights and only calls `append_audit`). The
+/// functions that touch pgfence's tables on an application's behalf run with their owner's
+/// rights (`SECURITY DEFINER`, pinned `search_path`, static SQL only), so an application role
+/// gets `EXECUTE` on them and, on the tables, only what the library's own statements need:
+///
+/// | object | application role |
+/// |---|---|
+/// | schema `pgfence` | `USAGE` |
+/// | `check`, `high_water`, `domain_high_water`, `append_audit` (owner's rights); `try_check`, `next_fence`, `lease_fence`, `record_rejection` (caller's rights) | `EXECUTE` |
+/// | `pgfence.tombstone` | `SELECT`, `INSERT`, `UPDATE (fence, deleted_at)`: a fenced delete writes its tombstone, an upsert reads it; a trigger refuses any update that lowers a tombstone's fence |
+/// | `pgfence.audit` | `INSERT` on the columns the library writes (not `id`, `at`, `db_user`), for the rows an [`Auditor`](crate::Auditor)'s pool writes; no `SELECT`, `UPDATE` or `DELETE` |
+/// | `pgfence.resource_fence`, `guarded_tables`, the migration history | nothing |
+/// | `guard`, `unguard`, `unpoison_resource` | nothing (owner and superusers only) |
+///
+/// The application role must not own the guarded tables (a table's owner can
+/// `ALTER TABLE ... DISABLE TRIGGER pgfence_guard`): give it `SELECT`, `INSERT`, `UPDATE`,
+/// `DELETE` on them instead.
+///
+/// Run the SQL as the owner of the `pgfence` schema (the role that ran the migrations) or a
+/// superuser, after the migrations; never for the owner itself (it would revoke the owner's
+/// own privileges: [`grant`] refuses that). The role name is quoted ([`Ident::quoted`]), so
+/// any name is safe to pass.
+///
+/// # Example
+/// ```
+/// let sql = pgfence::grant_sql(&pgfence::Ident::new("billing_app").unwrap());
+/// assert!(sql.contains("GRANT USAGE ON SCHEMA pgfence TO \"billing_app\";"));
+/// ```
+#[must_use]
+pub fn grant_sql(role: &Ident) -> String {
+    let r = role.quoted();
+    format!(
+        "-- pgfence: application privileges for {r}. Run as the owner of the pgfence schema.\n\
+         REVOKE ALL ON ALL TABLES IN SCHEMA pgfence FROM {r};\n\
+         REVOKE ALL ON ALL SEQUENCES IN SCHEMA pgfence FROM {r};\n\
+         REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgfence FROM {r};\n\
+         GRANT USAGE ON SCHEMA pgfence TO {r};\n\
+         GRANT EXECUTE ON FUNCTION\n    {functions}\n    TO {r};\n\
+         GRANT SELECT, INSERT ON pgfence.tombstone TO {r};\n\
+         GRANT UPDATE (fence, deleted_at) ON pgfence.tombstone TO {r};\n\
+         GRANT INSERT (resource, table_name, row_key, presented, current, holder, operation, other_counter)\n    \
+         ON pgfence.audit TO {r};\n",
+        functions = APP_FUNCTIONS.join(",\n    "),
+    )
+}
+
+/// Gives `role` exactly an application's privileges on pgfence's schema: runs
+/// [`grant_sql`] (in one transaction when `conn` is a pool or a bare connection). Run it as
+/// the owner of the `pgfence` schema or a superuser, after [`migrate`](crate::migrate).
+///
+/// # Errors
+/// [`Error::InvalidIdentifier`] when `role` owns the `pgfence` schema (it already has every
+/// privilege, and the revocations would take them away); [`Error::Database`] when the role
+/// does not exist, pgfence's schema is missing, or the caller may not grant.
+///
+/// # Example
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool) -> pgfence::Result<()> {
+/// pgfence::grant(&pool, &pgfence::Ident::new("billing_app")?).await?;
+/// # Ok(()) }
+/// ```
+pub async fn grant<'c, A>(conn: A, role: &Ident) -> Result<()>
+where
+    A: Acquire<'c, Database = Postgres>,
+{
+    let mut conn = conn.acquire().await?;
+    let owns_schema: Option<bool> = sqlx::query_scalar(
+        "SELECT n.nspowner OPERATOR(pg_catalog.=) r.oid FROM pg_catalog.pg_roles r \
+         JOIN pg_catalog.pg_namespace n ON n.nspname OPERATOR(pg_catalog.=) 'pgfence' \
+         WHERE r.rolname OPERATOR(pg_catalog.=) $1::pg_catalog.name",
+    )
+    .bind(role.as_str())
+    .fetch_optional(&mut *conn)
+    .await?;
+    if owns_schema == Some(true) {
+        return Err(Error::InvalidIdentifier {
+            name: role.as_str().to_owned(),
+            reason: "owns the pgfence schema; grant is for application roles",
+        });
+    }
+    // The role name is quoted by `Ident::quoted`; everything else is constant text.
+    sqlx::raw_sql(AssertSqlSafe(grant_sql(role)))
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,735 @@
+//! The etcd issuer (feature `etcd`): a lock is a key under an etcd lease, its fence token is
+//! the revision etcd assigned when the key was created.
+//!
+//! The design is documented on [`EtcdIssuer`].
+
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse,
+    TxnResponse,
+};
+use tokio::time::Instant;
+
+use super::{ACQUIRE_ATTEMPTS, Lease, LeaseState, LockStatus, check_ttl, new_owner_id};
+use crate::{Error, FenceToken, MAX_TOKEN, Resource, Result};
+
+/// The URL scheme that selects the etcd issuer: `etcd://host:2379[,host2:2379...]`.
+pub const ETCD_SCHEME: &str = "etcd://";
+
+/// The port used when an `etcd://` URL names a host without one.
+const DEFAULT_PORT: u16 = 2379;
+
+/// Prefix of every lock key.
+const KEY_PREFIX: &str = "pgfence/lock/";
+
+/// The etcd key of `resource`'s lock: `pgfence/lock/<resource>` (the resource name as is,
+/// `{domain}` prefix included).
+#[must_use]
+pub fn etcd_lock_key(resource: &Resource) -> String {
+    format!("{KEY_PREFIX}{resource}")
+}
+
+/// Whether `url` selects the etcd issuer (`etcd://...`).
+#[must_use]
+pub fn is_etcd_url(url: &str) -> bool {
+    url.get(..ETCD_SCHEME.len())
+        .is_some_and(|s| s.eq_ignore_ascii_case(ETCD_SCHEME))
+}
+
+/// Issues leases and fence tokens from an etcd cluster (v3 API; etcd 3.4 or newer; feature
+/// `etcd`).
+///
+/// The same methods and [`Lease`] / [`LeaseState`] / [`LockStatus`] as the Redis
+/// [`Issuer`](crate::Issuer), so a lease from either is fenced the same way by Postgres. The
+/// token is the etcd revision that created the lock key: strictly increasing across the whole
+/// cluster and across leader failovers, at most [`MAX_TOKEN`](crate::MAX_TOKEN) (an acquire
+/// that would exceed it fails with [`Error::InvalidToken`] and leaves no lock behind).
+/// Cloning is cheap; clones share the connections.
+///
+/// ```no_run
+/// # async fn f() -> pgfence::Result<()> {
+/// use std::time::Duration;
+/// let issuer = pgfence::EtcdIssuer::connect("etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379").await?;
+/// let resource = pgfence::Resource::new("payments:batch:42")?;
+/// if let Some(lease) = issuer.acquire(&resource, Duration::from_secs(30)).await? {
+///     println!("token {}", lease.token()); // an etcd revision
+///     issuer.release(&lease).await?;
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// # Why revisions
+///
+/// Every write to an etcd cluster gets the next **revision**, one counter for the whole
+/// cluster, replicated by Raft with the write itself. A revision a client has seen committed
+/// survives the loss of any minority of members, the leader included, so the token "counter"
+/// can never go backwards the way a Redis `INCR` can after an asynchronous failover: tokens
+/// issued after a failover are above every token issued before it, and Postgres fencing works
+/// unchanged with nothing to reseed, and two leases never share a token
+/// ([`Error::DuplicateToken`] cannot come from this issuer). Only a cluster rebuilt empty (not
+/// restored from a snapshot, which keeps revisions) starts again at revision 1: Postgres then
+/// rejects its tokens as stale, safely, until its revision passes the old cluster's.
+///
+/// # Layout
+///
+/// The lock of resource `R` is the key `pgfence/lock/R` ([`etcd_lock_key`]); its value is the
+/// owner id and it is attached to an etcd lease granted for the lock's TTL. A lease's token is
+/// the key's `create_revision`. Taking the lock is one transaction:
+/// `If(CreateRevision(key) == 0) Then(Put(key, owner, lease))`. Release and extend compare
+/// both the value (owner) and the `create_revision` (token), so only the lease that took the
+/// lock can release or extend it: an older lease of the same owner is told [`LeaseState::Taken`].
+///
+/// # Fencing domains
+///
+/// Revisions are cluster-wide, so tokens from this issuer compare across **all** resources:
+/// a newer lease of any resource has a larger token than an older lease of any other. Each
+/// resource (with or without a `{domain}` prefix) still has its own lock; a domain needs no
+/// shared counter here, but keep using domains for resources that write the same rows, so that
+/// a switch between issuers keeps working.
+///
+/// # TTLs
+///
+/// etcd leases count whole seconds: a TTL is rounded **up** to whole seconds (at least 1 s),
+/// and the server raises it to its minimum lease TTL (1.5 × the election timeout, rounded up:
+/// 2 s with etcd's defaults). The lock may therefore outlive the TTL asked for; it never
+/// expires before it. [`Lease::deadline`] stays measured from the TTL asked for, so it errs
+/// early, as with Redis. etcd also expires leases lazily (its lessor checks about twice a
+/// second) and renews every lease when a new leader is elected, so a lock can be held up to
+/// an election timeout longer after a failover.
+#[derive(Clone)]
+pub struct EtcdIssuer {
+    client: Client,
+    endpoints: Vec<String>,
+}
+
+impl std::fmt::Debug for EtcdIssuer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdIssuer")
+            .field("endpoints", &self.endpoints)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How long connecting to an endpoint may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long one request may take (a request to a member that lost its leader fails sooner:
+/// every request requires a leader).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl EtcdIssuer {
+    /// Connects to the cluster named by `url`: `etcd://host[:port][,host[:port]...]`
+    /// (port 2379 by default), with optional credentials `etcd://user:password@host,...`.
+    /// Plain HTTP/2 (no TLS). Requests are spread over the endpoints and fail over between them.
+    ///
+    /// # Errors
+    /// [`Error::Etcd`] for a malformed URL (invalid arguments) or an unreachable cluster.
+    pub async fn connect(url: &str) -> Result<Self> {
+        let (user, endpoints) = parse_url(url)?;
+        let mut options = ConnectOptions::new()
+            .with_connect_timeout(CONNECT_TIMEOUT)
+            .with_timeout(REQUEST_TIMEOUT)
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+            .with_require_leader(true);
+        if let Some((name, password)) = user {
+            options = options.with_user(name, password);
+        }
+        let client = Client::connect(&endpoints, Some(options)).await?;
+        Ok(Self { client, endpoints })
+    }
+
+    /// An issuer on an existing [`etcd_client::Client`] (your own TLS, auth or timeouts).
+    /// Setting [`ConnectOptions::with_require_leader`] on it is recommended: a member cut off
+    /// from its leader then fails requests at once instead of holding them.
+    #[must_use]
+    pub fn new(client: Client) -> Self {
+        Self {
+            client,
+            endpoints: Vec::new(),
+        }
+    }
+
+    /// The endpoints this issuer connected to (`http://host:port`; empty for [`EtcdIssuer::new`]).
+    #[must_use]
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
+    /// The underlying client.
+    #[must_use]
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Tries once to take `resource`'s lock for `ttl` (rounded up to whole seconds on the
+    /// server). `Ok(None)` when another owner holds it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::MIN_TTL)`..=`
+    /// [`MAX_TTL`](crate::MAX_TTL) (nothing is sent); [`Error::Etcd`] when etcd fails after
+    /// retries; [`Error::InvalidToken`] when the cluster's revision passed
+    /// [`MAX_TOKEN`](crate::MAX_TOKEN).
+    pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
+        Ok(self.acquire_as(resource, &new_owner_id(), ttl).await?.ok())
+    }
+
+    /// Like [`EtcdIssuer::acquire`] with a caller-chosen owner id. Re-running it with the same
+    /// owner while the lease is held returns the same token and renews the lock for `ttl` (the
+    /// idempotent retry after a lost reply). Returns `Err(retry_in)` when another owner holds
+    /// the lock: the holder's remaining lease TTL as etcd reports it (whole seconds).
+    ///
+    /// # Errors
+    /// As [`EtcdIssuer::acquire`]; [`Error::InvalidOwner`] for an empty owner id or one
+    /// containing `:`.
+    pub async fn acquire_as(
+        &self,
+        resource: &Resource,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<std::result::Result<Lease, Duration>> {
+        let secs = lease_secs(ttl)?;
+        if owner.is_empty() || owner.contains(':') {
+            return Err(Error::InvalidOwner(
+                "owner ids are non-empty and contain no ':'".into(),
+            ));
+        }
+        let key = etcd_lock_key(resource);
+        let mut attempt = 0;
+        loop {
+            match self.try_acquire(resource, &key, owner, ttl, secs).await {
+                Ok(Some(outcome)) => return Ok(outcome),
+                // The holder's lease ran out between two of our requests: look again.
+                Ok(None) => {}
+                // The same owner id makes a re-sent acquire return the token already issued.
+                Err(e) if attempt + 1 < ACQUIRE_ATTEMPTS && e.is_retryable() => {
+                    tokio::time::sleep(Duration::from_millis(25 << attempt)).await;
+                }
+                Err(e) => return Err(e),
+            }
+            attempt += 1;
+            if attempt >= ACQUIRE_ATTEMPTS * 2 {
+                // Only a lock that keeps vanishing between a read and a write gets here.
+                return Ok(Err(Duration::ZERO));
+            }
+        }
+    }
+
+    /// One attempt; `Ok(None)` when the lock changed hands under us and a new look is needed.
+    async fn try_acquire(
+        &self,
+        resource: &Resource,
+        key: &str,
+        owner: &str,
+        ttl: Duration,
+        secs: i64,
+    ) -> Result<Option<std::result::Result<Lease, Duration>>> {
+        let sent_at = Instant::now();
+        // A read first: a held lock costs no lease grant (a Raft write) to refuse.
+        if let Some(held) = self.get(key).await? {
+            return self
+                .held(resource, key, owner, ttl, secs, held, sent_at)
+                .await;
+        }
+        let mut leases = self.client.lease_client();
+        let lease_id = leases.grant(secs, None).await?.id();
+        let txn = Txn::new()
+            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+            .and_then([
+                TxnOp::put(key, owner, Some(PutOptions::new().with_lease(lease_id))),
+                TxnOp::get(key, None),
+            ])
+            .or_else([TxnOp::get(key, None)]);
+        // On an error the transaction may have applied: the lease is then the lock's, so it
+        // is not revoked, and a retry (same owner) finds the lock and returns its token.
+        let reply = self.client.kv_client().txn(txn).await?;
+        let kv = last_kv(&reply);
+        if !reply.succeeded() {
+            self.revoke(lease_id).await;
+            return match kv {
+                Some(held) => {
+                    self.held(resource, key, owner, ttl, secs, held, sent_at)
+                        .await
+                }
+                None => Ok(None),
+            };
+        }
+        let created = kv.map_or(0, |kv| kv.create_revision());
+        if !(1..=MAX_TOKEN).contains(&created) {
+            // Leave nothing behind: the lock is useless without a valid token.
+            self.revoke(lease_id).await;
+            return Err(Error::InvalidToken(format!(
+                "{created} (etcd revision; tokens end at {MAX_TOKEN})"
+            )));
+        }
+        Ok(Some(Ok(Lease {
+            resource: resource.clone(),
+            owner: owner.to_owned(),
+            token: FenceToken::new(created)?,
+            ttl,
+            deadline: sent_at + ttl,
+        })))
+    }
+
+    /// The lock is held: by `owner` (renew it, same token) or by someone else (retry_in).
+    #[allow(clippy::too_many_arguments)]
+    async fn held(
+        &self,
+        resource: &Resource,
+        key: &str,
+        owner: &str,
+        ttl: Duration,
+        secs: i64,
+        held: KeyValue,
+        sent_at: Instant,
+    ) -> Result<Option<std::result::Result<Lease, Duration>>> {
+        if held.value() != owner.as_bytes() {
+            return Ok(Some(Err(self.remaining(held.lease()).await?)));
+        }
+        let mut lease = Lease {
+            resource: resource.clone(),
+            owner: owner.to_owned(),
+            token: FenceToken::new(held.create_revision())?,
+            ttl,
+            deadline: sent_at + ttl,
+        };
+        // The same owner again: renew for the TTL asked now, as Redis's PEXPIRE does.
+        Ok(
+            match self
+                .renew(key, &mut lease, held, secs, false, sent_at)
+                .await?
+            {
+                LeaseState::Held => Some(Ok(lease)),
+                _ => None,
+            },
+        )
+    }
+
+    /// Waits up to `wait` for the lock, retrying with jittered exponential backoff (10 ms
+    /// doubling to 500 ms, never sleeping past the holder's remaining TTL as etcd reports it).
+    /// `Ok(None)` when the wait ran out.
+    ///
+    /// # Errors
+    /// As [`EtcdIssuer::acquire`].
+    pub async fn acquire_wait(
+        &self,
+        resource: &Resource,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<Option<Lease>> {
+        check_ttl(ttl)?;
+        let give_up = Instant::now() + wait;
+        let owner = new_owner_id();
+        let mut backoff = Duration::from_millis(10);
+        loop {
+            let retry_in = match self.acquire_as(resource, &owner, ttl).await? {
+                Ok(lease) => return Ok(Some(lease)),
+                Err(retry_in) => retry_in,
+            };
+            let now = Instant::now();
+            if now >= give_up {
+                return Ok(None);
+            }
+            let jittered = backoff.mul_f64(0.5 + rand::random::<f64>() / 2.0);
+            // etcd reports whole seconds: a holder with 0 s left may still have most of one.
+            let nap = jittered
+                .min(retry_in.max(Duration::from_millis(10)))
+                .min(give_up - now);
+            tokio::time::sleep(nap).await;
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Releases the lock if `lease` still holds it (same owner and token), and revokes its
+    /// etcd lease.
+    ///
+    /// A release lost in transit (a lost connection, no leader, a timeout) is sent again for
+    /// up to 2 s: releasing is owner-safe. When a re-sent release finds the lock gone before
+    /// the lease's local deadline, the lock cannot have expired, so an earlier attempt
+    /// released it: that is reported as [`LeaseState::Held`] (as the Redis issuer does).
+    ///
+    /// # Errors
+    /// [`Error::Etcd`].
+    pub async fn release(&self, lease: &Lease) -> Result<LeaseState> {
+        let until = Instant::now() + Duration::from_secs(2);
+        let (state, retried) = retrying(until, || self.release_once(lease)).await;
+        let state = state?;
+        if state == LeaseState::Expired && retried && Instant::now() < lease.deadline {
+            return Ok(LeaseState::Held);
+        }
+        Ok(state)
+    }
+
+    async fn release_once(&self, lease: &Lease) -> Result<LeaseState> {
+        let key = etcd_lock_key(&lease.resource);
+        let txn = Txn::new()
+            .when(owned_by(&key, lease))
+            .and_then([
+                TxnOp::get(key.as_str(), None),
+                TxnOp::delete(key.as_str(), None),
+            ])
+            .or_else([TxnOp::get(key.as_str(), None)]);
+        let reply = self.client.kv_client().txn(txn).await?;
+        let kv = first_kv(&reply);
+        if reply.succeeded() {
+            if let Some(kv) = kv.filter(|kv| kv.lease() != 0) {
+                self.revoke(kv.lease()).await;
+            }
+            Ok(LeaseState::Held)
+        } else if kv.is_some() {
+            Ok(LeaseState::Taken)
+        } else {
+            Ok(LeaseState::Expired)
+        }
+    }
+
+    /// Extends the lock to `ttl` from now (rounded up to whole seconds on the server) if
+    /// `lease` still holds it, and moves the lease's local deadline accordingly.
+    ///
+    /// With the TTL the lease was granted with ([`Lease::ttl`]) this is one keep-alive of the
+    /// etcd lease; with another TTL the key moves to a new etcd lease of that TTL (its
+    /// `create_revision`, the token, stays).
+    ///
+    /// # Errors
+    /// [`Error::InvalidDuration`]; [`Error::Etcd`].
+    pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
+        let secs = lease_secs(ttl)?;
+        let until = lease.deadline.max(Instant::now() + Duration::from_secs(2));
+        let (outcome, _) = retrying(until, || self.extend_once(lease, ttl, secs)).await;
+        let (state, renewed) = outcome?;
+        if let Some(renewed) = renewed {
+            *lease = renewed;
+        }
+        Ok(state)
+    }
+
+    async fn extend_once(
+        &self,
+        lease: &Lease,
+        ttl: Duration,
+        secs: i64,
+    ) -> Result<(LeaseState, Option<Lease>)> {
+        let sent_at = Instant::now();
+        let key = etcd_lock_key(&lease.resource);
+        let Some(held) = self.get(&key).await? else {
+            return Ok((LeaseState::Expired, None));
+        };
+        if !holds(&held, lease) {
+            return Ok((LeaseState::Taken, None));
+        }
+        let same_ttl = lease_secs(lease.ttl).ok() == Some(secs);
+        let mut renewed = lease.clone();
+        renewed.ttl = ttl;
+        let state = self
+            .renew(&key, &mut renewed, held, secs, same_ttl, sent_at)
+            .await?;
+        Ok((state, (state == LeaseState::Held).then_some(renewed)))
+    }
+
+    /// Renews a lock `lease` holds (`held` is its key as just read): one keep-alive when the
+    /// etcd lease already has this TTL (`keep`), else a move to a new etcd lease.
+    async fn renew(
+        &self,
+        key: &str,
+        lease: &mut Lease,
+        held: KeyValue,
+        secs: i64,
+        keep: bool,
+        sent_at: Instant,
+    ) -> Result<LeaseState> {
+        let old = held.lease();
+        if keep && old != 0 {
+            match self.client.lease_client().keep_alive(old).await {
+                // The stream is closed when the keeper and the stream drop.
+                Ok(_) => {
+                    lease.deadline = sent_at + lease.ttl;
+                    return Ok(LeaseState::Held);
+                }
+                // The etcd lease ran out between the read and the keep-alive.
+                Err(etcd_client::Error::LeaseKeepAliveError(_)) => {
+                    return Ok(match self.get(key).await? {
+                        None => LeaseState::Expired,
+                        Some(kv) if holds(&kv, lease) => LeaseState::Expired,
+                        Some(_) => LeaseState::Taken,
+                    });
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let new = self.client.lease_client().grant(secs, None).await?.id();
+        let txn = Txn::new()
+            .when(owned_by(key, lease))
+            .and_then([TxnOp::put(
+                key,
+                lease.owner.as_str(),
+                Some(PutOptions::new().with_lease(new)),
+            )])
+            .or_else([TxnOp::get(key, None)]);
+        let reply = match self.client.kv_client().txn(txn).await {
+            Ok(reply) => reply,
+            Err(e) => {
+                // Unknown outcome: the new lease may now carry the lock; leave both to expire.
+                return Err(e.into());
+            }
+        };
+        if reply.succeeded() {
+            if old != 0 {
+                self.revoke(old).await;
+            }
+            lease.deadline = sent_at + lease.ttl;
+            Ok(LeaseState::Held)
+        } else {
+            self.revoke(new).await;
+            Ok(if first_kv(&reply).is_some() {
+                LeaseState::Taken
+            } else {
+                LeaseState::Expired
+            })
+        }
+    }
+
+    /// Reads `resource`'s lock. `counter` is the cluster's current revision: every token
+    /// issued so far is at most this, and the next one will be above it. `ttl_ms` has etcd's
+    /// resolution, whole seconds.
+    ///
+    /// # Errors
+    /// [`Error::Etcd`].
+    pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
+        let key = etcd_lock_key(resource);
+        let reply = self.client.kv_client().get(key.as_str(), None).await?;
+        let counter = reply
+            .header()
+            .map_or(0, etcd_client::ResponseHeader::revision);
+        let held = reply.kvs().first().cloned();
+        let (owner, token, ttl_ms) = match held {
+            Some(kv) => {
+                let ttl_ms = if kv.lease() == 0 {
+                    None
+                } else {
+                    let left = self
+                        .client
+                        .lease_client()
+                        .time_to_live(kv.lease(), None)
+                        .await?
+                        .ttl();
+                    Some(left.max(0).saturating_mul(1000))
+                };
+                (
+                    Some(String::from_utf8_lossy(kv.value()).into_owned()),
+                    Some(kv.create_revision()),
+                    ttl_ms,
+                )
+            }
+            None => (None, None, None),
+        };
+        Ok(LockStatus {
+            resource: resource.to_string(),
+            owner,
+            token,
+            ttl_ms,
+            counter,
+        })
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>> {
+        let reply = self.client.kv_client().get(key, None).await?;
+        Ok(reply.kvs().first().cloned())
+    }
+
+    /// The remaining TTL of etcd lease `id` (zero when gone or unknown).
+    async fn remaining(&self, id: i64) -> Result<Duration> {
+        if id == 0 {
+            // A lock key without a lease (written by hand): no expiry to wait for.
+            return Ok(Duration::from_secs(1));
+        }
+        let left = self
+            .client
+            .lease_client()
+            .time_to_live(id, None)
+            .await?
+            .ttl();
+        Ok(Duration::from_secs(u64::try_from(left).unwrap_or(0)))
+    }
+
+    /// Best-effort revoke: a lease that is not revoked expires by itself.
+    async fn revoke(&self, id: i64) {
+        if let Err(e) = self.client.lease_client().revoke(id).await {
+            tracing::debug!(target: "pgfence::issuer", lease = id, error = %e, "etcd lease revoke failed; it will expire");
+        }
+    }
+}
+
+/// Runs an owner-safe `op` until it succeeds, fails for a reason that is not transient, or
+/// `until` passes (short backoff between attempts). Also says whether it was re-sent.
+async fn retrying<T, F, Fut>(until: Instant, mut op: F) -> (Result<T>, bool)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let mut backoff = Duration::from_millis(25);
+    let mut made = 0;
+    loop {
+        made += 1;
+        match op().await {
+            Err(e) if e.is_retryable() && Instant::now() + backoff < until => {
+                tracing::debug!(target: "pgfence::issuer", error = %e, attempt = made, "etcd call failed in transit; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(400));
+            }
+            result => return (result, made > 1),
+        }
+    }
+}
+
+/// The compare that proves `lease` holds its lock: the key's value is its owner and the key
+/// was created with its token.
+fn owned_by(key: &str, lease: &Lease) -> [Compare; 2] {
+    [
+        Compare::value(key, CompareOp::Equal, lease.owner.as_str()),
+        Compare::create_revision(key, CompareOp::Equal, lease.token.get()),
+    ]
+}
+
+fn holds(kv: &KeyValue, lease: &Lease) -> bool {
+    kv.value() == lease.owner.as_bytes() && kv.create_revision() == lease.token.get()
+}
+
+/// The key read by the transaction's first `Get` (release puts it first).
+fn first_kv(reply: &TxnResponse) -> Option<KeyValue> {
+    reply.op_responses().into_iter().find_map(|op| match op {
+        TxnOpResponse::Get(get) => get.kvs().first().cloned(),
+        _ => None,
+    })
+}
+
+/// The key read by the transaction's last `Get` (acquire puts it after the `Put`).
+fn last_kv(reply: &TxnResponse) -> Option<KeyValue> {
+    reply
+        .op_responses()
+        .into_iter()
+        .rev()
+        .find_map(|op| match op {
+            TxnOpResponse::Get(get) => get.kvs().first().cloned(),
+            _ => None,
+        })
+}
+
+/// A TTL as whole etcd seconds, rounded up (at least 1).
+fn lease_secs(ttl: Duration) -> Result<i64> {
+    let millis = check_ttl(ttl)?.as_millis();
+    i64::try_from(millis.div_ceil(1000).max(1))
+        .map_err(|_| Error::InvalidDuration(format!("{ttl:?}")))
+}
+
+type Credentials = Option<(String, String)>;
+
+/// `etcd://[user:password@]host[:port][,host[:port]...][/]` → credentials and
+/// `http://host:port` endpoints.
+fn parse_url(url: &str) -> Result<(Credentials, Vec<String>)> {
+    let invalid = |why: &str| {
+        Error::Etcd(etcd_client::Error::InvalidArgs(format!(
+            "{why} (expected etcd://host:port[,host:port...])"
+        )))
+    };
+    if !is_etcd_url(url) {
+        return Err(invalid("not an etcd:// URL"));
+    }
+    let rest = url[ETCD_SCHEME.len()..].trim_end_matches('/');
+    let (user, hosts) = match rest.rsplit_once('@') {
+        Some((user, hosts)) => {
+            let (name, password) = user.split_once(':').unwrap_or((user, ""));
+            (Some((name.to_owned(), password.to_owned())), hosts)
+        }
+        None => (None, rest),
+    };
+    let mut endpoints = Vec::new();
+    for host in hosts.split(',') {
+        let host = host.trim();
+        if host.is_empty() || host.contains('/') {
+            return Err(invalid("empty or malformed host"));
+        }
+        let has_port = match host.rsplit_once(':') {
+            // `[::1]:2379` or `h:2379` have a port; a bare `[::1]` does not.
+            Some((h, port)) => {
+                !h.is_empty() && !port.contains(']') && {
+                    port.parse::<u16>()
+                        .map_err(|_| invalid("bad port"))
+                        .map(|_| true)?
+                }
+            }
+            None => false,
+        };
+        endpoints.push(if has_port {
+            format!("http://{host}")
+        } else {
+            format!("http://{host}:{DEFAULT_PORT}")
+        });
+    }
+    Ok((user, endpoints))
+}
+
+/// Whether an etcd error is transient: the connection, a missing or changing leader, a
+/// timeout. A lease or transaction that failed for a reason of its own is not.
+pub(crate) fn is_transient(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::IoError(_) | etcd_client::Error::TransportError(_) => true,
+        // gRPC codes: Cancelled 1, Unknown 2 (broken HTTP/2 streams), DeadlineExceeded 4,
+        // Aborted 10, Unavailable 14 (no leader, leader changed, request timed out).
+        etcd_client::Error::GRpcStatus(status) => {
+            matches!(i32::from(status.code()), 1 | 2 | 4 | 10 | 14)
+        }
+        _ => false,
+    }
+}
+
+impl From<etcd_client::Error> for Error {
+    fn from(e: etcd_client::Error) -> Self {
+        Error::Etcd(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_etcd_urls() {
+        let (user, eps) = parse_url("etcd://127.0.0.1:2379,10.0.0.2,[::1]:3000/").unwrap();
+        assert!(user.is_none());
+        assert_eq!(
+            eps,
+            [
+                "http://127.0.0.1:2379",
+                "http://10.0.0.2:2379",
+                "http://[::1]:3000"
+            ]
+        );
+        let (user, eps) = parse_url("ETCD://root:s3cret@h1:1,h2:2").unwrap();
+        assert_eq!(user, Some(("root".into(), "s3cret".into())));
+        assert_eq!(eps, ["http://h1:1", "http://h2:2"]);
+        assert_eq!(parse_url("etcd://[::1]").unwrap().1, ["http://[::1]:2379"]);
+        for bad in [
+            "redis://h",
+            "etcd://",
+            "etcd://h:x",
+            "etcd://a,,b",
+            "etcd://h/p",
+        ] {
+            assert!(parse_url(bad).is_err(), "{bad}");
+        }
+        assert!(is_etcd_url("etcd://h") && !is_etcd_url("redis://h") && !is_etcd_url("etc"));
+    }
+
+    #[test]
+    fn ttls_round_up_to_whole_seconds() {
+        assert_eq!(lease_secs(Duration::from_millis(10)).unwrap(), 1);
+        assert_eq!(lease_secs(Duration::from_millis(1000)).unwrap(), 1);
+        assert_eq!(lease_secs(Duration::from_millis(1001)).unwrap(), 2);
+        assert!(lease_secs(Duration::ZERO).is_err());
+    }
+
+    #[test]
+    fn keys_keep_the_resource_name() {
+        let r = Resource::in_domain("billing", "account:2").unwrap();
+        assert_eq!(etcd_lock_key(&r), "pgfence/lock/{billing}account:2");
+    }
+}
