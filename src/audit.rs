@@ -251,6 +251,13 @@ pub struct AuditEntry {
     pub operation: String,
     /// `current` came from another token counter (another resource or fencing domain).
     pub other_counter: bool,
+    /// The writer's `application_name` (observe-mode and bypass rows, and every row written
+    /// since V6), when recorded.
+    pub application_name: Option<String>,
+    /// Why a write was let through (bypass reason, or why an observed bypass was refused).
+    pub reason: Option<String>,
+    /// The login role that wrote the audit row (since V5).
+    pub db_user: Option<String>,
 }
 
 /// Filters for [`list`]. The default lists the 100 newest rows.
@@ -263,6 +270,9 @@ pub struct AuditFilter {
     pub resource: Option<String>,
     /// At most this many rows (newest first).
     pub limit: i64,
+    /// Only rows with an id above this one, and then **oldest first** (to follow the trail:
+    /// pass the last id seen).
+    pub after_id: Option<i64>,
 }
 
 impl Default for AuditFilter {
@@ -271,11 +281,12 @@ impl Default for AuditFilter {
             since: None,
             resource: None,
             limit: 100,
+            after_id: None,
         }
     }
 }
 
-/// Lists audit rows, newest first.
+/// Lists audit rows, newest first (oldest first with [`AuditFilter::after_id`]).
 ///
 /// # Errors
 /// [`crate::Error::Database`].
@@ -284,17 +295,19 @@ pub async fn list(pool: &PgPool, filter: &AuditFilter) -> Result<Vec<AuditEntry>
         AuditEntry,
         r#"SELECT id AS "id!", at AS "at!", resource, table_name AS "table", row_key AS "key",
                   presented AS "presented!", current, holder, operation AS "operation!",
-                  other_counter AS "other_counter!"
+                  other_counter AS "other_counter!", application_name, reason, db_user
              FROM pgfence.audit
             WHERE ($1::pg_catalog.timestamptz IS NULL OR at OPERATOR(pg_catalog.>=) $1)
               AND ($2::pg_catalog.text IS NULL OR resource OPERATOR(pg_catalog.=) $2
                    OR (pg_catalog.right($2, 1) OPERATOR(pg_catalog.=) '*'
                        AND pg_catalog.starts_with(resource, pg_catalog.left($2, -1))))
-            ORDER BY id DESC
+              AND ($4::pg_catalog.int8 IS NULL OR id OPERATOR(pg_catalog.>) $4)
+            ORDER BY CASE WHEN $4::pg_catalog.int8 IS NULL THEN id END DESC, id ASC
             LIMIT $3"#,
         filter.since,
         filter.resource,
         filter.limit.max(0),
+        filter.after_id,
     )
     .fetch_all(pool)
     .await?;

@@ -147,15 +147,19 @@ pub struct AuditArgs {
     /// Only rejections newer than this: a duration (`1h`, `30m`) or an RFC 3339 time.
     #[arg(long)]
     pub since: Option<String>,
-    /// Only rejections for this resource.
+    /// Only rejections for this resource; a trailing `*` matches a prefix (`billing:*`).
     #[arg(long)]
     pub resource: Option<String>,
     /// At most this many rows.
     #[arg(long, default_value_t = 50, allow_negative_numbers = true)]
     pub limit: i64,
-    /// JSON output (one array).
+    /// JSON output (one array; with --follow, one object per line).
     #[arg(long)]
     pub json: bool,
+    /// Keep running and print new rejections as they are recorded (oldest first), like
+    /// `tail -f`; stop with Ctrl-C.
+    #[arg(long, short = 'f')]
+    pub follow: bool,
 }
 
 #[derive(Subcommand, Debug)]

@@ -39,24 +39,42 @@ fn parse_since(s: &str) -> Result<OffsetDateTime> {
     })
 }
 
-/// Prints rejected writes (newest first) as a table or one JSON array.
+/// Prints rejected writes (newest first) as a table or one JSON array; with `follow`, the
+/// newest `limit` oldest first and then every new one as it is recorded, until interrupted.
 pub async fn list(
     conn: &Conn,
     since: Option<&str>,
     resource: Option<String>,
     limit: i64,
     json: bool,
+    follow: bool,
 ) -> Result<ExitCode> {
     if limit < 1 {
         bail!("--limit must be at least 1");
     }
-    let filter = AuditFilter {
+    let mut filter = AuditFilter {
         since: since.map(parse_since).transpose()?,
         resource,
         limit,
+        after_id: None,
     };
     let pool = conn.pg_migrated().await?;
-    let rows = pgfence::list_audit(&pool, &filter).await?;
+    let mut rows = pgfence::list_audit(&pool, &filter).await?;
+    if follow {
+        rows.reverse();
+        loop {
+            for r in &rows {
+                print_follow_line(r, json)?;
+            }
+            if let Some(last) = rows.last() {
+                filter.after_id = Some(last.id);
+            } else if filter.after_id.is_none() {
+                filter.after_id = Some(0);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            rows = pgfence::list_audit(&pool, &filter).await?;
+        }
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(ExitCode::SUCCESS);
@@ -97,6 +115,32 @@ pub async fn list(
         &table,
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// One followed audit row: a JSON object, or one human line.
+fn print_follow_line(r: &pgfence::AuditEntry, json: bool) -> Result<()> {
+    use std::io::Write;
+    let line = if json {
+        serde_json::to_string(r)?
+    } else {
+        let opt = |v: &Option<String>| v.as_deref().map(cell).unwrap_or_else(|| "-".into());
+        format!(
+            "{} {} {} resource={} table={} key={} presented={} current={} holder={}",
+            r.id,
+            r.at.format(&Rfc3339).unwrap_or_default(),
+            r.operation,
+            opt(&r.resource),
+            opt(&r.table),
+            opt(&r.key),
+            r.presented,
+            r.current.map_or_else(|| "-".into(), |c| c.to_string()),
+            opt(&r.holder),
+        )
+    };
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}")?;
+    out.flush()?;
+    Ok(())
 }
 
 /// Deletes audit rows older than `older_than`.

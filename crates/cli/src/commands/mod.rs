@@ -65,6 +65,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
                     args.resource,
                     args.limit,
                     args.json,
+                    args.follow,
                 )
                 .await
             }
