@@ -2,12 +2,14 @@
 //! release and extend, waiting, and recovery of the counter after a Redis failover.
 //!
 //! Keys for resource `R` are `pgfence:{R}:lock` and `pgfence:{R}:fence`; for resource `NAME`
-//! in fencing domain `D`, `pgfence:{D}:lock:NAME` and the domain's `pgfence:{D}:fence`. The
+//! in fencing domain `D`, `pgfence:{D}:lock:NAME` and the domain's `pgfence:{D}:fence`
+//! (`pgfence` is the default key prefix; [`Issuer::with_key_prefix`] changes it). The
 //! hash tag puts a lock and its counter in one Redis Cluster slot. The counter never expires and nothing here deletes
 //! it. Redis only hands out numbers: safety comes from Postgres rejecting old tokens, so a
 //! counter that goes backwards costs liveness (rejected writes) until it is reseeded, never
 //! correctness.
 
+mod any;
 mod connections;
 #[cfg(feature = "etcd")]
 mod etcd;
@@ -30,6 +32,7 @@ pub use connections::{RedisConnections, default_connections};
 pub(crate) use etcd::is_transient as etcd_is_transient;
 #[cfg(feature = "etcd")]
 pub use etcd::{ETCD_SCHEME, EtcdIssuer, etcd_lock_key, is_etcd_url};
+pub use any::{BoxFuture, IssuerKind, IssuerOptions, TokenIssuer, connect_issuer, connect_issuer_with};
 pub use keepalive::{KeepAlive, LeaseLost};
 use scripts::{ACQUIRE, EXTEND, RAISE_FLOOR, REISSUE, RELEASE};
 
@@ -53,24 +56,69 @@ pub const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// How many times an acquire is re-sent, with the same owner id, after a transport error.
 const ACQUIRE_ATTEMPTS: u32 = 3;
 
-/// The Redis key of `resource`'s lock: `pgfence:{R}:lock`, or `pgfence:{D}:lock:NAME` for
-/// resource `NAME` in fencing domain `D` (one hash slot per domain).
-#[must_use]
-pub fn lock_key(resource: &Resource) -> String {
-    match resource.domain() {
-        Some(domain) => {
-            let name = &resource.as_str()[domain.len() + 2..];
-            format!("pgfence:{{{domain}}}:lock:{name}")
-        }
-        None => format!("pgfence:{{{resource}}}:lock"),
+/// The default key prefix: keys are `pgfence:{R}:lock` and `pgfence:{R}:fence`.
+pub const DEFAULT_KEY_PREFIX: &str = "pgfence";
+
+/// The longest key prefix accepted ([`Issuer::with_key_prefix`]).
+pub const MAX_KEY_PREFIX_LEN: usize = 64;
+
+/// Checks a key prefix: non-empty, at most [`MAX_KEY_PREFIX_LEN`] bytes, and free of braces
+/// (which would move the Redis Cluster hash tag), whitespace and control characters.
+///
+/// # Errors
+/// [`Error::InvalidKeyPrefix`] saying what is wrong.
+pub fn check_key_prefix(prefix: &str) -> Result<&str> {
+    let why = if prefix.is_empty() {
+        Some("it is empty".to_owned())
+    } else if prefix.len() > MAX_KEY_PREFIX_LEN {
+        Some(format!(
+            "it is {} bytes long, at most {MAX_KEY_PREFIX_LEN} are allowed",
+            prefix.len()
+        ))
+    } else if prefix.contains(['{', '}']) {
+        Some("it contains a brace ('{' or '}'), which would change the key's hash slot".into())
+    } else if prefix.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        Some("it contains whitespace or a control character".into())
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(Error::InvalidKeyPrefix(format!(
+            "{:?}: {why}",
+            prefix.escape_debug().to_string()
+        ))),
+        None => Ok(prefix),
     }
 }
 
-/// The Redis key of `resource`'s token counter: `pgfence:{R}:fence`, or the domain's
-/// `pgfence:{D}:fence`, shared by every resource of the domain.
+fn prefixed_lock_key(prefix: &str, resource: &Resource) -> String {
+    match resource.domain() {
+        Some(domain) => {
+            let name = &resource.as_str()[domain.len() + 2..];
+            format!("{prefix}:{{{domain}}}:lock:{name}")
+        }
+        None => format!("{prefix}:{{{resource}}}:lock"),
+    }
+}
+
+fn prefixed_counter_key(prefix: &str, resource: &Resource) -> String {
+    format!("{prefix}:{{{}}}:fence", resource.counter_id())
+}
+
+/// The Redis key of `resource`'s lock with the default prefix: `pgfence:{R}:lock`, or
+/// `pgfence:{D}:lock:NAME` for resource `NAME` in fencing domain `D` (one hash slot per
+/// domain). [`Issuer::lock_key`] gives an issuer's key, whatever its prefix.
+#[must_use]
+pub fn lock_key(resource: &Resource) -> String {
+    prefixed_lock_key(DEFAULT_KEY_PREFIX, resource)
+}
+
+/// The Redis key of `resource`'s token counter with the default prefix: `pgfence:{R}:fence`,
+/// or the domain's `pgfence:{D}:fence`, shared by every resource of the domain.
+/// [`Issuer::counter_key`] gives an issuer's key, whatever its prefix.
 #[must_use]
 pub fn counter_key(resource: &Resource) -> String {
-    format!("pgfence:{{{}}}:fence", resource.counter_id())
+    prefixed_counter_key(DEFAULT_KEY_PREFIX, resource)
 }
 
 /// Validates a lease TTL.
@@ -82,7 +130,7 @@ pub fn check_ttl(ttl: Duration) -> Result<Duration> {
         Ok(ttl)
     } else {
         Err(Error::InvalidDuration(format!(
-            "lease TTL {ttl:?} is outside {MIN_TTL:?}..={MAX_TTL:?}"
+            "lease TTL {ttl:?}: a lease TTL must be between {MIN_TTL:?} and {MAX_TTL:?}"
         )))
     }
 }
@@ -180,15 +228,67 @@ impl From<Lease> for Fencing {
     }
 }
 
-/// What [`Issuer::release`] or [`Issuer::extend`] found.
+/// What [`Issuer::extend`] (and [`TokenIssuer::extend`]) found: whether the lease still
+/// holds the lock after the call.
+///
+/// `Held` means what it says here: the lease still holds the lock, now extended. Releasing
+/// has its own answer, [`ReleaseOutcome`], because after a release nothing is held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LeaseState {
-    /// The lease still held the lock (and was released / extended).
+    /// The lease still holds the lock, and it was extended.
     Held,
     /// The lock had expired; nobody holds it.
     Expired,
     /// Another lease holds the lock now.
     Taken,
+}
+
+/// What [`Issuer::release`] (and [`TokenIssuer::release`]) did.
+///
+/// Only [`ReleaseOutcome::Released`] means this call (or an earlier attempt of it lost in
+/// transit) freed the lock. The other two are not errors: the lease had already ended, and
+/// the lock was left as it was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReleaseOutcome {
+    /// The lease held the lock and released it: the lock is free.
+    Released,
+    /// The lock had already expired (nobody held it); nothing was changed.
+    AlreadyExpired,
+    /// Another lease holds the lock now; it was left alone.
+    TakenByOther,
+}
+
+impl ReleaseOutcome {
+    /// Whether this release freed the lock.
+    #[must_use]
+    pub fn is_released(self) -> bool {
+        self == ReleaseOutcome::Released
+    }
+
+    /// A short lower-case word for output: `released`, `expired` or `taken`.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReleaseOutcome::Released => "released",
+            ReleaseOutcome::AlreadyExpired => "expired",
+            ReleaseOutcome::TakenByOther => "taken",
+        }
+    }
+
+    fn from_reply(code: i64) -> Self {
+        match code {
+            1 => ReleaseOutcome::Released,
+            0 => ReleaseOutcome::AlreadyExpired,
+            _ => ReleaseOutcome::TakenByOther,
+        }
+    }
+}
+
+impl std::fmt::Display for ReleaseOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl LeaseState {
@@ -221,17 +321,54 @@ pub struct LockStatus {
 /// Generic over the connection: [`Issuer::connect`] gives a set of reconnecting connections
 /// ([`RedisConnections`]), [`Issuer::connect_cluster`] a Redis Cluster connection, and
 /// [`Issuer::new`] takes any [`ConnectionLike`] (for example one [`ConnectionManager`](redis::aio::ConnectionManager)).
+///
+/// Every key starts with the key prefix, `pgfence` unless [`Issuer::with_key_prefix`] sets
+/// another: issuers with different prefixes share no lock and no counter on one Redis.
 #[derive(Clone)]
 pub struct Issuer<C = RedisConnections> {
     conn: C,
     pub(crate) floor_source: Option<Arc<dyn FloorSource>>,
+    prefix: Arc<str>,
 }
 
 impl<C> std::fmt::Debug for Issuer<C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Issuer")
+            .field("key_prefix", &self.prefix)
             .field("floor_source", &self.floor_source.is_some())
             .finish_non_exhaustive()
+    }
+}
+
+impl<C> Issuer<C> {
+    /// The same issuer with another key prefix: keys become `PREFIX:{R}:lock` and
+    /// `PREFIX:{R}:fence` (`PREFIX:{D}:lock:NAME` and `PREFIX:{D}:fence` in a fencing domain).
+    /// Applications that share a Redis but must not share locks use different prefixes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKeyPrefix`] for a prefix that is empty, longer than
+    /// [`MAX_KEY_PREFIX_LEN`], or contains braces, whitespace or control characters.
+    pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
+        self.prefix = Arc::from(check_key_prefix(prefix)?);
+        Ok(self)
+    }
+
+    /// The key prefix (`pgfence` by default).
+    #[must_use]
+    pub fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// This issuer's Redis key for `resource`'s lock (see [`lock_key`]).
+    #[must_use]
+    pub fn lock_key(&self, resource: &Resource) -> String {
+        prefixed_lock_key(&self.prefix, resource)
+    }
+
+    /// This issuer's Redis key for `resource`'s counter (see [`counter_key`]).
+    #[must_use]
+    pub fn counter_key(&self, resource: &Resource) -> String {
+        prefixed_counter_key(&self.prefix, resource)
     }
 }
 
@@ -272,6 +409,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         Self {
             conn,
             floor_source: None,
+            prefix: Arc::from(DEFAULT_KEY_PREFIX),
         }
     }
 
@@ -315,7 +453,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
                 "owner ids are non-empty and contain no ':'".into(),
             ));
         }
-        let (lock, counter) = (lock_key(resource), counter_key(resource));
+        let (lock, counter) = (self.lock_key(resource), self.counter_key(resource));
         let _timer = crate::metrics::Timer::acquire();
         let result = self
             .acquire_once(resource, owner, ttl, ttl_ms, &lock, &counter)
@@ -421,14 +559,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     /// A release lost in transit (a dropped or refused connection, a timeout) is sent again
     /// for up to 2 s: releasing is owner-safe. When a re-sent release finds the lock gone
     /// before the lease's local deadline, the lock cannot have expired, so an earlier attempt
-    /// released it: that is reported as [`LeaseState::Held`].
+    /// released it: that is reported as [`ReleaseOutcome::Released`].
     ///
     /// # Errors
     /// [`Error::Redis`].
-    pub async fn release(&self, lease: &Lease) -> Result<LeaseState> {
+    pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
         const WINDOW: Duration = Duration::from_secs(2);
         const ATTEMPTS: u32 = 8;
-        let (lock, value) = (lock_key(&lease.resource), lease.value());
+        let (lock, value) = (self.lock_key(&lease.resource), lease.value());
         let sent = retry_transport(Instant::now() + WINDOW, ATTEMPTS, || {
             let (mut conn, lock, value) = (self.conn.clone(), &lock, &value);
             async move {
@@ -440,11 +578,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
             }
         })
         .await;
-        let state = LeaseState::from_reply(sent.result?);
-        if state == LeaseState::Expired && sent.retried && Instant::now() < lease.deadline {
-            return Ok(LeaseState::Held);
+        let outcome = ReleaseOutcome::from_reply(sent.result?);
+        if outcome == ReleaseOutcome::AlreadyExpired
+            && sent.retried
+            && Instant::now() < lease.deadline
+        {
+            return Ok(ReleaseOutcome::Released);
         }
-        Ok(state)
+        Ok(outcome)
     }
 
     /// Extends the lock to `ttl` from now if `lease` still holds it, and moves the lease's
@@ -461,15 +602,19 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         self.extend_until(lease, ttl, until).await
     }
 
-    /// [`Issuer::extend`], re-sending after transport failures until `until`.
-    async fn extend_until(
+    /// [`Issuer::extend`], re-sending after transport failures until `until` (what
+    /// [`KeepAlive`] uses: it gives up at the lease's local deadline).
+    ///
+    /// # Errors
+    /// As [`Issuer::extend`].
+    pub async fn extend_until(
         &self,
         lease: &mut Lease,
         ttl: Duration,
         until: Instant,
     ) -> Result<LeaseState> {
         let ttl_ms = ttl_millis(ttl)?;
-        let (lock, value) = (lock_key(&lease.resource), lease.value());
+        let (lock, value) = (self.lock_key(&lease.resource), lease.value());
         let sent = retry_transport(until, u32::MAX, || {
             let (mut conn, lock, value) = (self.conn.clone(), &lock, &value);
             async move {
@@ -497,7 +642,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     /// # Errors
     /// [`Error::Redis`].
     pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
-        let (lock, counter) = (lock_key(resource), counter_key(resource));
+        let (lock, counter) = (self.lock_key(resource), self.counter_key(resource));
         // A read: re-sent after a connection dropped in transit, for up to 2 s.
         let sent = retry_transport(Instant::now() + Duration::from_secs(2), 8, || {
             let (mut conn, lock, counter) = (self.conn.clone(), &lock, &counter);
@@ -535,7 +680,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
             return Err(Error::InvalidToken(floor.to_string()));
         }
         // Raising only ever raises, so a re-send after a dropped connection is harmless.
-        let counter = counter_key(resource);
+        let counter = self.counter_key(resource);
         let sent = retry_transport(Instant::now() + Duration::from_secs(2), 8, || {
             let (mut conn, counter) = (self.conn.clone(), &counter);
             async move {
@@ -560,8 +705,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         }
         let mut conn = self.conn.clone();
         let reply: Value = REISSUE
-            .key(lock_key(&lease.resource))
-            .key(counter_key(&lease.resource))
+            .key(self.lock_key(&lease.resource))
+            .key(self.counter_key(&lease.resource))
             .arg(lease.value())
             .arg(&lease.owner)
             .arg(mark.to_string())
@@ -592,7 +737,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     /// Keeps `lease` alive in the background; see [`KeepAlive`].
     #[must_use]
     pub fn keep_alive(&self, lease: &Lease) -> KeepAlive {
-        KeepAlive::spawn(self.clone(), lease.clone())
+        KeepAlive::spawn(Arc::new(self.clone()), lease.clone())
     }
 }
 

@@ -179,7 +179,7 @@ pub enum LockAction {
         /// The resource.
         resource: String,
         /// Lease TTL (`30s`, `500ms`, `5m`).
-        #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
+        #[arg(long, value_parser = util::parse_ttl, allow_hyphen_values = true)]
         ttl: Duration,
         /// Wait up to this long for the lock instead of failing at once.
         #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
@@ -218,7 +218,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub resource: String,
     /// Lease TTL; renewed every TTL/3 while the command runs.
-    #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
+    #[arg(long, value_parser = util::parse_ttl, allow_hyphen_values = true)]
     pub ttl: Duration,
     /// Wait up to this long for the lock (default: fail at once if held).
     #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
@@ -237,7 +237,7 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub mermaid: bool,
     /// Lock TTL.
-    #[arg(long, default_value = "300ms", value_parser = util::parse_duration)]
+    #[arg(long, default_value = "300ms", value_parser = util::parse_ttl)]
     pub ttl: Duration,
     /// How long worker A pauses (must exceed the TTL for the race to happen).
     #[arg(long, default_value = "700ms", value_parser = util::parse_duration)]

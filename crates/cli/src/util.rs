@@ -12,9 +12,13 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (digits, unit) = s.split_at(split);
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?}: expected e.g. 500ms, 30s, 5m, 2h, 7d"))?;
+    let n: u64 = digits.parse().map_err(|_| {
+        if digits.is_empty() {
+            format!("invalid duration {s:?}: expected e.g. 500ms, 30s, 5m, 2h, 7d")
+        } else {
+            format!("duration {s:?} is too large")
+        }
+    })?;
     let ms_per = match unit {
         "ms" => 1,
         "" | "s" => 1_000,
@@ -30,6 +34,19 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     n.checked_mul(ms_per)
         .map(Duration::from_millis)
         .ok_or_else(|| format!("duration {s:?} is too large"))
+}
+
+/// Parses a lease TTL: a duration ([`parse_duration`]) within the library's bounds, so every
+/// bad TTL gets the same one-line usage error.
+pub fn parse_ttl(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    pgfence::check_ttl(d).map_err(|_| {
+        format!(
+            "a lease TTL must be between {} and {}h",
+            fmt_duration(pgfence::MIN_TTL),
+            pgfence::MAX_TTL.as_secs() / 3600
+        )
+    })
 }
 
 /// Formats a duration compactly for humans.

@@ -28,8 +28,13 @@ fn ago(flag: &str, older_than: Duration) -> Result<OffsetDateTime> {
 }
 
 fn parse_since(s: &str) -> Result<OffsetDateTime> {
-    if let Ok(d) = util::parse_duration(s) {
-        return ago("--since", d);
+    match util::parse_duration(s) {
+        Ok(d) => return ago("--since", d),
+        // Digits first: meant as a duration, so say what is wrong with it as one.
+        Err(e) if s.trim().starts_with(|c: char| c.is_ascii_digit()) && !s.contains('-') => {
+            bail!("--since {:?}: {e}", cell(&util::shorten(s)))
+        }
+        Err(_) => {}
     }
     OffsetDateTime::parse(s, &Rfc3339).with_context(|| {
         format!(
