@@ -28,6 +28,38 @@ impl SplitMix64 {
     }
 }
 
+/// The step that spreads a batch over a task's `slots` key slots: batch row `j` of a batch
+/// starting at slot `start` takes slot [`spread_slot`]`(start, j, step, slots)`. The step is
+/// coprime with `slots`, so a batch of at most `slots` rows never names a slot twice, and
+/// close to `slots × 0.618`, so that consecutive rows of a batch land far apart in the table
+/// (not on the same few pages). The Rust batch rows and the pgbench ceiling use the same keys.
+#[must_use]
+pub fn spread_step(slots: u64) -> u64 {
+    if slots <= 1 {
+        return 1;
+    }
+    let mut step = (slots * 618 / 1000).max(1);
+    while gcd(step, slots) != 1 {
+        step += 1;
+    }
+    step
+}
+
+/// Slot of batch row `j` (see [`spread_step`]).
+#[must_use]
+pub fn spread_slot(start: u64, j: u64, step: u64, slots: u64) -> u64 {
+    let slot = (u128::from(start) + u128::from(j) * u128::from(step)) % u128::from(slots.max(1));
+    u64::try_from(slot).expect("less than slots")
+}
+
+/// Greatest common divisor.
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
 /// The median of `v` (the mean of the middle two for an even count), `None` when empty.
 #[must_use]
 pub fn median(mut v: Vec<f64>) -> Option<f64> {
@@ -118,6 +150,26 @@ mod tests {
             assert!(x < 10);
             assert_eq!(x, b.below(10));
         }
+    }
+
+    #[test]
+    fn batches_spread_without_repeating_a_slot() {
+        for slots in [1_u64, 2, 10, 625, 1000, 1024, 62_500] {
+            let step = spread_step(slots);
+            assert_eq!(gcd(step, slots), 1, "slots {slots}");
+            for start in [0, slots / 3, slots - 1] {
+                let mut seen: Vec<u64> = (0..slots)
+                    .map(|j| spread_slot(start, j, step, slots))
+                    .collect();
+                assert!(seen.iter().all(|&s| s < slots));
+                seen.sort_unstable();
+                seen.dedup();
+                assert_eq!(seen.len() as u64, slots, "slots {slots}, start {start}");
+            }
+        }
+        // Consecutive rows land far apart.
+        let step = spread_step(625);
+        assert!(step > 300 && step < 400, "{step}");
     }
 
     #[test]

@@ -37,9 +37,15 @@ async fn updates_counted(env: &Env, table: &str) -> Result<i64> {
     .await?)
 }
 
-/// One pgbench run; returns its stdout.
-async fn run_pgbench(env: &Env, bin: &Path, script: &Path, secs: u64) -> Result<String> {
-    let clients = env.cfg.tasks;
+/// One pgbench run with `clients` clients and extra `-D` variables; returns its stdout.
+async fn run_pgbench(
+    env: &Env,
+    bin: &Path,
+    script: &Path,
+    secs: u64,
+    clients: usize,
+    defines: &[(String, String)],
+) -> Result<String> {
     let threads = env.cfg.workers.clamp(1, clients);
     resync_tokens(env).await?;
     // Every client counts from here: the lease fence of the next token.
@@ -50,6 +56,11 @@ async fn run_pgbench(env: &Env, bin: &Path, script: &Path, secs: u64) -> Result<
         .args(["-T", &secs.to_string()])
         .args(["-D", &format!("tok={start}")])
         .args(["-D", &format!("payload={PAYLOAD}")])
+        .args(
+            defines
+                .iter()
+                .flat_map(|(k, v)| ["-D".to_owned(), format!("{k}={v}")]),
+        )
         .arg("-f")
         .arg(script)
         .arg(&env.db_url)
@@ -76,27 +87,85 @@ async fn run_pgbench(env: &Env, bin: &Path, script: &Path, secs: u64) -> Result<
 /// the repository would bind it (it starts above every fence and steps by the difference
 /// between the lease fences of successive tokens).
 pub(crate) async fn pgbench_row(env: &Env, name: &str, table: &str, body: &str) -> Result<Sample> {
+    let cfg = &env.cfg;
+    let slots = cfg.rows / i32::try_from(cfg.tasks)?;
+    let text = format!(
+        "\\set id 1 + :client_id + {tasks} * random(0, {last})\n\\set tok :tok + {step}\n{body};\n",
+        tasks = cfg.tasks,
+        last = slots - 1,
+        step = lease_fence(2) - lease_fence(1),
+    );
+    pgbench_script(env, name, table, &text, cfg.tasks, 1, &[]).await
+}
+
+/// 7c: the Postgres-side ceiling of a batch of `size` rows: `batch_sql` — the statement
+/// [`pgfence::Repository::update_many`] sends, captured from the server — through `pgbench -M
+/// prepared` with `clients` clients, its three parameters bound as the library binds them (an
+/// `int4[]` of keys, a `text[]` of payloads, the `int8` lease fence), so that the server plans
+/// and runs the same prepared statement. pgbench cannot build an array, so each transaction
+/// first draws its keys with one small `SELECT .. \gset` (client `c`'s ids `1 + c + clients *
+/// slot` for the batch's slots, from a random start spread by [`pgfence_bench::spread_step`]:
+/// the ids the Rust batch rows write, see `BatchKeys`); the payloads are one constant array
+/// (`-D payloads=..`); `:tok` is a fresh lease fence per transaction, as in [`pgbench_row`].
+/// Rate and CPU are per row; the key `SELECT` is included (one extra statement per batch).
+pub(crate) async fn pgbench_batch_row(
+    env: &Env,
+    name: &str,
+    batch_sql: &str,
+    size: usize,
+    clients: usize,
+) -> Result<Sample> {
+    let slots = u64::try_from(env.cfg.rows)? / u64::try_from(clients)?;
+    let step = pgfence_bench::spread_step(slots);
+    let body = pgfence_bench::pgbench_params(
+        batch_sql,
+        &[":keys::int4[]", ":payloads::text[]", ":tok::int8"],
+    )
+    .map_err(anyhow::Error::msg)?;
+    let text = format!(
+        "\\set start random(0, {last_slot})\n\\set tok :tok + {fstep}\n\
+         SELECT pg_catalog.array_agg((1 + :client_id::int8 + {clients} * \
+         ((:start::int8 + j * {step}) % {slots}))::int4)::text AS keys \
+         FROM pg_catalog.generate_series(0::int8, {last}) j \\gset\n{body};\n",
+        last_slot = slots - 1,
+        last = size - 1,
+        fstep = lease_fence(2) - lease_fence(1),
+    );
+    let payloads = format!("{{{}}}", vec![PAYLOAD; size].join(","));
+    let defines = [("payloads".to_owned(), payloads)];
+    let rows = u64::try_from(size)?;
+    let mut sample =
+        pgbench_script(env, name, "bench_guarded", &text, clients, rows, &defines).await?;
+    sample.per_row(rows);
+    Ok(sample)
+}
+
+/// Runs the pgbench script `text` with `clients` clients (unmeasured for the warm-up, then
+/// measured), checking with `pg_stat_user_tables` that each transaction updated `rows_per_tx`
+/// rows of `table`; `defines` are extra `-D` variables. The figure is per transaction.
+async fn pgbench_script(
+    env: &Env,
+    name: &str,
+    table: &str,
+    text: &str,
+    clients: usize,
+    rows_per_tx: u64,
+    defines: &[(String, String)],
+) -> Result<Sample> {
     let Some(bin) = &env.pgbench else {
         return Ok(Sample::skipped(
             "pgbench not found (PATH, /usr/lib/postgresql/*/bin)",
         ));
     };
     let cfg = &env.cfg;
-    let slots = cfg.rows / i32::try_from(cfg.tasks)?;
     let script = env.scratch.join(format!("{name}.sql"));
-    let step = lease_fence(2) - lease_fence(1);
-    let text = format!(
-        "\\set id 1 + :client_id + {tasks} * random(0, {last})\n\\set tok :tok + {step}\n{body};\n",
-        tasks = cfg.tasks,
-        last = slots - 1
-    );
     std::fs::write(&script, text)?;
     prep(env).await?;
-    run_pgbench(env, bin, &script, cfg.warmup).await?;
+    run_pgbench(env, bin, &script, cfg.warmup, clients, defines).await?;
     let before = updates_counted(env, table).await?;
     let quiet_wait_s = quiet_gate().await;
     let (started, cpu_before) = (Instant::now(), cpu_snap());
-    let stdout = run_pgbench(env, bin, &script, cfg.secs).await?;
+    let stdout = run_pgbench(env, bin, &script, cfg.secs, clients, defines).await?;
     let (seconds, cpu_after) = (started.elapsed().as_secs_f64(), cpu_snap());
     let after = updates_counted(env, table).await?;
     let tps = number_after(&stdout, "tps =").context("no `tps =` line in pgbench's output")?;
@@ -104,7 +173,7 @@ pub(crate) async fn pgbench_row(env: &Env, name: &str, table: &str, body: &str) 
         number_after(&stdout, "number of transactions actually processed:").unwrap_or(0.0);
     let failed = number_after(&stdout, "number of failed transactions:").unwrap_or(0.0);
     let applied_share = if processed > 0.0 {
-        (after - before) as f64 / processed
+        (after - before) as f64 / processed / rows_per_tx as f64
     } else {
         0.0
     };
@@ -115,7 +184,7 @@ pub(crate) async fn pgbench_row(env: &Env, name: &str, table: &str, body: &str) 
         quiet_wait_s,
         note: Some(format!(
             "{processed:.0} transactions, {failed:.0} failed; rows updated per transaction \
-             (pg_stat n_tup_upd) {applied_share:.3}"
+             (pg_stat n_tup_upd) / {rows_per_tx} = {applied_share:.3}"
         )),
         ..Sample::default()
     };

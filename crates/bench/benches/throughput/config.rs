@@ -32,7 +32,9 @@ pub(crate) struct Config {
 }
 
 /// Every section, in the order they run.
-pub(crate) const SECTIONS: &[&str] = &["write", "pgbench", "acquire", "job", "storm", "scaling"];
+pub(crate) const SECTIONS: &[&str] = &[
+    "write", "pgbench", "batch", "acquire", "job", "storm", "scaling",
+];
 
 /// The environment variable `name`, parsed, or `default` when unset or blank.
 fn env_or<T: FromStr>(name: &str, default: T) -> Result<T>

@@ -9,8 +9,12 @@
 //!   ([`Repository::update_sql`], checked against `pg_prepared_statements` after one real
 //!   `Repository::update`); (1d) raw sqlx `UPDATE .. WHERE id = $1 AND fence < $3` on the
 //!   guarded table, the same statement as a person would write it; (1e) 1a through a pool with
-//!   sqlx's default options.
+//!   sqlx's default options; (1f) [`Repository::claim`] then [`Repository::update`] of the
+//!   row with the same lease (a read-modify-write, two statements).
 //! - `pgbench`: 1b, 1d and 1c through `pgbench -M prepared`, the C client as a ceiling.
+//! - `batch`: [`Repository::update_many`] of 10, 100 and 1,000 rows per batch (a fresh token
+//!   per batch), in rows/s, against the same round's 1a and 2d; and the same batch statement
+//!   (captured from `pg_prepared_statements`) through pgbench, the Postgres-side ceiling.
 //! - `acquire`: [`Issuer::acquire`] on a fresh resource each time vs `redis-benchmark` sending
 //!   the same Lua script by `EVALSHA` on fresh random keys; acquire+release cycles (also with
 //!   the issuer on one multiplexed connection) vs the `rslock` crate's lock+unlock and a
@@ -51,6 +55,8 @@
 //!
 //! [`Repository::update`]: pgfence::Repository::update
 //! [`Repository::update_sql`]: pgfence::Repository::update_sql
+//! [`Repository::claim`]: pgfence::Repository::claim
+//! [`Repository::update_many`]: pgfence::Repository::update_many
 //! [`Issuer::acquire`]: pgfence::Issuer::acquire
 
 // A benchmark's report is its standard output.
@@ -129,7 +135,7 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
 
     let mut rounds = Vec::new();
     let mut checks = Vec::new();
-    if ["write", "pgbench", "job", "storm", "scaling"]
+    if ["write", "pgbench", "batch", "job", "storm", "scaling"]
         .iter()
         .any(|s| env.cfg.runs(s))
     {
@@ -147,6 +153,9 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
         }
         if env.cfg.runs("pgbench") {
             sections::pgbench(env, round, &mut out).await?;
+        }
+        if env.cfg.runs("batch") {
+            sections::batch(env, round, &mut out).await?;
         }
         if env.cfg.runs("acquire") {
             sections::acquire(env, round, &mut out).await?;

@@ -146,6 +146,9 @@ pub(crate) struct Sample {
     /// CPU time of the Redis server per operation (`INFO cpu`), for Redis rows.
     pub(crate) redis_server_us_per_op: Option<f64>,
     pub(crate) note: Option<String>,
+    /// Rows one operation writes (a batch row: its size). The rate and the CPU figures are
+    /// then per row; the latencies stay per operation (per batch).
+    pub(crate) rows_per_op: Option<u64>,
 }
 
 impl Sample {
@@ -155,6 +158,24 @@ impl Sample {
             note: Some(note.into()),
             ..Self::default()
         }
+    }
+}
+
+impl Sample {
+    /// Turns a figure of operations that each wrote `rows` rows into one per row: the rate
+    /// is multiplied by `rows`, the CPU per operation divided by it.
+    pub(crate) fn per_row(&mut self, rows: u64) {
+        let n = rows as f64;
+        self.ops_per_sec = self.ops_per_sec.map(|r| r * n);
+        for v in [
+            &mut self.client_cpu_us_per_op,
+            &mut self.machine_cpu_us_per_op,
+            &mut self.pg_server_us_per_op,
+            &mut self.redis_server_us_per_op,
+        ] {
+            *v = v.map(|c| c / n);
+        }
+        self.rows_per_op = Some(rows);
     }
 }
 
@@ -259,5 +280,46 @@ impl Keys {
     pub(crate) fn next(&mut self) -> i32 {
         let k = i64::try_from(self.rng.below(self.slots)).expect("slots fit i64");
         i32::try_from(self.base + self.stride * k).expect("ids fit i32")
+    }
+}
+
+/// Keys of one task's batches: each batch is `size` distinct ids of the task's rows (the ids
+/// [`Keys`] draws from), from a random start slot spread by [`pgfence_bench::spread_step`] —
+/// the same ids the pgbench ceiling computes for its client.
+pub(crate) struct BatchKeys {
+    rng: SplitMix64,
+    base: i64,
+    stride: i64,
+    slots: u64,
+    step: u64,
+    size: u64,
+}
+
+impl BatchKeys {
+    pub(crate) fn new(task: usize, tasks: usize, rows: i32, size: usize) -> Self {
+        let keys = Keys::new(task, tasks, rows);
+        assert!(
+            u64::try_from(size).is_ok_and(|s| s <= keys.slots),
+            "a batch cannot be larger than a task's rows"
+        );
+        Self {
+            step: pgfence_bench::spread_step(keys.slots),
+            size: u64::try_from(size).expect("checked above"),
+            rng: keys.rng,
+            base: keys.base,
+            stride: keys.stride,
+            slots: keys.slots,
+        }
+    }
+
+    /// Writes the next batch's ids into `ids` (cleared first).
+    pub(crate) fn next(&mut self, ids: &mut Vec<i32>) {
+        ids.clear();
+        let start = self.rng.below(self.slots);
+        ids.extend((0..self.size).map(|j| {
+            let slot = pgfence_bench::spread_slot(start, j, self.step, self.slots);
+            let slot = i64::try_from(slot).expect("slots fit i64");
+            i32::try_from(self.base + self.stride * slot).expect("ids fit i32")
+        }));
     }
 }

@@ -8,7 +8,7 @@ use serde_json::{Value as Json, json};
 
 use crate::config::Config;
 use crate::measure::Sample;
-use crate::sections::{AuditCheck, Results};
+use crate::sections::{AuditCheck, BATCH_SIZES, Results, batch_tasks};
 use crate::servers::{Env, redis_conn};
 
 /// The rows of the table, in order: key and label.
@@ -29,6 +29,10 @@ fn rows(cfg: &Config) -> Vec<(String, String)> {
             "1e 1a with sqlx default PoolOptions",
         ),
         (
+            "write.claim_update",
+            "1f Repository::claim + update, same lease",
+        ),
+        (
             "pgbench.plain_update",
             "2b pgbench: plain UPDATE (unguarded)",
         ),
@@ -37,33 +41,50 @@ fn rows(cfg: &Config) -> Vec<(String, String)> {
             "2d pgbench: UPDATE .. AND fence < tok",
         ),
         ("pgbench.repo_sql", "2c pgbench: the repository's SQL"),
-        (
-            "acquire.issuer_fresh",
-            "3a Issuer::acquire (fresh resource)",
-        ),
-        (
-            "acquire.redis_benchmark",
-            "3b redis-benchmark EVALSHA acquire.lua",
-        ),
-        (
-            "acquire.redis_benchmark_mt",
-            "3b' the same, --threads = workers",
-        ),
-        ("acquire.issuer_cycle", "3c Issuer acquire+release"),
-        (
-            "acquire.issuer_cycle_single",
-            "3c' 3c, issuer on one multiplexed connection",
-        ),
-        ("acquire.rslock_cycle", "3d rslock lock+unlock"),
-        ("acquire.handrolled_cycle", "3e SET NX PX + Lua compare-DEL"),
-        ("job.cycle", "4  acquire -> fenced write -> release"),
-        ("storm.rejections", "5a stale writes, rejected + audited"),
-        ("storm.all_fresh", "5b fenced writes, all fresh"),
-        ("storm.mixed", "5c accepted writes, 10% stale mix"),
     ]
     .iter()
     .map(|(k, l)| ((*k).to_owned(), (*l).to_owned()))
     .collect();
+    for size in BATCH_SIZES {
+        let tasks = batch_tasks(cfg.tasks, cfg.rows, size);
+        rows.push((
+            format!("batch.update_many_{size}"),
+            format!("7a update_many, {size}/batch, {tasks} tasks (rows/s)"),
+        ));
+        rows.push((
+            format!("batch.ceiling_{size}"),
+            format!("7c pgbench, same batch SQL, {size}/batch (rows/s)"),
+        ));
+    }
+    rows.extend(
+        [
+            (
+                "acquire.issuer_fresh",
+                "3a Issuer::acquire (fresh resource)",
+            ),
+            (
+                "acquire.redis_benchmark",
+                "3b redis-benchmark EVALSHA acquire.lua",
+            ),
+            (
+                "acquire.redis_benchmark_mt",
+                "3b' the same, --threads = workers",
+            ),
+            ("acquire.issuer_cycle", "3c Issuer acquire+release"),
+            (
+                "acquire.issuer_cycle_single",
+                "3c' 3c, issuer on one multiplexed connection",
+            ),
+            ("acquire.rslock_cycle", "3d rslock lock+unlock"),
+            ("acquire.handrolled_cycle", "3e SET NX PX + Lua compare-DEL"),
+            ("job.cycle", "4  acquire -> fenced write -> release"),
+            ("storm.rejections", "5a stale writes, rejected + audited"),
+            ("storm.all_fresh", "5b fenced writes, all fresh"),
+            ("storm.mixed", "5c accepted writes, 10% stale mix"),
+        ]
+        .iter()
+        .map(|(k, l)| ((*k).to_owned(), (*l).to_owned())),
+    );
     for c in &cfg.scaling {
         rows.push((
             format!("scaling.c{c}"),
@@ -127,6 +148,27 @@ const RATIOS: &[RatioDef] = &[
         target: Some(0.90),
     },
     RatioDef {
+        key: "batch_10_vs_repo",
+        label: "update_many, 10/batch / Repository::update, rows/s (7a/1a)",
+        num: "batch.update_many_10",
+        den: &["write.repo_update"],
+        target: Some(3.0),
+    },
+    RatioDef {
+        key: "batch_1000_vs_repo",
+        label: "update_many, 1000/batch / Repository::update (7a/1a)",
+        num: "batch.update_many_1000",
+        den: &["write.repo_update"],
+        target: Some(10.0),
+    },
+    RatioDef {
+        key: "batch_1000_vs_pgbench",
+        label: "update_many, 1000/batch / pgbench per-row fenced (7a/2d)",
+        num: "batch.update_many_1000",
+        den: &["pgbench.fenced_plain_sql"],
+        target: Some(5.0),
+    },
+    RatioDef {
         key: "fence_sql_vs_plain",
         label: "fence + guard, SQL only (1d/1b)",
         num: "write.fenced_plain_sql",
@@ -176,6 +218,55 @@ const RATIOS: &[RatioDef] = &[
         target: None,
     },
     RatioDef {
+        key: "claim_update_vs_update",
+        label: "claim + update / Repository::update (1f/1a)",
+        num: "write.claim_update",
+        den: &["write.repo_update"],
+        target: None,
+    },
+    RatioDef {
+        key: "batch_100_vs_repo",
+        label: "update_many, 100/batch / Repository::update (7a/1a)",
+        num: "batch.update_many_100",
+        den: &["write.repo_update"],
+        target: None,
+    },
+    RatioDef {
+        key: "batch_10_vs_pgbench",
+        label: "update_many, 10/batch / pgbench per-row fenced (7a/2d)",
+        num: "batch.update_many_10",
+        den: &["pgbench.fenced_plain_sql"],
+        target: None,
+    },
+    RatioDef {
+        key: "batch_100_vs_pgbench",
+        label: "update_many, 100/batch / pgbench per-row fenced (7a/2d)",
+        num: "batch.update_many_100",
+        den: &["pgbench.fenced_plain_sql"],
+        target: None,
+    },
+    RatioDef {
+        key: "batch_10_vs_ceiling",
+        label: "update_many, 10/batch / its pgbench ceiling (7a/7c)",
+        num: "batch.update_many_10",
+        den: &["batch.ceiling_10"],
+        target: None,
+    },
+    RatioDef {
+        key: "batch_100_vs_ceiling",
+        label: "update_many, 100/batch / its pgbench ceiling (7a/7c)",
+        num: "batch.update_many_100",
+        den: &["batch.ceiling_100"],
+        target: None,
+    },
+    RatioDef {
+        key: "batch_1000_vs_ceiling",
+        label: "update_many, 1000/batch / its pgbench ceiling (7a/7c)",
+        num: "batch.update_many_1000",
+        den: &["batch.ceiling_1000"],
+        target: None,
+    },
+    RatioDef {
         key: "job_vs_write",
         label: "job cycle / Repository::update (4/1a)",
         num: "job.cycle",
@@ -187,6 +278,14 @@ const RATIOS: &[RatioDef] = &[
 /// `v` with `digits` decimals, or `-`.
 fn fmt_opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
+}
+
+/// CPU microseconds: one decimal below 10 (the per-row figures of large batches), else none.
+fn fmt_cpu(v: Option<f64>) -> String {
+    match v {
+        Some(v) if v < 10.0 => format!("{v:.1}"),
+        v => fmt_opt(v, 0),
+    }
 }
 
 /// Prints the tables and builds the JSON document.
@@ -244,11 +343,11 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
             fmt_opt(ops, 0),
             fmt_opt(p50, 2),
             fmt_opt(p99, 2),
-            fmt_opt(client, 0),
-            fmt_opt(pg, 0),
-            fmt_opt(redis, 0),
-            fmt_opt(other, 0),
-            fmt_opt(machine, 0),
+            fmt_cpu(client),
+            fmt_cpu(pg),
+            fmt_cpu(redis),
+            fmt_cpu(other),
+            fmt_cpu(machine),
             fmt_opt(busy, 2),
             per_round.join(" / "),
             notes.join("; ")
@@ -268,7 +367,8 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
         "CPU microseconds per operation — cli: the client (this process or the tool); pg: the \
          PostgreSQL server; rds: the Redis server (warm-up included); oth: everything else on the \
          machine (other work skews a row: check it); all: the whole machine; \
-         cpus: busy CPUs in the window (of {})",
+         cpus: busy CPUs in the window (of {}). Batch rows (7a, 7c): ops/s and CPU are per \
+         row, p50/p99 per batch",
         std::thread::available_parallelism().map_or(0, usize::from)
     );
     println!();
@@ -347,7 +447,17 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
         }
     }
 
+    match &env.batch_sql {
+        Ok(sql) => println!(
+            "\nbatch statement (Repository::update_many, as prepared by the server for one real \
+             batch; 7c binds the same three parameters: int4[] keys drawn by a SELECT .. \\gset, \
+             text[] payloads, int8 :tok):\n  {sql}"
+        ),
+        Err(why) => println!("\nbatch statement not captured: {why}"),
+    }
+
     json!({
+        "batch_sql": env.batch_sql.as_ref().ok(),
         "config": cfg,
         "environment": info,
         "repository_sql": env.repo_sql,

@@ -9,13 +9,15 @@ use redis::aio::ConnectionManager;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, SqlSafeStr};
 
-use crate::baselines::{HandRolledCycle, RslockCycle, pgbench_row, redis_benchmark_row};
+use crate::baselines::{
+    HandRolledCycle, RslockCycle, pgbench_batch_row, pgbench_row, redis_benchmark_row,
+};
 use crate::cpu::redis_usec;
 use crate::measure::{Metric, Sample, TOKENS, Workload, lease_fence, measure};
 use crate::servers::{Env, audit_rows, prefix, prep, redis_conn, resync_tokens, tuned_pool};
 use crate::workloads::{
-    AcquireFresh, FENCED_UPDATE_SQL, GuardedRow, IssuerCycle, JobCycle, PLAIN_UPDATE_SQL,
-    PlainUpdate, RawFencedSql, RepoWrite,
+    AcquireFresh, BatchUpdate, ClaimUpdate, FENCED_UPDATE_SQL, GuardedRow, IssuerCycle, JobCycle,
+    PLAIN_UPDATE_SQL, PlainUpdate, RawFencedSql, RepoWrite,
 };
 
 /// One round's figures, by key (`write.repo_update`...).
@@ -70,17 +72,17 @@ pub(crate) async fn condition(env: &Env) -> Result<()> {
     prep(env).await
 }
 
-/// Section `write`: 1a–1e.
+/// Section `write`: 1a–1f.
 pub(crate) async fn write(env: &Env, round: usize, out: &mut Results) -> Result<()> {
     let cfg = &env.cfg;
     let (tasks, rows) = (cfg.tasks, cfg.rows);
     let pool = tuned_pool(env, cfg.pool).await?;
     let repo = Repository::<GuardedRow>::new(pool.clone())?;
     // Rotate the order by round, so drift (bloat, autovacuum) does not favour one variant.
-    for i in 0..4 {
+    for i in 0..5 {
         prep(env).await?;
         let pool = pool.clone();
-        let (key, sample) = match (i + round) % 4 {
+        let (key, sample) = match (i + round) % 5 {
             0 => {
                 let work = RepoWrite {
                     pool,
@@ -112,6 +114,18 @@ pub(crate) async fn write(env: &Env, round: usize, out: &mut Results) -> Result<
                 };
                 (
                     "write.raw_repo_sql",
+                    measure(cfg, tasks, Metric::Applied, work).await?,
+                )
+            }
+            3 => {
+                let work = ClaimUpdate {
+                    pool,
+                    repo: repo.clone(),
+                    tasks,
+                    rows,
+                };
+                (
+                    "write.claim_update",
                     measure(cfg, tasks, Metric::Applied, work).await?,
                 )
             }
@@ -154,6 +168,16 @@ pub(crate) async fn write(env: &Env, round: usize, out: &mut Results) -> Result<
 
 /// Section `pgbench`: 1b, 1d and 1c through pgbench (2b, 2d, 2c).
 pub(crate) async fn pgbench(env: &Env, round: usize, out: &mut Results) -> Result<()> {
+    for (key, table, body) in pgbench_rows(env)? {
+        let name = key.trim_start_matches("pgbench.");
+        let sample = pgbench_row(env, name, table, &body).await?;
+        put(out, round, key, sample);
+    }
+    Ok(())
+}
+
+/// The pgbench rows: key, table, script body.
+fn pgbench_rows(env: &Env) -> Result<[(&'static str, &'static str, String); 3]> {
     // The repository's parameters: the key, the payload, the lease fence (see `RawFencedSql`;
     // `:tok` steps through the lease fences of successive tokens, see `pgbench_row`).
     // pgbench gives every `:var` occurrence its own parameter, with no type from the client;
@@ -169,15 +193,90 @@ pub(crate) async fn pgbench(env: &Env, round: usize, out: &mut Results) -> Resul
     let fenced_body =
         pgfence_bench::pgbench_params(FENCED_UPDATE_SQL, &[":id", ":payload", ":tok"])
             .map_err(anyhow::Error::msg)?;
-    let rows = [
+    Ok([
         ("pgbench.plain_update", "bench_plain", plain_body),
         ("pgbench.fenced_plain_sql", "bench_guarded", fenced_body),
         ("pgbench.repo_sql", "bench_guarded", repo_body),
-    ];
-    for (key, table, body) in rows {
-        let name = key.trim_start_matches("pgbench.");
-        let sample = pgbench_row(env, name, table, &body).await?;
+    ])
+}
+
+/// Batch sizes of section `batch`.
+pub(crate) const BATCH_SIZES: [usize; 3] = [10, 100, 1000];
+
+/// Concurrency of the batch rows of `size` rows: the configured tasks, fewer when a task's
+/// share of the rows (`rows / tasks`) is smaller than a batch (a batch names distinct rows,
+/// and tasks write disjoint rows). 16 tasks over 10,000 rows: 16, 16 and 10.
+pub(crate) fn batch_tasks(tasks: usize, rows: i32, size: usize) -> usize {
+    let rows = usize::try_from(rows).unwrap_or(0);
+    tasks.min(rows / size.max(1))
+}
+
+/// Section `batch`: [`Repository::update_many`](pgfence::Repository::update_many) batches of
+/// 10, 100 and 1,000 rows (7a) and the same statement through pgbench (7c, the Postgres-side
+/// ceiling), against this round's per-row figures: 1a (`Repository::update`) and 2d (the
+/// fenced statement through pgbench), measured here when their sections are not selected.
+pub(crate) async fn batch(env: &Env, round: usize, out: &mut Results) -> Result<()> {
+    let cfg = &env.cfg;
+    if !cfg.runs("write") {
+        let pool = tuned_pool(env, cfg.pool).await?;
+        prep(env).await?;
+        let work = RepoWrite {
+            repo: Repository::new(pool.clone())?,
+            pool: pool.clone(),
+            tasks: cfg.tasks,
+            rows: cfg.rows,
+            stale_every: 0,
+            context: None,
+        };
+        let sample = measure(cfg, cfg.tasks, Metric::Applied, work).await?;
+        put(out, round, "write.repo_update", sample);
+        pool.close().await;
+    }
+    if !cfg.runs("pgbench") {
+        let [_, (key, table, body), _] = pgbench_rows(env)?;
+        let sample = pgbench_row(env, key.trim_start_matches("pgbench."), table, &body).await?;
         put(out, round, key, sample);
+    }
+    for size in BATCH_SIZES {
+        let tasks = batch_tasks(cfg.tasks, cfg.rows, size);
+        let (key, ceiling_key) = (
+            format!("batch.update_many_{size}"),
+            format!("batch.ceiling_{size}"),
+        );
+        if tasks == 0 {
+            let why = format!("a batch of {size} needs at least {size} rows");
+            put(out, round, &key, Sample::skipped(why.clone()));
+            put(out, round, &ceiling_key, Sample::skipped(why));
+            continue;
+        }
+        // Alternate which of the two goes first, so drift does not favour one.
+        let even = round.is_multiple_of(2);
+        for rust in [even, !even] {
+            if rust {
+                let pool = tuned_pool(env, cfg.pool.min(u32::try_from(tasks)?)).await?;
+                prep(env).await?;
+                let work = BatchUpdate {
+                    repo: Repository::new(pool.clone())?,
+                    pool: pool.clone(),
+                    tasks,
+                    rows: cfg.rows,
+                    size,
+                };
+                let mut sample = measure(cfg, tasks, Metric::Applied, work).await?;
+                sample.per_row(u64::try_from(size)?);
+                put(out, round, &key, sample);
+                pool.close().await;
+            } else {
+                let sample = match &env.batch_sql {
+                    Ok(sql) => {
+                        let name = format!("batch_ceiling_{size}");
+                        pgbench_batch_row(env, &name, sql, size, tasks).await?
+                    }
+                    Err(why) => Sample::skipped(format!("no batch statement: {why}")),
+                };
+                put(out, round, &ceiling_key, sample);
+            }
+        }
     }
     Ok(())
 }

@@ -115,6 +115,11 @@ pub(crate) struct Env {
     /// The statements on `bench_guarded` the server had prepared after one real
     /// [`Repository::update`]: `repo_sql` should be among them.
     pub(crate) repo_sql_prepared: Vec<String>,
+    /// The statement [`Repository::update_many`] sends for `bench_guarded`, as the server
+    /// prepared it for one real batch (`pg_prepared_statements`); `None` (with why) when it
+    /// could not be told apart. The library does not expose it: the pgbench ceiling of the
+    /// `batch` section runs this text.
+    pub(crate) batch_sql: Result<String, String>,
     pub(crate) pgbench: Option<PathBuf>,
     pub(crate) redis_benchmark: Option<PathBuf>,
     /// Scratch directory for pgbench scripts.
@@ -140,6 +145,7 @@ impl Env {
         find_postmaster(&admin).await;
         create_tables(&admin, cfg.rows).await?;
         let (repo_sql, repo_sql_prepared) = repository_sql(&db).await?;
+        let batch_sql = batch_sql(&db).await?;
         let mut pg_dirs = postgres_bindirs();
         pg_dirs.extend(["/usr/bin", "/usr/local/bin"].map(PathBuf::from));
         Ok(Self {
@@ -151,6 +157,7 @@ impl Env {
             run_id,
             repo_sql,
             repo_sql_prepared,
+            batch_sql,
             pgbench: find_tool("pgbench", &pg_dirs),
             redis_benchmark: find_tool(
                 "redis-benchmark",
@@ -267,6 +274,46 @@ async fn repository_sql(db: &PgConnectOptions) -> Result<(String, Vec<String>)> 
     drop(conn);
     pool.close().await;
     Ok((repo.update_sql().to_owned(), prepared))
+}
+
+/// The text of [`Repository::update_many`]'s statement for `bench_guarded`: the one statement
+/// on that table the server has prepared on a fresh connection after one real two-row
+/// `update_many` whose rows all applied (so no explaining statement was sent). `Err` says why
+/// it could not be told apart.
+async fn batch_sql(db: &PgConnectOptions) -> Result<Result<String, String>> {
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.clone())
+        .await?;
+    let repo = Repository::<GuardedRow>::new(pool.clone())?;
+    let mut conn = pool.acquire().await?;
+    let rows: Vec<GuardedRow> = [1, 2]
+        .map(|id| GuardedRow {
+            id,
+            payload: PAYLOAD.to_owned(),
+        })
+        .into();
+    let outcome = repo.update_many(&mut *conn, next_token(), &rows).await?;
+    let prepared: Vec<String> = sqlx::query_scalar(
+        "SELECT statement FROM pg_prepared_statements
+         WHERE strpos(statement, $1) > 0 AND strpos(statement, 'pg_prepared_statements') = 0",
+    )
+    .bind("bench_guarded")
+    .fetch_all(&mut *conn)
+    .await?;
+    drop(conn);
+    pool.close().await;
+    Ok(match prepared.as_slice() {
+        _ if !outcome.all_applied() => Err(format!(
+            "the capturing batch was not applied: {:?}",
+            outcome.summary()
+        )),
+        [one] => Ok(one.clone()),
+        many => Err(format!(
+            "{} statements prepared for one update_many, expected 1",
+            many.len()
+        )),
+    })
 }
 
 /// Vacuums the tables (so every measurement starts from the same table state), asks for a

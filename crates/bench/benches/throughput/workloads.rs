@@ -3,11 +3,12 @@
 use pgfence::{Fencing, Issuer, Repository, Resource};
 use sqlx::{PgPool, SqlStr};
 
-use crate::measure::{Keys, Outcome, Workload, next_token, stale_token};
+use crate::measure::{BatchKeys, Keys, Outcome, Workload, next_token, stale_token};
 use crate::{LEASE_TTL, PAYLOAD};
 
-/// A row of the guarded table, for the repository.
-#[derive(Clone, Debug)]
+/// A row of the guarded table, for the repository (`FromRow` for [`Repository::claim`]; the
+/// `fence` column it also returns is ignored).
+#[derive(Clone, Debug, sqlx::FromRow)]
 pub(crate) struct GuardedRow {
     pub(crate) id: i32,
     pub(crate) payload: String,
@@ -78,6 +79,81 @@ impl Workload for RepoWrite {
             None => Fencing::new(token),
         };
         self.repo.update(&self.pool, fencing, row).await.into()
+    }
+}
+
+/// 1f: a read-modify-write under one lease: [`Repository::claim`] the row (fences it and
+/// reads it, one `UPDATE .. RETURNING *`), then [`Repository::update`] it with the same lease
+/// (its second write of the row). Two statements per operation.
+pub(crate) struct ClaimUpdate {
+    pub(crate) pool: PgPool,
+    pub(crate) repo: Repository<GuardedRow>,
+    pub(crate) tasks: usize,
+    pub(crate) rows: i32,
+}
+
+impl Workload for ClaimUpdate {
+    type State = Keys;
+
+    fn state(&self, task: usize) -> Self::State {
+        Keys::new(task, self.tasks, self.rows)
+    }
+
+    async fn op(&self, keys: &mut Self::State) -> Outcome {
+        let fencing = Fencing::new(next_token());
+        let claimed: Result<GuardedRow, _> =
+            self.repo.claim(&self.pool, &fencing, &keys.next()).await;
+        let mut row = match claimed {
+            Ok(row) => row,
+            Err(e) => return Outcome::from(Err::<(), _>(e)),
+        };
+        row.payload.replace_range(.., PAYLOAD);
+        self.repo.update(&self.pool, &fencing, &row).await.into()
+    }
+}
+
+/// 7: [`Repository::update_many`] of `size` rows of the task's own rows (distinct, see
+/// [`BatchKeys`]) with a fresh token per batch. An operation is a batch; it counts as applied
+/// only when every row of it was.
+pub(crate) struct BatchUpdate {
+    pub(crate) pool: PgPool,
+    pub(crate) repo: Repository<GuardedRow>,
+    pub(crate) tasks: usize,
+    pub(crate) rows: i32,
+    pub(crate) size: usize,
+}
+
+impl Workload for BatchUpdate {
+    type State = (BatchKeys, Vec<i32>, Vec<GuardedRow>);
+
+    fn state(&self, task: usize) -> Self::State {
+        let rows = (0..self.size)
+            .map(|_| GuardedRow {
+                id: 0,
+                payload: PAYLOAD.to_owned(),
+            })
+            .collect();
+        let keys = BatchKeys::new(task, self.tasks, self.rows, self.size);
+        (keys, Vec::with_capacity(self.size), rows)
+    }
+
+    async fn op(&self, (keys, ids, rows): &mut Self::State) -> Outcome {
+        keys.next(ids);
+        for (row, id) in rows.iter_mut().zip(ids.iter()) {
+            row.id = *id;
+        }
+        match self
+            .repo
+            .update_many(&self.pool, Fencing::new(next_token()), rows)
+            .await
+        {
+            Ok(outcome) if outcome.all_applied() => Outcome::Applied,
+            Ok(outcome) => {
+                Outcome::Failed(format!("not every row applied: {:?}", outcome.summary()))
+            }
+            Err(e) if e.is_stale() => Outcome::Rejected,
+            Err(e) => Outcome::Failed(e.to_string()),
+        }
     }
 }
 
@@ -190,7 +266,7 @@ where
     async fn op(&self, resource: &mut Self::State) -> Outcome {
         match self.issuer.acquire(resource, LEASE_TTL).await {
             Ok(Some(lease)) => match self.issuer.release(&lease).await {
-                Ok(pgfence::LeaseState::Held) => Outcome::Applied,
+                Ok(pgfence::ReleaseOutcome::Released) => Outcome::Applied,
                 Ok(state) => Outcome::Failed(format!("release found {state:?}")),
                 Err(e) => Outcome::Failed(e.to_string()),
             },
@@ -232,7 +308,7 @@ impl Workload for JobCycle {
         row.id = keys.next();
         let written: Outcome = self.repo.update(&self.pool, &lease, row).await.into();
         match self.issuer.release(&lease).await {
-            Ok(pgfence::LeaseState::Held) => written,
+            Ok(pgfence::ReleaseOutcome::Released) => written,
             Ok(state) => Outcome::Failed(format!("release found {state:?}")),
             Err(e) => Outcome::Failed(e.to_string()),
         }
