@@ -23,7 +23,7 @@
 //!
 //! Counters: for each resource in `pgfence.resource_fence` (resources that ran
 //! `pgfence.check`) and each of [`DoctorOptions::resources`], doctor compares the token of
-//! `pgfence.high_water(resource)` with the Redis counter ([`Issuer::status`]). Rows carry no
+//! `pgfence.high_water(resource)` with the Redis counter ([`Issuer::status`](crate::Issuer::status)). Rows carry no
 //! resource name, so a table's highest token (`max(fence) >> 24`) is only compared with the
 //! highest counter doctor read: above it means the table was written by a counter doctor was
 //! not told about (list its resource in [`DoctorOptions::resources`]), or one that went
@@ -35,7 +35,7 @@ use std::time::Duration;
 use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgPool};
 
-use crate::{Issuer, MAX_TOKEN, Resource, Result, TableName};
+use crate::{MAX_TOKEN, Resource, Result, TableName, TokenIssuer};
 
 /// How close to [`MAX_TOKEN`] a token may come before doctor warns by default (2^20 tokens).
 pub const DEFAULT_LIMIT_MARGIN: i64 = 1 << 20;
@@ -191,7 +191,7 @@ impl DoctorOptions {
     }
 }
 
-/// Checks the database behind `pool` (and, with `issuer`, the Redis counters) and returns
+/// Checks the database behind `pool` (and, with `issuer`, its counters: Redis or etcd) and returns
 /// every finding, most serious first. An empty list, or one with only [`Severity::Info`]
 /// findings ([`Finding::is_problem`]), means healthy.
 ///
@@ -213,7 +213,7 @@ impl DoctorOptions {
 /// ```
 pub async fn doctor(
     pool: &PgPool,
-    issuer: Option<&Issuer>,
+    issuer: Option<&dyn TokenIssuer>,
     options: &DoctorOptions,
 ) -> Result<Vec<Finding>> {
     let mut findings = Vec::new();
@@ -442,7 +442,7 @@ async fn tables(
 /// Counter checks.
 async fn counters(
     pool: &PgPool,
-    issuer: Option<&Issuer>,
+    issuer: Option<&dyn TokenIssuer>,
     options: &DoctorOptions,
     highest: &[(String, i64)],
     findings: &mut Vec<Finding>,

@@ -193,6 +193,27 @@ pub enum Error {
         operation: &'static str,
     },
 
+    /// A Redis key prefix ([`Issuer::with_key_prefix`](crate::Issuer::with_key_prefix)) was
+    /// empty, too long, or contained braces, whitespace or control characters.
+    #[error("invalid key prefix: {0}")]
+    InvalidKeyPrefix(String),
+
+    /// An issuer URL ([`connect_issuer`](crate::connect_issuer)) had a scheme no issuer
+    /// handles, or was malformed.
+    #[error("invalid issuer URL: {0}")]
+    InvalidIssuerUrl(String),
+
+    /// The issuer an URL selects is not compiled in: `scheme` needs pgfence's cargo `feature`.
+    #[error(
+        "{scheme} issuer URLs need pgfence's `{feature}` feature; rebuild with it enabled (cargo: features = [\"{feature}\"], or --features pgfence/{feature})"
+    )]
+    IssuerNotBuilt {
+        /// The URL scheme, `etcd://` or `redis+sentinel://`.
+        scheme: &'static str,
+        /// The cargo feature that provides it.
+        feature: &'static str,
+    },
+
     /// A migration failed.
     #[error("migration failed: {0}")]
     Migration(#[source] Box<refinery_core::Error>),

@@ -36,12 +36,18 @@ pub use guard::{
     unguard,
 };
 pub use ident::{Ident, TableName};
+pub use issuer::{
+    BoxFuture, DEFAULT_KEY_PREFIX, FloorSource, Issuer, IssuerKind, IssuerOptions, KeepAlive,
+    Lease, LeaseLost, LeaseState, LockStatus, MAX_KEY_PREFIX_LEN, MAX_TTL, MIN_TTL,
+    RedisConnections, ReleaseOutcome, TokenIssuer, check_key_prefix, check_ttl, connect_issuer,
+    connect_issuer_with, counter_key, default_connections, lock_key, new_owner_id,
+};
+pub use issuer::{
+    DEFAULT_FAILOVER_WAIT, DEFAULT_SENTINEL_PORT, SENTINEL_SCHEME, SentinelConnections,
+    SentinelUrl, is_sentinel_url,
+};
 #[cfg(feature = "etcd")]
 pub use issuer::{ETCD_SCHEME, EtcdIssuer, etcd_lock_key, is_etcd_url};
-pub use issuer::{
-    FloorSource, Issuer, KeepAlive, Lease, LeaseLost, LeaseState, LockStatus, MAX_TTL, MIN_TTL,
-    RedisConnections, check_ttl, counter_key, default_connections, lock_key, new_owner_id,
-};
 pub use migrate::{MigrationInfo, migrate, status as migration_status};
 pub use repository::{FencedTable, KeyArrays, PgQuery, Repository, Upserted, WriteExecutor};
 pub use resource::{MAX_RESOURCE_LEN, Resource};

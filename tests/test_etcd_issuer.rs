@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use pgfence::{Error, EtcdIssuer, LeaseState, Repository, Resource, TableName, etcd_lock_key};
+use pgfence::{
+    Error, EtcdIssuer, LeaseState, ReleaseOutcome, Repository, Resource, TableName, etcd_lock_key,
+};
 use pgfence_testkit::{EtcdCluster, etcd_installed};
 use support::{TestDb, unique_resource};
 use tokio::sync::OnceCell;
@@ -104,7 +106,10 @@ async fn concurrent_acquisitions_are_exclusive_and_strictly_increasing() {
                 );
                 granted.lock().unwrap().push(lease.token().get());
                 assert_eq!(inside.fetch_sub(1, Ordering::SeqCst), 1);
-                assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+                assert_eq!(
+                    issuer.release(&lease).await.unwrap(),
+                    ReleaseOutcome::Released
+                );
                 got += 1;
             }
         }));
@@ -146,7 +151,10 @@ async fn expired_lease_cannot_release_or_extend_the_next_holders_lock() {
         .expect("A's lease expires");
     assert_eq!(a.remaining(), Duration::ZERO, "local deadline errs early");
     assert!(b.token() > a.token());
-    assert_eq!(issuer.release(&a).await.unwrap(), LeaseState::Taken);
+    assert_eq!(
+        issuer.release(&a).await.unwrap(),
+        ReleaseOutcome::TakenByOther
+    );
     assert_eq!(
         issuer.extend(&mut a, 10 * SEC).await.unwrap(),
         LeaseState::Taken
@@ -158,10 +166,10 @@ async fn expired_lease_cannot_release_or_extend_the_next_holders_lock() {
     );
     assert!(status.ttl_ms.is_some_and(|ms| (1..=10_000).contains(&ms)));
 
-    assert_eq!(issuer.release(&b).await.unwrap(), LeaseState::Held);
+    assert_eq!(issuer.release(&b).await.unwrap(), ReleaseOutcome::Released);
     assert_eq!(
         issuer.release(&b).await.unwrap(),
-        LeaseState::Expired,
+        ReleaseOutcome::AlreadyExpired,
         "nobody holds it now"
     );
     let mut b = b;
@@ -214,7 +222,10 @@ async fn owner_extend_keeps_the_lock_past_its_ttl() {
     let status = issuer.status(&resource).await.unwrap();
     assert_eq!(status.token, Some(token.get()));
     assert!(status.ttl_ms.is_some_and(|ms| ms >= 1000), "{status:?}");
-    assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&lease).await.unwrap(),
+        ReleaseOutcome::Released
+    );
 }
 
 #[tokio::test]
@@ -248,8 +259,14 @@ async fn retried_acquire_by_the_same_owner_returns_the_same_token() {
     let retry_in = other.expect_err("another owner is refused");
     assert!(retry_in <= 5 * SEC, "{retry_in:?}");
     // Either handle releases: they are one lease.
-    assert_eq!(issuer.release(&first).await.unwrap(), LeaseState::Held);
-    assert_eq!(issuer.release(&again).await.unwrap(), LeaseState::Expired);
+    assert_eq!(
+        issuer.release(&first).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+    assert_eq!(
+        issuer.release(&again).await.unwrap(),
+        ReleaseOutcome::AlreadyExpired
+    );
 }
 
 #[tokio::test]
@@ -283,7 +300,10 @@ async fn wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time() {
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     let released_at = Instant::now();
-    assert_eq!(issuer.release(&next).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&next).await.unwrap(),
+        ReleaseOutcome::Released
+    );
     let third = waiter.await.unwrap().unwrap().expect("freed by release");
     assert!(third.token() > next.token());
     assert!(released_at.elapsed() < SEC, "{:?}", released_at.elapsed());
@@ -351,24 +371,36 @@ async fn tokens_are_create_revisions_and_compare_across_resources() {
     raw.delete(etcd_lock_key(&one).as_str(), None)
         .await
         .unwrap();
-    assert_eq!(issuer.release(&a).await.unwrap(), LeaseState::Expired);
+    assert_eq!(
+        issuer.release(&a).await.unwrap(),
+        ReleaseOutcome::AlreadyExpired
+    );
     let c = issuer.acquire(&one, 5 * SEC).await.unwrap().unwrap();
     assert!(c.token() > b.token());
     let mut a = a;
-    assert_eq!(issuer.release(&a).await.unwrap(), LeaseState::Taken);
+    assert_eq!(
+        issuer.release(&a).await.unwrap(),
+        ReleaseOutcome::TakenByOther
+    );
     assert_eq!(
         issuer.extend(&mut a, 5 * SEC).await.unwrap(),
         LeaseState::Taken
     );
     // A lease of the same owner with an older token is another lease.
     let stale = pgfence::Lease::resume(one.clone(), c.owner(), a.token());
-    assert_eq!(issuer.release(&stale).await.unwrap(), LeaseState::Taken);
-    assert_eq!(issuer.release(&c).await.unwrap(), LeaseState::Held);
-    assert_eq!(issuer.release(&b).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&stale).await.unwrap(),
+        ReleaseOutcome::TakenByOther
+    );
+    assert_eq!(issuer.release(&c).await.unwrap(), ReleaseOutcome::Released);
+    assert_eq!(issuer.release(&b).await.unwrap(), ReleaseOutcome::Released);
     // A resumed handle (another process) releases with owner and token alone.
     let d = issuer.acquire(&two, 5 * SEC).await.unwrap().unwrap();
     let resumed = pgfence::Lease::resume(two.clone(), d.owner(), d.token());
-    assert_eq!(issuer.release(&resumed).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&resumed).await.unwrap(),
+        ReleaseOutcome::Released
+    );
 }
 
 #[derive(Clone, sqlx::FromRow)]
@@ -423,8 +455,11 @@ async fn paused_holder_is_fenced_by_postgres() {
         .await
         .unwrap();
     assert_eq!(payload, "B");
-    assert_eq!(issuer.release(&a).await.unwrap(), LeaseState::Taken);
-    assert_eq!(issuer.release(&b).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&a).await.unwrap(),
+        ReleaseOutcome::TakenByOther
+    );
+    assert_eq!(issuer.release(&b).await.unwrap(), ReleaseOutcome::Released);
 }
 
 /// One acquisition in the failover run: when it was asked for, when it was granted, its token.
@@ -508,7 +543,7 @@ async fn leader_failover_keeps_tokens_increasing() {
                         });
                         // A release that fails in transit leaves the lock to expire (2 s).
                         match issuer.release(&lease).await {
-                            Ok(state) => assert_eq!(state, LeaseState::Held),
+                            Ok(state) => assert_eq!(state, ReleaseOutcome::Released),
                             Err(e) if e.is_retryable() => {
                                 transient.fetch_add(1, Ordering::SeqCst);
                             }
@@ -596,7 +631,10 @@ async fn leader_failover_keeps_tokens_increasing() {
         "{err:?}"
     );
 
-    assert_eq!(issuer.release(&next).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&next).await.unwrap(),
+        ReleaseOutcome::Released
+    );
 
     // The killed member rejoins; tokens keep rising.
     cluster.restart(old_leader).await.unwrap();

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
-use pgfence::{Error, Fence, Issuer, LeaseLost, LeaseState, Repository, Resource, TableName};
+use pgfence::{
+    Error, Fence, Issuer, LeaseLost, LeaseState, ReleaseOutcome, Repository, Resource, TableName,
+};
 use pgfence::{counter_key, lock_key};
 use pgfence_testkit::{RedisCluster, Server};
 use redis::AsyncCommands;
@@ -51,7 +53,10 @@ async fn concurrent_acquisitions_are_exclusive_and_strictly_increasing() {
                 );
                 granted.lock().unwrap().push(lease.token().get());
                 assert_eq!(inside.fetch_sub(1, Ordering::SeqCst), 1);
-                assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+                assert_eq!(
+                    issuer.release(&lease).await.unwrap(),
+                    ReleaseOutcome::Released
+                );
                 got += 1;
             }
         }));
@@ -89,7 +94,10 @@ async fn expired_lease_cannot_release_or_extend_the_next_holders_lock() {
 
     let b = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
     assert!(b.token() > a.token());
-    assert_eq!(issuer.release(&a).await.unwrap(), LeaseState::Taken);
+    assert_eq!(
+        issuer.release(&a).await.unwrap(),
+        ReleaseOutcome::TakenByOther
+    );
     assert_eq!(
         issuer.extend(&mut a, 10 * SEC).await.unwrap(),
         LeaseState::Taken
@@ -100,10 +108,10 @@ async fn expired_lease_cannot_release_or_extend_the_next_holders_lock() {
         (Some(b.owner()), Some(b.token().get()))
     );
 
-    assert_eq!(issuer.release(&b).await.unwrap(), LeaseState::Held);
+    assert_eq!(issuer.release(&b).await.unwrap(), ReleaseOutcome::Released);
     assert_eq!(
         issuer.release(&b).await.unwrap(),
-        LeaseState::Expired,
+        ReleaseOutcome::AlreadyExpired,
         "nobody holds it now"
     );
     // Release never touches the counter.
@@ -139,7 +147,10 @@ async fn owner_extend_keeps_the_lock_past_its_ttl() {
         issuer.acquire(&resource, SEC).await.unwrap().is_none(),
         "still held after the original TTL"
     );
-    assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&lease).await.unwrap(),
+        ReleaseOutcome::Released
+    );
 }
 
 #[tokio::test]
@@ -408,7 +419,10 @@ async fn works_on_a_three_master_cluster() {
             LeaseState::Held
         );
         assert_eq!(issuer.status(&resource).await.unwrap().token, Some(1));
-        assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+        assert_eq!(
+            issuer.release(&lease).await.unwrap(),
+            ReleaseOutcome::Released
+        );
         sqlx::query("SELECT pgfence.check($1, 9)")
             .bind(resource.as_str())
             .execute(&db.pool)
@@ -536,7 +550,10 @@ async fn commands_are_spread_over_the_issuers_connections() {
             "tokens keep rising across connections"
         );
         last = lease.token().get();
-        assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+        assert_eq!(
+            issuer.release(&lease).await.unwrap(),
+            ReleaseOutcome::Released
+        );
     }
 
     let list: String = redis::cmd("CLIENT")

@@ -11,7 +11,7 @@ mod support;
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
-use pgfence::{Issuer, LeaseLost, LeaseState};
+use pgfence::{Issuer, LeaseLost, LeaseState, ReleaseOutcome};
 use pgfence_testkit::{Proxy, Server};
 use support::unique_resource;
 use tokio::time::{Instant, sleep, timeout};
@@ -67,7 +67,10 @@ async fn keep_alive_survives_a_server_idle_timeout() {
         holder(&server, &resource).await.as_deref(),
         Some(format!("{}:{}", lease.owner(), lease.token()).as_str())
     );
-    assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&lease).await.unwrap(),
+        ReleaseOutcome::Released
+    );
     assert_eq!(holder(&server, &resource).await, None);
 }
 
@@ -92,7 +95,10 @@ async fn calls_after_idleness_do_not_fail() {
         LeaseState::Held
     );
     sleep(IDLE).await;
-    assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&lease).await.unwrap(),
+        ReleaseOutcome::Released
+    );
     sleep(IDLE).await;
     let again = issuer
         .acquire(&resource, Duration::from_secs(10))
@@ -100,7 +106,10 @@ async fn calls_after_idleness_do_not_fail() {
         .expect("acquire after idleness")
         .expect("free");
     assert!(again.token() > lease.token());
-    assert_eq!(issuer.release(&again).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&again).await.unwrap(),
+        ReleaseOutcome::Released
+    );
 }
 
 /// Every connection is closed under the client again and again (at varying points, some of
@@ -139,7 +148,10 @@ async fn keep_alive_survives_dropped_connections() {
     assert!(keep.deadline().unwrap() > Instant::now(), "still held");
     keep.stop();
     proxy.drop_connections();
-    assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&lease).await.unwrap(),
+        ReleaseOutcome::Released
+    );
     assert_eq!(holder(&server, &resource).await, None);
 }
 
@@ -166,7 +178,10 @@ async fn keep_alive_survives_a_short_pause() {
         assert!(lost.is_err(), "lease reported lost: {lost:?}");
     }
     keep.stop();
-    assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&lease).await.unwrap(),
+        ReleaseOutcome::Released
+    );
 }
 
 /// Redis stalls for longer than the lease has left: the loss is reported when the local
@@ -282,5 +297,8 @@ async fn a_taken_lock_is_reported_taken_not_retried() {
         .await
         .expect("loss reported");
     assert_eq!(lost, LeaseLost::Taken);
-    assert_eq!(issuer.release(&lease).await.unwrap(), LeaseState::Taken);
+    assert_eq!(
+        issuer.release(&lease).await.unwrap(),
+        ReleaseOutcome::TakenByOther
+    );
 }

@@ -10,7 +10,8 @@ use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
 use pgfence::{
-    Error, Fence, Fencing, Lease, LeaseState, Repository, Resource, TableName, Upserted,
+    Error, Fence, Fencing, Lease, LeaseState, ReleaseOutcome, Repository, Resource, TableName,
+    Upserted,
 };
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -340,7 +341,10 @@ async fn only_the_owner_can_release_or_extend() {
 
     // The previous (expired) holder.
     let mut stale = first.clone();
-    assert_eq!(issuer.release(&first).await.unwrap(), LeaseState::Taken);
+    assert_eq!(
+        issuer.release(&first).await.unwrap(),
+        ReleaseOutcome::TakenByOther
+    );
     assert_eq!(
         issuer
             .extend(&mut stale, Duration::from_secs(60))
@@ -350,7 +354,10 @@ async fn only_the_owner_can_release_or_extend() {
     );
     // Someone who knows the token but not the owner id.
     let mut guess = Lease::resume(resource.clone(), "attacker", holder.token());
-    assert_eq!(issuer.release(&guess).await.unwrap(), LeaseState::Taken);
+    assert_eq!(
+        issuer.release(&guess).await.unwrap(),
+        ReleaseOutcome::TakenByOther
+    );
     assert_eq!(
         issuer
             .extend(&mut guess, Duration::from_secs(60))
@@ -361,7 +368,10 @@ async fn only_the_owner_can_release_or_extend() {
     // Someone who knows the owner id but presents another token.
     let wrong = pgfence::FenceToken::new(holder.token().get() + 1).unwrap();
     let mut other = Lease::resume(resource.clone(), holder.owner(), wrong);
-    assert_eq!(issuer.release(&other).await.unwrap(), LeaseState::Taken);
+    assert_eq!(
+        issuer.release(&other).await.unwrap(),
+        ReleaseOutcome::TakenByOther
+    );
     assert_eq!(
         issuer
             .extend(&mut other, Duration::from_secs(60))
@@ -387,7 +397,10 @@ async fn only_the_owner_can_release_or_extend() {
             .unwrap(),
         LeaseState::Held
     );
-    assert_eq!(issuer.release(&holder).await.unwrap(), LeaseState::Held);
+    assert_eq!(
+        issuer.release(&holder).await.unwrap(),
+        ReleaseOutcome::Released
+    );
     assert_eq!(issuer.status(&resource).await.unwrap().owner, None);
 }
 

@@ -11,7 +11,10 @@ use etcd_client::{
 };
 use tokio::time::Instant;
 
-use super::{ACQUIRE_ATTEMPTS, Lease, LeaseState, LockStatus, check_ttl, new_owner_id};
+use super::{
+    ACQUIRE_ATTEMPTS, DEFAULT_KEY_PREFIX, Lease, LeaseState, LockStatus, ReleaseOutcome,
+    check_key_prefix, check_ttl, new_owner_id,
+};
 use crate::{Error, FenceToken, MAX_TOKEN, Resource, Result};
 
 /// The URL scheme that selects the etcd issuer: `etcd://host:2379[,host2:2379...]`.
@@ -20,14 +23,16 @@ pub const ETCD_SCHEME: &str = "etcd://";
 /// The port used when an `etcd://` URL names a host without one.
 const DEFAULT_PORT: u16 = 2379;
 
-/// Prefix of every lock key.
-const KEY_PREFIX: &str = "pgfence/lock/";
-
-/// The etcd key of `resource`'s lock: `pgfence/lock/<resource>` (the resource name as is,
-/// `{domain}` prefix included).
+/// The etcd key of `resource`'s lock with the default key prefix: `pgfence/lock/<resource>`
+/// (the resource name as is, `{domain}` prefix included). [`EtcdIssuer::lock_key`] gives an
+/// issuer's key, whatever its prefix.
 #[must_use]
 pub fn etcd_lock_key(resource: &Resource) -> String {
-    format!("{KEY_PREFIX}{resource}")
+    prefixed_key(DEFAULT_KEY_PREFIX, resource)
+}
+
+fn prefixed_key(prefix: &str, resource: &Resource) -> String {
+    format!("{prefix}/lock/{resource}")
 }
 
 /// Whether `url` selects the etcd issuer (`etcd://...`).
@@ -40,12 +45,16 @@ pub fn is_etcd_url(url: &str) -> bool {
 /// Issues leases and fence tokens from an etcd cluster (v3 API; etcd 3.4 or newer; feature
 /// `etcd`).
 ///
-/// The same methods and [`Lease`] / [`LeaseState`] / [`LockStatus`] as the Redis
+/// The same methods and [`Lease`] / [`ReleaseOutcome`] / [`LeaseState`] / [`LockStatus`] as
+/// the Redis
 /// [`Issuer`](crate::Issuer), so a lease from either is fenced the same way by Postgres. The
 /// token is the etcd revision that created the lock key: strictly increasing across the whole
 /// cluster and across leader failovers, at most [`MAX_TOKEN`](crate::MAX_TOKEN) (an acquire
 /// that would exceed it fails with [`Error::InvalidToken`] and leaves no lock behind).
-/// Cloning is cheap; clones share the connections.
+/// Cloning is cheap; clones share the connections. It implements
+/// [`TokenIssuer`](crate::TokenIssuer), where [`raise_floor`](crate::TokenIssuer::raise_floor)
+/// and [`recover_from`](crate::TokenIssuer::recover_from) are no-ops (revisions never go
+/// backwards).
 ///
 /// ```no_run
 /// # async fn f() -> pgfence::Result<()> {
@@ -73,12 +82,14 @@ pub fn is_etcd_url(url: &str) -> bool {
 ///
 /// # Layout
 ///
-/// The lock of resource `R` is the key `pgfence/lock/R` ([`etcd_lock_key`]); its value is the
+/// The lock of resource `R` is the key `pgfence/lock/R` ([`etcd_lock_key`];
+/// `PREFIX/lock/R` with [`EtcdIssuer::with_key_prefix`]); its value is the
 /// owner id and it is attached to an etcd lease granted for the lock's TTL. A lease's token is
 /// the key's `create_revision`. Taking the lock is one transaction:
 /// `If(CreateRevision(key) == 0) Then(Put(key, owner, lease))`. Release and extend compare
 /// both the value (owner) and the `create_revision` (token), so only the lease that took the
-/// lock can release or extend it: an older lease of the same owner is told [`LeaseState::Taken`].
+/// lock can release or extend it: an older lease of the same owner is told
+/// [`ReleaseOutcome::TakenByOther`] / [`LeaseState::Taken`].
 ///
 /// # Fencing domains
 ///
@@ -101,12 +112,14 @@ pub fn is_etcd_url(url: &str) -> bool {
 pub struct EtcdIssuer {
     client: Client,
     endpoints: Vec<String>,
+    prefix: std::sync::Arc<str>,
 }
 
 impl std::fmt::Debug for EtcdIssuer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EtcdIssuer")
             .field("endpoints", &self.endpoints)
+            .field("key_prefix", &self.prefix)
             .finish_non_exhaustive()
     }
 }
@@ -135,7 +148,11 @@ impl EtcdIssuer {
             options = options.with_user(name, password);
         }
         let client = Client::connect(&endpoints, Some(options)).await?;
-        Ok(Self { client, endpoints })
+        Ok(Self {
+            client,
+            endpoints,
+            prefix: DEFAULT_KEY_PREFIX.into(),
+        })
     }
 
     /// An issuer on an existing [`etcd_client::Client`] (your own TLS, auth or timeouts).
@@ -146,7 +163,31 @@ impl EtcdIssuer {
         Self {
             client,
             endpoints: Vec::new(),
+            prefix: DEFAULT_KEY_PREFIX.into(),
         }
+    }
+
+    /// The same issuer with another key prefix: lock keys become `PREFIX/lock/R`. Issuers
+    /// with different prefixes share no lock (their tokens still come from the one revision
+    /// counter of the cluster).
+    ///
+    /// # Errors
+    /// [`Error::InvalidKeyPrefix`], as for [`Issuer::with_key_prefix`](crate::Issuer::with_key_prefix).
+    pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
+        self.prefix = check_key_prefix(prefix)?.into();
+        Ok(self)
+    }
+
+    /// The key prefix (`pgfence` by default).
+    #[must_use]
+    pub fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// This issuer's etcd key for `resource`'s lock: `PREFIX/lock/R`.
+    #[must_use]
+    pub fn lock_key(&self, resource: &Resource) -> String {
+        prefixed_key(&self.prefix, resource)
     }
 
     /// The endpoints this issuer connected to (`http://host:port`; empty for [`EtcdIssuer::new`]).
@@ -193,7 +234,7 @@ impl EtcdIssuer {
                 "owner ids are non-empty and contain no ':'".into(),
             ));
         }
-        let key = etcd_lock_key(resource);
+        let key = self.lock_key(resource);
         let mut attempt = 0;
         loop {
             match self.try_acquire(resource, &key, owner, ttl, secs).await {
@@ -345,22 +386,23 @@ impl EtcdIssuer {
     /// A release lost in transit (a lost connection, no leader, a timeout) is sent again for
     /// up to 2 s: releasing is owner-safe. When a re-sent release finds the lock gone before
     /// the lease's local deadline, the lock cannot have expired, so an earlier attempt
-    /// released it: that is reported as [`LeaseState::Held`] (as the Redis issuer does).
+    /// released it: that is reported as [`ReleaseOutcome::Released`] (as the Redis issuer
+    /// does).
     ///
     /// # Errors
     /// [`Error::Etcd`].
-    pub async fn release(&self, lease: &Lease) -> Result<LeaseState> {
+    pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
         let until = Instant::now() + Duration::from_secs(2);
-        let (state, retried) = retrying(until, || self.release_once(lease)).await;
-        let state = state?;
-        if state == LeaseState::Expired && retried && Instant::now() < lease.deadline {
-            return Ok(LeaseState::Held);
+        let (outcome, retried) = retrying(until, || self.release_once(lease)).await;
+        let outcome = outcome?;
+        if outcome == ReleaseOutcome::AlreadyExpired && retried && Instant::now() < lease.deadline {
+            return Ok(ReleaseOutcome::Released);
         }
-        Ok(state)
+        Ok(outcome)
     }
 
-    async fn release_once(&self, lease: &Lease) -> Result<LeaseState> {
-        let key = etcd_lock_key(&lease.resource);
+    async fn release_once(&self, lease: &Lease) -> Result<ReleaseOutcome> {
+        let key = self.lock_key(&lease.resource);
         let txn = Txn::new()
             .when(owned_by(&key, lease))
             .and_then([
@@ -374,11 +416,11 @@ impl EtcdIssuer {
             if let Some(kv) = kv.filter(|kv| kv.lease() != 0) {
                 self.revoke(kv.lease()).await;
             }
-            Ok(LeaseState::Held)
+            Ok(ReleaseOutcome::Released)
         } else if kv.is_some() {
-            Ok(LeaseState::Taken)
+            Ok(ReleaseOutcome::TakenByOther)
         } else {
-            Ok(LeaseState::Expired)
+            Ok(ReleaseOutcome::AlreadyExpired)
         }
     }
 
@@ -392,8 +434,22 @@ impl EtcdIssuer {
     /// # Errors
     /// [`Error::InvalidDuration`]; [`Error::Etcd`].
     pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
-        let secs = lease_secs(ttl)?;
         let until = lease.deadline.max(Instant::now() + Duration::from_secs(2));
+        self.extend_until(lease, ttl, until).await
+    }
+
+    /// [`EtcdIssuer::extend`], re-sending after transport failures only until `until` (what
+    /// [`KeepAlive`](crate::KeepAlive) uses, with the lease's local deadline).
+    ///
+    /// # Errors
+    /// As [`EtcdIssuer::extend`].
+    pub async fn extend_until(
+        &self,
+        lease: &mut Lease,
+        ttl: Duration,
+        until: Instant,
+    ) -> Result<LeaseState> {
+        let secs = lease_secs(ttl)?;
         let (outcome, _) = retrying(until, || self.extend_once(lease, ttl, secs)).await;
         let (state, renewed) = outcome?;
         if let Some(renewed) = renewed {
@@ -409,7 +465,7 @@ impl EtcdIssuer {
         secs: i64,
     ) -> Result<(LeaseState, Option<Lease>)> {
         let sent_at = Instant::now();
-        let key = etcd_lock_key(&lease.resource);
+        let key = self.lock_key(&lease.resource);
         let Some(held) = self.get(&key).await? else {
             return Ok((LeaseState::Expired, None));
         };
@@ -494,7 +550,7 @@ impl EtcdIssuer {
     /// # Errors
     /// [`Error::Etcd`].
     pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
-        let key = etcd_lock_key(resource);
+        let key = self.lock_key(resource);
         let reply = self.client.kv_client().get(key.as_str(), None).await?;
         let counter = reply
             .header()
@@ -528,6 +584,12 @@ impl EtcdIssuer {
             ttl_ms,
             counter,
         })
+    }
+
+    /// Keeps `lease` alive in the background; see [`KeepAlive`](crate::KeepAlive).
+    #[must_use]
+    pub fn keep_alive(&self, lease: &Lease) -> crate::KeepAlive {
+        crate::KeepAlive::spawn(std::sync::Arc::new(self.clone()), lease.clone())
     }
 
     async fn get(&self, key: &str) -> Result<Option<KeyValue>> {

@@ -2,23 +2,23 @@
 //! correctness mechanism: a paused process stops renewing too, and fencing is what makes its
 //! late writes harmless.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::ConnectionLike;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::{Issuer, Lease, LeaseState};
+use super::{Lease, LeaseState, TokenIssuer};
 
 /// Why a kept-alive lease was lost.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LeaseLost {
-    /// The lock expired before a renewal reached Redis.
+    /// The lock expired before a renewal reached the issuer.
     Expired,
     /// Another lease took the lock.
     Taken,
-    /// Redis could not be reached before the lease's local deadline.
+    /// The issuer (Redis, etcd) could not be reached before the lease's local deadline.
     Unreachable(String),
 }
 
@@ -28,7 +28,7 @@ impl std::fmt::Display for LeaseLost {
             LeaseLost::Expired => f.write_str("the lock expired before it could be renewed"),
             LeaseLost::Taken => f.write_str("another holder took the lock"),
             LeaseLost::Unreachable(e) => {
-                write!(f, "Redis unreachable until the lease ran out: {e}")
+                write!(f, "issuer unreachable until the lease ran out: {e}")
             }
         }
     }
@@ -51,6 +51,10 @@ enum State {
 /// backoff, until the lease's local deadline. The lease is reported lost only when Redis
 /// answers that it expired or was taken, or when the deadline passes with no renewal.
 ///
+/// Works with any [`TokenIssuer`]: [`Issuer::keep_alive`](crate::Issuer::keep_alive),
+/// [`KeepAlive::spawn`] with an `Arc<dyn TokenIssuer>` (an issuer chosen at run time by
+/// [`connect_issuer`](crate::connect_issuer)), or with an `Arc` of a concrete issuer.
+///
 /// ```no_run
 /// # async fn f(issuer: pgfence::Issuer, lease: pgfence::Lease) {
 /// let mut keep = issuer.keep_alive(&lease);
@@ -68,10 +72,22 @@ pub struct KeepAlive {
 }
 
 impl KeepAlive {
-    pub(crate) fn spawn<C: ConnectionLike + Clone + Send + Sync + 'static>(
-        issuer: Issuer<C>,
-        mut lease: Lease,
-    ) -> Self {
+    /// Starts renewing `lease` through `issuer` every TTL/3, on the current Tokio runtime.
+    ///
+    /// ```no_run
+    /// # async fn f() -> pgfence::Result<()> {
+    /// let issuer = pgfence::connect_issuer("etcd://127.0.0.1:2379").await?;
+    /// let resource = pgfence::Resource::new("reports:nightly")?;
+    /// let ttl = std::time::Duration::from_secs(30);
+    /// if let Some(lease) = issuer.acquire(&resource, ttl).await? {
+    ///     let keep = pgfence::KeepAlive::spawn(issuer.clone(), lease.clone());
+    ///     // ... work, fenced with lease.token() ...
+    ///     keep.stop();
+    ///     issuer.release(&lease).await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn spawn<I: TokenIssuer + ?Sized>(issuer: Arc<I>, mut lease: Lease) -> Self {
         let (tx, rx) = watch::channel(State::Held(lease.deadline()));
         let task = tokio::spawn(async move {
             let ttl = lease.ttl();
@@ -80,7 +96,7 @@ impl KeepAlive {
             loop {
                 tokio::time::sleep_until(next).await;
                 // Transport failures are retried inside, on fresh connections, until the
-                // deadline: only Redis's answer or the deadline ends a renewal.
+                // deadline: only the issuer's answer or the deadline ends a renewal.
                 let deadline = lease.deadline();
                 let lost = match issuer.extend_until(&mut lease, ttl, deadline).await {
                     Ok(LeaseState::Held) => {

@@ -15,6 +15,7 @@ mod connections;
 mod etcd;
 mod keepalive;
 mod scripts;
+mod sentinel;
 
 use std::future::Future;
 use std::num::NonZeroUsize;
@@ -26,15 +27,21 @@ use redis::Value;
 use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 
+pub use any::{
+    BoxFuture, IssuerKind, IssuerOptions, TokenIssuer, connect_issuer, connect_issuer_with,
+};
 use connections::retry_transport;
 pub use connections::{RedisConnections, default_connections};
 #[cfg(feature = "etcd")]
 pub(crate) use etcd::is_transient as etcd_is_transient;
 #[cfg(feature = "etcd")]
 pub use etcd::{ETCD_SCHEME, EtcdIssuer, etcd_lock_key, is_etcd_url};
-pub use any::{BoxFuture, IssuerKind, IssuerOptions, TokenIssuer, connect_issuer, connect_issuer_with};
 pub use keepalive::{KeepAlive, LeaseLost};
 use scripts::{ACQUIRE, EXTEND, RAISE_FLOOR, REISSUE, RELEASE};
+pub use sentinel::{
+    DEFAULT_FAILOVER_WAIT, DEFAULT_SENTINEL_PORT, SENTINEL_SCHEME, SentinelConnections,
+    SentinelUrl, is_sentinel_url,
+};
 
 use crate::{Error, FenceToken, Fencing, Resource, Result, StaleTarget};
 

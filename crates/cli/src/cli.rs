@@ -32,9 +32,22 @@ pub struct Conn {
     /// PostgreSQL URL.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     pub database_url: Option<String>,
-    /// Redis URL.
+    /// Redis URL (the issuer when --issuer-url is not given).
     #[arg(long, env = "REDIS_URL", global = true, hide_env_values = true)]
     pub redis_url: Option<String>,
+    /// Token issuer URL: `redis://`, `rediss://`, `redis+sentinel://`, or `etcd://host:2379`
+    /// (etcd needs a pgfence built with the `etcd` feature). Defaults to the Redis URL.
+    #[arg(
+        long,
+        env = "PGFENCE_ISSUER_URL",
+        global = true,
+        hide_env_values = true
+    )]
+    pub issuer_url: Option<String>,
+    /// Prefix of the issuer's keys (`PREFIX:{resource}:lock`, `PREFIX:{resource}:fence`);
+    /// default `pgfence`. Applications sharing a Redis with different prefixes share no lock.
+    #[arg(long, env = "PGFENCE_KEY_PREFIX", global = true)]
+    pub key_prefix: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -95,7 +108,8 @@ pub enum Command {
     /// Run a command under a lock: acquire, export PGFENCE_TOKEN / PGFENCE_RESOURCE, keep the
     /// lease alive while it runs, release, exit with its status.
     Run(RunArgs),
-    /// Raise a resource's Redis counter to Postgres's high-water mark (after a failover).
+    /// Raise a resource's Redis counter to Postgres's high-water mark (after a failover; a
+    /// no-op with an etcd issuer, whose tokens never go backwards).
     Reseed {
         /// The resource.
         resource: String,
@@ -134,7 +148,7 @@ pub struct DoctorArgs {
     /// Do not scan guarded tables for their highest fence (large tables).
     #[arg(long)]
     pub no_scan: bool,
-    /// Only check PostgreSQL, even when a Redis URL is configured.
+    /// Only check PostgreSQL, even when an issuer (Redis) URL is configured.
     #[arg(long)]
     pub no_redis: bool,
 }

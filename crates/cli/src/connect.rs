@@ -1,10 +1,11 @@
 //! Connections to the servers, and taking a lock on one.
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use pgfence::{Issuer, Lease, Resource};
+use pgfence::{Issuer, IssuerOptions, Lease, Resource, TokenIssuer};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio::time::Instant;
@@ -26,12 +27,34 @@ impl Conn {
             .context("no PostgreSQL URL: pass --database-url or set DATABASE_URL")
     }
 
-    /// The Redis URL, or an error saying how to give one.
-    pub fn redis_url(&self) -> Result<&str> {
-        self.redis_url
-            .as_deref()
-            .filter(|u| !u.is_empty())
-            .context("no Redis URL: pass --redis-url or set REDIS_URL")
+    /// The issuer URL (`--issuer-url` / `PGFENCE_ISSUER_URL`, else the Redis URL), or an
+    /// error saying how to give one.
+    pub fn issuer_url(&self) -> Result<&str> {
+        match self.issuer_url.as_deref().filter(|u| !u.is_empty()) {
+            Some(url) => Ok(url),
+            None => self.redis_url.as_deref().filter(|u| !u.is_empty()).context(
+                "no issuer URL: pass --issuer-url (or --redis-url), or set PGFENCE_ISSUER_URL (or REDIS_URL)",
+            ),
+        }
+    }
+
+    /// The key prefix (`--key-prefix` / `PGFENCE_KEY_PREFIX`), checked; `None` for the
+    /// default.
+    pub fn key_prefix(&self) -> Result<Option<&str>> {
+        match self.key_prefix.as_deref() {
+            None => Ok(None),
+            Some(prefix) => Ok(Some(
+                pgfence::check_key_prefix(prefix)
+                    .context("bad --key-prefix / PGFENCE_KEY_PREFIX")?,
+            )),
+        }
+    }
+
+    fn issuer_options(&self) -> Result<IssuerOptions> {
+        Ok(match self.key_prefix()? {
+            Some(prefix) => IssuerOptions::new().key_prefix(prefix),
+            None => IssuerOptions::new(),
+        })
     }
 
     /// A small pool on the configured PostgreSQL.
@@ -46,34 +69,59 @@ impl Conn {
         Ok(pool)
     }
 
-    /// An issuer on the configured Redis.
-    pub async fn issuer(&self) -> Result<Issuer> {
-        connect_redis(self.redis_url()?).await
+    /// The configured issuer (Redis or etcd, by the URL's scheme), with the key prefix.
+    pub async fn issuer(&self) -> Result<Arc<dyn TokenIssuer>> {
+        connect_issuer(self.issuer_url()?, self.issuer_options()?).await
     }
 
-    /// An issuer for taking locks: when a PostgreSQL URL is configured, it recovers a lost
-    /// counter by itself ([`Issuer::with_floor_source`]): a lease taken on a missing counter
-    /// gets a token above the resource's high-water mark. Without a reachable, migrated
-    /// database it says so on stderr and issues tokens from Redis alone (safety does not
-    /// depend on it: Postgres still rejects old tokens).
-    pub async fn lock_issuer(&self) -> Result<Issuer> {
-        let issuer = self.issuer().await?;
-        let Ok(url) = self.database_url() else {
-            return Ok(issuer);
-        };
+    /// An issuer for taking locks: for Redis, when a PostgreSQL URL is configured, it
+    /// recovers a lost counter by itself ([`Issuer::with_floor_source`]): a lease taken on a
+    /// missing counter gets a token above the resource's high-water mark. Without a
+    /// reachable, migrated database it says so on stderr and issues tokens from Redis alone
+    /// (safety does not depend on it: Postgres still rejects old tokens). etcd needs no floor
+    /// (its revisions never go backwards).
+    pub async fn lock_issuer(&self) -> Result<Arc<dyn TokenIssuer>> {
+        let url = self.issuer_url()?;
+        if is_etcd(url) {
+            return self.issuer().await;
+        }
+        let prefix = self.key_prefix()?;
+        if !is_plain_redis(url) {
+            // Redis Sentinel: the floor source is given when connecting.
+            let options = self.issuer_options()?;
+            let options = match self.floor().await {
+                Some(pool) => options.floor_source(pool),
+                None => options,
+            };
+            return connect_issuer(url, options).await;
+        }
+        let mut issuer = connect_redis(url).await?;
+        if let Some(prefix) = prefix {
+            issuer = issuer.with_key_prefix(prefix)?;
+        }
+        Ok(match self.floor().await {
+            Some(pool) => Arc::new(issuer.with_floor_source(pool)),
+            None => Arc::new(issuer),
+        })
+    }
+
+    /// The migrated database to recover a lost Redis counter from, when one is configured;
+    /// says on stderr when it is configured but cannot be used.
+    async fn floor(&self) -> Option<PgPool> {
+        let url = self.database_url().ok()?;
         let floor = async {
             let pool = connect_pg(url).await?;
             require_schema(&pool).await?;
             anyhow::Ok(pool)
         };
         match floor.await {
-            Ok(pool) => Ok(issuer.with_floor_source(pool)),
+            Ok(pool) => Some(pool),
             Err(e) => {
                 eprintln!(
                     "pgfence: warning: a lost Redis counter cannot be recovered from PostgreSQL ({})",
                     crate::util::one_line(&e)
                 );
-                Ok(issuer)
+                None
             }
         }
     }
@@ -111,6 +159,39 @@ pub async fn require_schema(pool: &PgPool) -> Result<()> {
     Ok(())
 }
 
+/// Whether `url` names a standalone Redis (`redis://`, `rediss://`, a Unix socket) rather than
+/// etcd or Redis Sentinel: the issuer the CLI builds itself, to give it a floor source.
+fn is_plain_redis(url: &str) -> bool {
+    let lower = url.get(..16).unwrap_or(url).to_ascii_lowercase();
+    ["redis://", "rediss://", "redis+unix://", "unix://"]
+        .iter()
+        .any(|s| lower.starts_with(s))
+        // Not a URL the issuer selector understands: let Redis say what is wrong with it.
+        || !lower.contains("://")
+}
+
+/// Whether `url` names an etcd cluster (`etcd://`).
+fn is_etcd(url: &str) -> bool {
+    url.get(..7)
+        .is_some_and(|s| s.eq_ignore_ascii_case("etcd://"))
+}
+
+/// The issuer `url` names ([`pgfence::connect_issuer_with`]), giving up after a few seconds.
+pub async fn connect_issuer(url: &str, options: IssuerOptions) -> Result<Arc<dyn TokenIssuer>> {
+    let what = if is_etcd(url) { "etcd" } else { "Redis" };
+    match tokio::time::timeout(CONNECT_TIMEOUT, pgfence::connect_issuer_with(url, options)).await {
+        Ok(Ok(issuer)) => Ok(issuer),
+        // Not a connection problem: say what to do.
+        Ok(Err(e @ pgfence::Error::IssuerNotBuilt { .. })) => Err(anyhow!(
+            "{e} (for this command: cargo install pgfence-cli --features etcd)"
+        )),
+        Ok(Err(e)) => Err(anyhow::Error::from(e))
+            .with_context(|| format!("cannot connect to {what} at {}", redact(url))),
+        Err(_) => Err(anyhow!("timed out after {}", fmt_duration(CONNECT_TIMEOUT)))
+            .with_context(|| format!("cannot connect to {what} at {}", redact(url))),
+    }
+}
+
 /// An issuer on Redis at `url`, giving up after a few seconds.
 pub async fn connect_redis(url: &str) -> Result<Issuer> {
     tokio::time::timeout(CONNECT_TIMEOUT, Issuer::connect(url))
@@ -132,7 +213,7 @@ const MAX_BACKOFF: Duration = Duration::from_millis(500);
 /// expiry, and so polls it about every millisecond. Here the backoff only shortens to a
 /// positive remaining TTL, and a lock that will never expire is reported.
 pub async fn take_lock(
-    issuer: &Issuer,
+    issuer: &dyn TokenIssuer,
     resource: &Resource,
     ttl: Duration,
     wait: Option<Duration>,
@@ -181,7 +262,7 @@ fn far_future() -> Instant {
 
 /// "R is locked by another holder: held by OWNER (token N), for another N ms".
 async fn held_error(
-    issuer: &Issuer,
+    issuer: &dyn TokenIssuer,
     resource: &Resource,
     waited: Option<Duration>,
 ) -> anyhow::Error {

@@ -30,10 +30,14 @@ async fn main() -> ExitCode {
         Err(e) => e.exit(), // --help, --version
     };
     util::register_secrets(
-        [&cli.conn.database_url, &cli.conn.redis_url]
-            .into_iter()
-            .flatten()
-            .map(String::as_str),
+        [
+            &cli.conn.database_url,
+            &cli.conn.redis_url,
+            &cli.conn.issuer_url,
+        ]
+        .into_iter()
+        .flatten()
+        .map(String::as_str),
     );
     // A panic is a bug; still one line, with URLs and secrets hidden.
     std::panic::set_hook(Box::new(|info| {

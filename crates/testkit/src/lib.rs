@@ -15,8 +15,10 @@
 //! resilience tests.
 
 mod etcd;
+mod sentinel;
 
 pub use etcd::{ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, EtcdCluster, EtcdMember, etcd_installed};
+pub use sentinel::{RedisNode, SentinelConfig, SentinelSet, sentinel_installed};
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};

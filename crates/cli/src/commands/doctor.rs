@@ -19,6 +19,7 @@ const FINDINGS: u8 = 1;
 /// Runs the checks; one line per finding (or one JSON object), exit 0 when clean, 1 when
 /// any finding is a warning or an error.
 pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
+    conn.key_prefix()?;
     let pool = conn.pg().await?;
     let mut options = DoctorOptions::default().scan_tables(!args.no_scan);
     if let Some(retention) = args.audit_retention {
@@ -32,7 +33,7 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
     options = options.resources(resources);
 
     let mut early = Vec::new();
-    let issuer = match conn.redis_url() {
+    let issuer = match conn.issuer_url() {
         Ok(_) if !args.no_redis => match conn.issuer().await {
             Ok(issuer) => Some(issuer),
             Err(e) => {
@@ -50,7 +51,7 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
         },
         _ => None,
     };
-    let mut findings = pgfence::doctor(&pool, issuer.as_ref(), &options).await?;
+    let mut findings = pgfence::doctor(&pool, issuer.as_deref(), &options).await?;
     findings.splice(0..0, early);
     // Without an issuer, doctor reports the counters it could not compare; the Redis error
     // above already says why.

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use pgfence::{FenceToken, Lease, LeaseState};
+use pgfence::{FenceToken, Lease, ReleaseOutcome};
 use serde_json::json;
 
 use crate::cli::Conn;
@@ -24,7 +24,7 @@ pub async fn acquire(
 ) -> Result<ExitCode> {
     let resource = util::resource(resource)?;
     pgfence::check_ttl(ttl)?;
-    let lease = take_lock(&conn.lock_issuer().await?, &resource, ttl, wait).await?;
+    let lease = take_lock(&*conn.lock_issuer().await?, &resource, ttl, wait).await?;
     if json {
         println!(
             "{}",
@@ -62,22 +62,22 @@ pub async fn release(
         .with_context(|| format!("bad token {:?}", cell(token)))?;
     let issuer = conn.issuer().await?;
     let lease = Lease::resume(resource.clone(), owner, token);
-    let state = issuer.release(&lease).await?;
-    let word = match state {
-        LeaseState::Held => "released",
-        LeaseState::Expired => "expired",
-        LeaseState::Taken => "taken",
-    };
+    let outcome = issuer.release(&lease).await?;
     if json {
-        println!("{}", json!({"resource": resource.as_str(), "result": word}));
+        println!(
+            "{}",
+            json!({"resource": resource.as_str(), "result": outcome.as_str()})
+        );
     } else {
-        match state {
-            LeaseState::Held => println!("released {resource}"),
-            LeaseState::Expired => println!("{resource}: the lock had already expired"),
-            LeaseState::Taken => println!("{resource}: another holder has the lock; left it alone"),
+        match outcome {
+            ReleaseOutcome::Released => println!("released {resource}"),
+            ReleaseOutcome::AlreadyExpired => println!("{resource}: the lock had already expired"),
+            ReleaseOutcome::TakenByOther => {
+                println!("{resource}: another holder has the lock; left it alone");
+            }
         }
     }
-    Ok(if state == LeaseState::Held {
+    Ok(if outcome.is_released() {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(2)

@@ -31,6 +31,22 @@ pub async fn reseed(
         _ => {}
     }
     let issuer = conn.issuer().await?;
+    if !issuer.kind().can_reseed() {
+        // etcd: tokens are cluster revisions, which never go backwards.
+        let counter = issuer.status(&resource).await?.counter;
+        if json {
+            println!(
+                "{}",
+                json!({"resource": resource.as_str(), "issuer": issuer.kind().name(), "reseeded": false, "counter": counter})
+            );
+        } else {
+            println!(
+                "{resource}: nothing to reseed: the {} issuer's tokens are revisions that never go backwards (current revision {counter})",
+                issuer.kind()
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let (source, floor) = match floor {
         Some(f) => ("--floor", f),
         None => (

@@ -36,7 +36,7 @@ pub async fn run(
     resolve_program(program)
         .with_context(|| format!("cannot run {:?}", cell(&util::shorten(program))))?;
     let issuer = conn.lock_issuer().await?;
-    let lease = take_lock(&issuer, &resource, ttl, wait).await?;
+    let lease = take_lock(&*issuer, &resource, ttl, wait).await?;
 
     let spawned = child_command(program, &command[1..])
         .env("PGFENCE_TOKEN", lease.token().to_string())
@@ -56,7 +56,7 @@ pub async fn run(
         }
     };
 
-    let mut keep = issuer.keep_alive(&lease);
+    let mut keep = pgfence::KeepAlive::spawn(issuer.clone(), lease.clone());
     let mut term = signal(SignalKind::terminate())?;
     let mut hup = signal(SignalKind::hangup())?;
     let mut int = signal(SignalKind::interrupt())?;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use pgfence::{Error, FenceToken, Issuer, Lease, LeaseState, Repository, Resource, TableName};
+use pgfence::{Error, FenceToken, Issuer, Lease, ReleaseOutcome, Repository, Resource, TableName};
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio::sync::Notify;
 
@@ -181,11 +181,11 @@ async fn worker_b(
 }
 
 /// What a release answered, in words.
-fn release_word(state: LeaseState) -> &'static str {
-    match state {
-        LeaseState::Held => "released the lock",
-        LeaseState::Expired => "release: the lock had expired",
-        LeaseState::Taken => "release refused: another holder has the lock",
+fn release_word(outcome: ReleaseOutcome) -> &'static str {
+    match outcome {
+        ReleaseOutcome::Released => "released the lock",
+        ReleaseOutcome::AlreadyExpired => "release: the lock had expired",
+        ReleaseOutcome::TakenByOther => "release refused: another holder has the lock",
     }
 }
 

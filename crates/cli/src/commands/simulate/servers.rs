@@ -21,12 +21,15 @@ pub struct Servers {
     pub pg_url: String,
     /// Redis.
     pub redis_url: String,
+    /// The issuer's key prefix (`--key-prefix`), if not the default.
+    pub key_prefix: Option<String>,
     throwaway: Vec<Server>,
 }
 
 impl Servers {
     /// The given URLs, or throwaway servers where none is given.
     pub async fn start(conn: &Conn, say: &Narrator) -> Result<Self> {
+        let key_prefix = conn.key_prefix()?.map(str::to_owned);
         let mut throwaway: Vec<Server> = Vec::new();
         let mut urls = Vec::new();
         for (kind, configured, label, var) in [
@@ -62,6 +65,7 @@ impl Servers {
         Ok(Self {
             pg_url: urls[0].clone(),
             redis_url: urls[1].clone(),
+            key_prefix,
             throwaway,
         })
     }
@@ -84,7 +88,10 @@ impl Servers {
 /// Migrates, creates the demo table (guarded when `fenced`) and a fresh demo resource.
 pub async fn setup(servers: &Servers, fenced: bool, say: &Narrator) -> Result<Arc<Stage>> {
     let pool = connect_pg(&servers.pg_url).await?;
-    let issuer = connect_redis(&servers.redis_url).await?;
+    let mut issuer = connect_redis(&servers.redis_url).await?;
+    if let Some(prefix) = &servers.key_prefix {
+        issuer = issuer.with_key_prefix(prefix)?;
+    }
     let applied = pgfence::migrate(&pool).await?;
     let suffix = format!("{:08x}", rand::random::<u32>());
     let table = TableName::new("public", &format!("pgfence_demo_{suffix}"))?;
@@ -145,8 +152,8 @@ pub async fn cleanup(stage: &Stage) {
         .await;
     // The demo's own resource only: production counters are never deleted.
     let keys = [
-        pgfence::lock_key(&stage.resource),
-        pgfence::counter_key(&stage.resource),
+        stage.issuer.lock_key(&stage.resource),
+        stage.issuer.counter_key(&stage.resource),
     ];
     if let Ok(client) = redis::Client::open(stage.redis_url.as_str())
         && let Ok(mut conn) = client.get_multiplexed_async_connection().await

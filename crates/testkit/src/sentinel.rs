@@ -1,0 +1,546 @@
+//! A throwaway Redis Sentinel deployment on 127.0.0.1: one master, replicas and sentinels,
+//! each its own process with a PID the test can `SIGSTOP`, `SIGCONT` or `SIGKILL` (its own
+//! process only, never by name).
+//!
+//! Every process runs under a small `sh` supervisor that owns a fresh temporary directory and
+//! starts the server when told to on its stdin. When the pipe closes — this process dropped
+//! the deployment, exited, panicked or was killed — the supervisor `SIGKILL`s the server (a
+//! stopped one too) and removes the directory. Nothing is persisted (`save ''`, no AOF).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::{ServerError, find_in_path, sh_quote};
+
+const SENTINEL_HINT: &str = "install Redis with Sentinel (Debian: apt-get install redis-server \
+    redis-sentinel)";
+
+/// Whether `redis-server` and `redis-sentinel` are installed.
+#[must_use]
+pub fn sentinel_installed() -> bool {
+    find_in_path("redis-server").is_some() && find_in_path("redis-sentinel").is_some()
+}
+
+/// Timing of a [`SentinelSet`]'s sentinels.
+#[derive(Clone, Copy, Debug)]
+pub struct SentinelConfig {
+    /// Replicas of the master.
+    pub replicas: usize,
+    /// Sentinels.
+    pub sentinels: usize,
+    /// Sentinels that must agree the master is down.
+    pub quorum: usize,
+    /// `down-after-milliseconds`.
+    pub down_after: Duration,
+    /// `failover-timeout`.
+    pub failover_timeout: Duration,
+}
+
+impl Default for SentinelConfig {
+    fn default() -> Self {
+        Self {
+            replicas: 1,
+            sentinels: 1,
+            quorum: 1,
+            down_after: Duration::from_millis(800),
+            failover_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+/// One process of a [`SentinelSet`]: a Redis server or a sentinel.
+#[derive(Debug)]
+pub struct RedisNode {
+    role: &'static str,
+    port: u16,
+    dir: PathBuf,
+    supervisor: Child,
+    stdin: Option<ChildStdin>,
+    killed: bool,
+    paused: std::sync::atomic::AtomicBool,
+}
+
+impl RedisNode {
+    fn spawn(role: &'static str, port: u16) -> Result<Self, ServerError> {
+        // `start CMD...` lines run CMD in the background; EOF kills it and cleans up.
+        let script = r#"set -u
+umask 077
+dir=$(mktemp -d "${TMPDIR:-/tmp}/pgfence-sentinel.XXXXXX") || exit 1
+trap 'kill -KILL $(cat "$dir/pid" 2>/dev/null) 2>/dev/null; rm -rf "$dir"' EXIT
+echo "dir=$dir"
+while IFS= read -r line; do
+  case "$line" in
+    start\ *) eval "${line#start }" >>"$dir/server.log" 2>&1 &
+              echo $! >"$dir/pid.new" && mv "$dir/pid.new" "$dir/pid" ;;
+  esac
+done"#;
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", script])
+            .current_dir("/")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        let mut supervisor = cmd.spawn()?;
+        let stdin = supervisor.stdin.take();
+        let mut line = String::new();
+        let stdout = supervisor.stdout.take().expect("stdout is piped");
+        BufReader::new(stdout).read_line(&mut line)?;
+        let Some(dir) = line.trim().strip_prefix("dir=").map(PathBuf::from) else {
+            let _ = supervisor.wait();
+            let mut detail = String::new();
+            if let Some(mut err) = supervisor.stderr.take() {
+                let _ = err.read_to_string(&mut detail);
+            }
+            return Err(ServerError::StartFailed { what: role, detail });
+        };
+        Ok(Self {
+            role,
+            port,
+            dir,
+            supervisor,
+            stdin,
+            killed: false,
+            paused: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    fn start(&mut self, command: &str) -> Result<(), ServerError> {
+        let stdin = self.stdin.as_mut().ok_or(ServerError::StartFailed {
+            what: self.role,
+            detail: "already stopped".into(),
+        })?;
+        writeln!(stdin, "start {command}")?;
+        stdin.flush()?;
+        Ok(())
+    }
+
+    /// `redis-server` or `redis-sentinel`.
+    #[must_use]
+    pub fn role(&self) -> &'static str {
+        self.role
+    }
+
+    /// TCP port on 127.0.0.1.
+    #[must_use]
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    #[must_use]
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The node's temporary directory (removed when it stops).
+    #[must_use]
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The server's process id (`None` before it started or after [`RedisNode::kill`]).
+    #[must_use]
+    pub fn pid(&self) -> Option<u32> {
+        if self.killed {
+            return None;
+        }
+        std::fs::read_to_string(self.dir.join("pid"))
+            .ok()
+            .and_then(|p| p.trim().parse().ok())
+    }
+
+    fn signal(&self, signal: &str) -> Result<u32, ServerError> {
+        let pid = self.pid().ok_or(ServerError::StartFailed {
+            what: self.role,
+            detail: format!("port {}: not running", self.port),
+        })?;
+        let status = Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()?;
+        if !status.success() {
+            return Err(ServerError::StartFailed {
+                what: self.role,
+                detail: format!("could not send {signal} to pid {pid}"),
+            });
+        }
+        Ok(pid)
+    }
+
+    /// `SIGSTOP`s the process: it keeps its sockets and answers nothing until
+    /// [`RedisNode::resume`].
+    ///
+    /// # Errors
+    /// Not running, or `kill` failed.
+    pub fn pause(&self) -> Result<(), ServerError> {
+        self.signal("-STOP")?;
+        self.paused.store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Whether the process runs: started, not paused, not killed.
+    #[must_use]
+    pub fn is_running(&self) -> bool {
+        !self.killed
+            && !self.paused.load(std::sync::atomic::Ordering::SeqCst)
+            && self.pid().is_some()
+    }
+
+    /// `SIGCONT`s a paused process.
+    ///
+    /// # Errors
+    /// Not running, or `kill` failed.
+    pub fn resume(&self) -> Result<(), ServerError> {
+        self.signal("-CONT")?;
+        self.paused
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// `SIGKILL`s the process (paused or not) and waits until its port is closed.
+    ///
+    /// # Errors
+    /// Not running, or `kill` failed.
+    pub fn kill(&mut self) -> Result<(), ServerError> {
+        let pid = self.signal("-KILL")?;
+        self.killed = true;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline
+            && (process_alive(pid) || connects(self.port, Duration::from_millis(100)))
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(())
+    }
+
+    /// Sends one command (inline protocol) and returns the raw reply, or `None` if the node does
+    /// not answer within 1 s.
+    #[must_use]
+    pub fn command(&self, command: &str) -> Option<String> {
+        raw_command(self.port, command)
+    }
+
+    /// The last lines of the node's log, for error messages.
+    #[must_use]
+    pub fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    fn shutdown(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.supervisor.wait();
+    }
+}
+
+impl Drop for RedisNode {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A throwaway master, its replicas and the sentinels that monitor it, on 127.0.0.1. Dropping
+/// it kills every process it started and removes their directories.
+#[derive(Debug)]
+pub struct SentinelSet {
+    name: String,
+    master: RedisNode,
+    replicas: Vec<RedisNode>,
+    sentinels: Vec<RedisNode>,
+}
+
+impl SentinelSet {
+    /// Starts the master, `config.replicas` replicas (waiting until each has synced) and
+    /// `config.sentinels` sentinels monitoring the master as `name` (waiting until every
+    /// sentinel sees every replica and every other sentinel).
+    ///
+    /// # Errors
+    /// [`ServerError::NotInstalled`] without `redis-server` / `redis-sentinel`;
+    /// [`ServerError::StartFailed`] when the deployment does not form within 30 s.
+    pub async fn start(name: &str, config: SentinelConfig) -> Result<Self, ServerError> {
+        let server = find_in_path("redis-server").ok_or(ServerError::NotInstalled {
+            what: "redis-server",
+            hint: SENTINEL_HINT,
+        })?;
+        let sentinel = find_in_path("redis-sentinel").ok_or(ServerError::NotInstalled {
+            what: "redis-sentinel",
+            hint: SENTINEL_HINT,
+        })?;
+        assert!(config.sentinels >= 1 && config.quorum >= 1);
+        let ports = free_ports(1 + config.replicas + config.sentinels)?;
+        let server_cmd = |port: u16, extra: &str| {
+            format!(
+                "exec {} --port {port} --bind 127.0.0.1 --save '' --appendonly no --dir \"$dir\" \
+                 --daemonize no --repl-diskless-sync-delay 0 --repl-ping-replica-period 1 {extra}",
+                sh_quote(&server)
+            )
+        };
+        let spawn = |role: &'static str, port: u16| RedisNode::spawn(role, port);
+        let mut master = spawn("redis-server", ports[0])?;
+        master.start(&server_cmd(ports[0], ""))?;
+        wait_for(&master, Duration::from_secs(30), |port| {
+            raw_command(port, "PING").is_some_and(|r| r.starts_with("+PONG"))
+        })
+        .await?;
+        let mut replicas = Vec::new();
+        for &port in &ports[1..=config.replicas] {
+            let mut replica = spawn("redis-server", port)?;
+            replica.start(&server_cmd(
+                port,
+                &format!("--replicaof 127.0.0.1 {}", ports[0]),
+            ))?;
+            wait_for(&replica, Duration::from_secs(30), |port| {
+                raw_command(port, "INFO replication")
+                    .is_some_and(|r| r.contains("master_link_status:up"))
+            })
+            .await?;
+            replicas.push(replica);
+        }
+        // The master streams writes to a replica only once it is `online` on its side (after
+        // the replica's first REPLCONF ACK), which can lag the replica's `link up`.
+        let want = config.replicas;
+        wait_for(&master, Duration::from_secs(30), move |port| {
+            raw_command(port, "INFO replication")
+                .is_some_and(|r| r.matches("state=online").count() >= want)
+        })
+        .await?;
+        let mut sentinels = Vec::new();
+        for &port in &ports[1 + config.replicas..] {
+            let mut node = spawn("redis-sentinel", port)?;
+            let conf = format!(
+                "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {dir}\n\
+                 sentinel monitor {name} 127.0.0.1 {master} {quorum}\n\
+                 sentinel down-after-milliseconds {name} {down}\n\
+                 sentinel failover-timeout {name} {failover}\n\
+                 sentinel parallel-syncs {name} 1\n",
+                dir = node.dir.display(),
+                master = ports[0],
+                quorum = config.quorum,
+                down = config.down_after.as_millis(),
+                failover = config.failover_timeout.as_millis(),
+            );
+            std::fs::write(node.dir.join("sentinel.conf"), conf)?;
+            node.start(&format!(
+                "exec {} \"$dir/sentinel.conf\"",
+                sh_quote(&sentinel)
+            ))?;
+            sentinels.push(node);
+        }
+        let set = Self {
+            name: name.to_owned(),
+            master,
+            replicas,
+            sentinels,
+        };
+        let (replicas, others) = (config.replicas, config.sentinels - 1);
+        for node in &set.sentinels {
+            let name = set.name.clone();
+            wait_for(node, Duration::from_secs(30), move |port| {
+                let seen_replicas =
+                    raw_command(port, &format!("SENTINEL replicas {name}")).map_or(0, |r| {
+                        // Known, healthy, and its INFO read: promotable.
+                        r.matches("$5\r\nslave\r\n")
+                            .count()
+                            .min(r.matches("master-link-status\r\n$2\r\nok").count())
+                    });
+                let seen_sentinels = raw_command(port, &format!("SENTINEL sentinels {name}"))
+                    .map_or(0, |r| r.matches("$8\r\nsentinel\r\n").count());
+                seen_replicas >= replicas && seen_sentinels >= others
+            })
+            .await?;
+        }
+        Ok(set)
+    }
+
+    /// The name the sentinels monitor the master under.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The master the deployment started with.
+    #[must_use]
+    pub fn master(&self) -> &RedisNode {
+        &self.master
+    }
+
+    /// The master the deployment started with, to kill it.
+    pub fn master_mut(&mut self) -> &mut RedisNode {
+        &mut self.master
+    }
+
+    /// The replicas, in start order.
+    #[must_use]
+    pub fn replicas(&self) -> &[RedisNode] {
+        &self.replicas
+    }
+
+    /// The sentinels, in start order.
+    #[must_use]
+    pub fn sentinels(&self) -> &[RedisNode] {
+        &self.sentinels
+    }
+
+    /// The sentinels, to kill one.
+    pub fn sentinels_mut(&mut self) -> &mut [RedisNode] {
+        &mut self.sentinels
+    }
+
+    /// `redis+sentinel://127.0.0.1:P1,127.0.0.1:P2,.../NAME`.
+    #[must_use]
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port))
+            .collect();
+        format!("redis+sentinel://{}/{}", hosts.join(","), self.name)
+    }
+
+    fn running_sentinels(&self) -> Vec<u16> {
+        self.sentinels
+            .iter()
+            .filter(|s| s.is_running())
+            .map(|s| s.port)
+            .collect()
+    }
+
+    /// The master's port as the first running sentinel that answers names it
+    /// (`SENTINEL get-master-addr-by-name`).
+    #[must_use]
+    pub fn master_port(&self) -> Option<u16> {
+        let ports = self.running_sentinels();
+        master_port(&ports, &self.name)
+    }
+
+    /// Waits until the running sentinels name a master other than port `old` and that node says it
+    /// is a master; returns its port.
+    ///
+    /// # Errors
+    /// [`ServerError::StartFailed`] (with every sentinel's log tail) after `timeout`.
+    pub async fn wait_for_new_master(
+        &self,
+        old: u16,
+        timeout: Duration,
+    ) -> Result<u16, ServerError> {
+        let deadline = Instant::now() + timeout;
+        let sentinels = self.running_sentinels();
+        loop {
+            let (sentinels, name) = (sentinels.clone(), self.name.clone());
+            let found = tokio::task::spawn_blocking(move || {
+                let port = master_port(&sentinels, &name).filter(|p| *p != old)?;
+                raw_command(port, "ROLE")
+                    .is_some_and(|r| r.contains("$6\r\nmaster"))
+                    .then_some(port)
+            })
+            .await
+            .ok()
+            .flatten();
+            if let Some(port) = found {
+                return Ok(port);
+            }
+            if Instant::now() > deadline {
+                let logs: Vec<String> = self.sentinels.iter().map(RedisNode::log_tail).collect();
+                return Err(ServerError::StartFailed {
+                    what: "redis-sentinel failover",
+                    detail: format!("no new master after {timeout:?}:\n{}", logs.join("\n---\n")),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// The master's port as the first of `sentinels` that answers names it.
+fn master_port(sentinels: &[u16], name: &str) -> Option<u16> {
+    sentinels.iter().find_map(|&s| {
+        let reply = raw_command(s, &format!("SENTINEL get-master-addr-by-name {name}"))?;
+        // *2\r\n$9\r\n127.0.0.1\r\n$5\r\nPORT\r\n
+        reply.lines().nth(4)?.trim().parse().ok()
+    })
+}
+
+async fn wait_for(
+    node: &RedisNode,
+    timeout: Duration,
+    ready: impl Fn(u16) -> bool + Clone + Send + 'static,
+) -> Result<(), ServerError> {
+    let deadline = Instant::now() + timeout;
+    let port = node.port;
+    loop {
+        let ready = ready.clone();
+        if tokio::task::spawn_blocking(move || ready(port))
+            .await
+            .unwrap_or(false)
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(ServerError::StartFailed {
+                what: node.role,
+                detail: format!(
+                    "port {} not ready after {timeout:?}: {}",
+                    node.port,
+                    node.log_tail()
+                ),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn connects(port: u16, timeout: Duration) -> bool {
+    TcpStream::connect_timeout(&SocketAddr::from((Ipv4Addr::LOCALHOST, port)), timeout).is_ok()
+}
+
+/// One inline command, its raw reply (everything the server sends within a short while).
+fn raw_command(port: u16, command: &str) -> Option<String> {
+    let mut stream = TcpStream::connect_timeout(
+        &SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
+        Duration::from_millis(500),
+    )
+    .ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_millis(1000)))
+        .ok()?;
+    stream.write_all(format!("{command}\r\n").as_bytes()).ok()?;
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                reply.extend_from_slice(&buf[..n]);
+                // Stop once the reply is complete enough: a short wait for more bytes.
+                stream
+                    .set_read_timeout(Some(Duration::from_millis(30)))
+                    .ok()?;
+            }
+            Err(_) => break,
+        }
+    }
+    (!reply.is_empty()).then(|| String::from_utf8_lossy(&reply).into_owned())
+}
+
+/// `count` distinct free ports (all bound at once, then released).
+fn free_ports(count: usize) -> std::io::Result<Vec<u16>> {
+    let listeners = (0..count)
+        .map(|_| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    listeners
+        .iter()
+        .map(|l| l.local_addr().map(|a| a.port()))
+        .collect()
+}
+
+fn process_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
+    })
+}

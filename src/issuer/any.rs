@@ -1,0 +1,487 @@
+//! [`TokenIssuer`]: one interface over every issuer (Redis, etcd), and [`connect_issuer`],
+//! which picks one from a URL at run time.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::ConnectionLike;
+use sqlx::PgPool;
+use tokio::time::Instant;
+
+use super::{Issuer, Lease, LeaseState, LockStatus, ReleaseOutcome, check_key_prefix};
+use crate::{Error, Resource, Result};
+
+/// A boxed, `Send` future borrowing from `'a`: what [`TokenIssuer`]'s methods return.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Which kind of issuer a [`TokenIssuer`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum IssuerKind {
+    /// The Redis [`Issuer`] (standalone, cluster or sentinel): a per-resource counter that a
+    /// failover or restart can send backwards; [`TokenIssuer::raise_floor`] reseeds it.
+    Redis,
+    /// The etcd issuer (`EtcdIssuer`, feature `etcd`): tokens are cluster revisions, which
+    /// never go backwards; reseeding is a no-op.
+    Etcd,
+}
+
+impl IssuerKind {
+    /// `"redis"` or `"etcd"`.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            IssuerKind::Redis => "redis",
+            IssuerKind::Etcd => "etcd",
+        }
+    }
+
+    /// Whether this issuer's counter can go backwards (and so can be reseeded from Postgres):
+    /// true for Redis, false for etcd.
+    #[must_use]
+    pub fn can_reseed(self) -> bool {
+        self == IssuerKind::Redis
+    }
+}
+
+impl std::fmt::Display for IssuerKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What every token issuer does: hand out [`Lease`]s with fence tokens, release and extend
+/// them owner-safely, report a lock's state, and (where the counter can go backwards) raise
+/// the counter after a failover.
+///
+/// Implemented by the Redis [`Issuer`] (any connection type) and by `EtcdIssuer` (feature
+/// `etcd`). The methods have the same names and meaning as the issuers' own methods, which
+/// stay callable directly; this trait is for code that picks the issuer at run time
+/// ([`connect_issuer`]) or must work with either ([`KeepAlive`](crate::KeepAlive)).
+///
+/// # Why object-safe, with boxed futures
+///
+/// The trait is used as `Arc<dyn TokenIssuer>` / `Box<dyn TokenIssuer>`: a CLI or a service
+/// reads an issuer URL from its configuration and gets one value whose type does not depend
+/// on the URL. `async fn` in traits would make the trait generic-only (not `dyn`-compatible)
+/// and leaves the futures' `Send`-ness unstated, so every caller would have to be generic over
+/// the issuer and every issuer combination monomorphised. The methods therefore return
+/// [`BoxFuture`]s (`Pin<Box<dyn Future + Send>>`): one allocation per call, noise next to a
+/// network round trip. Code that knows its issuer's type statically can keep calling the
+/// concrete methods ([`Issuer::acquire`] etc.), which are plain `async fn`s.
+///
+/// # Differences between issuers
+///
+/// * Redis tokens count per resource (or per fencing domain); etcd tokens are cluster-wide
+///   revisions. Both are strictly increasing per resource, which is all Postgres needs.
+/// * etcd revisions cannot go backwards: [`TokenIssuer::raise_floor`] and
+///   [`TokenIssuer::recover_from`] do nothing there (they return the current revision and
+///   `false`). See [`TokenIssuer::kind`] and [`IssuerKind::can_reseed`].
+/// * etcd TTLs have whole-second resolution on the server.
+///
+/// ```no_run
+/// # async fn f() -> pgfence::Result<()> {
+/// use std::time::Duration;
+/// // "redis://...", "rediss://...", or "etcd://..." (feature `etcd`): chosen by the URL.
+/// let url = std::env::var("PGFENCE_ISSUER_URL").unwrap_or("redis://127.0.0.1:6379".into());
+/// let issuer = pgfence::connect_issuer(&url).await?;
+/// let resource = pgfence::Resource::new("payments:batch:42")?;
+/// if let Some(lease) = issuer.acquire(&resource, Duration::from_secs(30)).await? {
+///     // ... fenced writes with lease.token() ...
+///     let outcome = issuer.release(&lease).await?;
+///     if !outcome.is_released() {
+///         eprintln!("the lease had already ended: {outcome}"); // expired or taken: no error
+///     }
+/// }
+/// # Ok(()) }
+/// ```
+pub trait TokenIssuer: Send + Sync + std::fmt::Debug + 'static {
+    /// Which issuer this is.
+    fn kind(&self) -> IssuerKind;
+
+    /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds
+    /// it. See [`Issuer::acquire`].
+    fn acquire<'a>(
+        &'a self,
+        resource: &'a Resource,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<Lease>>>;
+
+    /// Like [`TokenIssuer::acquire`] with a caller-chosen owner id (an idempotent retry);
+    /// `Err(retry_in)` when another owner holds the lock. See [`Issuer::acquire_as`].
+    fn acquire_as<'a>(
+        &'a self,
+        resource: &'a Resource,
+        owner: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<std::result::Result<Lease, Duration>>>;
+
+    /// Waits up to `wait` for the lock; `Ok(None)` when the wait ran out. See
+    /// [`Issuer::acquire_wait`].
+    fn acquire_wait<'a>(
+        &'a self,
+        resource: &'a Resource,
+        ttl: Duration,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<Option<Lease>>>;
+
+    /// Releases the lock if `lease` still holds it. See [`Issuer::release`] and
+    /// [`ReleaseOutcome`].
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<ReleaseOutcome>>;
+
+    /// Extends the lock to `ttl` from now if `lease` still holds it; [`LeaseState::Held`]
+    /// means it still holds the lock, extended. See [`Issuer::extend`].
+    fn extend<'a>(
+        &'a self,
+        lease: &'a mut Lease,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<LeaseState>>;
+
+    /// [`TokenIssuer::extend`], re-sending after transport failures only until `until` (what
+    /// [`KeepAlive`](crate::KeepAlive) uses, with the lease's local deadline). The default
+    /// calls [`TokenIssuer::extend`].
+    fn extend_until<'a>(
+        &'a self,
+        lease: &'a mut Lease,
+        ttl: Duration,
+        until: Instant,
+    ) -> BoxFuture<'a, Result<LeaseState>> {
+        let _ = until;
+        self.extend(lease, ttl)
+    }
+
+    /// Reads `resource`'s lock and counter (for etcd, `counter` is the cluster's revision).
+    fn status<'a>(&'a self, resource: &'a Resource) -> BoxFuture<'a, Result<LockStatus>>;
+
+    /// Raises `resource`'s counter to at least `floor` and returns it afterwards. For etcd a
+    /// no-op that returns the current revision (revisions never go backwards). See
+    /// [`Issuer::raise_floor`].
+    fn raise_floor<'a>(&'a self, resource: &'a Resource, floor: i64) -> BoxFuture<'a, Result<i64>>;
+
+    /// Recovery from a rejected write: raises the counter past the token the write met;
+    /// whether it was raised. For etcd always `Ok(false)`. See [`Issuer::recover_from`].
+    fn recover_from<'a>(&'a self, err: &'a Error) -> BoxFuture<'a, Result<bool>>;
+
+    /// Raises `resource`'s counter to the high-water mark Postgres recorded for it; the
+    /// counter afterwards. See [`Issuer::reseed`].
+    fn reseed<'a>(
+        &'a self,
+        pool: &'a PgPool,
+        resource: &'a Resource,
+    ) -> BoxFuture<'a, Result<i64>> {
+        Box::pin(async move {
+            let mark = crate::counter_floor(pool, resource).await?;
+            self.raise_floor(resource, mark).await
+        })
+    }
+}
+
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> TokenIssuer for Issuer<C> {
+    fn kind(&self) -> IssuerKind {
+        IssuerKind::Redis
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        resource: &'a Resource,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<Lease>>> {
+        Box::pin(Issuer::acquire(self, resource, ttl))
+    }
+
+    fn acquire_as<'a>(
+        &'a self,
+        resource: &'a Resource,
+        owner: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<std::result::Result<Lease, Duration>>> {
+        Box::pin(Issuer::acquire_as(self, resource, owner, ttl))
+    }
+
+    fn acquire_wait<'a>(
+        &'a self,
+        resource: &'a Resource,
+        ttl: Duration,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<Option<Lease>>> {
+        Box::pin(Issuer::acquire_wait(self, resource, ttl, wait))
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<ReleaseOutcome>> {
+        Box::pin(Issuer::release(self, lease))
+    }
+
+    fn extend<'a>(
+        &'a self,
+        lease: &'a mut Lease,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<LeaseState>> {
+        Box::pin(Issuer::extend(self, lease, ttl))
+    }
+
+    fn extend_until<'a>(
+        &'a self,
+        lease: &'a mut Lease,
+        ttl: Duration,
+        until: Instant,
+    ) -> BoxFuture<'a, Result<LeaseState>> {
+        Box::pin(Issuer::extend_until(self, lease, ttl, until))
+    }
+
+    fn status<'a>(&'a self, resource: &'a Resource) -> BoxFuture<'a, Result<LockStatus>> {
+        Box::pin(Issuer::status(self, resource))
+    }
+
+    fn raise_floor<'a>(&'a self, resource: &'a Resource, floor: i64) -> BoxFuture<'a, Result<i64>> {
+        Box::pin(Issuer::raise_floor(self, resource, floor))
+    }
+
+    fn recover_from<'a>(&'a self, err: &'a Error) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(Issuer::recover_from(self, err))
+    }
+
+    fn reseed<'a>(
+        &'a self,
+        pool: &'a PgPool,
+        resource: &'a Resource,
+    ) -> BoxFuture<'a, Result<i64>> {
+        Box::pin(Issuer::reseed(self, pool, resource))
+    }
+}
+
+#[cfg(feature = "etcd")]
+impl TokenIssuer for super::EtcdIssuer {
+    fn kind(&self) -> IssuerKind {
+        IssuerKind::Etcd
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        resource: &'a Resource,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<Lease>>> {
+        Box::pin(super::EtcdIssuer::acquire(self, resource, ttl))
+    }
+
+    fn acquire_as<'a>(
+        &'a self,
+        resource: &'a Resource,
+        owner: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<std::result::Result<Lease, Duration>>> {
+        Box::pin(super::EtcdIssuer::acquire_as(self, resource, owner, ttl))
+    }
+
+    fn acquire_wait<'a>(
+        &'a self,
+        resource: &'a Resource,
+        ttl: Duration,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<Option<Lease>>> {
+        Box::pin(super::EtcdIssuer::acquire_wait(self, resource, ttl, wait))
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<ReleaseOutcome>> {
+        Box::pin(super::EtcdIssuer::release(self, lease))
+    }
+
+    fn extend<'a>(
+        &'a self,
+        lease: &'a mut Lease,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<LeaseState>> {
+        Box::pin(super::EtcdIssuer::extend(self, lease, ttl))
+    }
+
+    fn extend_until<'a>(
+        &'a self,
+        lease: &'a mut Lease,
+        ttl: Duration,
+        until: Instant,
+    ) -> BoxFuture<'a, Result<LeaseState>> {
+        Box::pin(super::EtcdIssuer::extend_until(self, lease, ttl, until))
+    }
+
+    fn status<'a>(&'a self, resource: &'a Resource) -> BoxFuture<'a, Result<LockStatus>> {
+        Box::pin(super::EtcdIssuer::status(self, resource))
+    }
+
+    /// etcd revisions never go backwards: nothing to raise. Returns the current revision
+    /// (after checking `floor` as the Redis issuer does).
+    fn raise_floor<'a>(&'a self, resource: &'a Resource, floor: i64) -> BoxFuture<'a, Result<i64>> {
+        Box::pin(async move {
+            if floor < 0 {
+                return Err(Error::InvalidToken(floor.to_string()));
+            }
+            Ok(super::EtcdIssuer::status(self, resource).await?.counter)
+        })
+    }
+
+    /// etcd revisions never go backwards: there is no counter to recover. Always `Ok(false)`.
+    fn recover_from<'a>(&'a self, _err: &'a Error) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async { Ok(false) })
+    }
+
+    /// A no-op (see [`TokenIssuer::raise_floor`]): returns the current revision without
+    /// reading Postgres.
+    fn reseed<'a>(
+        &'a self,
+        _pool: &'a PgPool,
+        resource: &'a Resource,
+    ) -> BoxFuture<'a, Result<i64>> {
+        self.raise_floor(resource, 0)
+    }
+}
+
+/// How [`connect_issuer_with`] sets up the issuer it connects.
+#[derive(Clone, Debug, Default)]
+pub struct IssuerOptions {
+    key_prefix: Option<String>,
+    floor_source: Option<PgPool>,
+}
+
+impl IssuerOptions {
+    /// The defaults: key prefix `pgfence`, no floor source.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The key prefix ([`Issuer::with_key_prefix`]; for etcd, keys become
+    /// `PREFIX/lock/R`). Checked when connecting.
+    #[must_use]
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.key_prefix = Some(prefix.into());
+        self
+    }
+
+    /// Recover a lost Redis counter from this database ([`Issuer::with_floor_source`]).
+    /// Ignored by etcd, whose revisions are never lost.
+    #[must_use]
+    pub fn floor_source(mut self, pool: PgPool) -> Self {
+        self.floor_source = Some(pool);
+        self
+    }
+}
+
+/// The scheme of `url`, lower-cased, with its `://` (`None` without one).
+fn scheme(url: &str) -> Option<String> {
+    url.find("://")
+        .map(|i| url[..i + 3].to_ascii_lowercase())
+        .filter(|s| {
+            s[..s.len() - 3]
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+        })
+}
+
+/// Connects the issuer `url` names, with the default options (see [`connect_issuer_with`]).
+///
+/// # Errors
+/// As [`connect_issuer_with`].
+pub async fn connect_issuer(url: &str) -> Result<Arc<dyn TokenIssuer>> {
+    connect_issuer_with(url, IssuerOptions::default()).await
+}
+
+/// Connects the issuer `url` names, chosen by its scheme:
+///
+/// * `redis://`, `rediss://` (TLS, if the `redis` crate was built with TLS), `redis+unix://`,
+///   `unix://`: the Redis [`Issuer`] ([`Issuer::connect`]);
+/// * `redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db]`: the Redis
+///   issuer through Redis Sentinel ([`Issuer::connect_sentinel`]);
+/// * `etcd://host:port[,host:port...]`: the etcd issuer (feature `etcd`).
+///
+/// # Errors
+/// [`Error::IssuerNotBuilt`] for `etcd://` without the `etcd` feature;
+/// [`Error::InvalidIssuerUrl`] for any other scheme; [`Error::InvalidKeyPrefix`];
+/// the issuer's connection error ([`Error::Redis`], `Error::Etcd`).
+pub async fn connect_issuer_with(
+    url: &str,
+    options: IssuerOptions,
+) -> Result<Arc<dyn TokenIssuer>> {
+    if let Some(prefix) = &options.key_prefix {
+        check_key_prefix(prefix)?;
+    }
+    let scheme = scheme(url);
+    match scheme.as_deref() {
+        Some("redis://" | "rediss://" | "redis+unix://" | "unix://") => {
+            let mut issuer = Issuer::connect(url).await?;
+            if let Some(prefix) = &options.key_prefix {
+                issuer = issuer.with_key_prefix(prefix)?;
+            }
+            if let Some(pool) = options.floor_source {
+                issuer = issuer.with_floor_source(pool);
+            }
+            Ok(Arc::new(issuer))
+        }
+        Some("redis+sentinel://") => {
+            let mut issuer = Issuer::connect_sentinel(url).await?;
+            if let Some(prefix) = &options.key_prefix {
+                issuer = issuer.with_key_prefix(prefix)?;
+            }
+            if let Some(pool) = options.floor_source {
+                issuer = issuer.with_floor_source(pool);
+            }
+            Ok(Arc::new(issuer))
+        }
+        #[cfg(feature = "etcd")]
+        Some(super::ETCD_SCHEME) => {
+            let mut issuer = super::EtcdIssuer::connect(url).await?;
+            if let Some(prefix) = &options.key_prefix {
+                issuer = issuer.with_key_prefix(prefix)?;
+            }
+            Ok(Arc::new(issuer))
+        }
+        #[cfg(not(feature = "etcd"))]
+        Some("etcd://") => Err(Error::IssuerNotBuilt {
+            scheme: "etcd://",
+            feature: "etcd",
+        }),
+        Some(other) => Err(Error::InvalidIssuerUrl(format!(
+            "unknown scheme {other:?}; expected redis://, rediss://, redis+sentinel:// or etcd://"
+        ))),
+        None => Err(Error::InvalidIssuerUrl(
+            "no scheme; expected redis://, rediss://, redis+sentinel:// or etcd://".into(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schemes() {
+        assert_eq!(scheme("REDIS://h:1").as_deref(), Some("redis://"));
+        assert_eq!(
+            scheme("redis+sentinel://h").as_deref(),
+            Some("redis+sentinel://")
+        );
+        assert_eq!(scheme("etcd://a,b").as_deref(), Some("etcd://"));
+        assert_eq!(scheme("not a url"), None);
+        assert_eq!(scheme("a b://x"), None);
+    }
+
+    #[tokio::test]
+    async fn rejects_unknown_schemes_and_bad_prefixes() {
+        let err = connect_issuer("nope://x").await.unwrap_err();
+        assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err}");
+        let err = connect_issuer("").await.unwrap_err();
+        assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err}");
+        let err = connect_issuer_with(
+            "redis://127.0.0.1:1",
+            IssuerOptions::new().key_prefix("a b"),
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, Error::InvalidKeyPrefix(_)), "{err}");
+        #[cfg(not(feature = "etcd"))]
+        {
+            let err = connect_issuer("etcd://127.0.0.1:2379").await.unwrap_err();
+            assert!(matches!(err, Error::IssuerNotBuilt { .. }), "{err}");
+            assert!(err.to_string().contains("`etcd` feature"), "{err}");
+        }
+    }
+}
