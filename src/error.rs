@@ -263,6 +263,11 @@ impl Error {
                     || e.is_connection_dropped()
                     || e.is_timeout()
                     || e.is_connection_refusal()
+                    // A node that is failing over, demoted or still loading.
+                    || matches!(
+                        e.code(),
+                        Some("READONLY" | "MASTERDOWN" | "LOADING" | "TRYAGAIN")
+                    )
             }
             #[cfg(feature = "etcd")]
             Error::Etcd(e) => crate::issuer::etcd_is_transient(e),
