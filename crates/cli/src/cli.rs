@@ -237,9 +237,24 @@ pub struct RunArgs {
     /// Wait up to this long for the lock (default: fail at once if held).
     #[arg(long, value_parser = util::parse_duration, allow_hyphen_values = true)]
     pub wait: Option<Duration>,
+    /// What to do when the lease is lost while the command runs: `kill` sends it SIGTERM
+    /// (like `consul lock`), `wait` lets it finish (like `etcdctl lock`); its Postgres writes
+    /// are fenced either way.
+    #[arg(long, value_enum, default_value_t = OnLeaseLost::Kill)]
+    pub on_lease_lost: OnLeaseLost,
     /// The command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
+}
+
+/// `pgfence run --on-lease-lost`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnLeaseLost {
+    /// Send the command SIGTERM: work outside Postgres (a payment provider, files) is not
+    /// fenced, so a command that no longer holds the lock should stop.
+    Kill,
+    /// Let the command run to its end; only its fenced writes are protected.
+    Wait,
 }
 
 #[derive(Args, Debug)]

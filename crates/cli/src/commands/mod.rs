@@ -86,7 +86,15 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
             LockAction::Status { resource, json } => lock::status(&conn, &resource, json).await,
         },
         Command::Run(args) => {
-            run::run(&conn, &args.resource, args.ttl, args.wait, &args.command).await
+            run::run(
+                &conn,
+                &args.resource,
+                args.ttl,
+                args.wait,
+                args.on_lease_lost,
+                &args.command,
+            )
+            .await
         }
         Command::Reseed {
             resource,

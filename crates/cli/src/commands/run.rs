@@ -25,6 +25,7 @@ pub async fn run(
     resource: &str,
     ttl: Duration,
     wait: Option<Duration>,
+    on_lost: crate::cli::OnLeaseLost,
     command: &[String],
 ) -> Result<ExitCode> {
     let resource = util::resource(resource)?;
@@ -76,8 +77,15 @@ pub async fn run(
             }
             lost = keep.lost(), if !lost_reported => {
                 lost_reported = true;
+                let action = match on_lost {
+                    crate::cli::OnLeaseLost::Kill => {
+                        forward(&child, "TERM");
+                        "sent it SIGTERM (--on-lease-lost kill)"
+                    }
+                    crate::cli::OnLeaseLost::Wait => "letting it finish (--on-lease-lost wait)",
+                };
                 eprintln!(
-                    "pgfence: lease on {} lost while the command runs: {lost}; its writes with token {} are still fenced by Postgres",
+                    "pgfence: lease on {} lost while the command runs: {lost}; {action}; its writes with token {} are still fenced by Postgres",
                     cell(resource.as_str()), lease.token()
                 );
             }
