@@ -23,6 +23,11 @@ pub enum Mode {
     /// (the first increments) over 1–3 transactions: token order and no lost updates without a
     /// resource check.
     RowClaim,
+    /// One lease per group of rows: `Repository::claim_many` of 10–100 of the group's rows
+    /// (fences them and reads their values), then one `Repository::update_many` writing each
+    /// claimed row's value + 1, with one outcome per row: token order and no lost updates per
+    /// row, whatever mix of applied and stale rows a batch gets.
+    Batch,
     /// Read, then a fenced row update: token order per row, but lost updates remain possible.
     RowFence,
     /// Read, then a plain `UPDATE ... SET value = $1` on an unguarded table: the control.
@@ -31,10 +36,11 @@ pub enum Mode {
 
 impl Mode {
     /// Every mode, in the order `--all-modes` runs them (the control last).
-    pub const ALL: [Mode; 5] = [
+    pub const ALL: [Mode; 6] = [
         Mode::Fenced,
         Mode::FencedMulti,
         Mode::RowClaim,
+        Mode::Batch,
         Mode::RowFence,
         Mode::Unfenced,
     ];
@@ -43,7 +49,10 @@ impl Mode {
     /// promises token order; the unfenced control promises nothing).
     #[must_use]
     pub fn prevents_lost_updates(self) -> bool {
-        matches!(self, Mode::Fenced | Mode::FencedMulti | Mode::RowClaim)
+        matches!(
+            self,
+            Mode::Fenced | Mode::FencedMulti | Mode::RowClaim | Mode::Batch
+        )
     }
 }
 
@@ -54,10 +63,11 @@ impl std::str::FromStr for Mode {
             "fenced" | "tx" => Ok(Mode::Fenced),
             "fenced-multi" | "fenced_multi" | "multi" => Ok(Mode::FencedMulti),
             "row-claim" | "row_claim" | "claim" => Ok(Mode::RowClaim),
+            "batch" => Ok(Mode::Batch),
             "row-fence" | "row_fence" | "row" => Ok(Mode::RowFence),
             "unfenced" | "none" => Ok(Mode::Unfenced),
             other => Err(format!(
-                "unknown mode {other:?} (expected fenced, fenced-multi, row-claim, row-fence or unfenced)"
+                "unknown mode {other:?} (expected fenced, fenced-multi, row-claim, batch, row-fence or unfenced)"
             )),
         }
     }
@@ -69,6 +79,7 @@ impl fmt::Display for Mode {
             Mode::Fenced => "fenced",
             Mode::FencedMulti => "fenced-multi",
             Mode::RowClaim => "row-claim",
+            Mode::Batch => "batch",
             Mode::RowFence => "row-fence",
             Mode::Unfenced => "unfenced",
         })
@@ -99,7 +110,8 @@ pub struct Config {
     pub mode: Mode,
     /// Concurrent workers.
     pub workers: usize,
-    /// Counter rows (each with its own resource, lock and token counter).
+    /// Counter rows (each with its own resource, lock and token counter; in batch mode the
+    /// rows are split into `batch_groups` groups, one resource each).
     pub rows: usize,
     /// Work units: leases that go on to write (retries of a unit are extra attempts).
     pub units: u64,
@@ -129,6 +141,13 @@ pub struct Config {
     pub max_duration: Duration,
     /// Seed of the workers' random choices.
     pub seed: u64,
+    /// Batch mode: how many groups (one resource, lock and token counter each) the rows are
+    /// split into, as evenly as possible in contiguous ranges.
+    pub batch_groups: usize,
+    /// Batch mode: fewest rows a unit writes (fewer when its group is smaller).
+    pub batch_min_rows: usize,
+    /// Batch mode: most rows a unit writes (at most its group's rows).
+    pub batch_max_rows: usize,
 }
 
 impl Default for Config {
@@ -152,6 +171,9 @@ impl Default for Config {
             },
             max_duration: Duration::from_secs(120),
             seed: 0x5eed,
+            batch_groups: 1,
+            batch_min_rows: 10,
+            batch_max_rows: 100,
         }
     }
 }
@@ -172,8 +194,36 @@ impl Config {
         if self.pause_min > self.pause_max {
             return bad("pause_min must not exceed pause_max");
         }
+        if self.mode == Mode::Batch {
+            if self.batch_groups == 0 || self.batch_groups > self.rows {
+                return bad("batch groups must be in 1..=rows");
+            }
+            if self.batch_min_rows == 0 || self.batch_min_rows > self.batch_max_rows {
+                return bad("batch rows: need 1 <= min <= max");
+            }
+            if self.batch_max_rows > pgfence::MAX_BATCH_ROWS {
+                return bad("batch rows: at most pgfence::MAX_BATCH_ROWS per unit");
+            }
+        }
         pgfence::check_ttl(self.ttl)?;
         Ok(())
+    }
+
+    /// Batch mode: the counter rows of `group` (contiguous, groups as even as possible).
+    pub(crate) fn group_rows(&self, group: usize) -> std::ops::Range<i32> {
+        let groups = self.batch_groups.max(1);
+        let bound = |g: usize| i32::try_from(self.rows * g / groups).unwrap_or(i32::MAX);
+        bound(group)..bound(group + 1)
+    }
+
+    /// The resources (one lock and token counter each) the workers lease: one per row, or in
+    /// batch mode one per group of rows.
+    pub(crate) fn resource_count(&self) -> usize {
+        if self.mode == Mode::Batch {
+            self.batch_groups
+        } else {
+            self.rows
+        }
     }
 }
 

@@ -16,7 +16,7 @@ use crate::schema::{self, Cell, ClaimCell};
 use crate::util::{lock, millis};
 use crate::verify::{RunId, RunOutput, verify};
 use crate::worker::{Plan, worker};
-use crate::{AuditCounter, ChaosError, Config, FaultMark, Report, ReseedCounter, Target};
+use crate::{AuditCounter, ChaosError, Config, FaultMark, Mode, Report, ReseedCounter, Target};
 
 /// State the workers, the fault injectors and [`Control`] share.
 pub(crate) struct Shared {
@@ -44,13 +44,13 @@ pub(crate) struct Ctx {
     pub(crate) plan: Plan,
     /// The run id.
     pub(crate) run: String,
-    /// One resource per counter row, by row.
+    /// One resource per counter row, by row (in batch mode, one per group of rows).
     pub(crate) resources: Vec<Resource>,
     /// The workers' pool (its backends may be killed).
     pub(crate) pool: PgPool,
     pub(crate) fence: Fence,
     pub(crate) repo: Repository<Cell>,
-    /// The same table, as the row-claim mode claims and writes it.
+    /// The same table, as the row-claim and batch modes claim and write it.
     pub(crate) claim_repo: Repository<ClaimCell>,
     pub(crate) issuer: Issuer,
     /// For the counter resets.
@@ -141,8 +141,11 @@ impl Harness {
             issuer = issuer.with_floor_source(audit_pool.clone());
         }
         let redis = ConnectionManager::new(redis::Client::open(target.redis_url.as_str())?).await?;
-        let resources = (0..rows)
-            .map(|row| Resource::new(format!("chaos:{run}:{row}")))
+        let resources = (0..cfg.resource_count())
+            .map(|i| match cfg.mode {
+                Mode::Batch => Resource::new(format!("chaos:{run}:group{i}")),
+                _ => Resource::new(format!("chaos:{run}:{i}")),
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let audit = Arc::new(AuditCounter::new());
         let auditor = Auditor::new(audit_pool).sink(audit.clone());
@@ -196,7 +199,8 @@ impl Harness {
         &self.ctx.run
     }
 
-    /// The prefix of every resource name of this run (`chaos:<run>:`).
+    /// The prefix of every resource name of this run (`chaos:<run>:`; resources are
+    /// `chaos:<run>:<row>`, or `chaos:<run>:group<g>` in batch mode).
     #[must_use]
     pub fn resource_prefix(&self) -> String {
         format!("chaos:{}:", self.ctx.run)

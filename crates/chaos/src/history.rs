@@ -11,7 +11,7 @@ pub enum Stage {
     Begin,
     /// `Fence::check`.
     Check,
-    /// `Repository::claim` (row-claim mode).
+    /// `Repository::claim` (row-claim mode) or `claim_many` (batch mode).
     Claim,
     /// Reading the value.
     Read,
@@ -60,7 +60,7 @@ pub struct Attempt {
     pub try_no: u32,
     /// Worker index.
     pub worker: usize,
-    /// Counter row.
+    /// Counter row (in batch mode: the group).
     pub row: i32,
     /// The lease's fence token.
     pub token: i64,
@@ -83,8 +83,83 @@ pub struct Attempt {
     /// Transactions of this try whose `COMMIT` was acknowledged; the outcome (if not
     /// accepted) is that of transaction `first_txn + commits`.
     pub commits: u32,
-    /// The outcome.
+    /// The outcome. In batch mode a try whose statements committed is
+    /// [`Outcome::Accepted`] even when some of its rows were rejected (see `batch`), and
+    /// [`Outcome::Rejected`] when a statement had no row left to write (all claimed rows
+    /// rejected).
     pub outcome: Outcome,
+    /// Batch mode: the try's rows and what happened to each; `None` in the other modes.
+    pub batch: Option<BatchRows>,
+}
+
+/// A batch try's rows and each row's outcome, in the order sent (ascending row ids).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BatchRows {
+    /// The unit's rows.
+    pub rows: Vec<i32>,
+    /// `claim[i]` is row `i`'s `claim_many` outcome; empty if the claim did not return.
+    pub claim: Vec<RowResult>,
+    /// `write[i]` is row `i`'s `update_many` outcome ([`RowResult::Skipped`] for a row the
+    /// claim did not get); empty if the update did not return.
+    pub write: Vec<RowResult>,
+}
+
+impl BatchRows {
+    /// Rows the claim or the update rejected (stale or duplicate token): each has one audit
+    /// row and one audit event.
+    #[must_use]
+    pub fn rejected(&self) -> usize {
+        self.claim
+            .iter()
+            .chain(&self.write)
+            .filter(|r| r.is_rejection())
+            .count()
+    }
+}
+
+/// One row's outcome in a batch statement (pgfence's [`pgfence::RowOutcome`], recorded).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum RowResult {
+    /// Claimed or written.
+    Applied,
+    /// A newer lease had claimed or written the row (audited).
+    Stale {
+        /// That lease's token.
+        current: i64,
+    },
+    /// Another lease had presented the same token (audited).
+    Duplicate,
+    /// No such row.
+    NotFound,
+    /// The lease wrote the row too often.
+    Exhausted,
+    /// The row changed while the statement ran (not written; not audited).
+    Contended,
+    /// Not sent: the claim did not get the row.
+    Skipped,
+}
+
+impl RowResult {
+    /// Whether pgfence audited this row as a rejection.
+    #[must_use]
+    pub fn is_rejection(self) -> bool {
+        matches!(self, RowResult::Stale { .. } | RowResult::Duplicate)
+    }
+}
+
+impl From<pgfence::RowOutcome> for RowResult {
+    fn from(o: pgfence::RowOutcome) -> Self {
+        use pgfence::RowOutcome as O;
+        match o {
+            O::Stale { current, .. } => RowResult::Stale { current },
+            O::DuplicateToken => RowResult::Duplicate,
+            O::NotFound => RowResult::NotFound,
+            O::Exhausted => RowResult::Exhausted,
+            O::Applied | O::Inserted | O::Updated => RowResult::Applied,
+            _ => RowResult::Contended,
+        }
+    }
 }
 
 /// One granted lease.
@@ -94,7 +169,7 @@ pub struct LeaseRecord {
     pub unit: u64,
     /// Worker index.
     pub worker: usize,
-    /// Counter row.
+    /// Counter row (in batch mode: the group).
     pub row: i32,
     /// Token.
     pub token: i64,

@@ -11,6 +11,16 @@
 //! need. Each run prints a readable summary and one JSON line (`--json` prints only the JSON).
 //! The exit status is 1 when a protected run shows a violation or a lost update, or when the
 //! unfenced control shows none (the harness would then prove nothing).
+//!
+//! Batch mode (`--mode batch`) splits the `--rows` counter rows into `--batch-groups` groups,
+//! one lock each; a unit claims and writes 10–100 (`--batch-min-rows`, `--batch-max-rows`)
+//! rows of its group in one statement each:
+//!
+//! ```text
+//! cargo run --release -p pgfence-chaos -- --mode batch --workers 16 --attempts 2000 \
+//!     --rows 256 --batch-groups 2 --reset-counter-at 600 --kill-every-ms 200 \
+//!     --restart-redis-at 1000 --restart-postgres-at 1400
+//! ```
 #![allow(clippy::print_stdout)] // printing the report is this program's job
 
 use std::str::FromStr;
@@ -33,7 +43,7 @@ struct Args {
     /// Work units (leases that go on to write); retries come on top.
     #[arg(long, default_value_t = 20_000)]
     attempts: u64,
-    /// Counter rows (one resource each).
+    /// Counter rows (one resource each; in batch mode split into --batch-groups groups).
     #[arg(long, default_value_t = 16)]
     rows: usize,
     /// Lease TTL in milliseconds.
@@ -50,13 +60,14 @@ struct Args {
     pause_max_ms: u64,
     /// fenced (check + read + fenced write in one transaction), fenced-multi (the same in 2–3
     /// transactions of one lease), row-claim (claim, then 2–4 fenced updates over 1–3
-    /// transactions), row-fence, or unfenced.
+    /// transactions), batch (claim_many, then update_many, of 10–100 rows of a group under
+    /// one lease), row-fence, or unfenced.
     #[arg(long, default_value = "fenced")]
     mode: Mode,
     /// Also run the unfenced control with the same settings (and faults).
     #[arg(long)]
     control: bool,
-    /// Run all five modes in turn.
+    /// Run all six modes in turn.
     #[arg(long)]
     all_modes: bool,
     /// Delete every Redis counter when this unit starts (repeatable).
@@ -77,6 +88,15 @@ struct Args {
     /// Do not call `Issuer::recover_from` after a rejection.
     #[arg(long)]
     no_recover_from: bool,
+    /// Batch mode: groups of rows, one resource (lock and token counter) each.
+    #[arg(long, default_value_t = 1)]
+    batch_groups: usize,
+    /// Batch mode: fewest rows a unit writes (fewer if its group is smaller).
+    #[arg(long, default_value_t = 10)]
+    batch_min_rows: usize,
+    /// Batch mode: most rows a unit writes.
+    #[arg(long, default_value_t = 100)]
+    batch_max_rows: usize,
     /// Retries of a unit after a retryable error.
     #[arg(long, default_value_t = 2)]
     retries: u32,
@@ -158,6 +178,9 @@ async fn main() -> anyhow::Result<()> {
             },
             max_duration: Duration::from_secs(args.max_seconds),
             seed: args.seed,
+            batch_groups: args.batch_groups,
+            batch_min_rows: args.batch_min_rows,
+            batch_max_rows: args.batch_max_rows,
             ..Config::default()
         };
         let harness = Harness::new(cfg, &target)

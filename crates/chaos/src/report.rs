@@ -35,6 +35,43 @@ pub struct FaultRecovery {
     pub recovery_ms: Option<u64>,
 }
 
+/// Batch mode: the rows of the batches, as the workers saw them (one outcome per row) and as
+/// Postgres committed them.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BatchFigures {
+    /// Fewest rows a unit wrote.
+    pub min_rows: u64,
+    /// Most rows a unit wrote.
+    pub max_rows: u64,
+    /// Rows sent in `claim_many` statements that returned (all tries).
+    pub rows_claimed_sent: u64,
+    /// ... claimed.
+    pub rows_claimed: u64,
+    /// ... rejected (stale or duplicate token).
+    pub rows_rejected_at_claim: u64,
+    /// Rows sent in `update_many` statements that returned.
+    pub rows_written_sent: u64,
+    /// ... applied (the statement's transaction may still have failed to commit).
+    pub rows_applied: u64,
+    /// ... rejected (stale or duplicate token): the rows a newer lease took over between this
+    /// lease's claim and its update.
+    pub rows_rejected_at_write: u64,
+    /// Rejected rows that were duplicate tokens (counted in the two above too).
+    pub rows_duplicate: u64,
+    /// Rows reported contended or not found (not written, not audited).
+    pub rows_other: u64,
+    /// `claim_many` statements with both claimed and rejected rows.
+    pub mixed_claims: u64,
+    /// `update_many` statements with both applied and rejected rows.
+    pub mixed_writes: u64,
+    /// Tries that stopped because a statement had no row left (every row rejected).
+    pub tries_fully_rejected: u64,
+    /// Row writes committed (history rows of `update_many`: increments and rewrites).
+    pub row_writes_committed: u64,
+    /// Row claims committed (history rows of `claim_many`).
+    pub row_claims_committed: u64,
+}
+
 /// Errors the workers saw, by kind.
 #[derive(Clone, Debug, Serialize)]
 pub struct ErrorKind {
@@ -75,7 +112,8 @@ pub struct Summary {
     pub repeated_increments: u64,
     /// Tries that ended accepted: every transaction's commit acknowledged.
     pub acknowledged: u64,
-    /// Writes rejected as stale (or as a duplicate token).
+    /// Writes rejected as stale (or as a duplicate token). In batch mode: rows rejected, by the
+    /// claims and the updates (each rejected row is audited and logged on its own).
     pub rejected: u64,
     /// Writes that failed with other errors.
     pub errors: u64,
@@ -131,6 +169,8 @@ pub struct Summary {
     pub faults: Vec<FaultRecovery>,
     /// Errors by kind.
     pub error_kinds: Vec<ErrorKind>,
+    /// Batch mode: the rows' figures; `None` in the other modes.
+    pub batch: Option<BatchFigures>,
 }
 
 impl Summary {
@@ -207,6 +247,31 @@ impl fmt::Display for Summary {
             self.counter_raises,
             opt(self.reseed_events)
         )?;
+        if let Some(b) = &self.batch {
+            writeln!(
+                f,
+                "  batches:    {}–{} rows a unit; claims: {} rows sent, {} claimed, {} rejected; updates: {} rows sent, {} applied, {} rejected; {} duplicate-token rows, {} other",
+                b.min_rows,
+                b.max_rows,
+                b.rows_claimed_sent,
+                b.rows_claimed,
+                b.rows_rejected_at_claim,
+                b.rows_written_sent,
+                b.rows_applied,
+                b.rows_rejected_at_write,
+                b.rows_duplicate,
+                b.rows_other
+            )?;
+            writeln!(
+                f,
+                "  mixed:      {} claims and {} updates with applied and rejected rows; {} tries fully rejected; committed: {} row writes, {} row claims",
+                b.mixed_claims,
+                b.mixed_writes,
+                b.tries_fully_rejected,
+                b.row_writes_committed,
+                b.row_claims_committed
+            )?;
+        }
         for r in &self.faults {
             writeln!(
                 f,

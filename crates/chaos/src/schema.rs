@@ -143,7 +143,7 @@ impl CounterTable {
     /// The table a mode's workers write.
     pub(crate) fn of(mode: Mode) -> Self {
         match mode {
-            Mode::Fenced | Mode::FencedMulti | Mode::RowFence | Mode::RowClaim => {
+            Mode::Fenced | Mode::FencedMulti | Mode::RowFence | Mode::RowClaim | Mode::Batch => {
                 CounterTable::Guarded
             }
             Mode::Unfenced => CounterTable::Plain,
@@ -192,6 +192,16 @@ impl CounterTable {
         }
     }
 }
+
+/// Batch mode: copies many rows' new versions and values into the history in one statement,
+/// in the batch's transaction: `$1` run, `$2` rows (`int[]`), `$3` token, `$4` values read
+/// (`bigint[]`, by row), `$5` unit, `$6` try, `$7` worker, `$8` transaction of the try, `$9`
+/// statement of the unit, `$10` [`Kind`]s (`text[]`, by row).
+pub(crate) const RECORD_MANY_SQL: &str = "INSERT INTO pgfence_chaos.history \
+     (run, id, version, token, value_read, value_written, unit, try_no, worker, txn, step, kind) \
+     SELECT c.run, c.id, c.version, $3, r.value_read, c.value, $5, $6, $7, $8, $9, r.kind \
+     FROM unnest($2::int[], $4::bigint[], $10::text[]) AS r(id, value_read, kind) \
+     JOIN pgfence_chaos.cell c ON c.run = $1 AND c.id = r.id";
 
 /// The unfenced write: `$1` run, `$2` row, `$3` value.
 pub(crate) const WRITE_PLAIN: &str =

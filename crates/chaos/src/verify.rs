@@ -9,12 +9,13 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use sqlx::{PgPool, Row};
 
-use crate::report::{ErrorKind, FaultRecovery, Report, Summary};
+use crate::report::{BatchFigures, ErrorKind, FaultRecovery, Report, Summary};
 use crate::schema::{CounterTable, Kind};
 use crate::util::count;
 use crate::worker::{Stats, WorkerOut};
 use crate::{
-    Attempt, AuditTally, ChaosError, Config, FaultMark, LeaseRecord, Mode, Outcome, Stage,
+    Attempt, AuditTally, ChaosError, Config, FaultMark, LeaseRecord, Mode, Outcome, RowResult,
+    Stage,
 };
 
 /// What the run produced on the client side, handed to [`verify`].
@@ -104,8 +105,17 @@ pub(crate) async fn verify(
     let fault_recovery = output
         .faults
         .iter()
-        .map(|f| recovery(f, cfg.rows, &attempts, &leases, &tries_committed, &stats))
+        .map(|f| match cfg.mode {
+            Mode::Batch => recovery_batch(f, cfg.rows, &attempts, &leases, &committed, &stats),
+            _ => recovery(f, cfg.rows, &attempts, &leases, &tries_committed, &stats),
+        })
         .collect();
+    // In batch mode a rejection is a row: each rejected row is audited and logged on its own.
+    let batch = (cfg.mode == Mode::Batch).then(|| batch_figures(&attempts, &committed));
+    let rejected = match &batch {
+        Some(b) => b.rows_rejected_at_claim + b.rows_rejected_at_write,
+        None => acks.rejected,
+    };
 
     let summary = Summary {
         run: id.run.to_owned(),
@@ -119,7 +129,7 @@ pub(crate) async fn verify(
         units_incremented: row_checks.units_incremented,
         repeated_increments: row_checks.repeated_increments,
         acknowledged: acks.acknowledged,
-        rejected: acks.rejected,
+        rejected,
         errors: acks.errors,
         retryable_errors: acks.retryable_errors,
         retries: stats.retries,
@@ -151,6 +161,7 @@ pub(crate) async fn verify(
                 count,
             })
             .collect(),
+        batch,
     };
     Ok(Report {
         summary,
@@ -232,8 +243,9 @@ struct RowChecks {
     increments: u64,
     /// Units with at least one committed increment.
     units_incremented: u64,
-    /// Committed increments beyond a unit's first (per transaction in fenced-multi): a retry
-    /// after a lost commit acknowledgement that did not know its increment had landed.
+    /// Committed increments beyond a unit's first (per transaction in fenced-multi, per row in
+    /// batch mode): a retry after a lost commit acknowledgement that did not know its increment
+    /// had landed.
     repeated_increments: u64,
 }
 
@@ -244,8 +256,9 @@ fn check_rows(
 ) -> RowChecks {
     let mut c = RowChecks::default();
     let mut units: HashSet<u64> = HashSet::new();
-    // Where a unit means to increment: once per transaction in fenced-multi, once otherwise.
-    let mut slots: HashSet<(u64, u32)> = HashSet::new();
+    // Where a unit means to increment: once per transaction in fenced-multi, once per row in
+    // batch mode, once otherwise.
+    let mut slots: HashSet<(u64, i64)> = HashSet::new();
     for row in rows {
         let writes = committed
             .get(&row.id)
@@ -273,7 +286,11 @@ fn check_rows(
                 if units.insert(w.unit) {
                     c.units_incremented += 1;
                 }
-                let slot = if mode == Mode::FencedMulti { w.txn } else { 0 };
+                let slot = match mode {
+                    Mode::FencedMulti => i64::from(w.txn),
+                    Mode::Batch => i64::from(row.id),
+                    _ => 0,
+                };
                 if !slots.insert((w.unit, slot)) {
                     c.repeated_increments += 1;
                 }
@@ -368,6 +385,186 @@ fn check_attempts(attempts: &[Attempt], in_history: &HashSet<(u64, u32, u32)>) -
     c
 }
 
+/// Batch mode: the rows' figures, from the tries' per-row outcomes and the history.
+fn batch_figures(attempts: &[Attempt], committed: &BTreeMap<i32, Vec<Committed>>) -> BatchFigures {
+    let mut b = BatchFigures {
+        min_rows: u64::MAX,
+        ..BatchFigures::default()
+    };
+    let n =
+        |rows: &[RowResult], f: fn(&RowResult) -> bool| count(rows.iter().filter(|r| f(r)).count());
+    for a in attempts {
+        let Some(r) = &a.batch else { continue };
+        if a.try_no == 0 {
+            b.min_rows = b.min_rows.min(count(r.rows.len()));
+            b.max_rows = b.max_rows.max(count(r.rows.len()));
+        }
+        let claimed = n(&r.claim, |x| *x == RowResult::Applied);
+        let rejected = n(&r.claim, |x| x.is_rejection());
+        b.rows_claimed_sent += count(r.claim.len());
+        b.rows_claimed += claimed;
+        b.rows_rejected_at_claim += rejected;
+        b.mixed_claims += u64::from(claimed > 0 && rejected > 0);
+        let applied = n(&r.write, |x| *x == RowResult::Applied);
+        let rejected = n(&r.write, |x| x.is_rejection());
+        b.rows_written_sent += n(&r.write, |x| *x != RowResult::Skipped);
+        b.rows_applied += applied;
+        b.rows_rejected_at_write += rejected;
+        b.mixed_writes += u64::from(applied > 0 && rejected > 0);
+        for rows in [&r.claim, &r.write] {
+            b.rows_duplicate += n(rows, |x| *x == RowResult::Duplicate);
+            b.rows_other += n(rows, |x| {
+                matches!(
+                    x,
+                    RowResult::NotFound | RowResult::Exhausted | RowResult::Contended
+                )
+            });
+        }
+        b.tries_fully_rejected += u64::from(matches!(a.outcome, Outcome::Rejected { .. }));
+    }
+    if b.min_rows == u64::MAX {
+        b.min_rows = 0;
+    }
+    for w in committed.values().flatten() {
+        if w.kind == Kind::Claim.as_str() {
+            b.row_claims_committed += 1;
+        } else {
+            b.row_writes_committed += 1;
+        }
+    }
+    b
+}
+
+/// Batch mode: how the run recovered from `fault`, per counter row: the leases granted after
+/// it whose batches included the row, up to the one whose write of the row committed first.
+///
+/// For a fault that loses the token counters (`counter_reset`, `redis_restart`) recovery is
+/// measured from the counter loss as the workers met it: the first lease granted after the
+/// mark whose token is below one already issued for its group (`at_ms` is that lease's time).
+/// A Redis restart goes down a little after its mark, and a batch covers so many rows that the
+/// leases granted in between could otherwise count every row as recovered before any counter
+/// was lost.
+fn recovery_batch(
+    fault: &FaultMark,
+    rows: usize,
+    attempts: &[Attempt],
+    leases: &[LeaseRecord],
+    committed: &BTreeMap<i32, Vec<Committed>>,
+    stats: &Stats,
+) -> FaultRecovery {
+    let loses_counters = fault.name == "counter_reset" || fault.name == "redis_restart";
+    let at_ms = if loses_counters {
+        counter_loss_seen(fault.at_ms, leases).unwrap_or(fault.at_ms)
+    } else {
+        fault.at_ms
+    };
+    let fault = &FaultMark {
+        at_ms,
+        ..fault.clone()
+    };
+    let lease_at: HashMap<u64, u64> = leases.iter().map(|l| (l.unit, l.at_ms)).collect();
+    let finished: HashMap<(u64, u32), u64> = attempts
+        .iter()
+        .map(|a| ((a.unit, a.try_no), a.finished_ms))
+        .collect();
+    // Per row: when its first write by a lease granted after the fault committed (as the
+    // writing try saw it end), and when that lease was granted.
+    let mut recovered_at: BTreeMap<i32, (u64, u64)> = BTreeMap::new();
+    for (&row, writes) in committed {
+        for w in writes.iter().filter(|w| w.kind != Kind::Claim.as_str()) {
+            let Some(&at) = lease_at.get(&w.unit).filter(|&&at| at >= fault.at_ms) else {
+                continue;
+            };
+            if let Some(&t) = finished.get(&(w.unit, w.try_no)) {
+                let e = recovered_at.entry(row).or_insert((t, at));
+                if t < e.0 {
+                    *e = (t, at);
+                }
+            }
+        }
+    }
+    // Per row: leases (and their rejected rows there) after the fault, up to the recovering one.
+    let mut per_row: BTreeMap<i32, (u64, u64)> = BTreeMap::new();
+    for a in attempts {
+        let Some(b) = &a.batch else { continue };
+        let Some(&at) = lease_at.get(&a.unit).filter(|&&at| at >= fault.at_ms) else {
+            continue;
+        };
+        for (i, row) in b.rows.iter().enumerate() {
+            if recovered_at.get(row).is_some_and(|&(_, by)| at > by) {
+                continue;
+            }
+            let e = per_row.entry(*row).or_default();
+            e.0 += u64::from(a.try_no == 0);
+            e.1 += count(
+                [b.claim.get(i), b.write.get(i)]
+                    .into_iter()
+                    .flatten()
+                    .filter(|r| r.is_rejection())
+                    .count(),
+            );
+        }
+    }
+    let recovered: Vec<u64> = recovered_at.values().map(|&(t, _)| t).collect();
+    let rows_recovered = recovered.len();
+    let last = (rows_recovered == rows)
+        .then(|| recovered.iter().copied().max())
+        .flatten();
+    let first = recovered.iter().copied().min();
+    let (errors, acquire_errors) = errors_until(fault, last, attempts, stats);
+    FaultRecovery {
+        name: fault.name.clone(),
+        at_ms: fault.at_ms,
+        rows_recovered,
+        rows,
+        leases_to_recover: per_row.values().map(|e| e.0).sum(),
+        max_leases_one_row: per_row.values().map(|e| e.0).max().unwrap_or(0),
+        rejections_before_recovery: per_row.values().map(|e| e.1).sum(),
+        errors_before_recovery: errors,
+        acquire_errors_before_recovery: acquire_errors,
+        first_write_ms: first.map(|t| t.saturating_sub(fault.at_ms)),
+        recovery_ms: last.map(|t| t.saturating_sub(fault.at_ms)),
+    }
+}
+
+/// When the first lease granted at or after `from` got a token below one already issued for
+/// its row (its group in batch mode): the counter went backwards.
+fn counter_loss_seen(from: u64, leases: &[LeaseRecord]) -> Option<u64> {
+    let mut sorted: Vec<&LeaseRecord> = leases.iter().collect();
+    sorted.sort_by_key(|l| (l.at_ms, l.token));
+    let mut highest: HashMap<i32, i64> = HashMap::new();
+    for l in sorted {
+        let top = highest.entry(l.row).or_insert(l.token);
+        if l.at_ms >= from && l.token < *top {
+            return Some(l.at_ms);
+        }
+        *top = (*top).max(l.token);
+    }
+    None
+}
+
+/// Failed tries and failed acquisitions from `fault` until `last` (the end of recovery; the
+/// end of the run if it never came).
+fn errors_until(
+    fault: &FaultMark,
+    last: Option<u64>,
+    attempts: &[Attempt],
+    stats: &Stats,
+) -> (u64, u64) {
+    let until = last.unwrap_or(u64::MAX);
+    let errors = attempts
+        .iter()
+        .filter(|a| a.started_ms >= fault.at_ms && a.started_ms <= until)
+        .filter(|a| matches!(a.outcome, Outcome::Failed { .. }))
+        .count();
+    let acquire_errors = stats
+        .acquire_error_at
+        .iter()
+        .filter(|&&t| t >= fault.at_ms && t <= until)
+        .count();
+    (count(errors), count(acquire_errors))
+}
+
 /// How the run recovered from `fault`: per row, the leases granted after it up to the row's
 /// first committed write.
 fn recovery(
@@ -412,17 +609,7 @@ fn recovery(
         .then(|| recovered.iter().copied().max())
         .flatten();
     let first = recovered.iter().copied().min();
-    let until = last.unwrap_or(u64::MAX);
-    let errors_before = attempts
-        .iter()
-        .filter(|a| a.started_ms >= fault.at_ms && a.started_ms <= until)
-        .filter(|a| matches!(a.outcome, Outcome::Failed { .. }))
-        .count();
-    let acquire_errors_before = stats
-        .acquire_error_at
-        .iter()
-        .filter(|&&t| t >= fault.at_ms && t <= until)
-        .count();
+    let (errors_before, acquire_errors_before) = errors_until(fault, last, attempts, stats);
     FaultRecovery {
         name: fault.name.clone(),
         at_ms: fault.at_ms,
@@ -431,8 +618,8 @@ fn recovery(
         leases_to_recover: per_row.values().map(|e| e.0).sum(),
         max_leases_one_row: per_row.values().map(|e| e.0).max().unwrap_or(0),
         rejections_before_recovery: per_row.values().map(|e| e.1).sum(),
-        errors_before_recovery: count(errors_before),
-        acquire_errors_before_recovery: count(acquire_errors_before),
+        errors_before_recovery: errors_before,
+        acquire_errors_before_recovery: acquire_errors_before,
         first_write_ms: first.map(|t| t.saturating_sub(fault.at_ms)),
         recovery_ms: last.map(|t| t.saturating_sub(fault.at_ms)),
     }

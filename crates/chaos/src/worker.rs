@@ -4,15 +4,17 @@
 //! A worker's loop ([`worker`]) handles leases, stalls, retries and releases; one try of a
 //! write is a [`Try`], which runs the steps a [`Plan`] lists. The plan is what differs between
 //! modes: a new mode is a new [`Plan::of`] arm, and a new kind of write a new [`WriteKind`].
-//! The multi-statement modes (`fenced-multi`, `row-claim`) draw a [`Script`] per unit — which
-//! statements ([`Op`]s) run in which of the unit's transactions — and a try runs it.
+//! The multi-statement modes (`fenced-multi`, `row-claim`, `batch`) draw a [`Script`] per unit
+//! — which statements ([`Op`]s) run in which of the unit's transactions — and a try runs it.
+//! A batch unit also draws its rows: 10–100 distinct rows of its lease's group, sent in
+//! ascending order (so concurrent batches lock shared rows in one order).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use pgfence::{Error, Lease, LeaseState, Resource};
+use pgfence::{Claimed, Error, Lease, ReleaseOutcome, Resource, StaleTarget};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sqlx::{PgConnection, Postgres, Transaction};
@@ -20,9 +22,9 @@ use tokio::time::Instant;
 
 use crate::faults::reset_counters;
 use crate::harness::Ctx;
-use crate::schema::{Cell, ClaimCell, CounterTable, Kind, WRITE_PLAIN};
+use crate::schema::{Cell, ClaimCell, CounterTable, Kind, RECORD_MANY_SQL, WRITE_PLAIN};
 use crate::util::millis;
-use crate::{Attempt, LeaseRecord, Mode, Outcome, Stage};
+use crate::{Attempt, BatchRows, LeaseRecord, Mode, Outcome, RowResult, Stage};
 
 /// How a mode's tries run.
 #[derive(Clone, Copy, Debug)]
@@ -46,6 +48,9 @@ enum ScriptKind {
     MultiCheck,
     /// Claim, then 2–4 fenced updates (the first increments), over 1–3 transactions.
     RowClaim,
+    /// `claim_many` of the unit's rows, then one `update_many` of the claimed rows, in one
+    /// transaction or two.
+    Batch,
 }
 
 /// One statement of a multi-statement unit.
@@ -62,6 +67,13 @@ enum Op {
     /// Fenced update number `n` (from 1) after the claim: the first one that finds the unit's
     /// increment not yet applied writes value + 1, the others rewrite the value with `step = n`.
     Update(i32),
+    /// `Repository::claim_many` of the unit's rows: fences and reads each; rows a newer lease
+    /// got first are rejected one by one (and audited), the others are claimed.
+    ClaimMany,
+    /// `Repository::update_many` of the claimed rows in one statement: value + 1 for each (a
+    /// rewrite of the value for a row whose `last_unit` says this unit's increment already
+    /// landed, in an earlier try whose acknowledgement was lost), one outcome per row.
+    UpdateMany,
 }
 
 /// A unit's statements, grouped in its transactions.
@@ -103,6 +115,17 @@ impl Script {
                     from = c;
                 }
                 Script { txns: groups }
+            }
+            ScriptKind::Batch => {
+                // The claim commits on its own half of the time, so a stall after it leaves a
+                // zombie whose claimed rows newer leases can take over; otherwise a stall
+                // inside the transaction holds the rows' locks and only delays the others.
+                let txns = if rng.random_bool(0.5) {
+                    vec![vec![Op::ClaimMany], vec![Op::UpdateMany]]
+                } else {
+                    vec![vec![Op::ClaimMany, Op::UpdateMany]]
+                };
+                Script { txns }
             }
         }
     }
@@ -149,6 +172,12 @@ impl Plan {
                 check_first: false,
                 write: WriteKind::Fenced,
                 script: Some(ScriptKind::RowClaim),
+            },
+            Mode::Batch => Plan {
+                table,
+                check_first: false,
+                write: WriteKind::Fenced,
+                script: Some(ScriptKind::Batch),
             },
             Mode::RowFence => Plan {
                 table,
@@ -288,7 +317,8 @@ pub(crate) async fn worker(id: usize, ctx: Arc<Ctx>, started: Instant) -> Worker
         },
     };
     let ctx = w.ctx.clone();
-    let rows = i32::try_from(ctx.cfg.rows).unwrap_or(i32::MAX);
+    // What a lease covers: a row, or in batch mode a group of rows.
+    let rows = i32::try_from(ctx.cfg.resource_count()).unwrap_or(i32::MAX);
     loop {
         if ctx.shared.done.load(Ordering::SeqCst)
             || ctx.shared.units.load(Ordering::SeqCst) >= ctx.cfg.units
@@ -302,7 +332,7 @@ pub(crate) async fn worker(id: usize, ctx: Arc<Ctx>, started: Instant) -> Worker
         }
         let row = w.rng.random_range(0..rows);
         let Some(resource) = usize::try_from(row).ok().and_then(|i| ctx.resources.get(i)) else {
-            break; // cannot happen: there is one resource per row
+            break; // cannot happen: there is one resource per row (per group in batch mode)
         };
         let Some(lease) = w.acquire(resource).await else {
             continue;
@@ -381,6 +411,11 @@ impl Worker {
             .plan
             .script
             .map(|kind| Script::draw(kind, &mut self.rng));
+        let batch_rows = if ctx.plan.script == Some(ScriptKind::Batch) {
+            self.draw_batch_rows(row)
+        } else {
+            Vec::new()
+        };
         let pause = self.pick_pause(script.as_ref().map(Script::len));
         let mut try_no = 0u32;
         let mut first_txn = 0u32;
@@ -400,12 +435,19 @@ impl Worker {
                 commits: 0,
                 believed: 0,
                 applied: false,
+                batch: BatchRows {
+                    rows: batch_rows.clone(),
+                    ..BatchRows::default()
+                },
+                claimed: Vec::new(),
             };
             let result = match &script {
                 Some(script) => t.run_script(script).await,
                 None => t.run().await,
             };
             let (outcome, stale) = outcome(result);
+            // A batch try that went on with the rows it got may still have met a lost counter.
+            let stale = stale.or_else(|| t.batch_rejection(None));
             let retry = matches!(
                 outcome,
                 Outcome::Failed {
@@ -429,6 +471,8 @@ impl Worker {
                 first_txn: t.first_txn,
                 commits: t.commits,
                 outcome,
+                batch: (ctx.plan.script == Some(ScriptKind::Batch))
+                    .then(|| std::mem::take(&mut t.batch)),
             });
             if let Some(err) = stale
                 && cfg.recovery.recover_from
@@ -451,10 +495,27 @@ impl Worker {
             tokio::time::sleep(Duration::from_millis(backoff)).await;
         }
         match ctx.issuer.release(lease).await {
-            Ok(LeaseState::Expired) => self.out.stats.released_expired += 1,
-            Ok(LeaseState::Taken) => self.out.stats.released_taken += 1,
-            Ok(LeaseState::Held) | Err(_) => {}
+            Ok(ReleaseOutcome::AlreadyExpired) => self.out.stats.released_expired += 1,
+            Ok(ReleaseOutcome::TakenByOther) => self.out.stats.released_taken += 1,
+            Ok(ReleaseOutcome::Released) | Err(_) => {}
         }
+    }
+
+    /// Batch mode: the rows a unit of `group` writes — between `batch_min_rows` and
+    /// `batch_max_rows` distinct rows of the group (all of them if it is smaller), ascending.
+    fn draw_batch_rows(&mut self, group: i32) -> Vec<i32> {
+        let cfg = &self.ctx.cfg;
+        let range = cfg.group_rows(usize::try_from(group).unwrap_or(0));
+        let len = usize::try_from(range.end - range.start).unwrap_or(0);
+        let lo = cfg.batch_min_rows.min(len);
+        let hi = cfg.batch_max_rows.min(len).max(lo);
+        let n = self.rng.random_range(lo..=hi);
+        let mut rows: Vec<i32> = rand::seq::index::sample(&mut self.rng, len, n)
+            .into_iter()
+            .map(|i| range.start + i32::try_from(i).unwrap_or(0))
+            .collect();
+        rows.sort_unstable();
+        rows
     }
 
     /// Decides whether this unit stalls, for how long, and where (`ops`: the statements of a
@@ -540,6 +601,10 @@ struct Try<'a> {
     /// Row-claim mode: whether the unit's increment is known to have been applied (by this try
     /// or, as its claim read back from `last_unit`, by an earlier one).
     applied: bool,
+    /// Batch mode: the unit's rows and each row's outcomes in this try.
+    batch: BatchRows,
+    /// Batch mode: the rows this try's claim got, by position in `batch.rows`.
+    claimed: Vec<Option<ClaimCell>>,
 }
 
 impl Try<'_> {
@@ -661,7 +726,171 @@ impl Try<'_> {
                 self.applied = true;
                 self.record(conn, read, txn, step, kind).await
             }
+            Op::ClaimMany => self.claim_many(conn, txn, step).await,
+            Op::UpdateMany => self.update_many(conn, txn, step).await,
         }
+    }
+
+    /// Batch mode: claims the unit's rows in one statement and records the claimed ones. Fails
+    /// (rejected) only when no row was claimed; the others go on to the update.
+    async fn claim_many(&mut self, conn: &mut PgConnection, txn: u32, step: i32) -> Step<()> {
+        let keys: Vec<(String, i32)> = self
+            .batch
+            .rows
+            .iter()
+            .map(|&row| (self.ctx.run.clone(), row))
+            .collect();
+        let claimed: Claimed<ClaimCell> = self
+            .ctx
+            .claim_repo
+            .claim_many(&mut *conn, self.lease, &keys)
+            .await
+            .map_err(at(Stage::Claim))?;
+        self.batch.claim = claimed.outcome.rows.iter().map(|&o| o.into()).collect();
+        self.claimed = claimed.rows;
+        let mut recorded = Recorded::default();
+        for cell in self.claimed.iter().flatten() {
+            recorded.push(cell.id, cell.value, Kind::Claim);
+        }
+        if recorded.ids.is_empty() {
+            return Err(self.no_rows_left(Stage::Claim));
+        }
+        self.record_many(conn, recorded, txn, step).await
+    }
+
+    /// Batch mode: writes value + 1 to every claimed row in one statement (a rewrite where
+    /// `last_unit` shows this unit's increment already landed) and records the applied ones.
+    /// Fails (rejected) only when no row was applied.
+    async fn update_many(&mut self, conn: &mut PgConnection, txn: u32, step: i32) -> Step<()> {
+        let unit = self.unit_id();
+        let mut positions = Vec::new();
+        let mut cells = Vec::new();
+        for (i, claimed) in self.claimed.iter().enumerate() {
+            if let Some(c) = claimed {
+                let done = c.last_unit == unit;
+                positions.push((i, c.value, done));
+                cells.push(ClaimCell {
+                    run: self.ctx.run.clone(),
+                    id: c.id,
+                    value: if done { c.value } else { c.value + 1 },
+                    step: 1,
+                    last_unit: unit,
+                });
+            }
+        }
+        let outcome = self
+            .ctx
+            .claim_repo
+            .update_many(&mut *conn, self.lease, &cells)
+            .await
+            .map_err(at(Stage::Write))?;
+        let mut write = vec![RowResult::Skipped; self.batch.rows.len()];
+        let mut recorded = Recorded::default();
+        for (k, &(i, read, done)) in positions.iter().enumerate() {
+            let result = outcome
+                .rows
+                .get(k)
+                .map_or(RowResult::Contended, |&o| o.into());
+            write[i] = result;
+            if result == RowResult::Applied {
+                let kind = if done { Kind::Rewrite } else { Kind::Increment };
+                recorded.push(cells[k].id, read, kind);
+            }
+        }
+        self.batch.write = write;
+        if recorded.ids.is_empty() {
+            return Err(self.no_rows_left(Stage::Write));
+        }
+        self.record_many(conn, recorded, txn, step).await
+    }
+
+    /// Batch mode: why a statement left no row to go on with — the rejection its rows met
+    /// (the newest stale token, else a duplicate token), or, if none was rejected, contention
+    /// (retryable).
+    fn no_rows_left(&self, stage: Stage) -> Failure {
+        let rows = match stage {
+            Stage::Claim => &self.batch.claim,
+            _ => &self.batch.write,
+        };
+        let error = self
+            .batch_rejection(Some(rows))
+            .unwrap_or(Error::Contended {
+                table: CounterTable::Guarded.name().to_owned(),
+                operation: if stage == Stage::Claim {
+                    "claim"
+                } else {
+                    "update"
+                },
+            });
+        Failure { stage, error }
+    }
+
+    /// Batch mode: the rejection `rows` (by default every row outcome of this try) met, as the
+    /// error a single write would have returned: [`Error::StaleToken`] with the newest token
+    /// met, else [`Error::DuplicateToken`]; `None` when no row was rejected. It names the
+    /// lease's resource, so [`pgfence::Issuer::recover_from`] can raise its counter.
+    fn batch_rejection(&self, rows: Option<&[RowResult]>) -> Option<Error> {
+        let all: Vec<RowResult>;
+        let rows = match rows {
+            Some(rows) => rows,
+            None => {
+                all = self
+                    .batch
+                    .claim
+                    .iter()
+                    .chain(&self.batch.write)
+                    .copied()
+                    .collect();
+                &all
+            }
+        };
+        let target = || StaleTarget::Resource(self.lease.resource().to_string());
+        let token = self.lease.token().get();
+        let newest = rows
+            .iter()
+            .filter_map(|r| match r {
+                RowResult::Stale { current } => Some(*current),
+                _ => None,
+            })
+            .max();
+        match newest {
+            Some(current) => Some(Error::StaleToken {
+                target: target(),
+                presented: token,
+                current,
+                other_counter: false,
+            }),
+            None if rows.contains(&RowResult::Duplicate) => Some(Error::DuplicateToken {
+                target: target(),
+                token,
+            }),
+            None => None,
+        }
+    }
+
+    /// Batch mode: inserts the history rows of a batch statement's rows in one statement.
+    async fn record_many(
+        &self,
+        conn: &mut PgConnection,
+        recorded: Recorded,
+        txn: u32,
+        step: i32,
+    ) -> Step<()> {
+        sqlx::query(RECORD_MANY_SQL)
+            .bind(self.ctx.run.as_str())
+            .bind(recorded.ids)
+            .bind(self.lease.token().get())
+            .bind(recorded.reads)
+            .bind(self.unit_id())
+            .bind(i32::try_from(self.try_no).unwrap_or(i32::MAX))
+            .bind(i32::try_from(self.worker).unwrap_or(i32::MAX))
+            .bind(i32::try_from(txn).unwrap_or(i32::MAX))
+            .bind(step)
+            .bind(recorded.kinds)
+            .execute(conn)
+            .await
+            .map_err(db_at(Stage::Record))?;
+        Ok(())
     }
 
     /// The unit as stored in `last_unit` and the history.
@@ -738,6 +967,22 @@ impl Try<'_> {
             .await
             .map_err(db_at(Stage::Record))?;
         Ok(())
+    }
+}
+
+/// Batch mode: the rows a batch statement changed, for the history.
+#[derive(Default)]
+struct Recorded {
+    ids: Vec<i32>,
+    reads: Vec<i64>,
+    kinds: Vec<&'static str>,
+}
+
+impl Recorded {
+    fn push(&mut self, id: i32, read: i64, kind: Kind) {
+        self.ids.push(id);
+        self.reads.push(read);
+        self.kinds.push(kind.as_str());
     }
 }
 

@@ -8,6 +8,7 @@
 #[path = "../../../tests/support/mod.rs"]
 mod support;
 
+use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -336,6 +337,146 @@ async fn fenced_multi_sessions_hold_under_faults() {
         .find(|f| f.name == "counter_reset")
         .expect("the reset happened");
     assert_eq!(reset.rows_recovered, reset.rows, "{s}");
+}
+
+/// A CI-sized batch run: 96 rows in 2 groups (one lock and token counter each), 600 units of
+/// 10–48 rows, stalls past the TTL, a counter reset and killed backends.
+fn batch_cfg() -> Config {
+    Config {
+        mode: Mode::Batch,
+        workers: 8,
+        rows: 96,
+        batch_groups: 2,
+        units: 600,
+        reset_counters_at: vec![250],
+        kill_every: Some(Duration::from_millis(150)),
+        pause_probability: 0.1,
+        ..Config::default()
+    }
+}
+
+/// The batch run's per-row checks beyond the session ones: the rows add up to the committed
+/// increments (each unit's increment of a row lands at most once), the rejections are rows,
+/// and every rejected row has exactly one audit row naming it (operation, lease token, row).
+async fn assert_batch_rows(report: &Report, pool: &sqlx::PgPool) {
+    let s = &report.summary;
+    let b = s.batch.as_ref().expect("batch figures");
+    assert_eq!(s.repeated_increments, 0, "{s}");
+    assert_eq!(
+        b.rows_rejected_at_claim + b.rows_rejected_at_write,
+        s.rejected
+    );
+    // What the workers saw, row by row, against pgfence.audit row by row.
+    let mut seen: BTreeMap<(String, i64, i32), i64> = BTreeMap::new();
+    for a in &report.attempts {
+        let batch = a.batch.as_ref().expect("every batch try records its rows");
+        for (op, results) in [("claim", &batch.claim), ("update", &batch.write)] {
+            for (row, r) in batch.rows.iter().zip(results) {
+                if r.is_rejection() {
+                    *seen.entry((op.to_owned(), a.token, *row)).or_default() += 1;
+                }
+            }
+        }
+    }
+    let audited: BTreeMap<(String, i64, i32), i64> = sqlx::query_as::<_, (String, i64, i32, i64)>(
+        "SELECT operation, presented, (row_key::jsonb ->> 1)::int, count(*) FROM pgfence.audit \
+         WHERE left(resource, length($1)) = $1 GROUP BY 1, 2, 3",
+    )
+    .bind(format!("chaos:{}:", s.run))
+    .fetch_all(pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|(op, presented, row, n)| ((op, presented, row), n))
+    .collect();
+    assert_eq!(seen, audited, "one audit row per rejected row: {s}");
+}
+
+/// Batch: one lease per group of rows claims 10–48 of them in one statement (`claim_many`),
+/// then writes value + 1 to the claimed ones in one statement (`update_many`), in one or two
+/// transactions, with stalls past the TTL, a counter reset and killed backends. Per row: tokens
+/// in order, no lost update, the rows add up to the committed increments; every rejected row
+/// is audited and logged once; zombies' batches come out mixed (some rows applied, some
+/// stale); writes resume on every row after the reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batch_units_hold_under_faults() {
+    let db = TestDb::new().await;
+    let target = Target {
+        database: db.options.clone(),
+        redis_url: redis_url().await,
+    };
+    let report = run(batch_cfg(), &target).await;
+    assert_session_run_safe(&report);
+    assert_batch_rows(&report, &db.pool).await;
+    let s = &report.summary;
+    let b = s.batch.as_ref().expect("batch figures");
+    assert!(b.min_rows >= 10 && b.max_rows <= 48, "{s}");
+    assert_eq!(total(&db, &s.run).await, s.increments, "{s}");
+    assert!(s.increments > 10 * s.units_incremented, "{s}");
+    assert!(s.backend_kills > 0, "{s}");
+    assert!(
+        b.mixed_claims + b.mixed_writes > 0,
+        "some batch must have had both applied and stale rows: {s}"
+    );
+    let reset = s
+        .faults
+        .iter()
+        .find(|f| f.name == "counter_reset")
+        .expect("the reset happened");
+    assert_eq!(reset.rows_recovered, reset.rows, "{s}");
+    assert!(s.counter_raises > 0, "{s}");
+}
+
+/// Batch mode through a Redis restart (counters and locks gone: no check marks for the floor
+/// source, so `recover_from` on the first rejected rows) and a Postgres restart (own server).
+/// Safety holds, every error is retryable, writes resume on every row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batch_survives_redis_and_postgres_restarts() {
+    let cfg = Config {
+        units: 650,
+        reset_counters_at: Vec::new(),
+        seed: 29,
+        ..batch_cfg()
+    };
+    let db = TestDb::new().await;
+    let redis = Server::redis().await.expect("throwaway Redis");
+    let target = Target {
+        database: db.options.clone(),
+        redis_url: redis.url(),
+    };
+    let (report, redis) = run_with_restart(cfg.clone(), &target, redis, "redis_restart").await;
+    redis.stop();
+    assert_session_run_safe(&report);
+    assert_batch_rows(&report, &db.pool).await;
+    let s = &report.summary;
+    let f = s
+        .faults
+        .iter()
+        .find(|f| f.name == "redis_restart")
+        .expect("restart happened");
+    assert_eq!(f.rows_recovered, f.rows, "writes resume on every row: {s}");
+
+    let pg = Server::postgres().await.expect("throwaway PostgreSQL");
+    let target = Target {
+        database: PgConnectOptions::from_str(&pg.url()).unwrap(),
+        redis_url: redis_url().await,
+    };
+    let (report, _pg) =
+        run_with_restart(Config { seed: 31, ..cfg }, &target, pg, "postgres_restart").await;
+    let s = &report.summary;
+    assert!(!s.timed_out, "{s}");
+    assert!(s.is_safe(), "{s}");
+    assert!(s.errors > 0, "the restart must have been felt: {s}");
+    assert_failures_retryable(&report);
+    assert!(s.audit_rows <= s.rejected, "{s}");
+    assert!(s.audit_rows + s.audit_failures >= s.rejected, "{s}");
+    assert_eq!(s.log_events, s.rejected, "{s}");
+    let f = s
+        .faults
+        .iter()
+        .find(|f| f.name == "postgres_restart")
+        .expect("restart happened");
+    assert_eq!(f.rows_recovered, f.rows, "writes resume on every row: {s}");
 }
 
 /// Both session modes through a Redis restart (counters and locks gone). Row claims leave no
