@@ -29,10 +29,10 @@
 //!
 //! # What guarantees what
 //!
-//! Five [`Mode`]s run a read-modify-write under one lease with different protection. Three do
+//! Six [`Mode`]s run a read-modify-write under one lease with different protection. Three do
 //! it in one statement's or one transaction's worth of work per lease; two treat the lease as
 //! a session of work, as pgfence does (one lease writes a row many times and checks a resource
-//! in many transactions).
+//! in many transactions); one writes many rows per statement.
 //!
 //! * [`Mode::Unfenced`] — what an application without pgfence does: read the value, then
 //!   `UPDATE ... SET value = $1` without a token, on a table that is not guarded. A worker
@@ -85,6 +85,26 @@
 //!   fall before any statement. A retry after a failed try claims again from the start; the
 //!   claim reads `last_unit` back, so a retry whose earlier try's increment committed (its
 //!   acknowledgement lost with a killed backend) does not increment again.
+//!
+//! * [`Mode::Batch`] — many rows per lease, one statement per step. The rows are split into
+//!   [`Config::batch_groups`] groups of contiguous rows, one resource (lock and token counter)
+//!   each; a unit leases a group and draws 10–100 distinct rows of it
+//!   ([`Config::batch_min_rows`], [`Config::batch_max_rows`]; at most the group), so the units
+//!   of a group contend for the same rows. It claims them with
+//!   [`Repository::claim_many`](pgfence::Repository::claim_many) (fences and reads each row;
+//!   one outcome per row), then writes `value + 1` and `last_unit` to every claimed row with
+//!   one [`Repository::update_many`](pgfence::Repository::update_many), and records the
+//!   history rows of each statement in one `INSERT` in its transaction. The claim and the
+//!   update share a transaction or commit separately (half the units each); a stall may fall
+//!   before the claim (a zombie whose claim meets rows newer leases already took: a mixed
+//!   claim) or before the update (with its own transaction, a zombie whose update meets rows
+//!   newer leases claimed meanwhile: a mixed update). Rows rejected by the claim are not
+//!   written; a statement with no row left ends the try as rejected. Each row is checked as in
+//!   `row-claim` — per row, tokens in commit order, no lost update, each unit's increment at
+//!   most once (a retry's claim reads `last_unit` back and rewrites instead) — and each
+//!   rejected row must have its own audit row and audit event, so in this mode the summary's
+//!   `rejected` counts rows ([`Attempt::batch`] has each row's outcomes, [`Summary::batch`]
+//!   the totals and how many batches came out mixed). Rows are sent in ascending order.
 //!
 //! ## What counts as an applied increment
 //!

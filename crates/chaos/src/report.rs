@@ -100,7 +100,7 @@ pub struct Summary {
     pub attempts: u64,
     /// Statements Postgres committed (from the history written in the same transactions): one
     /// write per unit in the single-transaction modes; claims, increments and rewrites in the
-    /// multi-statement modes.
+    /// multi-statement modes (in batch mode, per row: row claims and row writes).
     pub accepted: u64,
     /// Committed increments (value-changing writes); the rows' values must add up to this.
     pub increments: u64,
