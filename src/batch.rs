@@ -163,8 +163,7 @@ impl<T: FencedTable> Repository<T> {
         fencing: impl Into<Fencing>,
         rows: &[T],
     ) -> Result<BatchOutcome> {
-        let refs: Vec<&T> = rows.iter().collect();
-        self.write_many(exec, &fencing.into(), BatchSource::Rows(&refs), Op::Update)
+        self.write_rows(exec, fencing.into(), rows, Op::Update)
             .await
     }
 
@@ -179,8 +178,7 @@ impl<T: FencedTable> Repository<T> {
         fencing: impl Into<Fencing>,
         rows: &[T],
     ) -> Result<BatchOutcome> {
-        let refs: Vec<&T> = rows.iter().collect();
-        self.write_many(exec, &fencing.into(), BatchSource::Rows(&refs), Op::Upsert)
+        self.write_rows(exec, fencing.into(), rows, Op::Upsert)
             .await
     }
 
@@ -248,6 +246,18 @@ impl<T: FencedTable> Repository<T> {
             rows: claimed,
             outcome,
         })
+    }
+
+    async fn write_rows<'c, E: WriteExecutor<'c>>(
+        &self,
+        exec: E,
+        fencing: Fencing,
+        rows: &[T],
+        op: Op,
+    ) -> Result<BatchOutcome> {
+        let refs: Vec<&T> = rows.iter().collect();
+        self.write_many(exec, &fencing, BatchSource::Rows(&refs), op)
+            .await
     }
 
     async fn write_many<'c, E: WriteExecutor<'c>>(

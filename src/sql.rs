@@ -299,6 +299,18 @@ fn rejects(fence: &str, lease: &str) -> String {
     )
 }
 
+/// The identifier parts of an upsert: every column (keys first), the `ON CONFLICT` SET list
+/// for the data columns, and the key columns.
+fn upsert_parts(keys: &[Ident], cols: &[Ident]) -> (Vec<String>, String, Vec<String>) {
+    let all_cols = keys.iter().chain(cols).map(Ident::quoted).collect();
+    let conflict_set = cols
+        .iter()
+        .map(|c| format!("{0} = EXCLUDED.{0}, ", c.quoted()))
+        .collect();
+    let key_cols = keys.iter().map(Ident::quoted).collect();
+    (all_cols, conflict_set, key_cols)
+}
+
 /// `a = $1 AND b = $2`.
 fn key_match(keys: &[Ident], params: &[String]) -> String {
     keys.iter()
@@ -365,13 +377,8 @@ impl Statements {
             let key = p.many(Slot::Key, keys.len());
             let vals = p.many(Slot::Columns, cols.len());
             let lease = p.one(Slot::LeaseFence);
-            let all_cols: Vec<String> = keys.iter().chain(cols).map(Ident::quoted).collect();
             let all_vals: Vec<String> = key.iter().chain(&vals).cloned().collect();
-            let conflict_set: String = cols
-                .iter()
-                .map(|c| format!("{0} = EXCLUDED.{0}, ", c.quoted()))
-                .collect();
-            let key_cols: Vec<String> = keys.iter().map(Ident::quoted).collect();
+            let (all_cols, conflict_set, key_cols) = upsert_parts(keys, cols);
             p.finish(format!(
                 "INSERT INTO {t} AS cur ({cols}, \"fence\") SELECT {vals}, {lease} \
                  WHERE coalesce({tomb_admits}, true) OR EXISTS (SELECT 1 FROM {t} WHERE {km}) \
@@ -582,13 +589,8 @@ impl BatchStatements {
             let mut p = Params::default();
             let i = input(&mut p, true);
             let lease = p.one(Slot::LeaseFence);
-            let all_cols: Vec<String> = keys.iter().chain(cols).map(Ident::quoted).collect();
             let all_vals: Vec<String> = kn.iter().chain(&cn).cloned().collect();
-            let conflict_set: String = cols
-                .iter()
-                .map(|c| format!("{0} = EXCLUDED.{0}, ", c.quoted()))
-                .collect();
-            let key_cols: Vec<String> = keys.iter().map(Ident::quoted).collect();
+            let (all_cols, conflict_set, key_cols) = upsert_parts(keys, cols);
             let returned: Vec<String> = keys
                 .iter()
                 .enumerate()
