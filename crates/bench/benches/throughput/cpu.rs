@@ -104,7 +104,8 @@ impl Sample {
     pub(crate) fn other_cpu_us_per_op(&self) -> Option<f64> {
         let known = self.client_cpu_us_per_op?
             + self.pg_server_us_per_op.unwrap_or(0.0)
-            + self.redis_server_us_per_op.unwrap_or(0.0);
+            + self.redis_server_us_per_op.unwrap_or(0.0)
+            + self.etcd_server_us_per_op.unwrap_or(0.0);
         Some((self.machine_cpu_us_per_op? - known).max(0.0))
     }
 

@@ -23,6 +23,10 @@
 //! - `storm`: stale writes (every one rejected and audited; the audit row count is checked),
 //!   then all-fresh writes and a 10 % stale mix.
 //! - `scaling`: 1a at several concurrencies, pool size = concurrency (at most 64).
+//! - `etcd` (feature `etcd`): pgfence's `EtcdIssuer` acquire+release and acquire-only, a raw
+//!   etcd-client grant + put-with-lease + revoke loop through the same client (the ceiling),
+//!   and the Redis issuer's acquire+release in the same round, on a throwaway single-node etcd
+//!   (or `PGFENCE_ETCD_URL`). Without the feature it prints how to enable it.
 //!
 //! Every figure waits for an idle machine first, and records CPU time per operation of the
 //! client, the PostgreSQL server, the Redis server and everything else (see BENCHMARKS.md).
@@ -65,6 +69,8 @@
 mod baselines;
 mod config;
 mod cpu;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod measure;
 mod report;
 mod sections;
@@ -141,6 +147,21 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
     {
         sections::condition(env).await?;
     }
+    #[cfg(feature = "etcd")]
+    let etcd_server = if env.cfg.runs("etcd") {
+        let server = etcd::EtcdServer::start().await?;
+        eprintln!("etcd: {}", server.describe());
+        Some(server)
+    } else {
+        None
+    };
+    #[cfg(not(feature = "etcd"))]
+    if env.cfg.runs("etcd") {
+        eprintln!(
+            "section etcd skipped: built without feature `etcd` (run `cargo bench -p pgfence-bench \
+             --features etcd --bench throughput -- etcd`)"
+        );
+    }
     let mut loads = Vec::new();
     for round in 1..=env.cfg.rounds {
         let mut out = Results::new();
@@ -168,6 +189,10 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
         }
         if env.cfg.runs("scaling") {
             sections::scaling(env, round, &mut out).await?;
+        }
+        #[cfg(feature = "etcd")]
+        if let Some(server) = &etcd_server {
+            etcd::etcd(env, server, round, &mut out).await?;
         }
         rounds.push(out);
     }

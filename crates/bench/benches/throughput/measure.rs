@@ -145,6 +145,9 @@ pub(crate) struct Sample {
     pub(crate) pg_server_us_per_op: Option<f64>,
     /// CPU time of the Redis server per operation (`INFO cpu`), for Redis rows.
     pub(crate) redis_server_us_per_op: Option<f64>,
+    /// CPU time of the etcd server per operation (local throwaway server only; warm-up
+    /// included), for the etcd rows.
+    pub(crate) etcd_server_us_per_op: Option<f64>,
     pub(crate) note: Option<String>,
     /// Rows one operation writes (a batch row: its size). The rate and the CPU figures are
     /// then per row; the latencies stay per operation (per batch).
@@ -172,6 +175,7 @@ impl Sample {
             &mut self.machine_cpu_us_per_op,
             &mut self.pg_server_us_per_op,
             &mut self.redis_server_us_per_op,
+            &mut self.etcd_server_us_per_op,
         ] {
             *v = v.map(|c| c / n);
         }

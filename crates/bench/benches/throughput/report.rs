@@ -85,6 +85,22 @@ fn rows(cfg: &Config) -> Vec<(String, String)> {
         .iter()
         .map(|(k, l)| ((*k).to_owned(), (*l).to_owned())),
     );
+    rows.extend(
+        [
+            ("etcd.issuer_cycle", "8a EtcdIssuer acquire+release"),
+            (
+                "etcd.issuer_fresh",
+                "8b EtcdIssuer::acquire (fresh resource)",
+            ),
+            (
+                "etcd.raw_cycle",
+                "8c raw etcd-client grant+put(lease)+revoke",
+            ),
+            ("etcd.redis_cycle", "8d Redis Issuer acquire+release (3c)"),
+        ]
+        .iter()
+        .map(|(k, l)| ((*k).to_owned(), (*l).to_owned())),
+    );
     for c in &cfg.scaling {
         rows.push((
             format!("scaling.c{c}"),
@@ -267,6 +283,27 @@ const RATIOS: &[RatioDef] = &[
         target: None,
     },
     RatioDef {
+        key: "etcd_cycle_vs_raw",
+        label: "EtcdIssuer acquire+release / raw etcd-client (8a/8c)",
+        num: "etcd.issuer_cycle",
+        den: &["etcd.raw_cycle"],
+        target: None,
+    },
+    RatioDef {
+        key: "etcd_cycle_vs_redis",
+        label: "EtcdIssuer acquire+release / Redis Issuer (8a/8d)",
+        num: "etcd.issuer_cycle",
+        den: &["etcd.redis_cycle"],
+        target: None,
+    },
+    RatioDef {
+        key: "etcd_fresh_vs_raw",
+        label: "EtcdIssuer::acquire / raw etcd-client cycle (8b/8c)",
+        num: "etcd.issuer_fresh",
+        den: &["etcd.raw_cycle"],
+        target: None,
+    },
+    RatioDef {
         key: "job_vs_write",
         label: "job cycle / Repository::update (4/1a)",
         num: "job.cycle",
@@ -326,6 +363,7 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
         let client = med(|s| s.client_cpu_us_per_op);
         let pg = med(|s| s.pg_server_us_per_op);
         let redis = med(|s| s.redis_server_us_per_op);
+        let etcd = med(|s| s.etcd_server_us_per_op);
         let machine = med(|s| s.machine_cpu_us_per_op);
         let other = med(Sample::other_cpu_us_per_op);
         let busy = med(|s| s.busy_cpus);
@@ -334,6 +372,9 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
         let mut notes = Vec::new();
         if bad > 0 {
             notes.push(format!("{bad} failed"));
+        }
+        if let Some(etcd) = etcd {
+            notes.push(format!("etcd server {} us/op", fmt_cpu(Some(etcd))));
         }
         if let Some(n) = samples.last().and_then(|s| s.note.clone()) {
             notes.push(n);
@@ -358,14 +399,16 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
                 "ops_per_sec": ops, "p50_ms": p50, "p99_ms": p99,
                 "client_cpu_us_per_op": client, "machine_cpu_us_per_op": machine,
                 "pg_server_cpu_us_per_op": pg, "other_cpu_us_per_op": other,
-                "redis_server_us_per_op": redis, "busy_cpus": busy,
+                "redis_server_us_per_op": redis, "etcd_server_us_per_op": etcd,
+                "busy_cpus": busy,
             }),
         );
     }
 
     println!(
         "CPU microseconds per operation — cli: the client (this process or the tool); pg: the \
-         PostgreSQL server; rds: the Redis server (warm-up included); oth: everything else on the \
+         PostgreSQL server; rds: the Redis server (warm-up included); etcd server (notes): its process, warm-up \
+         included; oth: everything else on the \
          machine (other work skews a row: check it); all: the whole machine; \
          cpus: busy CPUs in the window (of {}). Batch rows (7a, 7c): ops/s and CPU are per \
          row, p50/p99 per batch",

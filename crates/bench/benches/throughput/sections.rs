@@ -24,7 +24,7 @@ use crate::workloads::{
 pub(crate) type Results = BTreeMap<String, Sample>;
 
 /// Records `sample` under `key` and prints a progress line.
-fn put(out: &mut Results, round: usize, key: &str, sample: Sample) {
+pub(crate) fn put(out: &mut Results, round: usize, key: &str, sample: Sample) {
     let rate = sample
         .ops_per_sec
         .map_or_else(|| "skipped".to_owned(), |r| format!("{r:.0}/s"));
@@ -282,7 +282,7 @@ pub(crate) async fn batch(env: &Env, round: usize, out: &mut Results) -> Result<
 }
 
 /// Runs `work` like [`measure`], and also reads Redis's command time per operation.
-async fn measure_redis<W: Workload>(env: &Env, work: W) -> Result<Sample> {
+pub(crate) async fn measure_redis<W: Workload>(env: &Env, work: W) -> Result<Sample> {
     let mut conn = redis_conn(&env.redis_url).await?;
     let before = redis_usec(&mut conn).await;
     let mut sample = measure(&env.cfg, env.cfg.tasks, Metric::Applied, work).await?;
