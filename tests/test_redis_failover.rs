@@ -645,11 +645,20 @@ async fn demoted_master() {
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let on_replica: Option<i64> = redis::cmd("GET")
-        .arg(issuer.counter_key(&resource))
-        .query_async(&mut replica_conn)
-        .await
-        .unwrap();
+    // WAIT says the replica acknowledged the stream; give it a moment to be readable there
+    // (a loaded machine can lag between the acknowledgement and the read).
+    let until = Instant::now() + Duration::from_secs(10);
+    let on_replica = loop {
+        let seen: Option<i64> = redis::cmd("GET")
+            .arg(issuer.counter_key(&resource))
+            .query_async(&mut replica_conn)
+            .await
+            .unwrap();
+        if seen == Some(5) || Instant::now() > until {
+            break seen;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     assert_eq!(on_replica, Some(5), "the replica has every INCR");
 
     let started = Instant::now();
