@@ -229,11 +229,7 @@ impl EtcdIssuer {
         ttl: Duration,
     ) -> Result<std::result::Result<Lease, Duration>> {
         let secs = lease_secs(ttl)?;
-        if owner.is_empty() || owner.contains(':') {
-            return Err(Error::InvalidOwner(
-                "owner ids are non-empty and contain no ':'".into(),
-            ));
-        }
+        super::check_owner(owner)?;
         let key = self.lock_key(resource);
         let mut attempt = 0;
         loop {
@@ -362,21 +358,20 @@ impl EtcdIssuer {
         let owner = new_owner_id();
         let mut backoff = Duration::from_millis(10);
         loop {
-            let retry_in = match self.acquire_as(resource, &owner, ttl).await? {
-                Ok(lease) => return Ok(Some(lease)),
-                Err(retry_in) => retry_in,
+            let retry_in = match self.acquire_as(resource, &owner, ttl).await {
+                Ok(Ok(lease)) => return Ok(Some(lease)),
+                Ok(Err(retry_in)) => retry_in,
+                // A failover or a dropped connection while waiting: keep waiting (the same
+                // owner id makes a retried acquire idempotent), up to the caller's deadline.
+                Err(e) if e.is_retryable() && Instant::now() < give_up => Duration::ZERO,
+                Err(e) => return Err(e),
             };
             let now = Instant::now();
             if now >= give_up {
                 return Ok(None);
             }
-            let jittered = backoff.mul_f64(0.5 + rand::random::<f64>() / 2.0);
-            // etcd reports whole seconds: a holder with 0 s left may still have most of one.
-            let nap = jittered
-                .min(retry_in.max(Duration::from_millis(10)))
-                .min(give_up - now);
-            tokio::time::sleep(nap).await;
-            backoff = (backoff * 2).min(Duration::from_millis(500));
+            // etcd reports whole seconds: 0 s left means "under a second", not "free now".
+            tokio::time::sleep(super::wait_nap(&mut backoff, retry_in, give_up - now)).await;
         }
     }
 

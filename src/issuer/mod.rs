@@ -447,7 +447,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     /// reply). Returns `Err(retry_in)` when another owner holds the lock.
     ///
     /// # Errors
-    /// As [`Issuer::acquire`]; [`Error::InvalidResource`] for an empty owner id.
+    /// As [`Issuer::acquire`]; [`Error::InvalidOwner`] for an empty owner id or one containing
+    /// `:`.
     pub async fn acquire_as(
         &self,
         resource: &Resource,
@@ -455,11 +456,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         ttl: Duration,
     ) -> Result<std::result::Result<Lease, Duration>> {
         let ttl_ms = ttl_millis(ttl)?;
-        if owner.is_empty() || owner.contains(':') {
-            return Err(Error::InvalidOwner(
-                "owner ids are non-empty and contain no ':'".into(),
-            ));
-        }
+        check_owner(owner)?;
         let (lock, counter) = (self.lock_key(resource), self.counter_key(resource));
         let _timer = crate::metrics::Timer::acquire();
         let result = self
@@ -522,7 +519,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         }
     }
 
-    /// Waits up to `wait` for the lock, retrying with jittered exponential backoff (10 ms
+    /// Waits up to `wait` for the lock, retrying (also after retryable errors, such as a
+    /// failover in progress) with jittered exponential backoff (10 ms
     /// doubling to 500 ms, never sleeping past the holder's remaining TTL). `Ok(None)` when
     /// the wait ran out.
     ///
@@ -539,25 +537,19 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         let owner = new_owner_id();
         let mut backoff = Duration::from_millis(10);
         loop {
-            let retry_in = match self.acquire_as(resource, &owner, ttl).await? {
-                Ok(lease) => return Ok(Some(lease)),
-                Err(retry_in) => retry_in,
+            let retry_in = match self.acquire_as(resource, &owner, ttl).await {
+                Ok(Ok(lease)) => return Ok(Some(lease)),
+                Ok(Err(retry_in)) => retry_in,
+                // A failover or a dropped connection while waiting: keep waiting (the same
+                // owner id makes a retried acquire idempotent), up to the caller's deadline.
+                Err(e) if e.is_retryable() && Instant::now() < give_up => Duration::ZERO,
+                Err(e) => return Err(e),
             };
             let now = Instant::now();
             if now >= give_up {
                 return Ok(None);
             }
-            let jittered = backoff.mul_f64(0.5 + rand::random::<f64>() / 2.0);
-            // A lock with no expiry reports no remaining time: back off as usual then, instead
-            // of polling every millisecond.
-            let nap = if retry_in.is_zero() {
-                jittered
-            } else {
-                jittered.min(retry_in)
-            }
-            .min(give_up - now);
-            tokio::time::sleep(nap).await;
-            backoff = (backoff * 2).min(Duration::from_millis(500));
+            tokio::time::sleep(wait_nap(&mut backoff, retry_in, give_up - now)).await;
         }
     }
 
@@ -746,6 +738,31 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     pub fn keep_alive(&self, lease: &Lease) -> KeepAlive {
         KeepAlive::spawn(Arc::new(self.clone()), lease.clone())
     }
+}
+
+/// Validates a lock owner id (stored as `owner:token`, so it cannot contain `:`).
+pub(crate) fn check_owner(owner: &str) -> Result<()> {
+    if owner.is_empty() || owner.contains(':') {
+        return Err(Error::InvalidOwner(
+            "owner ids are non-empty and contain no ':'".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// How long a waiting acquire sleeps before its next try: jittered exponential backoff (10 ms
+/// doubling to 500 ms, advanced here), never past the holder's reported remaining time — a
+/// lock that reports none (no expiry, or under a second on etcd) gets the plain backoff
+/// instead of a busy poll — nor past `left`, the caller's remaining wait.
+pub(crate) fn wait_nap(backoff: &mut Duration, retry_in: Duration, left: Duration) -> Duration {
+    let jittered = backoff.mul_f64(0.5 + rand::random::<f64>() / 2.0);
+    *backoff = (*backoff * 2).min(Duration::from_millis(500));
+    let nap = if retry_in.is_zero() {
+        jittered
+    } else {
+        jittered.min(retry_in)
+    };
+    nap.min(left)
 }
 
 fn transient(e: &redis::RedisError) -> bool {
