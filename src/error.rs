@@ -208,7 +208,7 @@ pub enum Error {
         "{scheme} issuer URLs need pgfence's `{feature}` feature; rebuild with it enabled (cargo: features = [\"{feature}\"], or --features pgfence/{feature})"
     )]
     IssuerNotBuilt {
-        /// The URL scheme, `etcd://` or `redis+sentinel://`.
+        /// The URL scheme, `etcd://` or `zk://`.
         scheme: &'static str,
         /// The cargo feature that provides it.
         feature: &'static str,
@@ -230,6 +230,11 @@ pub enum Error {
     #[cfg(feature = "etcd")]
     #[error("etcd error: {0}")]
     Etcd(#[source] etcd_client::Error),
+
+    /// A ZooKeeper error (the [`ZkIssuer`](crate::ZkIssuer), feature `zk`).
+    #[cfg(feature = "zk")]
+    #[error("zookeeper error: {0}")]
+    ZooKeeper(#[source] zookeeper_client::Error),
 }
 
 impl Error {
@@ -271,6 +276,8 @@ impl Error {
             }
             #[cfg(feature = "etcd")]
             Error::Etcd(e) => crate::issuer::etcd_is_transient(e),
+            #[cfg(feature = "zk")]
+            Error::ZooKeeper(e) => crate::issuer::zk_is_transient(e),
             _ => false,
         }
     }

@@ -48,6 +48,8 @@ pub use issuer::{
 };
 #[cfg(feature = "etcd")]
 pub use issuer::{ETCD_SCHEME, EtcdIssuer, etcd_lock_key, is_etcd_url};
+#[cfg(feature = "zk")]
+pub use issuer::{ZK_SCHEME, ZkIssuer, is_zk_url, zk_lock_dir};
 pub use migrate::{MigrationInfo, migrate, status as migration_status};
 pub use repository::{FencedTable, KeyArrays, PgQuery, Repository, Upserted, WriteExecutor};
 pub use resource::{MAX_RESOURCE_LEN, Resource};

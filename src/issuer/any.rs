@@ -1,4 +1,4 @@
-//! [`TokenIssuer`]: one interface over every issuer (Redis, etcd), and [`connect_issuer`],
+//! [`TokenIssuer`]: one interface over every issuer (Redis, etcd, ZooKeeper), and [`connect_issuer`],
 //! which picks one from a URL at run time.
 
 use std::future::Future;
@@ -26,20 +26,24 @@ pub enum IssuerKind {
     /// The etcd issuer (`EtcdIssuer`, feature `etcd`): tokens are cluster revisions, which
     /// never go backwards; reseeding is a no-op.
     Etcd,
+    /// The ZooKeeper issuer (`ZkIssuer`, feature `zk`): tokens are the zxids that created the
+    /// lock nodes, which never go backwards; reseeding is a no-op.
+    ZooKeeper,
 }
 
 impl IssuerKind {
-    /// `"redis"` or `"etcd"`.
+    /// `"redis"`, `"etcd"` or `"zk"`.
     #[must_use]
     pub fn name(self) -> &'static str {
         match self {
             IssuerKind::Redis => "redis",
             IssuerKind::Etcd => "etcd",
+            IssuerKind::ZooKeeper => "zk",
         }
     }
 
     /// Whether this issuer's counter can go backwards (and so can be reseeded from Postgres):
-    /// true for Redis, false for etcd.
+    /// true for Redis, false for etcd and ZooKeeper.
     #[must_use]
     pub fn can_reseed(self) -> bool {
         self == IssuerKind::Redis
@@ -56,8 +60,8 @@ impl std::fmt::Display for IssuerKind {
 /// them owner-safely, report a lock's state, and (where the counter can go backwards) raise
 /// the counter after a failover.
 ///
-/// Implemented by the Redis [`Issuer`] (any connection type) and by `EtcdIssuer` (feature
-/// `etcd`). The methods have the same names and meaning as the issuers' own methods, which
+/// Implemented by the Redis [`Issuer`] (any connection type), by `EtcdIssuer` (feature
+/// `etcd`) and by `ZkIssuer` (feature `zk`). The methods have the same names and meaning as the issuers' own methods, which
 /// stay callable directly; this trait is for code that picks the issuer at run time
 /// ([`connect_issuer`]) or must work with either ([`KeepAlive`](crate::KeepAlive)).
 ///
@@ -75,16 +79,19 @@ impl std::fmt::Display for IssuerKind {
 /// # Differences between issuers
 ///
 /// * Redis tokens count per resource (or per fencing domain); etcd tokens are cluster-wide
-///   revisions. Both are strictly increasing per resource, which is all Postgres needs.
-/// * etcd revisions cannot go backwards: [`TokenIssuer::raise_floor`] and
-///   [`TokenIssuer::recover_from`] do nothing there (they return the current revision and
-///   `false`). See [`TokenIssuer::kind`] and [`IssuerKind::can_reseed`].
-/// * etcd TTLs have whole-second resolution on the server.
+///   revisions, ZooKeeper tokens ensemble-wide zxids. All are strictly increasing per
+///   resource, which is all Postgres needs.
+/// * etcd revisions and ZooKeeper zxids cannot go backwards: [`TokenIssuer::raise_floor`] and
+///   [`TokenIssuer::recover_from`] do nothing there (they return the current revision or zxid
+///   and `false`). See [`TokenIssuer::kind`] and [`IssuerKind::can_reseed`].
+/// * etcd TTLs have whole-second resolution on the server; ZooKeeper TTLs are kept by the
+///   issuer's process, and a dead process's locks end with its session.
 ///
 /// ```no_run
 /// # async fn f() -> pgfence::Result<()> {
 /// use std::time::Duration;
-/// // "redis://...", "rediss://...", or "etcd://..." (feature `etcd`): chosen by the URL.
+/// // "redis://...", "redis+sentinel://...", "etcd://..." (feature `etcd`) or "zk://..."
+/// // (feature `zk`): chosen by the URL.
 /// let url = std::env::var("PGFENCE_ISSUER_URL").unwrap_or("redis://127.0.0.1:6379".into());
 /// let issuer = pgfence::connect_issuer(&url).await?;
 /// let resource = pgfence::Resource::new("payments:batch:42")?;
@@ -335,6 +342,90 @@ impl TokenIssuer for super::EtcdIssuer {
     }
 }
 
+#[cfg(feature = "zk")]
+impl TokenIssuer for super::ZkIssuer {
+    fn kind(&self) -> IssuerKind {
+        IssuerKind::ZooKeeper
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        resource: &'a Resource,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<Lease>>> {
+        Box::pin(super::ZkIssuer::acquire(self, resource, ttl))
+    }
+
+    fn acquire_as<'a>(
+        &'a self,
+        resource: &'a Resource,
+        owner: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<std::result::Result<Lease, Duration>>> {
+        Box::pin(super::ZkIssuer::acquire_as(self, resource, owner, ttl))
+    }
+
+    fn acquire_wait<'a>(
+        &'a self,
+        resource: &'a Resource,
+        ttl: Duration,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<Option<Lease>>> {
+        Box::pin(super::ZkIssuer::acquire_wait(self, resource, ttl, wait))
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<ReleaseOutcome>> {
+        Box::pin(super::ZkIssuer::release(self, lease))
+    }
+
+    fn extend<'a>(
+        &'a self,
+        lease: &'a mut Lease,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<LeaseState>> {
+        Box::pin(super::ZkIssuer::extend(self, lease, ttl))
+    }
+
+    fn extend_until<'a>(
+        &'a self,
+        lease: &'a mut Lease,
+        ttl: Duration,
+        until: Instant,
+    ) -> BoxFuture<'a, Result<LeaseState>> {
+        Box::pin(super::ZkIssuer::extend_until(self, lease, ttl, until))
+    }
+
+    fn status<'a>(&'a self, resource: &'a Resource) -> BoxFuture<'a, Result<LockStatus>> {
+        Box::pin(super::ZkIssuer::status(self, resource))
+    }
+
+    /// zxids never go backwards: nothing to raise. Returns the zxid of the resource's last
+    /// lock change (after checking `floor` as the Redis issuer does).
+    fn raise_floor<'a>(&'a self, resource: &'a Resource, floor: i64) -> BoxFuture<'a, Result<i64>> {
+        Box::pin(async move {
+            if floor < 0 {
+                return Err(Error::InvalidToken(floor.to_string()));
+            }
+            Ok(super::ZkIssuer::status(self, resource).await?.counter)
+        })
+    }
+
+    /// zxids never go backwards: there is no counter to recover. Always `Ok(false)`.
+    fn recover_from<'a>(&'a self, _err: &'a Error) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async { Ok(false) })
+    }
+
+    /// A no-op (see [`TokenIssuer::raise_floor`]): returns the resource's last zxid without
+    /// reading Postgres.
+    fn reseed<'a>(
+        &'a self,
+        _pool: &'a PgPool,
+        resource: &'a Resource,
+    ) -> BoxFuture<'a, Result<i64>> {
+        self.raise_floor(resource, 0)
+    }
+}
+
 /// How [`connect_issuer_with`] sets up the issuer it connects.
 #[derive(Clone, Debug, Default)]
 pub struct IssuerOptions {
@@ -350,7 +441,7 @@ impl IssuerOptions {
     }
 
     /// The key prefix ([`Issuer::with_key_prefix`]; for etcd, keys become
-    /// `PREFIX/lock/R`). Checked when connecting.
+    /// `PREFIX/lock/R`; for ZooKeeper, nodes `/PREFIX/lock/R/...`). Checked when connecting.
     #[must_use]
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.key_prefix = Some(prefix.into());
@@ -358,7 +449,7 @@ impl IssuerOptions {
     }
 
     /// Recover a lost Redis counter from this database ([`Issuer::with_floor_source`]).
-    /// Ignored by etcd, whose revisions are never lost.
+    /// Ignored by etcd and ZooKeeper, whose revisions and zxids are never lost.
     #[must_use]
     pub fn floor_source(mut self, pool: PgPool) -> Self {
         self.floor_source = Some(pool);
@@ -391,12 +482,14 @@ pub async fn connect_issuer(url: &str) -> Result<Arc<dyn TokenIssuer>> {
 ///   `unix://`: the Redis [`Issuer`] ([`Issuer::connect`]);
 /// * `redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db]`: the Redis
 ///   issuer through Redis Sentinel ([`Issuer::connect_sentinel`]);
-/// * `etcd://host:port[,host:port...]`: the etcd issuer (feature `etcd`).
+/// * `etcd://host:port[,host:port...]`: the etcd issuer (feature `etcd`);
+/// * `zk://host:port[,host:port...][?session_timeout_ms=N]`: the ZooKeeper issuer (feature
+///   `zk`).
 ///
 /// # Errors
-/// [`Error::IssuerNotBuilt`] for `etcd://` without the `etcd` feature;
+/// [`Error::IssuerNotBuilt`] for `etcd://` or `zk://` without the feature;
 /// [`Error::InvalidIssuerUrl`] for any other scheme; [`Error::InvalidKeyPrefix`];
-/// the issuer's connection error ([`Error::Redis`], `Error::Etcd`).
+/// the issuer's connection error ([`Error::Redis`], `Error::Etcd`, `Error::ZooKeeper`).
 pub async fn connect_issuer_with(
     url: &str,
     options: IssuerOptions,
@@ -439,11 +532,24 @@ pub async fn connect_issuer_with(
             scheme: "etcd://",
             feature: "etcd",
         }),
+        #[cfg(feature = "zk")]
+        Some(super::ZK_SCHEME) => {
+            let mut issuer = super::ZkIssuer::connect(url).await?;
+            if let Some(prefix) = &options.key_prefix {
+                issuer = issuer.with_key_prefix(prefix)?;
+            }
+            Ok(Arc::new(issuer))
+        }
+        #[cfg(not(feature = "zk"))]
+        Some("zk://") => Err(Error::IssuerNotBuilt {
+            scheme: "zk://",
+            feature: "zk",
+        }),
         Some(other) => Err(Error::InvalidIssuerUrl(format!(
-            "unknown scheme {other:?}; expected redis://, rediss://, redis+sentinel:// or etcd://"
+            "unknown scheme {other:?}; expected redis://, rediss://, redis+sentinel://, etcd:// or zk://"
         ))),
         None => Err(Error::InvalidIssuerUrl(
-            "no scheme; expected redis://, rediss://, redis+sentinel:// or etcd://".into(),
+            "no scheme; expected redis://, rediss://, redis+sentinel://, etcd:// or zk://".into(),
         )),
     }
 }
@@ -460,6 +566,7 @@ mod tests {
             Some("redis+sentinel://")
         );
         assert_eq!(scheme("etcd://a,b").as_deref(), Some("etcd://"));
+        assert_eq!(scheme("zk://a,b").as_deref(), Some("zk://"));
         assert_eq!(scheme("not a url"), None);
         assert_eq!(scheme("a b://x"), None);
     }
@@ -482,6 +589,11 @@ mod tests {
             let err = connect_issuer("etcd://127.0.0.1:2379").await.unwrap_err();
             assert!(matches!(err, Error::IssuerNotBuilt { .. }), "{err}");
             assert!(err.to_string().contains("`etcd` feature"), "{err}");
+        }
+        #[cfg(not(feature = "zk"))]
+        {
+            let err = connect_issuer("zk://127.0.0.1:2181").await.unwrap_err();
+            assert!(matches!(err, Error::IssuerNotBuilt { .. }), "{err}");
         }
     }
 }

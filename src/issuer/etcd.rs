@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::{
     ACQUIRE_ATTEMPTS, DEFAULT_KEY_PREFIX, Lease, LeaseState, LockStatus, ReleaseOutcome,
-    check_key_prefix, check_ttl, new_owner_id,
+    acquire_waiting, check_key_prefix, check_ttl, host_list, new_owner_id, retrying,
 };
 use crate::{Error, FenceToken, MAX_TOKEN, Resource, Result};
 
@@ -353,26 +353,12 @@ impl EtcdIssuer {
         ttl: Duration,
         wait: Duration,
     ) -> Result<Option<Lease>> {
-        check_ttl(ttl)?;
-        let give_up = Instant::now() + wait;
-        let owner = new_owner_id();
-        let mut backoff = Duration::from_millis(10);
-        loop {
-            let retry_in = match self.acquire_as(resource, &owner, ttl).await {
-                Ok(Ok(lease)) => return Ok(Some(lease)),
-                Ok(Err(retry_in)) => retry_in,
-                // A failover or a dropped connection while waiting: keep waiting (the same
-                // owner id makes a retried acquire idempotent), up to the caller's deadline.
-                Err(e) if e.is_retryable() && Instant::now() < give_up => Duration::ZERO,
-                Err(e) => return Err(e),
-            };
-            let now = Instant::now();
-            if now >= give_up {
-                return Ok(None);
-            }
-            // etcd reports whole seconds: 0 s left means "under a second", not "free now".
-            tokio::time::sleep(super::wait_nap(&mut backoff, retry_in, give_up - now)).await;
-        }
+        // etcd reports whole seconds: 0 s left means "under a second", not "free now"
+        // (wait_nap then uses its plain backoff).
+        acquire_waiting(ttl, wait, |owner| async move {
+            self.acquire_as(resource, &owner, ttl).await
+        })
+        .await
     }
 
     /// Releases the lock if `lease` still holds it (same owner and token), and revokes its
@@ -615,28 +601,6 @@ impl EtcdIssuer {
     }
 }
 
-/// Runs an owner-safe `op` until it succeeds, fails for a reason that is not transient, or
-/// `until` passes (short backoff between attempts). Also says whether it was re-sent.
-async fn retrying<T, F, Fut>(until: Instant, mut op: F) -> (Result<T>, bool)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T>>,
-{
-    let mut backoff = Duration::from_millis(25);
-    let mut made = 0;
-    loop {
-        made += 1;
-        match op().await {
-            Err(e) if e.is_retryable() && Instant::now() + backoff < until => {
-                tracing::debug!(target: "pgfence::issuer", error = %e, attempt = made, "etcd call failed in transit; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(400));
-            }
-            result => return (result, made > 1),
-        }
-    }
-}
-
 /// The compare that proves `lease` holds its lock: the key's value is its owner and the key
 /// was created with its token.
 fn owned_by(key: &str, lease: &Lease) -> [Compare; 2] {
@@ -698,29 +662,11 @@ fn parse_url(url: &str) -> Result<(Credentials, Vec<String>)> {
         }
         None => (None, rest),
     };
-    let mut endpoints = Vec::new();
-    for host in hosts.split(',') {
-        let host = host.trim();
-        if host.is_empty() || host.contains('/') {
-            return Err(invalid("empty or malformed host"));
-        }
-        let has_port = match host.rsplit_once(':') {
-            // `[::1]:2379` or `h:2379` have a port; a bare `[::1]` does not.
-            Some((h, port)) => {
-                !h.is_empty() && !port.contains(']') && {
-                    port.parse::<u16>()
-                        .map_err(|_| invalid("bad port"))
-                        .map(|_| true)?
-                }
-            }
-            None => false,
-        };
-        endpoints.push(if has_port {
-            format!("http://{host}")
-        } else {
-            format!("http://{host}:{DEFAULT_PORT}")
-        });
-    }
+    let endpoints = host_list(hosts, DEFAULT_PORT)
+        .map_err(invalid)?
+        .into_iter()
+        .map(|h| format!("http://{h}"))
+        .collect();
     Ok((user, endpoints))
 }
 

@@ -16,6 +16,8 @@ mod etcd;
 mod keepalive;
 mod scripts;
 mod sentinel;
+#[cfg(feature = "zk")]
+mod zk;
 
 use std::future::Future;
 use std::num::NonZeroUsize;
@@ -42,6 +44,10 @@ pub use sentinel::{
     DEFAULT_FAILOVER_WAIT, DEFAULT_SENTINEL_PORT, SENTINEL_SCHEME, SentinelConnections,
     SentinelUrl, is_sentinel_url,
 };
+#[cfg(feature = "zk")]
+pub(crate) use zk::is_transient as zk_is_transient;
+#[cfg(feature = "zk")]
+pub use zk::{ZK_SCHEME, ZkIssuer, is_zk_url, zk_lock_dir};
 
 use crate::{Error, FenceToken, Fencing, Resource, Result, StaleTarget};
 
@@ -787,4 +793,92 @@ fn unexpected(v: &[Value]) -> Error {
         "unexpected reply from a pgfence script",
         format!("{v:?}"),
     )))
+}
+
+/// Runs an owner-safe `op` until it succeeds, fails for a reason that is not transient, or
+/// `until` passes (backoff 25 ms doubling to 400 ms between attempts). Also says whether it was
+/// re-sent. Used by the consensus-store issuers, whose release and extend compare owner and
+/// token, so sending them twice is harmless.
+#[cfg(any(feature = "etcd", feature = "zk"))]
+pub(crate) async fn retrying<T, F, Fut>(until: Instant, mut op: F) -> (Result<T>, bool)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    let mut backoff = Duration::from_millis(25);
+    let mut made = 0;
+    loop {
+        made += 1;
+        match op().await {
+            Err(e) if e.is_retryable() && Instant::now() + backoff < until => {
+                tracing::debug!(target: "pgfence::issuer", error = %e, attempt = made, "issuer call failed in transit; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(400));
+            }
+            result => return (result, made > 1),
+        }
+    }
+}
+
+/// The waiting acquire of the consensus-store issuers: calls `try_once` with one owner id
+/// until it gets the lock or `wait` runs out (`Ok(None)`), sleeping [`wait_nap`] between tries
+/// and waiting through retryable errors (a failover while waiting) up to the deadline.
+#[cfg(any(feature = "etcd", feature = "zk"))]
+pub(crate) async fn acquire_waiting<F, Fut>(
+    ttl: Duration,
+    wait: Duration,
+    mut try_once: F,
+) -> Result<Option<Lease>>
+where
+    F: FnMut(String) -> Fut,
+    Fut: Future<Output = Result<std::result::Result<Lease, Duration>>>,
+{
+    check_ttl(ttl)?;
+    let give_up = Instant::now() + wait;
+    let owner = new_owner_id();
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let retry_in = match try_once(owner.clone()).await {
+            Ok(Ok(lease)) => return Ok(Some(lease)),
+            Ok(Err(retry_in)) => retry_in,
+            // The same owner id makes a retried acquire idempotent.
+            Err(e) if e.is_retryable() && Instant::now() < give_up => Duration::ZERO,
+            Err(e) => return Err(e),
+        };
+        let now = Instant::now();
+        if now >= give_up {
+            return Ok(None);
+        }
+        tokio::time::sleep(wait_nap(&mut backoff, retry_in, give_up - now)).await;
+    }
+}
+
+/// Splits `host[:port][,host[:port]...]` into `host:port` entries (`default_port` where a
+/// host names none; `[v6]` hosts keep their brackets). The reason when malformed.
+#[cfg(any(feature = "etcd", feature = "zk"))]
+pub(crate) fn host_list(
+    hosts: &str,
+    default_port: u16,
+) -> std::result::Result<Vec<String>, &'static str> {
+    let mut out = Vec::new();
+    for host in hosts.split(',') {
+        let host = host.trim();
+        if host.is_empty() || host.contains(['/', '?', '@']) {
+            return Err("empty or malformed host");
+        }
+        let has_port = match host.rsplit_once(':') {
+            // `[::1]:2379` or `h:2379` have a port; a bare `[::1]` does not.
+            Some((h, port)) if !h.is_empty() && !port.contains(']') => {
+                port.parse::<u16>().map_err(|_| "bad port")?;
+                true
+            }
+            Some(_) | None => false,
+        };
+        out.push(if has_port {
+            host.to_owned()
+        } else {
+            format!("{host}:{default_port}")
+        });
+    }
+    Ok(out)
 }

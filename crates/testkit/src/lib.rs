@@ -16,9 +16,14 @@
 
 mod etcd;
 mod sentinel;
+mod zk;
 
 pub use etcd::{ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, EtcdCluster, EtcdMember, etcd_installed};
 pub use sentinel::{RedisNode, SentinelConfig, SentinelSet, sentinel_installed};
+pub use zk::{
+    ZK_MAX_SESSION_TIMEOUT_MS, ZK_MIN_SESSION_TIMEOUT_MS, ZK_TICK_MS, ZkEnsemble, ZkMember,
+    zk_installed,
+};
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
