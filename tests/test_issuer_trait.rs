@@ -1,6 +1,7 @@
 //! The lease semantics every issuer shares, checked through `Arc<dyn TokenIssuer>` (as a CLI
 //! or a service that picks its issuer from a URL holds it): Redis always, etcd with the `etcd`
-//! feature (skipped, with a message, when etcd is not installed). Also the Redis key prefix.
+//! feature and ZooKeeper with the `zk` feature (each skipped, with a message, when its server
+//! is not installed). Also the key prefixes.
 
 mod support;
 
@@ -404,6 +405,117 @@ mod etcd {
         let lb = b.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
         assert!(a.acquire(&resource, 10 * SEC).await.unwrap().is_none());
         // Under b's prefix the resource's lock is lb's: la's handle cannot touch it.
+        assert_eq!(
+            b.release(&la).await.unwrap(),
+            ReleaseOutcome::TakenByOther,
+            "not its lock"
+        );
+        assert_eq!(a.release(&la).await.unwrap(), ReleaseOutcome::Released);
+        assert_eq!(b.release(&lb).await.unwrap(), ReleaseOutcome::Released);
+    }
+}
+
+#[cfg(feature = "zk")]
+mod zk {
+    use super::*;
+    use pgfence::ZkIssuer;
+    use pgfence_testkit::{ZkEnsemble, zk_installed};
+    use tokio::sync::OnceCell;
+
+    static SINGLE: OnceCell<(String, Option<ZkEnsemble>)> = OnceCell::const_new();
+
+    fn skip(test: &str) -> bool {
+        if std::env::var("PGFENCE_ZK_URL").is_ok_and(|u| !u.is_empty()) || zk_installed() {
+            return false;
+        }
+        eprintln!("SKIPPED {test}: ZooKeeper is not installed (Debian: apt-get install zookeeper)");
+        true
+    }
+
+    async fn zk_url() -> String {
+        SINGLE
+            .get_or_init(|| async {
+                match std::env::var("PGFENCE_ZK_URL") {
+                    Ok(url) if !url.is_empty() => (url, None),
+                    _ => {
+                        let node = ZkEnsemble::single()
+                            .await
+                            .expect("start throwaway ZooKeeper");
+                        (node.url(), Some(node))
+                    }
+                }
+            })
+            .await
+            .0
+            .clone()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn zk_through_the_trait() {
+        if skip("zk_through_the_trait") {
+            return;
+        }
+        let issuer = connect_issuer(&zk_url().await).await.unwrap();
+        assert_eq!(issuer.kind(), IssuerKind::ZooKeeper);
+        assert_eq!(issuer.kind().name(), "zk");
+        assert!(!issuer.kind().can_reseed());
+        // The issuer's own timer ends a lapsed lease: sub-second TTLs work.
+        lease_semantics(issuer, Duration::from_millis(300), SEC).await;
+    }
+
+    /// zxids never go backwards: raise_floor and recover_from do nothing.
+    #[tokio::test]
+    async fn zk_floor_and_recovery_are_no_ops() {
+        if skip("zk_floor_and_recovery_are_no_ops") {
+            return;
+        }
+        let issuer = connect_issuer(&zk_url().await).await.unwrap();
+        let resource = unique_resource("trait-zk-floor");
+        let first = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
+        issuer.release(&first).await.unwrap();
+        let counter = issuer.status(&resource).await.unwrap().counter;
+        assert!(counter > first.token().get(), "the release's zxid");
+        let after = issuer.raise_floor(&resource, i64::MAX / 2).await.unwrap();
+        assert_eq!(after, counter, "nothing raised");
+        assert!(matches!(
+            issuer.raise_floor(&resource, -1).await,
+            Err(Error::InvalidToken(_))
+        ));
+        let stale = Error::StaleToken {
+            target: pgfence::StaleTarget::Resource(resource.to_string()),
+            presented: 1,
+            current: i64::MAX / 2,
+            other_counter: false,
+        };
+        assert!(!issuer.recover_from(&stale).await.unwrap());
+        let lease = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
+        assert!(lease.token().get() > counter);
+        assert_eq!(
+            issuer.release(&lease).await.unwrap(),
+            ReleaseOutcome::Released
+        );
+    }
+
+    /// Two prefixes on one ensemble: two locks for one resource.
+    #[tokio::test]
+    async fn zk_key_prefixes_separate_locks() {
+        if skip("zk_key_prefixes_separate_locks") {
+            return;
+        }
+        let url = zk_url().await;
+        let a = ZkIssuer::connect(&url)
+            .await
+            .unwrap()
+            .with_key_prefix("app-a")
+            .unwrap();
+        let b = connect_issuer_with(&url, IssuerOptions::new().key_prefix("app-b"))
+            .await
+            .unwrap();
+        let resource = unique_resource("trait-zk-prefix");
+        assert_eq!(a.lock_dir(&resource), format!("/app-a/lock/{resource}"));
+        let la = a.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
+        let lb = b.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
+        assert!(a.acquire(&resource, 10 * SEC).await.unwrap().is_none());
         assert_eq!(
             b.release(&la).await.unwrap(),
             ReleaseOutcome::TakenByOther,

@@ -42,6 +42,17 @@ impl IssuerKind {
         }
     }
 
+    /// Whether this build of pgfence includes this issuer (Redis always; etcd with the `etcd`
+    /// feature, ZooKeeper with the `zk` feature).
+    #[must_use]
+    pub fn is_built(self) -> bool {
+        match self {
+            IssuerKind::Redis => true,
+            IssuerKind::Etcd => cfg!(feature = "etcd"),
+            IssuerKind::ZooKeeper => cfg!(feature = "zk"),
+        }
+    }
+
     /// Whether this issuer's counter can go backwards (and so can be reseeded from Postgres):
     /// true for Redis, false for etcd and ZooKeeper.
     #[must_use]

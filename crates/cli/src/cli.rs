@@ -35,8 +35,9 @@ pub struct Conn {
     /// Redis URL (the issuer when --issuer-url is not given).
     #[arg(long, env = "REDIS_URL", global = true, hide_env_values = true)]
     pub redis_url: Option<String>,
-    /// Token issuer URL: `redis://`, `rediss://`, `redis+sentinel://`, or `etcd://host:2379`
-    /// (etcd needs a pgfence built with the `etcd` feature). Defaults to the Redis URL.
+    /// Token issuer URL: `redis://`, `rediss://`, `redis+sentinel://`, `etcd://host:2379` or
+    /// `zk://host:2181` (etcd and ZooKeeper need the CLI built with the `etcd` / `zk` feature).
+    /// Defaults to the Redis URL.
     #[arg(
         long,
         env = "PGFENCE_ISSUER_URL",
@@ -109,7 +110,7 @@ pub enum Command {
     /// lease alive while it runs, release, exit with its status.
     Run(RunArgs),
     /// Raise a resource's Redis counter to Postgres's high-water mark (after a failover; a
-    /// no-op with an etcd issuer, whose tokens never go backwards).
+    /// no-op with an etcd or ZooKeeper issuer, whose tokens never go backwards).
     Reseed {
         /// The resource.
         resource: String,

@@ -69,7 +69,8 @@ impl Conn {
         Ok(pool)
     }
 
-    /// The configured issuer (Redis or etcd, by the URL's scheme), with the key prefix.
+    /// The configured issuer (Redis, etcd or ZooKeeper, by the URL's scheme), with the key
+    /// prefix.
     pub async fn issuer(&self) -> Result<Arc<dyn TokenIssuer>> {
         connect_issuer(self.issuer_url()?, self.issuer_options()?).await
     }
@@ -78,11 +79,11 @@ impl Conn {
     /// recovers a lost counter by itself ([`Issuer::with_floor_source`]): a lease taken on a
     /// missing counter gets a token above the resource's high-water mark. Without a
     /// reachable, migrated database it says so on stderr and issues tokens from Redis alone
-    /// (safety does not depend on it: Postgres still rejects old tokens). etcd needs no floor
-    /// (its revisions never go backwards).
+    /// (safety does not depend on it: Postgres still rejects old tokens). etcd and ZooKeeper
+    /// need no floor (their revisions and zxids never go backwards).
     pub async fn lock_issuer(&self) -> Result<Arc<dyn TokenIssuer>> {
         let url = self.issuer_url()?;
-        if is_etcd(url) {
+        if consensus_store(url).is_some() {
             return self.issuer().await;
         }
         let prefix = self.key_prefix()?;
@@ -170,20 +171,24 @@ fn is_plain_redis(url: &str) -> bool {
         || !lower.contains("://")
 }
 
-/// Whether `url` names an etcd cluster (`etcd://`).
-fn is_etcd(url: &str) -> bool {
-    url.get(..7)
-        .is_some_and(|s| s.eq_ignore_ascii_case("etcd://"))
+/// The consensus store `url` names (`etcd://` or `zk://`), if it names one.
+fn consensus_store(url: &str) -> Option<&'static str> {
+    let scheme = url.split_once("://")?.0.to_ascii_lowercase();
+    match scheme.as_str() {
+        "etcd" => Some("etcd"),
+        "zk" => Some("ZooKeeper"),
+        _ => None,
+    }
 }
 
 /// The issuer `url` names ([`pgfence::connect_issuer_with`]), giving up after a few seconds.
 pub async fn connect_issuer(url: &str, options: IssuerOptions) -> Result<Arc<dyn TokenIssuer>> {
-    let what = if is_etcd(url) { "etcd" } else { "Redis" };
+    let what = consensus_store(url).unwrap_or("Redis");
     match tokio::time::timeout(CONNECT_TIMEOUT, pgfence::connect_issuer_with(url, options)).await {
         Ok(Ok(issuer)) => Ok(issuer),
         // Not a connection problem: say what to do.
-        Ok(Err(e @ pgfence::Error::IssuerNotBuilt { .. })) => Err(anyhow!(
-            "{e} (for this command: cargo install pgfence-cli --features etcd)"
+        Ok(Err(e @ pgfence::Error::IssuerNotBuilt { feature, .. })) => Err(anyhow!(
+            "{e} (for this command: cargo install pgfence-cli --features {feature})"
         )),
         Ok(Err(e)) => Err(anyhow::Error::from(e))
             .with_context(|| format!("cannot connect to {what} at {}", redact(url))),

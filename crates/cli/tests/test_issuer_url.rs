@@ -1,5 +1,7 @@
 //! `--issuer-url` / `PGFENCE_ISSUER_URL` and `--key-prefix` / `PGFENCE_KEY_PREFIX`: the
-//! Redis path always; etcd when the CLI is built with `--features etcd` and etcd is installed.
+//! Redis path always; etcd and ZooKeeper when the binary has them (`--features etcd` / `zk`,
+//! or a workspace build whose pgfence has them: `cargo test` at the root) and they are
+//! installed.
 
 #[path = "../../../tests/support/mod.rs"]
 mod support;
@@ -202,9 +204,17 @@ async fn key_prefix_separates_locks_and_counters() {
         .unwrap();
 }
 
-#[cfg(not(feature = "etcd"))]
+/// The binary links the same pgfence as this test (one build), so this says what it has.
+fn built(kind: pgfence::IssuerKind) -> bool {
+    kind.is_built()
+}
+
 #[tokio::test]
 async fn etcd_url_without_the_feature_says_how_to_enable_it() {
+    if built(pgfence::IssuerKind::Etcd) {
+        eprintln!("SKIPPED etcd_url_without_the_feature: this build has the etcd issuer");
+        return;
+    }
     let out = pgfence(
         &[],
         &[
@@ -224,10 +234,13 @@ async fn etcd_url_without_the_feature_says_how_to_enable_it() {
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
 }
 
-#[cfg(feature = "etcd")]
 #[tokio::test]
 async fn lock_run_and_reseed_with_etcd() {
     use pgfence_testkit::{EtcdCluster, etcd_installed};
+    if !built(pgfence::IssuerKind::Etcd) {
+        eprintln!("SKIPPED lock_run_and_reseed_with_etcd: this build has no etcd issuer");
+        return;
+    }
     if !etcd_installed() {
         eprintln!("SKIPPED lock_run_and_reseed_with_etcd: etcd is not installed");
         return;
@@ -276,4 +289,76 @@ async fn lock_run_and_reseed_with_etcd() {
     );
     assert!(out.trim().parse::<i64>().unwrap() > token, "{out}");
     assert!(ok(&env, &["reseed", r, "--floor", "5"]).contains("nothing to reseed"));
+}
+
+#[tokio::test]
+async fn run_status_and_reseed_with_zookeeper() {
+    use pgfence_testkit::{ZkEnsemble, zk_installed};
+    if !built(pgfence::IssuerKind::ZooKeeper) {
+        eprintln!("SKIPPED run_status_and_reseed_with_zookeeper: this build has no zk issuer");
+        return;
+    }
+    if !zk_installed() {
+        eprintln!("SKIPPED run_status_and_reseed_with_zookeeper: ZooKeeper is not installed");
+        return;
+    }
+    let node = ZkEnsemble::single()
+        .await
+        .expect("start throwaway ZooKeeper");
+    let db = TestDb::new().await;
+    let db_url = db.url();
+    let url = node.url();
+    let env = [
+        ("DATABASE_URL", db_url.as_str()),
+        ("PGFENCE_ISSUER_URL", url.as_str()),
+        ("REDIS_URL", "redis://127.0.0.1:1"),
+    ];
+    let res = unique_resource("cli-zk");
+    let r = res.as_str();
+    // The lock lives as long as `run`: the command sees its token, and status sees the holder.
+    let script = format!("echo $PGFENCE_TOKEN; '{BIN}' lock status \"$PGFENCE_RESOURCE\" --json");
+    let out = ok(
+        &env,
+        &[
+            "run",
+            "--resource",
+            r,
+            "--ttl",
+            "3s",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    );
+    let mut lines = out.lines();
+    let token: i64 = lines.next().unwrap().trim().parse().unwrap();
+    let status: serde_json::Value = serde_json::from_str(lines.next().unwrap()).unwrap();
+    assert_eq!(status["token"].as_i64(), Some(token), "{out}");
+    // After `run`, the lock is gone (released).
+    let status = json(&env, &["lock", "status", r, "--json"]);
+    assert!(status["owner"].is_null(), "{status}");
+    assert!(status["counter"].as_i64().unwrap() > token, "{status}");
+    // `lock acquire` refuses: the lock would end with the command.
+    let out = pgfence(&env, &["lock", "acquire", r, "--ttl", "30s"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("pgfence run"), "{err}");
+    assert!(ok(&env, &["reseed", r, "--floor", "5"]).contains("nothing to reseed"));
+    // A second run gets a larger token.
+    let out = ok(
+        &env,
+        &[
+            "run",
+            "--resource",
+            r,
+            "--ttl",
+            "3s",
+            "--",
+            "sh",
+            "-c",
+            "echo $PGFENCE_TOKEN",
+        ],
+    );
+    assert!(out.trim().parse::<i64>().unwrap() > token, "{out}");
 }

@@ -24,7 +24,14 @@ pub async fn acquire(
 ) -> Result<ExitCode> {
     let resource = util::resource(resource)?;
     pgfence::check_ttl(ttl)?;
-    let lease = take_lock(&*conn.lock_issuer().await?, &resource, ttl, wait).await?;
+    let issuer = conn.lock_issuer().await?;
+    if issuer.kind() == pgfence::IssuerKind::ZooKeeper {
+        // Its lock node is ephemeral: it would be gone as soon as this command exits.
+        anyhow::bail!(
+            "a ZooKeeper lock lives only as long as the process that took it, so `lock acquire` cannot hand one to a later command: run the work under `pgfence run --resource {resource} -- CMD` instead"
+        );
+    }
+    let lease = take_lock(&*issuer, &resource, ttl, wait).await?;
     if json {
         println!(
             "{}",

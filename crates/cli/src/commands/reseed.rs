@@ -32,7 +32,7 @@ pub async fn reseed(
     }
     let issuer = conn.issuer().await?;
     if !issuer.kind().can_reseed() {
-        // etcd: tokens are cluster revisions, which never go backwards.
+        // etcd / ZooKeeper: tokens are revisions / zxids, which never go backwards.
         let counter = issuer.status(&resource).await?.counter;
         if json {
             println!(
@@ -41,7 +41,7 @@ pub async fn reseed(
             );
         } else {
             println!(
-                "{resource}: nothing to reseed: the {} issuer's tokens are revisions that never go backwards (current revision {counter})",
+                "{resource}: nothing to reseed: the {} issuer's tokens never go backwards (current revision {counter})",
                 issuer.kind()
             );
         }
