@@ -577,7 +577,19 @@ impl ZkIssuer {
         }
         let until = Instant::now() + Duration::from_secs(2);
         let (outcome, retried) = retrying(until, || self.release_once(&dir, lease)).await;
-        let outcome = outcome?;
+        let outcome = match outcome {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                if e.is_retryable() {
+                    // The node may still be there, with its timer stopped: delete it in the
+                    // background (unless an acquire of this owner takes it over).
+                    let key = (dir, lease.owner.clone());
+                    self.inner.strays.lock().await.insert(key.clone());
+                    tokio::spawn(remove_strays(Arc::downgrade(&self.inner), key));
+                }
+                return Err(e);
+            }
+        };
         if outcome == ReleaseOutcome::AlreadyExpired && retried && Instant::now() < lease.deadline {
             return Ok(ReleaseOutcome::Released);
         }
@@ -842,6 +854,10 @@ async fn expire(inner: Weak<Inner>, key: (String, String), held: Arc<Held>) {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
+        if ended(client.state()) {
+            // The session is over: the ensemble deleted its nodes.
+            return;
+        }
         // Re-sent while the connection is down; if the session ends meanwhile, the ensemble
         // deletes the node itself.
         let until = Instant::now() + inner.session_timeout;
