@@ -269,173 +269,106 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> TokenIssuer for Issuer<C
     }
 }
 
+/// [`TokenIssuer`] for an issuer whose tokens never go backwards (etcd revisions, ZooKeeper
+/// zxids): the methods delegate to the issuer's own; `raise_floor`, `recover_from` and
+/// `reseed` change nothing and report the current counter (`raise_floor` still checks
+/// `floor` as the Redis issuer does).
+#[cfg(any(feature = "etcd", feature = "zk"))]
+macro_rules! never_backwards_issuer {
+    ($ty:ty, $kind:expr) => {
+        impl TokenIssuer for $ty {
+            fn kind(&self) -> IssuerKind {
+                $kind
+            }
+
+            fn acquire<'a>(
+                &'a self,
+                resource: &'a Resource,
+                ttl: Duration,
+            ) -> BoxFuture<'a, Result<Option<Lease>>> {
+                Box::pin(<$ty>::acquire(self, resource, ttl))
+            }
+
+            fn acquire_as<'a>(
+                &'a self,
+                resource: &'a Resource,
+                owner: &'a str,
+                ttl: Duration,
+            ) -> BoxFuture<'a, Result<std::result::Result<Lease, Duration>>> {
+                Box::pin(<$ty>::acquire_as(self, resource, owner, ttl))
+            }
+
+            fn acquire_wait<'a>(
+                &'a self,
+                resource: &'a Resource,
+                ttl: Duration,
+                wait: Duration,
+            ) -> BoxFuture<'a, Result<Option<Lease>>> {
+                Box::pin(<$ty>::acquire_wait(self, resource, ttl, wait))
+            }
+
+            fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<ReleaseOutcome>> {
+                Box::pin(<$ty>::release(self, lease))
+            }
+
+            fn extend<'a>(
+                &'a self,
+                lease: &'a mut Lease,
+                ttl: Duration,
+            ) -> BoxFuture<'a, Result<LeaseState>> {
+                Box::pin(<$ty>::extend(self, lease, ttl))
+            }
+
+            fn extend_until<'a>(
+                &'a self,
+                lease: &'a mut Lease,
+                ttl: Duration,
+                until: Instant,
+            ) -> BoxFuture<'a, Result<LeaseState>> {
+                Box::pin(<$ty>::extend_until(self, lease, ttl, until))
+            }
+
+            fn status<'a>(&'a self, resource: &'a Resource) -> BoxFuture<'a, Result<LockStatus>> {
+                Box::pin(<$ty>::status(self, resource))
+            }
+
+            /// Tokens never go backwards: nothing to raise. Returns the current counter (after
+            /// checking `floor` as the Redis issuer does).
+            fn raise_floor<'a>(
+                &'a self,
+                resource: &'a Resource,
+                floor: i64,
+            ) -> BoxFuture<'a, Result<i64>> {
+                Box::pin(async move {
+                    if floor < 0 {
+                        return Err(Error::InvalidToken(floor.to_string()));
+                    }
+                    Ok(<$ty>::status(self, resource).await?.counter)
+                })
+            }
+
+            /// Tokens never go backwards: there is no counter to recover. Always `Ok(false)`.
+            fn recover_from<'a>(&'a self, _err: &'a Error) -> BoxFuture<'a, Result<bool>> {
+                Box::pin(async { Ok(false) })
+            }
+
+            /// A no-op (see [`TokenIssuer::raise_floor`]): returns the current counter without
+            /// reading Postgres.
+            fn reseed<'a>(
+                &'a self,
+                _pool: &'a PgPool,
+                resource: &'a Resource,
+            ) -> BoxFuture<'a, Result<i64>> {
+                self.raise_floor(resource, 0)
+            }
+        }
+    };
+}
+
 #[cfg(feature = "etcd")]
-impl TokenIssuer for super::EtcdIssuer {
-    fn kind(&self) -> IssuerKind {
-        IssuerKind::Etcd
-    }
-
-    fn acquire<'a>(
-        &'a self,
-        resource: &'a Resource,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<Option<Lease>>> {
-        Box::pin(super::EtcdIssuer::acquire(self, resource, ttl))
-    }
-
-    fn acquire_as<'a>(
-        &'a self,
-        resource: &'a Resource,
-        owner: &'a str,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<std::result::Result<Lease, Duration>>> {
-        Box::pin(super::EtcdIssuer::acquire_as(self, resource, owner, ttl))
-    }
-
-    fn acquire_wait<'a>(
-        &'a self,
-        resource: &'a Resource,
-        ttl: Duration,
-        wait: Duration,
-    ) -> BoxFuture<'a, Result<Option<Lease>>> {
-        Box::pin(super::EtcdIssuer::acquire_wait(self, resource, ttl, wait))
-    }
-
-    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<ReleaseOutcome>> {
-        Box::pin(super::EtcdIssuer::release(self, lease))
-    }
-
-    fn extend<'a>(
-        &'a self,
-        lease: &'a mut Lease,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<LeaseState>> {
-        Box::pin(super::EtcdIssuer::extend(self, lease, ttl))
-    }
-
-    fn extend_until<'a>(
-        &'a self,
-        lease: &'a mut Lease,
-        ttl: Duration,
-        until: Instant,
-    ) -> BoxFuture<'a, Result<LeaseState>> {
-        Box::pin(super::EtcdIssuer::extend_until(self, lease, ttl, until))
-    }
-
-    fn status<'a>(&'a self, resource: &'a Resource) -> BoxFuture<'a, Result<LockStatus>> {
-        Box::pin(super::EtcdIssuer::status(self, resource))
-    }
-
-    /// etcd revisions never go backwards: nothing to raise. Returns the current revision
-    /// (after checking `floor` as the Redis issuer does).
-    fn raise_floor<'a>(&'a self, resource: &'a Resource, floor: i64) -> BoxFuture<'a, Result<i64>> {
-        Box::pin(async move {
-            if floor < 0 {
-                return Err(Error::InvalidToken(floor.to_string()));
-            }
-            Ok(super::EtcdIssuer::status(self, resource).await?.counter)
-        })
-    }
-
-    /// etcd revisions never go backwards: there is no counter to recover. Always `Ok(false)`.
-    fn recover_from<'a>(&'a self, _err: &'a Error) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async { Ok(false) })
-    }
-
-    /// A no-op (see [`TokenIssuer::raise_floor`]): returns the current revision without
-    /// reading Postgres.
-    fn reseed<'a>(
-        &'a self,
-        _pool: &'a PgPool,
-        resource: &'a Resource,
-    ) -> BoxFuture<'a, Result<i64>> {
-        self.raise_floor(resource, 0)
-    }
-}
-
+never_backwards_issuer!(super::EtcdIssuer, IssuerKind::Etcd);
 #[cfg(feature = "zk")]
-impl TokenIssuer for super::ZkIssuer {
-    fn kind(&self) -> IssuerKind {
-        IssuerKind::ZooKeeper
-    }
-
-    fn acquire<'a>(
-        &'a self,
-        resource: &'a Resource,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<Option<Lease>>> {
-        Box::pin(super::ZkIssuer::acquire(self, resource, ttl))
-    }
-
-    fn acquire_as<'a>(
-        &'a self,
-        resource: &'a Resource,
-        owner: &'a str,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<std::result::Result<Lease, Duration>>> {
-        Box::pin(super::ZkIssuer::acquire_as(self, resource, owner, ttl))
-    }
-
-    fn acquire_wait<'a>(
-        &'a self,
-        resource: &'a Resource,
-        ttl: Duration,
-        wait: Duration,
-    ) -> BoxFuture<'a, Result<Option<Lease>>> {
-        Box::pin(super::ZkIssuer::acquire_wait(self, resource, ttl, wait))
-    }
-
-    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<ReleaseOutcome>> {
-        Box::pin(super::ZkIssuer::release(self, lease))
-    }
-
-    fn extend<'a>(
-        &'a self,
-        lease: &'a mut Lease,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<LeaseState>> {
-        Box::pin(super::ZkIssuer::extend(self, lease, ttl))
-    }
-
-    fn extend_until<'a>(
-        &'a self,
-        lease: &'a mut Lease,
-        ttl: Duration,
-        until: Instant,
-    ) -> BoxFuture<'a, Result<LeaseState>> {
-        Box::pin(super::ZkIssuer::extend_until(self, lease, ttl, until))
-    }
-
-    fn status<'a>(&'a self, resource: &'a Resource) -> BoxFuture<'a, Result<LockStatus>> {
-        Box::pin(super::ZkIssuer::status(self, resource))
-    }
-
-    /// zxids never go backwards: nothing to raise. Returns the zxid of the resource's last
-    /// lock change (after checking `floor` as the Redis issuer does).
-    fn raise_floor<'a>(&'a self, resource: &'a Resource, floor: i64) -> BoxFuture<'a, Result<i64>> {
-        Box::pin(async move {
-            if floor < 0 {
-                return Err(Error::InvalidToken(floor.to_string()));
-            }
-            Ok(super::ZkIssuer::status(self, resource).await?.counter)
-        })
-    }
-
-    /// zxids never go backwards: there is no counter to recover. Always `Ok(false)`.
-    fn recover_from<'a>(&'a self, _err: &'a Error) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async { Ok(false) })
-    }
-
-    /// A no-op (see [`TokenIssuer::raise_floor`]): returns the resource's last zxid without
-    /// reading Postgres.
-    fn reseed<'a>(
-        &'a self,
-        _pool: &'a PgPool,
-        resource: &'a Resource,
-    ) -> BoxFuture<'a, Result<i64>> {
-        self.raise_floor(resource, 0)
-    }
-}
+never_backwards_issuer!(super::ZkIssuer, IssuerKind::ZooKeeper);
 
 /// How [`connect_issuer_with`] sets up the issuer it connects.
 #[derive(Clone, Debug, Default)]
