@@ -1,56 +1,54 @@
-//! The etcd issuer (feature `etcd`) against real etcd: the Redis issuer's lease semantics, a
-//! paused holder fenced by Postgres, and a 3-member cluster that loses its leader mid-run.
+//! The etcd issuer (feature `etcd`) against real etcd: the lease semantics of the other issuers
+//! (the shared suite in `issuer_suite`, run against ZooKeeper too), a paused holder fenced by
+//! Postgres, and a 3-member cluster that loses its leader mid-run.
 //!
 //! Each test starts (or shares) throwaway etcd members from the installed `etcd` binary on
 //! 127.0.0.1, and prints a message and passes when etcd is not installed. `PGFENCE_ETCD_URL`
 //! (`etcd://host:port,...`) points the single-node tests at a running cluster instead.
 #![cfg(feature = "etcd")]
 
+mod issuer_suite;
 mod support;
 
-use std::collections::{BTreeMap, HashSet};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use pgfence::{
-    Error, EtcdIssuer, LeaseState, ReleaseOutcome, Repository, Resource, TableName, etcd_lock_key,
-};
+use issuer_suite::{Cluster, Profile};
+use pgfence::{EtcdIssuer, ReleaseOutcome, Resource, etcd_lock_key};
 use pgfence_testkit::{EtcdCluster, etcd_installed};
-use support::{TestDb, unique_resource};
+use support::unique_resource;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 const SEC: Duration = Duration::from_secs(1);
 
-static SINGLE: OnceCell<(String, Option<EtcdCluster>)> = OnceCell::const_new();
+/// etcd keeps a lock's TTL as a lease of whole seconds (rounded up; a cluster may raise a short
+/// one to its minimum lease TTL, 1–2 s), and tells a refused owner the holder's remaining TTL.
+const ETCD: Profile = Profile {
+    name: "etcd",
+    label: "etcd",
+    ttl_resolution: SEC,
+    expiry_slack: Duration::from_secs(5),
+    reports_retry_in: true,
+};
 
 fn skip(test: &str) -> bool {
-    if std::env::var("PGFENCE_ETCD_URL").is_ok_and(|u| !u.is_empty()) || etcd_installed() {
-        return false;
-    }
-    eprintln!(
-        "SKIPPED {test}: etcd is not installed (Debian: apt-get install etcd-server; or set \
-         PGFENCE_ETCD_BIN to the binary, or PGFENCE_ETCD_URL to a running cluster)"
-    );
-    true
+    let external = std::env::var("PGFENCE_ETCD_URL").is_ok_and(|u| !u.is_empty());
+    issuer_suite::skipped(
+        test,
+        external || etcd_installed(),
+        "etcd is not installed (Debian: apt-get install etcd-server; or set PGFENCE_ETCD_BIN to \
+         the binary, or PGFENCE_ETCD_URL to a running cluster)",
+    )
 }
 
 /// The URL of the etcd the single-node tests share (one throwaway member per test binary).
 async fn etcd_url() -> String {
-    SINGLE
-        .get_or_init(|| async {
-            match std::env::var("PGFENCE_ETCD_URL") {
-                Ok(url) if !url.is_empty() => (url, None),
-                _ => {
-                    let node = EtcdCluster::single().await.expect("start throwaway etcd");
-                    (node.url(), Some(node))
-                }
-            }
-        })
-        .await
-        .0
-        .clone()
+    static SINGLE: OnceCell<(String, Option<EtcdCluster>)> = OnceCell::const_new();
+    issuer_suite::shared_url(&SINGLE, "PGFENCE_ETCD_URL", async {
+        let node = EtcdCluster::single().await.expect("start throwaway etcd");
+        (node.url(), node)
+    })
+    .await
 }
 
 /// An issuer on the shared etcd (one client per test: each test has its own runtime).
@@ -73,270 +71,21 @@ async fn raw(url: &str) -> etcd_client::Client {
         .unwrap()
 }
 
-/// 8 tasks × 40 acquisitions of one lock: one holder at a time, tokens strictly increase in
-/// grant order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_acquisitions_are_exclusive_and_strictly_increasing() {
-    if skip("concurrent_acquisitions") {
-        return;
-    }
-    let issuer = issuer().await;
-    let resource = unique_resource("etcd-contended");
-    let inside = Arc::new(AtomicI32::new(0));
-    let granted = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let mut tasks = Vec::new();
-    for _ in 0..8 {
-        let (issuer, resource, inside, granted) = (
-            issuer.clone(),
-            resource.clone(),
-            inside.clone(),
-            granted.clone(),
-        );
-        tasks.push(tokio::spawn(async move {
-            let mut got = 0;
-            while got < 40 {
-                let Some(lease) = issuer.acquire(&resource, 10 * SEC).await.unwrap() else {
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                    continue;
-                };
-                assert_eq!(
-                    inside.fetch_add(1, Ordering::SeqCst),
-                    0,
-                    "two holders at once"
-                );
-                granted.lock().unwrap().push(lease.token().get());
-                assert_eq!(inside.fetch_sub(1, Ordering::SeqCst), 1);
-                assert_eq!(
-                    issuer.release(&lease).await.unwrap(),
-                    ReleaseOutcome::Released
-                );
-                got += 1;
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
-    let granted = granted.lock().unwrap().clone();
-    assert_eq!(granted.len(), 8 * 40);
-    assert!(
-        granted.windows(2).all(|w| w[0] < w[1]),
-        "tokens strictly increase in grant order"
-    );
-    let status = issuer.status(&resource).await.unwrap();
-    assert_eq!(status.owner, None, "released");
-    assert!(status.counter > *granted.last().unwrap(), "{status:?}");
-}
-
-#[tokio::test]
-async fn expired_lease_cannot_release_or_extend_the_next_holders_lock() {
-    if skip("expired_lease") {
-        return;
-    }
-    let issuer = issuer().await;
-    let resource = unique_resource("etcd-expiry");
-    let mut a = issuer
-        .acquire(&resource, Duration::from_millis(300)) // 1 s on the server
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(
-        issuer.acquire(&resource, SEC).await.unwrap().is_none(),
-        "held by A"
-    );
-    let b = issuer
-        .acquire_wait(&resource, 10 * SEC, 10 * SEC)
-        .await
-        .unwrap()
-        .expect("A's lease expires");
-    assert_eq!(a.remaining(), Duration::ZERO, "local deadline errs early");
-    assert!(b.token() > a.token());
-    assert_eq!(
-        issuer.release(&a).await.unwrap(),
-        ReleaseOutcome::TakenByOther
-    );
-    assert_eq!(
-        issuer.extend(&mut a, 10 * SEC).await.unwrap(),
-        LeaseState::Taken
-    );
-    let status = issuer.status(&resource).await.unwrap();
-    assert_eq!(
-        (status.owner.as_deref(), status.token),
-        (Some(b.owner()), Some(b.token().get()))
-    );
-    assert!(status.ttl_ms.is_some_and(|ms| (1..=10_000).contains(&ms)));
-
-    assert_eq!(issuer.release(&b).await.unwrap(), ReleaseOutcome::Released);
-    assert_eq!(
-        issuer.release(&b).await.unwrap(),
-        ReleaseOutcome::AlreadyExpired,
-        "nobody holds it now"
-    );
-    let mut b = b;
-    assert_eq!(
-        issuer.extend(&mut b, SEC).await.unwrap(),
-        LeaseState::Expired
-    );
-    let status = issuer.status(&resource).await.unwrap();
-    assert_eq!(
-        (status.owner, status.token, status.ttl_ms),
-        (None, None, None)
-    );
-}
-
-#[tokio::test]
-async fn owner_extend_keeps_the_lock_past_its_ttl() {
-    if skip("owner_extend") {
-        return;
-    }
-    let issuer = issuer().await;
-    let resource = unique_resource("etcd-extend");
-    let mut lease = issuer.acquire(&resource, SEC).await.unwrap().unwrap();
-    let token = lease.token();
-
-    // Same TTL: a keep-alive of the etcd lease.
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    assert_eq!(
-        issuer.extend(&mut lease, SEC).await.unwrap(),
-        LeaseState::Held
-    );
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    assert!(
-        issuer.acquire(&resource, SEC).await.unwrap().is_none(),
-        "still held 1.4 s after a 1 s lease was taken"
-    );
-
-    // Another TTL: the key moves to a new etcd lease, the token stays.
-    assert_eq!(
-        issuer.extend(&mut lease, 3 * SEC).await.unwrap(),
-        LeaseState::Held
-    );
-    assert_eq!(lease.token(), token);
-    assert_eq!(lease.ttl(), 3 * SEC);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(lease.remaining() > SEC);
-    assert!(
-        issuer.acquire(&resource, SEC).await.unwrap().is_none(),
-        "still held after the original TTL"
-    );
-    let status = issuer.status(&resource).await.unwrap();
-    assert_eq!(status.token, Some(token.get()));
-    assert!(status.ttl_ms.is_some_and(|ms| ms >= 1000), "{status:?}");
-    assert_eq!(
-        issuer.release(&lease).await.unwrap(),
-        ReleaseOutcome::Released
-    );
-}
-
-#[tokio::test]
-async fn retried_acquire_by_the_same_owner_returns_the_same_token() {
-    if skip("retried_acquire") {
-        return;
-    }
-    let issuer = issuer().await;
-    let resource = unique_resource("etcd-retry");
-    let owner = pgfence::new_owner_id();
-    let first = issuer
-        .acquire_as(&resource, &owner, 5 * SEC)
-        .await
-        .unwrap()
-        .unwrap();
-    let again = issuer
-        .acquire_as(&resource, &owner, 5 * SEC)
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(first.token(), again.token());
-    assert_eq!(
-        issuer.status(&resource).await.unwrap().token,
-        Some(first.token().get()),
-        "no new token"
-    );
-    let other = issuer
-        .acquire_as(&resource, &pgfence::new_owner_id(), 5 * SEC)
-        .await
-        .unwrap();
-    let retry_in = other.expect_err("another owner is refused");
-    assert!(retry_in <= 5 * SEC, "{retry_in:?}");
-    // Either handle releases: they are one lease.
-    assert_eq!(
-        issuer.release(&first).await.unwrap(),
-        ReleaseOutcome::Released
-    );
-    assert_eq!(
-        issuer.release(&again).await.unwrap(),
-        ReleaseOutcome::AlreadyExpired
-    );
-}
-
-#[tokio::test]
-async fn wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time() {
-    if skip("wait_acquire") {
-        return;
-    }
-    let issuer = issuer().await;
-    let resource = unique_resource("etcd-wait");
-    let held = issuer.acquire(&resource, SEC).await.unwrap().unwrap();
-    let started = Instant::now();
-    assert!(
-        issuer
-            .acquire_wait(&resource, SEC, Duration::from_millis(100))
-            .await
-            .unwrap()
-            .is_none()
-    );
-    assert!(started.elapsed() >= Duration::from_millis(100));
-    let next = issuer
-        .acquire_wait(&resource, SEC, 10 * SEC)
-        .await
-        .unwrap()
-        .expect("lock frees after TTL");
-    assert!(next.token() > held.token());
-    assert!(started.elapsed() < 6 * SEC, "{:?}", started.elapsed());
-    // A release frees it at once for a waiter.
-    let waiter = {
-        let (issuer, resource) = (issuer.clone(), resource.clone());
-        tokio::spawn(async move { issuer.acquire_wait(&resource, SEC, 10 * SEC).await })
-    };
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let released_at = Instant::now();
-    assert_eq!(
-        issuer.release(&next).await.unwrap(),
-        ReleaseOutcome::Released
-    );
-    let third = waiter.await.unwrap().unwrap().expect("freed by release");
-    assert!(third.token() > next.token());
-    assert!(released_at.elapsed() < SEC, "{:?}", released_at.elapsed());
-}
+// The suite's shared tests, defined here by the macro with the names they always had:
+// concurrent_acquisitions_are_exclusive_and_strictly_increasing,
+// expired_lease_cannot_release_or_extend_the_next_holders_lock,
+// owner_extend_keeps_the_lock_past_its_ttl,
+// retried_acquire_by_the_same_owner_returns_the_same_token,
+// wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time,
+// paused_holder_is_fenced_by_postgres.
+issuer_suite::lease_tests!(ETCD, skip, issuer);
 
 #[tokio::test]
 async fn bad_ttls_and_owners_are_refused_before_touching_etcd() {
     if skip("bad_ttls") {
         return;
     }
-    let issuer = issuer().await;
-    let resource = unique_resource("etcd-bad-ttl");
-    for ttl in [
-        Duration::ZERO,
-        Duration::from_millis(1),
-        Duration::from_secs(400 * 24 * 3600),
-    ] {
-        assert!(
-            matches!(
-                issuer.acquire(&resource, ttl).await,
-                Err(Error::InvalidDuration(_))
-            ),
-            "{ttl:?}"
-        );
-    }
-    for owner in ["", "own:er"] {
-        assert!(matches!(
-            issuer.acquire_as(&resource, owner, SEC).await,
-            Err(Error::InvalidOwner(_))
-        ));
-    }
-    let status = issuer.status(&resource).await.unwrap();
-    assert_eq!(status.owner, None, "nothing written");
+    issuer_suite::bad_ttls_and_owners_are_refused(&ETCD, issuer().await).await;
     assert!(EtcdIssuer::connect("redis://127.0.0.1:6379").await.is_err());
     assert!(EtcdIssuer::connect("etcd://").await.is_err());
 }
@@ -371,29 +120,7 @@ async fn tokens_are_create_revisions_and_compare_across_resources() {
     raw.delete(etcd_lock_key(&one).as_str(), None)
         .await
         .unwrap();
-    assert_eq!(
-        issuer.release(&a).await.unwrap(),
-        ReleaseOutcome::AlreadyExpired
-    );
-    let c = issuer.acquire(&one, 5 * SEC).await.unwrap().unwrap();
-    assert!(c.token() > b.token());
-    let mut a = a;
-    assert_eq!(
-        issuer.release(&a).await.unwrap(),
-        ReleaseOutcome::TakenByOther
-    );
-    assert_eq!(
-        issuer.extend(&mut a, 5 * SEC).await.unwrap(),
-        LeaseState::Taken
-    );
-    // A lease of the same owner with an older token is another lease.
-    let stale = pgfence::Lease::resume(one.clone(), c.owner(), a.token());
-    assert_eq!(
-        issuer.release(&stale).await.unwrap(),
-        ReleaseOutcome::TakenByOther
-    );
-    assert_eq!(issuer.release(&c).await.unwrap(), ReleaseOutcome::Released);
-    assert_eq!(issuer.release(&b).await.unwrap(), ReleaseOutcome::Released);
+    issuer_suite::deleted_lock_is_lost_to_its_holder(&issuer, &one, a, &b).await;
     // A resumed handle (another process) releases with owner and token alone.
     let d = issuer.acquire(&two, 5 * SEC).await.unwrap().unwrap();
     let resumed = pgfence::Lease::resume(two.clone(), d.owner(), d.token());
@@ -403,294 +130,61 @@ async fn tokens_are_create_revisions_and_compare_across_resources() {
     );
 }
 
-#[derive(Clone, sqlx::FromRow)]
-struct Snapshot {
-    sku: String,
-    payload: String,
-}
-pgfence::fenced_table!(Snapshot { table: "etcd_snapshot", key: sku: String, columns: [payload] });
-
-async fn snapshot_table() -> (TestDb, Repository<Snapshot>) {
-    let db = TestDb::new().await;
-    db.exec("CREATE TABLE etcd_snapshot (sku text PRIMARY KEY, payload text NOT NULL); INSERT INTO etcd_snapshot VALUES ('A-1', 'initial');").await;
-    pgfence::guard(&db.pool, &TableName::parse("etcd_snapshot").unwrap())
-        .await
-        .unwrap();
-    let repo = Repository::<Snapshot>::new(db.pool.clone()).unwrap();
-    (db, repo)
-}
-
-fn row(payload: &str) -> Snapshot {
-    Snapshot {
-        sku: "A-1".into(),
-        payload: payload.into(),
-    }
-}
-
-/// A holder paused past its TTL writes after the next holder: Postgres rejects it.
-#[tokio::test]
-async fn paused_holder_is_fenced_by_postgres() {
-    if skip("paused_holder") {
-        return;
-    }
-    let (db, repo) = snapshot_table().await;
-    let issuer = issuer().await;
-    let resource = unique_resource("etcd-inventory");
-    let a = issuer.acquire(&resource, SEC).await.unwrap().unwrap();
-    let _: Snapshot = repo.claim(&db.pool, &a, &"A-1".to_owned()).await.unwrap();
-    // A pauses; its lease runs out and B takes the lock.
-    let b = issuer
-        .acquire_wait(&resource, 5 * SEC, 10 * SEC)
-        .await
-        .unwrap()
-        .expect("A's lease expires");
-    repo.update(&db.pool, &b, &row("B")).await.unwrap();
-    let err = repo.update(&db.pool, &a, &row("A")).await.unwrap_err();
-    assert!(
-        matches!(err, Error::StaleToken { presented, current, .. } if presented == a.token().get() && current == b.token().get()),
-        "{err:?}"
-    );
-    let payload: String = sqlx::query_scalar("SELECT payload FROM etcd_snapshot")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(payload, "B");
-    assert_eq!(
-        issuer.release(&a).await.unwrap(),
-        ReleaseOutcome::TakenByOther
-    );
-    assert_eq!(issuer.release(&b).await.unwrap(), ReleaseOutcome::Released);
-}
-
-/// One acquisition in the failover run: when it was asked for, when it was granted, its token.
-struct Grant {
-    started: Instant,
-    finished: Instant,
-    resource: usize,
-    token: i64,
-}
-
-/// The member every reachable member names as leader, through the status API.
-async fn leader(cluster: &EtcdCluster) -> Option<usize> {
-    let mut views = Vec::new();
-    for (i, member) in cluster.members().iter().enumerate() {
-        if !member.is_running() {
-            continue;
-        }
-        let options = etcd_client::ConnectOptions::new()
-            .with_connect_timeout(Duration::from_millis(300))
-            .with_timeout(Duration::from_millis(500));
-        let Ok(mut client) = etcd_client::Client::connect([member.endpoint()], Some(options)).await
-        else {
-            continue;
-        };
-        if let Ok(status) = client.status().await {
-            let id = status.header().map(etcd_client::ResponseHeader::member_id);
-            views.push((i, id, status.leader()));
-        }
-    }
-    let leader = views.first()?.2;
-    if leader == 0 || views.iter().any(|v| v.2 != leader) {
-        return None;
-    }
-    views.iter().find(|v| v.1 == Some(leader)).map(|v| v.0)
-}
-
 /// A 3-member cluster loses its leader mid-run: every token issued after the failover is above
 /// every token issued before it (≥ 1,000 acquisitions each side), and a holder paused across
 /// the failover is fenced by Postgres.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn leader_failover_keeps_tokens_increasing() {
-    if !etcd_installed() {
-        eprintln!(
-            "SKIPPED leader_failover: etcd is not installed (Debian: apt-get install etcd-server; \
-             or set PGFENCE_ETCD_BIN to the binary)"
-        );
+    let why = "etcd is not installed (Debian: apt-get install etcd-server; or set \
+               PGFENCE_ETCD_BIN to the binary)";
+    if issuer_suite::skipped("leader_failover", etcd_installed(), why) {
         return;
     }
-    const WORKERS: usize = 8;
-    const EACH_SIDE: usize = 1000;
     let test_started = Instant::now();
     let mut cluster = EtcdCluster::start(3).await.expect("start a 3-member etcd");
-    let (db, repo) = snapshot_table().await;
     let issuer = EtcdIssuer::connect(&cluster.url()).await.unwrap();
+    issuer_suite::leader_failover_keeps_tokens_increasing(
+        &ETCD,
+        issuer,
+        &mut cluster,
+        test_started,
+    )
+    .await;
+}
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let transient = Arc::new(AtomicUsize::new(0));
-    let grants = Arc::new(std::sync::Mutex::new(Vec::<Grant>::new()));
-    let resources: Vec<Resource> = (0..WORKERS)
-        .map(|i| unique_resource(&format!("etcd-failover-{i}")))
-        .collect();
-    let mut workers = Vec::new();
-    for (i, resource) in resources.iter().cloned().enumerate() {
-        let (issuer, stop, transient, grants) = (
-            issuer.clone(),
-            stop.clone(),
-            transient.clone(),
-            grants.clone(),
-        );
-        workers.push(tokio::spawn(async move {
-            while !stop.load(Ordering::SeqCst) {
-                let started = Instant::now();
-                match issuer.acquire(&resource, 2 * SEC).await {
-                    Ok(Some(lease)) => {
-                        let finished = Instant::now();
-                        grants.lock().unwrap().push(Grant {
-                            started,
-                            finished,
-                            resource: i,
-                            token: lease.token().get(),
-                        });
-                        // A release that fails in transit leaves the lock to expire (2 s).
-                        match issuer.release(&lease).await {
-                            Ok(state) => assert_eq!(state, ReleaseOutcome::Released),
-                            Err(e) if e.is_retryable() => {
-                                transient.fetch_add(1, Ordering::SeqCst);
-                            }
-                            Err(e) => panic!("release: {e}"),
-                        }
-                    }
-                    // Held: a release that failed in transit left the lock to expire.
-                    Ok(None) => tokio::time::sleep(Duration::from_millis(20)).await,
-                    Err(e) if e.is_retryable() => {
-                        transient.fetch_add(1, Ordering::SeqCst);
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                    Err(e) => panic!("acquire: {e}"),
-                }
+impl Cluster for EtcdCluster {
+    /// The member every reachable member names as leader, through the status API.
+    async fn find_leader(&self) -> Option<usize> {
+        let mut views = Vec::new();
+        for (i, member) in self.members().iter().enumerate() {
+            if !member.is_running() {
+                continue;
             }
-        }));
-    }
-    let count = || grants.lock().unwrap().len();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while count() < EACH_SIDE {
-        assert!(
-            Instant::now() < deadline,
-            "only {} acquisitions in 30 s",
-            count()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-
-    // A holder that will be paused across the failover claims the row.
-    let zombie_resource = unique_resource("etcd-failover-zombie");
-    let zombie = issuer
-        .acquire(&zombie_resource, SEC)
-        .await
-        .unwrap()
-        .unwrap();
-    let _: Snapshot = repo
-        .claim(&db.pool, &zombie, &"A-1".to_owned())
-        .await
-        .unwrap();
-
-    let old_leader = leader(&cluster).await.expect("a leader");
-    let killed_at = Instant::now();
-    let before_kill = count();
-    cluster.kill(old_leader).unwrap();
-    let new_leader = loop {
-        if let Some(l) = leader(&cluster).await.filter(|l| *l != old_leader) {
-            break l;
+            let options = etcd_client::ConnectOptions::new()
+                .with_connect_timeout(Duration::from_millis(300))
+                .with_timeout(Duration::from_millis(500));
+            let Ok(mut client) =
+                etcd_client::Client::connect([member.endpoint()], Some(options)).await
+            else {
+                continue;
+            };
+            if let Ok(status) = client.status().await {
+                let id = status.header().map(etcd_client::ResponseHeader::member_id);
+                views.push((i, id, status.leader()));
+            }
         }
-        assert!(killed_at.elapsed() < 20 * SEC, "no new leader after 20 s");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
-    let elected_after = killed_at.elapsed();
-
-    let after = |grants: &[Grant]| grants.iter().filter(|g| g.started > killed_at).count();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while after(&grants.lock().unwrap()) < EACH_SIDE {
-        assert!(
-            Instant::now() < deadline,
-            "only {} acquisitions after the failover in 30 s",
-            after(&grants.lock().unwrap())
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    stop.store(true, Ordering::SeqCst);
-    for w in workers {
-        w.await.unwrap();
+        let leader = views.first()?.2;
+        if leader == 0 || views.iter().any(|v| v.2 != leader) {
+            return None;
+        }
+        views.iter().find(|v| v.1 == Some(leader)).map(|v| v.0)
     }
 
-    // The paused holder wakes up after the failover: the next holder wrote first.
-    let next = issuer
-        .acquire_wait(&zombie_resource, 5 * SEC, 15 * SEC)
-        .await
-        .unwrap()
-        .expect("the paused holder's lease expires");
-    assert!(next.token() > zombie.token());
-    repo.update(&db.pool, &next, &row("after failover"))
-        .await
-        .unwrap();
-    let err = repo
-        .update(&db.pool, &zombie, &row("zombie"))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(err, Error::StaleToken { presented, current, .. } if presented == zombie.token().get() && current == next.token().get()),
-        "{err:?}"
-    );
-
-    assert_eq!(
-        issuer.release(&next).await.unwrap(),
-        ReleaseOutcome::Released
-    );
-
-    // The killed member rejoins; tokens keep rising.
-    cluster.restart(old_leader).await.unwrap();
-    let last = issuer.acquire(&zombie_resource, SEC).await;
-
-    let grants = grants.lock().unwrap();
-    let before: Vec<&Grant> = grants.iter().filter(|g| g.finished < killed_at).collect();
-    let after: Vec<&Grant> = grants.iter().filter(|g| g.started > killed_at).collect();
-    let max_before = before.iter().map(|g| g.token).max().unwrap();
-    let min_after = after.iter().map(|g| g.token).min().unwrap();
-    let first_after = after
-        .iter()
-        .map(|g| g.finished.duration_since(killed_at))
-        .min()
-        .unwrap();
-    let unique: HashSet<i64> = grants.iter().map(|g| g.token).collect();
-    assert_eq!(unique.len(), grants.len(), "every token issued once");
-    let mut per_resource: BTreeMap<usize, Vec<(Instant, i64)>> = BTreeMap::new();
-    for g in grants.iter() {
-        per_resource
-            .entry(g.resource)
-            .or_default()
-            .push((g.finished, g.token));
+    fn kill_member(&mut self, i: usize) {
+        self.kill(i).unwrap();
     }
-    for tokens in per_resource.values_mut() {
-        tokens.sort();
-        assert!(
-            tokens.windows(2).all(|w| w[0].1 < w[1].1),
-            "per resource, tokens rise"
-        );
+
+    async fn restart_member(&mut self, i: usize) {
+        self.restart(i).await.unwrap();
     }
-    // Stall around the kill: the longest gap between grants.
-    let mut finished: Vec<Instant> = grants.iter().map(|g| g.finished).collect();
-    finished.sort();
-    let longest_gap = finished
-        .windows(2)
-        .map(|w| w[1].duration_since(w[0]))
-        .max()
-        .unwrap();
-    eprintln!(
-        "etcd failover: {} acquisitions before the kill (max token {max_before}), {} after \
-         (min token {min_after}), {} in flight across it; {} transient errors retried\n  \
-         killed leader m{old_leader} ({before_kill} grants so far); new leader m{new_leader} \
-         reported after {elected_after:?}; first acquisition asked after the kill granted \
-         {first_after:?} after it; longest gap between grants {longest_gap:?}; test took {:?}",
-        before.len(),
-        after.len(),
-        grants.len() - before.len() - after.len(),
-        transient.load(Ordering::SeqCst),
-        test_started.elapsed(),
-    );
-    assert!(before.len() >= EACH_SIDE && after.len() >= EACH_SIDE);
-    assert!(
-        min_after > max_before,
-        "a token after the failover ({min_after}) is not above one before it ({max_before})"
-    );
-    let last = last.unwrap().expect("released");
-    assert!(last.token().get() > min_after);
 }

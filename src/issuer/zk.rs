@@ -980,7 +980,11 @@ pub(crate) fn is_transient(e: &zookeeper_client::Error) -> bool {
         Zk::Custom(custom) => {
             let mut source: Option<&(dyn std::error::Error + 'static)> = Some(custom);
             while let Some(err) = source {
-                if err.is::<std::io::Error>() {
+                // The client keeps its sources as `Arc<dyn Error>`: look inside the `Arc`.
+                let shared = err
+                    .downcast_ref::<Arc<dyn std::error::Error + Send + Sync>>()
+                    .is_some_and(|inner| inner.is::<std::io::Error>());
+                if shared || err.is::<std::io::Error>() {
                     return true;
                 }
                 source = err.source();
