@@ -105,7 +105,8 @@ impl Sample {
         let known = self.client_cpu_us_per_op?
             + self.pg_server_us_per_op.unwrap_or(0.0)
             + self.redis_server_us_per_op.unwrap_or(0.0)
-            + self.etcd_server_us_per_op.unwrap_or(0.0);
+            + self.etcd_server_us_per_op.unwrap_or(0.0)
+            + self.zk_server_us_per_op.unwrap_or(0.0);
         Some((self.machine_cpu_us_per_op? - known).max(0.0))
     }
 

@@ -27,6 +27,11 @@
 //!   etcd-client grant + put-with-lease + revoke loop through the same client (the ceiling),
 //!   and the Redis issuer's acquire+release in the same round, on a throwaway single-node etcd
 //!   (or `PGFENCE_ETCD_URL`). Without the feature it prints how to enable it.
+//! - `zk` (feature `zk`): pgfence's `ZkIssuer` acquire+release and acquire-only, a raw
+//!   zookeeper-client create (ephemeral sequential) + delete loop through a session of its own
+//!   (the ceiling), and the Redis issuer's acquire+release in the same round, on a throwaway
+//!   standalone ZooKeeper (or `PGFENCE_ZK_URL`). Without the feature it prints how to enable
+//!   it.
 //!
 //! Every figure waits for an idle machine first, and records CPU time per operation of the
 //! client, the PostgreSQL server, the Redis server and everything else (see BENCHMARKS.md).
@@ -76,6 +81,8 @@ mod report;
 mod sections;
 mod servers;
 mod workloads;
+#[cfg(feature = "zk")]
+mod zk;
 
 use std::time::Duration;
 
@@ -162,6 +169,21 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
              --features etcd --bench throughput -- etcd`)"
         );
     }
+    #[cfg(feature = "zk")]
+    let zk_server = if env.cfg.runs("zk") {
+        let server = zk::ZkServer::start().await?;
+        eprintln!("zk: {}", server.describe());
+        Some(server)
+    } else {
+        None
+    };
+    #[cfg(not(feature = "zk"))]
+    if env.cfg.runs("zk") {
+        eprintln!(
+            "section zk skipped: built without feature `zk` (run `cargo bench -p pgfence-bench \
+             --features zk --bench throughput -- zk`)"
+        );
+    }
     let mut loads = Vec::new();
     for round in 1..=env.cfg.rounds {
         let mut out = Results::new();
@@ -193,6 +215,10 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
         #[cfg(feature = "etcd")]
         if let Some(server) = &etcd_server {
             etcd::etcd(env, server, round, &mut out).await?;
+        }
+        #[cfg(feature = "zk")]
+        if let Some(server) = &zk_server {
+            zk::zk(env, server, round, &mut out).await?;
         }
         rounds.push(out);
     }

@@ -148,6 +148,9 @@ pub(crate) struct Sample {
     /// CPU time of the etcd server per operation (local throwaway server only; warm-up
     /// included), for the etcd rows.
     pub(crate) etcd_server_us_per_op: Option<f64>,
+    /// CPU time of the ZooKeeper server (its JVM) per operation (local throwaway server only;
+    /// warm-up included), for the ZooKeeper rows.
+    pub(crate) zk_server_us_per_op: Option<f64>,
     pub(crate) note: Option<String>,
     /// Rows one operation writes (a batch row: its size). The rate and the CPU figures are
     /// then per row; the latencies stay per operation (per batch).
@@ -176,6 +179,7 @@ impl Sample {
             &mut self.pg_server_us_per_op,
             &mut self.redis_server_us_per_op,
             &mut self.etcd_server_us_per_op,
+            &mut self.zk_server_us_per_op,
         ] {
             *v = v.map(|c| c / n);
         }

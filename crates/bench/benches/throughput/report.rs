@@ -97,6 +97,13 @@ fn rows(cfg: &Config) -> Vec<(String, String)> {
                 "8c raw etcd-client grant+put(lease)+revoke",
             ),
             ("etcd.redis_cycle", "8d Redis Issuer acquire+release (3c)"),
+            ("zk.issuer_cycle", "9a ZkIssuer acquire+release"),
+            ("zk.issuer_fresh", "9b ZkIssuer::acquire (fresh resource)"),
+            (
+                "zk.raw_cycle",
+                "9c raw zookeeper-client create(eph seq)+delete",
+            ),
+            ("zk.redis_cycle", "9d Redis Issuer acquire+release (3c)"),
         ]
         .iter()
         .map(|(k, l)| ((*k).to_owned(), (*l).to_owned())),
@@ -304,6 +311,27 @@ const RATIOS: &[RatioDef] = &[
         target: None,
     },
     RatioDef {
+        key: "zk_cycle_vs_raw",
+        label: "ZkIssuer acquire+release / raw zookeeper-client (9a/9c)",
+        num: "zk.issuer_cycle",
+        den: &["zk.raw_cycle"],
+        target: None,
+    },
+    RatioDef {
+        key: "zk_cycle_vs_redis",
+        label: "ZkIssuer acquire+release / Redis Issuer (9a/9d)",
+        num: "zk.issuer_cycle",
+        den: &["zk.redis_cycle"],
+        target: None,
+    },
+    RatioDef {
+        key: "zk_fresh_vs_raw",
+        label: "ZkIssuer::acquire / raw zookeeper-client cycle (9b/9c)",
+        num: "zk.issuer_fresh",
+        den: &["zk.raw_cycle"],
+        target: None,
+    },
+    RatioDef {
         key: "job_vs_write",
         label: "job cycle / Repository::update (4/1a)",
         num: "job.cycle",
@@ -364,6 +392,7 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
         let pg = med(|s| s.pg_server_us_per_op);
         let redis = med(|s| s.redis_server_us_per_op);
         let etcd = med(|s| s.etcd_server_us_per_op);
+        let zk = med(|s| s.zk_server_us_per_op);
         let machine = med(|s| s.machine_cpu_us_per_op);
         let other = med(Sample::other_cpu_us_per_op);
         let busy = med(|s| s.busy_cpus);
@@ -375,6 +404,9 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
         }
         if let Some(etcd) = etcd {
             notes.push(format!("etcd server {} us/op", fmt_cpu(Some(etcd))));
+        }
+        if let Some(zk) = zk {
+            notes.push(format!("zk server {} us/op", fmt_cpu(Some(zk))));
         }
         if let Some(n) = samples.last().and_then(|s| s.note.clone()) {
             notes.push(n);
@@ -400,6 +432,7 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
                 "client_cpu_us_per_op": client, "machine_cpu_us_per_op": machine,
                 "pg_server_cpu_us_per_op": pg, "other_cpu_us_per_op": other,
                 "redis_server_us_per_op": redis, "etcd_server_us_per_op": etcd,
+                "zk_server_us_per_op": zk,
                 "busy_cpus": busy,
             }),
         );
@@ -407,8 +440,8 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
 
     println!(
         "CPU microseconds per operation — cli: the client (this process or the tool); pg: the \
-         PostgreSQL server; rds: the Redis server (warm-up included); etcd server (notes): its process, warm-up \
-         included; oth: everything else on the \
+         PostgreSQL server; rds: the Redis server (warm-up included); etcd / zk server (notes): its process, \
+         warm-up included; oth: everything else on the \
          machine (other work skews a row: check it); all: the whole machine; \
          cpus: busy CPUs in the window (of {}). Batch rows (7a, 7c): ops/s and CPU are per \
          row, p50/p99 per batch",
