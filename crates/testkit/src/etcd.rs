@@ -10,14 +10,16 @@
 //! Members use a short heartbeat (50 ms) and election timeout (500 ms), so a killed leader is
 //! replaced within about a second; the smallest lease TTL they grant is then 1 s.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::os::unix::process::CommandExt;
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::process::{self, Member, Supervisor};
 use crate::{ServerError, find_in_path, sh_quote};
+
+/// The server's name in errors.
+const WHAT: &str = "etcd";
 
 const ETCD_HINT: &str = "install etcd (Debian: apt-get install etcd-server), or set \
     PGFENCE_ETCD_BIN to the etcd binary";
@@ -47,26 +49,21 @@ fn etcd_bin() -> Result<PathBuf, ServerError> {
 /// One member of an [`EtcdCluster`].
 #[derive(Debug)]
 pub struct EtcdMember {
-    name: String,
-    client_port: u16,
+    process: Member,
     peer_port: u16,
-    dir: PathBuf,
-    supervisor: Child,
-    stdin: Option<ChildStdin>,
-    running: bool,
 }
 
 impl EtcdMember {
     /// The member's name (`m0`, `m1`, ...).
     #[must_use]
     pub fn name(&self) -> &str {
-        &self.name
+        &self.process.name
     }
 
     /// Client port on 127.0.0.1.
     #[must_use]
     pub fn client_port(&self) -> u16 {
-        self.client_port
+        self.process.client_port
     }
 
     /// Peer (Raft) port on 127.0.0.1.
@@ -78,30 +75,25 @@ impl EtcdMember {
     /// `http://127.0.0.1:PORT`, the member's client endpoint.
     #[must_use]
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        format!("http://127.0.0.1:{}", self.process.client_port)
     }
 
     /// The member's temporary directory (removed when it stops).
     #[must_use]
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.process.supervisor.dir()
     }
 
     /// Whether the member was started and not killed since.
     #[must_use]
     pub fn is_running(&self) -> bool {
-        self.running
+        self.process.running
     }
 
     /// The etcd process id, while it runs.
     #[must_use]
     pub fn pid(&self) -> Option<u32> {
-        if !self.running {
-            return None;
-        }
-        std::fs::read_to_string(self.dir.join("pid"))
-            .ok()
-            .and_then(|p| p.trim().parse().ok())
+        self.process.pid()
     }
 
     fn spawn(
@@ -125,110 +117,42 @@ impl EtcdMember {
              --logger zap --log-outputs stderr --log-level warn",
             bin = sh_quote(bin),
         );
-        // `start` lines start etcd (again, on the same data directory); EOF stops everything.
-        let script = format!(
-            r#"set -u
-umask 077
-dir=$(mktemp -d {base}/pgfence-etcd.XXXXXX) || exit 1
-trap 'kill -KILL $(cat "$dir/pid" 2>/dev/null) 2>/dev/null; rm -rf "$dir"' EXIT
-echo "dir=$dir"
-while IFS= read -r cmd; do
-  if [ "$cmd" = start ]; then
-    {etcd} >>"$dir/server.log" 2>&1 &
-    echo $! >"$dir/pid.new" && mv "$dir/pid.new" "$dir/pid"
-  fi
-done"#,
-            base = sh_quote(base),
-        );
-        let mut cmd = Command::new("sh");
-        cmd.args(["-c", &script])
-            .current_dir("/")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        let mut supervisor = cmd.spawn()?;
-        let stdin = supervisor.stdin.take();
-        let mut line = String::new();
-        let stdout = supervisor.stdout.take().expect("stdout is piped");
-        BufReader::new(stdout).read_line(&mut line)?;
-        let Some(dir) = line.trim().strip_prefix("dir=").map(PathBuf::from) else {
-            let _ = supervisor.wait();
-            let mut detail = String::new();
-            if let Some(mut err) = supervisor.stderr.take() {
-                let _ = err.read_to_string(&mut detail);
-            }
-            return Err(ServerError::StartFailed {
-                what: "etcd",
-                detail,
-            });
-        };
+        let supervisor = Supervisor::member(
+            WHAT,
+            &format!("{}/pgfence-etcd.XXXXXX", sh_quote(base)),
+            &etcd,
+        )?;
         Ok(Self {
-            name,
-            client_port,
+            process: Member::new(name, client_port, 20, supervisor),
             peer_port,
-            dir,
-            supervisor,
-            stdin,
-            running: false,
         })
-    }
-
-    fn start(&mut self) -> Result<(), ServerError> {
-        let _ = std::fs::remove_file(self.dir.join("pid"));
-        let stdin = self.stdin.as_mut().ok_or(ServerError::StartFailed {
-            what: "etcd",
-            detail: "member already stopped".into(),
-        })?;
-        stdin.write_all(b"start\n")?;
-        stdin.flush()?;
-        self.running = true;
-        Ok(())
     }
 
     /// The last lines of the member's log, for error messages.
     #[must_use]
     pub fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
-    }
-
-    fn accepts_connections(&self) -> bool {
-        TcpStream::connect_timeout(
-            &SocketAddr::from((Ipv4Addr::LOCALHOST, self.client_port)),
-            Duration::from_millis(200),
-        )
-        .is_ok()
+        self.process.log_tail()
     }
 
     /// Whether the member answers `/health` with `"health":"true"` (it has a leader).
     #[must_use]
     pub fn healthy(&self) -> bool {
-        http(self.client_port, "GET", "/health", "")
-            .is_some_and(|body| body.contains("\"health\":\"true\""))
+        health(self.process.client_port)
     }
 
     /// The member's view of the cluster (the v3 gateway's `/v3/maintenance/status`): its own
     /// member id and the leader's, or `None` when it does not answer.
     #[must_use]
     pub fn status(&self) -> Option<(u64, u64)> {
-        let body = http(self.client_port, "POST", "/v3/maintenance/status", "{}")?;
+        let body = http(
+            self.process.client_port,
+            "POST",
+            "/v3/maintenance/status",
+            "{}",
+        )?;
         let member = json_u64(&body, "member_id")?;
         let leader = json_u64(&body, "leader")?;
         Some((member, leader))
-    }
-
-    fn shutdown(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.supervisor.wait();
-        self.running = false;
-    }
-}
-
-impl Drop for EtcdMember {
-    fn drop(&mut self) {
-        self.shutdown();
     }
 }
 
@@ -258,19 +182,12 @@ impl EtcdCluster {
     pub async fn start(size: usize) -> Result<Self, ServerError> {
         assert!(size >= 1, "an etcd cluster has at least one member");
         let bin = etcd_bin()?;
-        let mut last = None;
-        for _ in 0..3 {
-            match Self::try_start(&bin, size).await {
-                Ok(cluster) => return Ok(cluster),
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(last.expect("at least one attempt"))
+        process::retry(3, || Self::try_start(&bin, size)).await
     }
 
     async fn try_start(bin: &Path, size: usize) -> Result<Self, ServerError> {
-        let ports = free_ports(size * 2)?;
-        let base = scratch_base();
+        let ports = process::free_ports(size * 2)?;
+        let base = process::scratch_base();
         let names: Vec<String> = (0..size).map(|i| format!("m{i}")).collect();
         let initial_cluster = names
             .iter()
@@ -291,16 +208,15 @@ impl EtcdCluster {
                 token.clone(),
             );
             let (client, peer) = (p[0], p[1]);
-            let member = tokio::task::spawn_blocking(move || {
+            let member = process::blocking(move || {
                 EtcdMember::spawn(&bin, &base, name, client, peer, &ic, &token)
             })
-            .await
-            .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
+            .await?;
             members.push(member);
         }
         let mut cluster = Self { members };
         for member in &mut cluster.members {
-            member.start()?;
+            member.process.start()?;
         }
         let deadline = Instant::now() + Duration::from_secs(30);
         for i in 0..size {
@@ -310,45 +226,10 @@ impl EtcdCluster {
     }
 
     async fn wait_healthy(&mut self, i: usize, deadline: Instant) -> Result<(), ServerError> {
-        loop {
-            let member = &mut self.members[i];
-            if let Some(status) = member.supervisor.try_wait()? {
-                return Err(ServerError::StartFailed {
-                    what: "etcd",
-                    detail: format!("supervisor exited with {status}"),
-                });
-            }
-            let exited = member.pid().is_some_and(|pid| !process_alive(pid));
-            if exited {
-                return Err(ServerError::StartFailed {
-                    what: "etcd",
-                    detail: format!("member {} exited: {}", member.name, member.log_tail()),
-                });
-            }
-            let healthy = {
-                let port = member.client_port;
-                tokio::task::spawn_blocking(move || {
-                    http(port, "GET", "/health", "")
-                        .is_some_and(|body| body.contains("\"health\":\"true\""))
-                })
-                .await
-                .unwrap_or(false)
-            };
-            if healthy {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                return Err(ServerError::StartFailed {
-                    what: "etcd",
-                    detail: format!(
-                        "member {} not healthy in time: {}",
-                        member.name,
-                        member.log_tail()
-                    ),
-                });
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        self.members[i]
+            .process
+            .wait_ready("healthy", deadline, health)
+            .await
     }
 
     /// The members, in start order.
@@ -369,7 +250,7 @@ impl EtcdCluster {
         let hosts: Vec<String> = self
             .members
             .iter()
-            .map(|m| format!("127.0.0.1:{}", m.client_port))
+            .map(|m| format!("127.0.0.1:{}", m.process.client_port))
             .collect();
         format!("etcd://{}", hosts.join(","))
     }
@@ -381,7 +262,7 @@ impl EtcdCluster {
             .members
             .iter()
             .enumerate()
-            .filter(|(_, m)| m.running)
+            .filter(|(_, m)| m.process.running)
             .filter_map(|(i, m)| m.status().map(|(id, leader)| (i, id, leader)))
             .collect();
         let leader = views.first()?.2;
@@ -391,32 +272,13 @@ impl EtcdCluster {
         views.iter().find(|v| v.1 == leader).map(|v| v.0)
     }
 
-    /// Kills member `i` with `SIGKILL` (its PID only) and waits until its client port is closed.
-    /// Its data directory stays, for [`EtcdCluster::restart`].
+    /// Kills member `i` with `SIGKILL` (its PID only) and waits until it has exited and its
+    /// client port is closed. Its data directory stays, for [`EtcdCluster::restart`].
     ///
     /// # Errors
     /// The member is not running, or `kill` failed.
     pub fn kill(&mut self, i: usize) -> Result<(), ServerError> {
-        let member = &mut self.members[i];
-        let pid = member.pid().ok_or(ServerError::StartFailed {
-            what: "etcd",
-            detail: format!("member {} is not running", member.name),
-        })?;
-        let status = Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()?;
-        if !status.success() {
-            return Err(ServerError::StartFailed {
-                what: "etcd",
-                detail: format!("could not kill pid {pid}"),
-            });
-        }
-        member.running = false;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while member.accepts_connections() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Ok(())
+        self.members[i].process.kill()
     }
 
     /// Starts killed member `i` again on its data directory and waits until it is healthy.
@@ -424,55 +286,18 @@ impl EtcdCluster {
     /// # Errors
     /// [`ServerError::StartFailed`] when it does not rejoin within 30 s.
     pub async fn restart(&mut self, i: usize) -> Result<(), ServerError> {
-        if self.members[i].running {
+        if self.members[i].process.running {
             self.kill(i)?;
         }
-        self.members[i].start()?;
+        self.members[i].process.start()?;
         self.wait_healthy(i, Instant::now() + Duration::from_secs(30))
             .await
     }
 }
 
-/// Where member directories go: `/dev/shm` when writable (no fsync cost), else `$TMPDIR`, else
-/// `/tmp`.
-fn scratch_base() -> PathBuf {
-    let shm = Path::new("/dev/shm");
-    let writable = shm.is_dir()
-        && tempfile_probe(shm)
-            .map(|p| std::fs::remove_file(p).is_ok())
-            .unwrap_or(false);
-    if writable {
-        return shm.to_owned();
-    }
-    std::env::var_os("TMPDIR")
-        .map(PathBuf::from)
-        .filter(|p| p.is_dir())
-        .unwrap_or_else(|| PathBuf::from("/tmp"))
-}
-
-fn tempfile_probe(dir: &Path) -> std::io::Result<PathBuf> {
-    let path = dir.join(format!(".pgfence-probe-{}", std::process::id()));
-    std::fs::write(&path, b"")?;
-    Ok(path)
-}
-
-/// `count` distinct free ports (all bound at once, then released).
-fn free_ports(count: usize) -> std::io::Result<Vec<u16>> {
-    let listeners = (0..count)
-        .map(|_| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
-        .collect::<std::io::Result<Vec<_>>>()?;
-    listeners
-        .iter()
-        .map(|l| l.local_addr().map(|a| a.port()))
-        .collect()
-}
-
-fn process_alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        // The state follows the parenthesised command name; a zombie has exited.
-        stat.rsplit_once(')')
-            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
-    })
+/// Whether the member on `port` answers `/health` with `"health":"true"` (it has a leader).
+fn health(port: u16) -> bool {
+    http(port, "GET", "/health", "").is_some_and(|body| body.contains("\"health\":\"true\""))
 }
 
 /// A tiny HTTP/1.1 client for etcd's `/health` and gateway endpoints. `None` on any failure.

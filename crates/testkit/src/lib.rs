@@ -15,6 +15,7 @@
 //! resilience tests.
 
 mod etcd;
+mod process;
 mod sentinel;
 mod zk;
 
@@ -25,13 +26,14 @@ pub use zk::{
     zk_installed,
 };
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use process::Supervisor;
 
 /// Why a throwaway server could not be started.
 #[derive(Debug, thiserror::Error)]
@@ -76,9 +78,7 @@ pub enum Kind {
 pub struct Server {
     kind: Kind,
     port: u16,
-    dir: PathBuf,
-    child: Child,
-    stdin: Option<ChildStdin>,
+    supervisor: Supervisor,
 }
 
 impl Server {
@@ -105,7 +105,7 @@ trap 'rm -rf "$dir"' EXIT
                     bin = sh_quote(&bindir)
                 ), "INT"),
             );
-            let mut cmd = if run_as_postgres {
+            if run_as_postgres {
                 let mut c = Command::new("runuser");
                 c.args(["-u", "postgres", "--", "sh", "-c", &script]);
                 c
@@ -113,9 +113,7 @@ trap 'rm -rf "$dir"' EXIT
                 let mut c = Command::new("sh");
                 c.args(["-c", &script]);
                 c
-            };
-            cmd.current_dir("/");
-            cmd
+            }
         })
         .await
     }
@@ -154,45 +152,18 @@ trap 'rm -rf "$dir"' EXIT
                 supervise(&server, "TERM")
             );
             let mut cmd = Command::new("sh");
-            cmd.args(["-c", &script]).current_dir("/");
+            cmd.args(["-c", &script]);
             cmd
         })
         .await
-    }
-
-    fn spawn(kind: Kind, port: u16, mut cmd: Command) -> Result<Self, ServerError> {
-        cmd.stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        let mut child = cmd.spawn()?;
-        let stdin = child.stdin.take();
-        // The supervisor prints its directory first, or exits with the reason on stderr.
-        let mut line = String::new();
-        let stdout = child.stdout.take().expect("stdout is piped");
-        BufReader::new(stdout).read_line(&mut line)?;
-        let Some(dir) = line.trim().strip_prefix("dir=").map(PathBuf::from) else {
-            let detail = failure_output(&mut child);
-            return Err(ServerError::StartFailed {
-                what: kind.name(),
-                detail,
-            });
-        };
-        Ok(Self {
-            kind,
-            port,
-            dir,
-            child,
-            stdin,
-        })
     }
 
     /// Waits until the server accepts connections.
     async fn wait_ready(&mut self, timeout: Duration) -> Result<(), ServerError> {
         let deadline = Instant::now() + timeout;
         loop {
-            if let Some(status) = self.child.try_wait()? {
-                let detail = format!("exited with {status}: {}", failure_output(&mut self.child));
+            if let Some(status) = self.supervisor.try_wait()? {
+                let detail = format!("exited with {status}: {}", self.supervisor.failure_output());
                 return Err(ServerError::StartFailed {
                     what: self.kind.name(),
                     detail,
@@ -218,9 +189,9 @@ trap 'rm -rf "$dir"' EXIT
         match self.kind {
             // A connection is accepted before recovery ends; the socket file shows readiness.
             Kind::Postgres => {
-                self.dir.join(format!(".s.PGSQL.{}", self.port)).exists() && {
+                self.dir().join(format!(".s.PGSQL.{}", self.port)).exists() && {
                     // postmaster.pid's 8th line is "ready" once it accepts queries.
-                    std::fs::read_to_string(self.dir.join("data/postmaster.pid"))
+                    std::fs::read_to_string(self.dir().join("data/postmaster.pid"))
                         .map(|pid| pid.lines().nth(7).is_some_and(|l| l.trim() == "ready"))
                         .unwrap_or(false)
                 }
@@ -252,7 +223,7 @@ trap 'rm -rf "$dir"' EXIT
     /// The server's temporary directory (removed when it stops).
     #[must_use]
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.supervisor.dir()
     }
 
     /// A connection URL: `postgres://postgres@127.0.0.1:PORT/postgres` or
@@ -271,7 +242,7 @@ trap 'rm -rf "$dir"' EXIT
     /// # Errors
     /// [`ServerError`] when it does not come back.
     pub async fn restart(&mut self) -> Result<(), ServerError> {
-        let pid = std::fs::read_to_string(self.dir.join("pid"))?;
+        let pid = std::fs::read_to_string(self.dir().join("pid"))?;
         let signal = if self.kind == Kind::Postgres {
             "-INT"
         } else {
@@ -294,19 +265,7 @@ trap 'rm -rf "$dir"' EXIT
 
     /// Stops the server and removes its directory, waiting until both are done.
     pub fn stop(mut self) {
-        self.shutdown();
-    }
-
-    fn shutdown(&mut self) {
-        // Closing the pipe is the supervisor's signal to stop the server and clean up.
-        drop(self.stdin.take());
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.shutdown();
+        self.supervisor.shutdown();
     }
 }
 
@@ -440,12 +399,15 @@ async fn retry_on_port_clash(
 ) -> Result<Server, ServerError> {
     let mut last = None;
     for _ in 0..5 {
-        let port = free_port()?;
+        let port = process::free_ports(1)?[0];
         let cmd = command(port);
         // Spawning waits for the supervisor's first line (initdb takes seconds): off the runtime.
-        let mut server = tokio::task::spawn_blocking(move || Server::spawn(kind, port, cmd))
-            .await
-            .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
+        let supervisor = process::blocking(move || Supervisor::spawn(kind.name(), cmd)).await?;
+        let mut server = Server {
+            kind,
+            port,
+            supervisor,
+        };
         match server.wait_ready(Duration::from_secs(60)).await {
             Ok(()) => return Ok(server),
             // Another process may have taken the port between our probe and the bind.
@@ -453,32 +415,6 @@ async fn retry_on_port_clash(
         }
     }
     Err(last.expect("at least one attempt"))
-}
-
-fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
-        .local_addr()?
-        .port())
-}
-
-fn failure_output(child: &mut Child) -> String {
-    let _ = child.wait();
-    let mut out = String::new();
-    if let Some(mut err) = child.stderr.take() {
-        let _ = err.read_to_string(&mut out);
-    }
-    let out = out.trim();
-    if out.is_empty() {
-        "no output".to_owned()
-    } else {
-        out.chars()
-            .rev()
-            .take(2000)
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
-            .collect()
-    }
 }
 
 fn is_root() -> bool {

@@ -7,13 +7,12 @@
 //! the deployment, exited, panicked or was killed — the supervisor `SIGKILL`s the server (a
 //! stopped one too) and removes the directory. Nothing is persisted (`save ''`, no AOF).
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crate::process::{self, Supervisor};
 use crate::{ServerError, find_in_path, sh_quote};
 
 const SENTINEL_HINT: &str = "install Redis with Sentinel (Debian: apt-get install redis-server \
@@ -57,66 +56,28 @@ impl Default for SentinelConfig {
 pub struct RedisNode {
     role: &'static str,
     port: u16,
-    dir: PathBuf,
-    supervisor: Child,
-    stdin: Option<ChildStdin>,
+    supervisor: Supervisor,
     killed: bool,
     paused: std::sync::atomic::AtomicBool,
 }
 
 impl RedisNode {
-    fn spawn(role: &'static str, port: u16) -> Result<Self, ServerError> {
-        // `start CMD...` lines run CMD in the background; EOF kills it and cleans up.
-        let script = r#"set -u
-umask 077
-dir=$(mktemp -d "${TMPDIR:-/tmp}/pgfence-sentinel.XXXXXX") || exit 1
-trap 'kill -KILL $(cat "$dir/pid" 2>/dev/null) 2>/dev/null; rm -rf "$dir"' EXIT
-echo "dir=$dir"
-while IFS= read -r line; do
-  case "$line" in
-    start\ *) eval "${line#start }" >>"$dir/server.log" 2>&1 &
-              echo $! >"$dir/pid.new" && mv "$dir/pid.new" "$dir/pid" ;;
-  esac
-done"#;
-        let mut cmd = Command::new("sh");
-        cmd.args(["-c", script])
-            .current_dir("/")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        let mut supervisor = cmd.spawn()?;
-        let stdin = supervisor.stdin.take();
-        let mut line = String::new();
-        let stdout = supervisor.stdout.take().expect("stdout is piped");
-        BufReader::new(stdout).read_line(&mut line)?;
-        let Some(dir) = line.trim().strip_prefix("dir=").map(PathBuf::from) else {
-            let _ = supervisor.wait();
-            let mut detail = String::new();
-            if let Some(mut err) = supervisor.stderr.take() {
-                let _ = err.read_to_string(&mut detail);
-            }
-            return Err(ServerError::StartFailed { what: role, detail });
-        };
+    /// Spawns the node's supervisor, which runs `server` (a shell command line, which may use
+    /// `"$dir"`) once [`RedisNode::start`] asks.
+    fn spawn(role: &'static str, port: u16, server: &str) -> Result<Self, ServerError> {
+        let supervisor =
+            Supervisor::member(role, r#""${TMPDIR:-/tmp}/pgfence-sentinel.XXXXXX""#, server)?;
         Ok(Self {
             role,
             port,
-            dir,
             supervisor,
-            stdin,
             killed: false,
             paused: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
-    fn start(&mut self, command: &str) -> Result<(), ServerError> {
-        let stdin = self.stdin.as_mut().ok_or(ServerError::StartFailed {
-            what: self.role,
-            detail: "already stopped".into(),
-        })?;
-        writeln!(stdin, "start {command}")?;
-        stdin.flush()?;
-        Ok(())
+    fn start(&mut self) -> Result<(), ServerError> {
+        self.supervisor.start()
     }
 
     /// `redis-server` or `redis-sentinel`.
@@ -140,35 +101,21 @@ done"#;
     /// The node's temporary directory (removed when it stops).
     #[must_use]
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.supervisor.dir()
     }
 
     /// The server's process id (`None` before it started or after [`RedisNode::kill`]).
     #[must_use]
     pub fn pid(&self) -> Option<u32> {
-        if self.killed {
-            return None;
-        }
-        std::fs::read_to_string(self.dir.join("pid"))
-            .ok()
-            .and_then(|p| p.trim().parse().ok())
+        (!self.killed).then(|| self.supervisor.pid()).flatten()
     }
 
     fn signal(&self, signal: &str) -> Result<u32, ServerError> {
-        let pid = self.pid().ok_or(ServerError::StartFailed {
-            what: self.role,
-            detail: format!("port {}: not running", self.port),
-        })?;
-        let status = Command::new("kill")
-            .args([signal, &pid.to_string()])
-            .status()?;
-        if !status.success() {
-            return Err(ServerError::StartFailed {
-                what: self.role,
-                detail: format!("could not send {signal} to pid {pid}"),
-            });
-        }
-        Ok(pid)
+        process::signal(self.role, self.pid(), signal, || self.not_running())
+    }
+
+    fn not_running(&self) -> String {
+        format!("port {}: not running", self.port)
     }
 
     /// `SIGSTOP`s the process: it keeps its sockets and answers nothing until
@@ -206,14 +153,13 @@ done"#;
     /// # Errors
     /// Not running, or `kill` failed.
     pub fn kill(&mut self) -> Result<(), ServerError> {
-        let pid = self.signal("-KILL")?;
+        self.supervisor.kill_server(
+            self.pid(),
+            || self.not_running(),
+            self.port,
+            Duration::from_millis(100),
+        )?;
         self.killed = true;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline
-            && (process_alive(pid) || connects(self.port, Duration::from_millis(100)))
-        {
-            std::thread::sleep(Duration::from_millis(10));
-        }
         Ok(())
     }
 
@@ -227,20 +173,7 @@ done"#;
     /// The last lines of the node's log, for error messages.
     #[must_use]
     pub fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    }
-
-    fn shutdown(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.supervisor.wait();
-    }
-}
-
-impl Drop for RedisNode {
-    fn drop(&mut self) {
-        self.shutdown();
+        self.supervisor.log_tail(30)
     }
 }
 
@@ -272,28 +205,25 @@ impl SentinelSet {
             hint: SENTINEL_HINT,
         })?;
         assert!(config.sentinels >= 1 && config.quorum >= 1);
-        let ports = free_ports(1 + config.replicas + config.sentinels)?;
+        let ports = process::free_ports(1 + config.replicas + config.sentinels)?;
         let server_cmd = |port: u16, extra: &str| {
             format!(
-                "exec {} --port {port} --bind 127.0.0.1 --save '' --appendonly no --dir \"$dir\" \
+                "{} --port {port} --bind 127.0.0.1 --save '' --appendonly no --dir \"$dir\" \
                  --daemonize no --repl-diskless-sync-delay 0 --repl-ping-replica-period 1 {extra}",
                 sh_quote(&server)
             )
         };
-        let spawn = |role: &'static str, port: u16| RedisNode::spawn(role, port);
-        let mut master = spawn("redis-server", ports[0])?;
-        master.start(&server_cmd(ports[0], ""))?;
+        let mut master = RedisNode::spawn("redis-server", ports[0], &server_cmd(ports[0], ""))?;
+        master.start()?;
         wait_for(&master, Duration::from_secs(30), |port| {
             raw_command(port, "PING").is_some_and(|r| r.starts_with("+PONG"))
         })
         .await?;
         let mut replicas = Vec::new();
         for &port in &ports[1..=config.replicas] {
-            let mut replica = spawn("redis-server", port)?;
-            replica.start(&server_cmd(
-                port,
-                &format!("--replicaof 127.0.0.1 {}", ports[0]),
-            ))?;
+            let replica_cmd = server_cmd(port, &format!("--replicaof 127.0.0.1 {}", ports[0]));
+            let mut replica = RedisNode::spawn("redis-server", port, &replica_cmd)?;
+            replica.start()?;
             wait_for(&replica, Duration::from_secs(30), |port| {
                 raw_command(port, "INFO replication")
                     .is_some_and(|r| r.contains("master_link_status:up"))
@@ -311,24 +241,22 @@ impl SentinelSet {
         .await?;
         let mut sentinels = Vec::new();
         for &port in &ports[1 + config.replicas..] {
-            let mut node = spawn("redis-sentinel", port)?;
+            let sentinel_cmd = format!("{} \"$dir/sentinel.conf\"", sh_quote(&sentinel));
+            let mut node = RedisNode::spawn("redis-sentinel", port, &sentinel_cmd)?;
             let conf = format!(
                 "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {dir}\n\
                  sentinel monitor {name} 127.0.0.1 {master} {quorum}\n\
                  sentinel down-after-milliseconds {name} {down}\n\
                  sentinel failover-timeout {name} {failover}\n\
                  sentinel parallel-syncs {name} 1\n",
-                dir = node.dir.display(),
+                dir = node.dir().display(),
                 master = ports[0],
                 quorum = config.quorum,
                 down = config.down_after.as_millis(),
                 failover = config.failover_timeout.as_millis(),
             );
-            std::fs::write(node.dir.join("sentinel.conf"), conf)?;
-            node.start(&format!(
-                "exec {} \"$dir/sentinel.conf\"",
-                sh_quote(&sentinel)
-            ))?;
+            std::fs::write(node.dir().join("sentinel.conf"), conf)?;
+            node.start()?;
             sentinels.push(node);
         }
         let set = Self {
@@ -470,32 +398,19 @@ async fn wait_for(
     timeout: Duration,
     ready: impl Fn(u16) -> bool + Clone + Send + 'static,
 ) -> Result<(), ServerError> {
-    let deadline = Instant::now() + timeout;
     let port = node.port;
-    loop {
-        let ready = ready.clone();
-        if tokio::task::spawn_blocking(move || ready(port))
-            .await
-            .unwrap_or(false)
-        {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            return Err(ServerError::StartFailed {
-                what: node.role,
-                detail: format!(
-                    "port {} not ready after {timeout:?}: {}",
-                    node.port,
-                    node.log_tail()
-                ),
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let deadline = Instant::now() + timeout;
+    if process::poll_until(deadline, || Ok(()), move || ready(port)).await? {
+        return Ok(());
     }
-}
-
-fn connects(port: u16, timeout: Duration) -> bool {
-    TcpStream::connect_timeout(&SocketAddr::from((Ipv4Addr::LOCALHOST, port)), timeout).is_ok()
+    Err(ServerError::StartFailed {
+        what: node.role,
+        detail: format!(
+            "port {} not ready after {timeout:?}: {}",
+            node.port,
+            node.log_tail()
+        ),
+    })
 }
 
 /// One inline command, its raw reply (everything the server sends within a short while).
@@ -525,22 +440,4 @@ fn raw_command(port: u16, command: &str) -> Option<String> {
         }
     }
     (!reply.is_empty()).then(|| String::from_utf8_lossy(&reply).into_owned())
-}
-
-/// `count` distinct free ports (all bound at once, then released).
-fn free_ports(count: usize) -> std::io::Result<Vec<u16>> {
-    let listeners = (0..count)
-        .map(|_| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
-        .collect::<std::io::Result<Vec<_>>>()?;
-    listeners
-        .iter()
-        .map(|l| l.local_addr().map(|a| a.port()))
-        .collect()
-}
-
-fn process_alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        stat.rsplit_once(')')
-            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
-    })
 }

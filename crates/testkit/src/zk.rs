@@ -16,14 +16,16 @@
 //! 2.3 s. Sessions may last from [`ZK_MIN_SESSION_TIMEOUT_MS`] to
 //! [`ZK_MAX_SESSION_TIMEOUT_MS`].
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::os::unix::process::CommandExt;
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::process::{self, Member, Supervisor};
 use crate::{ServerError, find_in_path, sh_quote};
+
+/// The server's name in errors.
+const WHAT: &str = "zookeeper";
 
 const ZK_HINT: &str = "install ZooKeeper (Debian: apt-get install zookeeper, which brings a Java \
     runtime), or set PGFENCE_ZK_CLASSPATH to ZooKeeper's classpath (with `java` on PATH)";
@@ -81,15 +83,10 @@ fn zk_launch() -> Result<(PathBuf, String), ServerError> {
 /// One member of a [`ZkEnsemble`].
 #[derive(Debug)]
 pub struct ZkMember {
-    name: String,
+    process: Member,
     id: u32,
-    client_port: u16,
     peer_port: u16,
     election_port: u16,
-    dir: PathBuf,
-    supervisor: Child,
-    stdin: Option<ChildStdin>,
-    running: bool,
     paused: bool,
 }
 
@@ -97,7 +94,7 @@ impl ZkMember {
     /// The member's name (`m0`, `m1`, ...).
     #[must_use]
     pub fn name(&self) -> &str {
-        &self.name
+        &self.process.name
     }
 
     /// The member's server id (`myid`: 1, 2, ...; `m0` is 1).
@@ -109,7 +106,7 @@ impl ZkMember {
     /// Client port on 127.0.0.1.
     #[must_use]
     pub fn client_port(&self) -> u16 {
-        self.client_port
+        self.process.client_port
     }
 
     /// Quorum (follower-to-leader) port on 127.0.0.1; unused by a standalone server.
@@ -127,37 +124,32 @@ impl ZkMember {
     /// `127.0.0.1:PORT`, the member's client address.
     #[must_use]
     pub fn address(&self) -> String {
-        format!("127.0.0.1:{}", self.client_port)
+        format!("127.0.0.1:{}", self.process.client_port)
     }
 
     /// The member's temporary directory (removed when it stops): `zoo.cfg`, `server.log`, and
     /// the data directory `data`.
     #[must_use]
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.process.supervisor.dir()
     }
 
     /// Whether the member runs: started, not killed since, and not paused.
     #[must_use]
     pub fn is_running(&self) -> bool {
-        self.running && !self.paused
+        self.process.running && !self.paused
     }
 
     /// Whether the member is paused ([`ZkEnsemble::pause`]).
     #[must_use]
     pub fn is_paused(&self) -> bool {
-        self.running && self.paused
+        self.process.running && self.paused
     }
 
     /// The JVM's process id, while it runs (paused or not).
     #[must_use]
     pub fn pid(&self) -> Option<u32> {
-        if !self.running {
-            return None;
-        }
-        std::fs::read_to_string(self.dir.join("pid"))
-            .ok()
-            .and_then(|p| p.trim().parse().ok())
+        self.process.pid()
     }
 
     /// The member's role from the `srvr` four-letter command: `leader`, `follower` or
@@ -165,7 +157,7 @@ impl ZkMember {
     /// is not serving (no quorum, or still electing).
     #[must_use]
     pub fn mode(&self) -> Option<String> {
-        let reply = four_letter(self.client_port, "srvr")?;
+        let reply = four_letter(self.process.client_port, "srvr")?;
         reply
             .lines()
             .find_map(|l| l.strip_prefix("Mode:"))
@@ -175,9 +167,7 @@ impl ZkMember {
     /// The last lines of the member's log, for error messages.
     #[must_use]
     pub fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
+        self.process.log_tail()
     }
 
     fn spawn(
@@ -197,57 +187,15 @@ impl ZkMember {
             java = sh_quote(java),
             classpath = sh_quote(Path::new(classpath)),
         );
-        // `start` lines start the JVM (again, on the same data directory); EOF stops
-        // everything.
-        let script = format!(
-            r#"set -u
-umask 077
-dir=$(mktemp -d {base}/pgfence-zk.XXXXXX) || exit 1
-trap 'kill -KILL $(cat "$dir/pid" 2>/dev/null) 2>/dev/null; rm -rf "$dir"' EXIT
-echo "dir=$dir"
-while IFS= read -r cmd; do
-  if [ "$cmd" = start ]; then
-    {zk} >>"$dir/server.log" 2>&1 &
-    echo $! >"$dir/pid.new" && mv "$dir/pid.new" "$dir/pid"
-  fi
-done"#,
-            base = sh_quote(base),
-        );
-        let mut cmd = Command::new("sh");
-        cmd.args(["-c", &script])
-            .current_dir("/")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        let mut supervisor = cmd.spawn()?;
-        let stdin = supervisor.stdin.take();
-        let mut line = String::new();
-        let stdout = supervisor.stdout.take().expect("stdout is piped");
-        BufReader::new(stdout).read_line(&mut line)?;
-        let Some(dir) = line.trim().strip_prefix("dir=").map(PathBuf::from) else {
-            let _ = supervisor.wait();
-            let mut detail = String::new();
-            if let Some(mut err) = supervisor.stderr.take() {
-                let _ = err.read_to_string(&mut detail);
-            }
-            return Err(ServerError::StartFailed {
-                what: "zookeeper",
-                detail,
-            });
-        };
+        let supervisor =
+            Supervisor::member(WHAT, &format!("{}/pgfence-zk.XXXXXX", sh_quote(base)), &zk)?;
         let [client_port, peer_port, election_port] = ports;
         // From here on, dropping the member stops the supervisor and removes `dir`.
         Ok(Self {
-            name,
+            process: Member::new(name, client_port, 30, supervisor),
             id,
-            client_port,
             peer_port,
             election_port,
-            dir,
-            supervisor,
-            stdin,
-            running: false,
             paused: false,
         })
     }
@@ -255,7 +203,7 @@ done"#,
     /// Writes `zoo.cfg` and `data/myid`. `servers` is empty for a standalone server, else the
     /// ensemble's `server.N=...` lines.
     fn configure(&self, servers: &str) -> Result<(), ServerError> {
-        let data = self.dir.join("data");
+        let data = self.dir().join("data");
         std::fs::create_dir_all(&data)?;
         std::fs::write(data.join("myid"), format!("{}\n", self.id))?;
         // A properties file: backslashes are escapes.
@@ -281,61 +229,22 @@ preAllocSize=1024
 snapCount=100000
 autopurge.purgeInterval=0
 {ensemble}",
-            client_port = self.client_port,
+            client_port = self.process.client_port,
         );
-        std::fs::write(self.dir.join("zoo.cfg"), config)?;
+        std::fs::write(self.dir().join("zoo.cfg"), config)?;
         Ok(())
     }
 
     fn start(&mut self) -> Result<(), ServerError> {
-        let _ = std::fs::remove_file(self.dir.join("pid"));
-        let stdin = self.stdin.as_mut().ok_or(ServerError::StartFailed {
-            what: "zookeeper",
-            detail: "member already stopped".into(),
-        })?;
-        stdin.write_all(b"start\n")?;
-        stdin.flush()?;
-        self.running = true;
+        self.process.start()?;
         self.paused = false;
         Ok(())
     }
 
     fn signal(&self, signal: &str) -> Result<u32, ServerError> {
-        let pid = self.pid().ok_or(ServerError::StartFailed {
-            what: "zookeeper",
-            detail: format!("member {} is not running", self.name),
-        })?;
-        let status = Command::new("kill")
-            .args([signal, &pid.to_string()])
-            .stderr(Stdio::null())
-            .status()?;
-        if !status.success() {
-            return Err(ServerError::StartFailed {
-                what: "zookeeper",
-                detail: format!("could not send {signal} to pid {pid}"),
-            });
-        }
-        Ok(pid)
-    }
-
-    fn accepts_connections(&self) -> bool {
-        TcpStream::connect_timeout(
-            &SocketAddr::from((Ipv4Addr::LOCALHOST, self.client_port)),
-            Duration::from_millis(200),
-        )
-        .is_ok()
-    }
-
-    fn shutdown(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.supervisor.wait();
-        self.running = false;
-    }
-}
-
-impl Drop for ZkMember {
-    fn drop(&mut self) {
-        self.shutdown();
+        process::signal(WHAT, self.pid(), signal, || {
+            format!("member {} is not running", self.process.name)
+        })
     }
 }
 
@@ -366,19 +275,12 @@ impl ZkEnsemble {
     pub async fn start(size: usize) -> Result<Self, ServerError> {
         assert!(size >= 1, "a ZooKeeper ensemble has at least one member");
         let (java, classpath) = zk_launch()?;
-        let mut last = None;
-        for _ in 0..3 {
-            match Self::try_start(&java, &classpath, size).await {
-                Ok(ensemble) => return Ok(ensemble),
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(last.expect("at least one attempt"))
+        process::retry(3, || Self::try_start(&java, &classpath, size)).await
     }
 
     async fn try_start(java: &Path, classpath: &str, size: usize) -> Result<Self, ServerError> {
-        let ports = free_ports(size * 3)?;
-        let base = scratch_base();
+        let ports = process::free_ports(size * 3)?;
+        let base = process::scratch_base();
         let servers = if size == 1 {
             String::new()
         } else {
@@ -393,11 +295,10 @@ impl ZkEnsemble {
             let (java, classpath, base) = (java.to_owned(), classpath.to_owned(), base.clone());
             let id = u32::try_from(i + 1).expect("ensemble size fits u32");
             let ports = [p[0], p[1], p[2]];
-            let member = tokio::task::spawn_blocking(move || {
+            let member = process::blocking(move || {
                 ZkMember::spawn(&java, &classpath, &base, format!("m{i}"), id, ports)
             })
-            .await
-            .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
+            .await?;
             member.configure(&servers)?;
             members.push(member);
         }
@@ -414,44 +315,12 @@ impl ZkEnsemble {
 
     /// Waits until member `i` answers `srvr` with a mode.
     async fn wait_serving(&mut self, i: usize, deadline: Instant) -> Result<(), ServerError> {
-        loop {
-            let member = &mut self.members[i];
-            if let Some(status) = member.supervisor.try_wait()? {
-                return Err(ServerError::StartFailed {
-                    what: "zookeeper",
-                    detail: format!("supervisor exited with {status}"),
-                });
-            }
-            let exited = member.pid().is_some_and(|pid| !process_alive(pid));
-            if exited {
-                return Err(ServerError::StartFailed {
-                    what: "zookeeper",
-                    detail: format!("member {} exited: {}", member.name, member.log_tail()),
-                });
-            }
-            let serving = {
-                let port = member.client_port;
-                tokio::task::spawn_blocking(move || {
-                    four_letter(port, "srvr").is_some_and(|reply| reply.contains("Mode:"))
-                })
-                .await
-                .unwrap_or(false)
-            };
-            if serving {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                return Err(ServerError::StartFailed {
-                    what: "zookeeper",
-                    detail: format!(
-                        "member {} not serving in time: {}",
-                        member.name,
-                        member.log_tail()
-                    ),
-                });
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        self.members[i]
+            .process
+            .wait_ready("serving", deadline, |port| {
+                four_letter(port, "srvr").is_some_and(|reply| reply.contains("Mode:"))
+            })
+            .await
     }
 
     /// The members, in start order (`m0` has server id 1).
@@ -503,15 +372,8 @@ impl ZkEnsemble {
     /// The member is not running, or `kill` failed.
     pub fn kill(&mut self, i: usize) -> Result<(), ServerError> {
         let member = &mut self.members[i];
-        let pid = member.signal("-KILL")?;
-        member.running = false;
+        member.process.kill()?;
         member.paused = false;
-        // The supervisor must not signal this PID again once it may belong to another process.
-        let _ = std::fs::remove_file(member.dir.join("pid"));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline && (process_alive(pid) || member.accepts_connections()) {
-            std::thread::sleep(Duration::from_millis(10));
-        }
         Ok(())
     }
 
@@ -545,7 +407,7 @@ impl ZkEnsemble {
     /// # Errors
     /// [`ServerError::StartFailed`] when it does not serve within 60 s.
     pub async fn restart(&mut self, i: usize) -> Result<(), ServerError> {
-        if self.members[i].running {
+        if self.members[i].process.running {
             self.kill(i)?;
         }
         self.members[i].start()?;
@@ -569,37 +431,4 @@ fn four_letter(port: u16, command: &str) -> Option<String> {
     let mut reply = String::new();
     stream.read_to_string(&mut reply).ok()?;
     Some(reply)
-}
-
-/// Where member directories go: `/dev/shm` when writable (no fsync cost), else `$TMPDIR`, else
-/// `/tmp`.
-fn scratch_base() -> PathBuf {
-    let shm = Path::new("/dev/shm");
-    let probe = shm.join(format!(".pgfence-zk-probe-{}", std::process::id()));
-    if shm.is_dir() && std::fs::write(&probe, b"").is_ok() && std::fs::remove_file(&probe).is_ok() {
-        return shm.to_owned();
-    }
-    std::env::var_os("TMPDIR")
-        .map(PathBuf::from)
-        .filter(|p| p.is_dir())
-        .unwrap_or_else(|| PathBuf::from("/tmp"))
-}
-
-/// `count` distinct free ports (all bound at once, then released).
-fn free_ports(count: usize) -> std::io::Result<Vec<u16>> {
-    let listeners = (0..count)
-        .map(|_| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
-        .collect::<std::io::Result<Vec<_>>>()?;
-    listeners
-        .iter()
-        .map(|l| l.local_addr().map(|a| a.port()))
-        .collect()
-}
-
-fn process_alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        // The state follows the parenthesised command name; a zombie has exited.
-        stat.rsplit_once(')')
-            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
-    })
 }
