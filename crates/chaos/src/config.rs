@@ -4,6 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use pgfence::IssuerKind;
 use serde::Serialize;
 use sqlx::postgres::PgConnectOptions;
 
@@ -101,9 +102,11 @@ pub struct Recovery {
 /// What a run does. [`Config::default`] is a CI-sized fenced run.
 ///
 /// The workload: `workers`, `rows`, `units`, `ttl`, `acquire_wait`, `retries`. The faults the
-/// harness injects by itself: stalls (`pause_*`), counter loss (`reset_counters_at`) and
-/// killed backends (`kill_every`); server restarts are injected by the caller through a
-/// [`Control`](crate::Control).
+/// harness injects by itself: stalls (`pause_*`), counter loss (`reset_counters_at`, Redis
+/// only) and killed backends (`kill_every`); server restarts and issuer failovers are
+/// injected by the caller through a [`Control`](crate::Control) (see
+/// [`Deployment`](crate::Deployment)). [`Config::for_issuer`] adapts the lease timing to the
+/// issuer.
 #[derive(Clone, Debug)]
 pub struct Config {
     /// Protection used by the workers.
@@ -131,11 +134,13 @@ pub struct Config {
     /// [`pgfence::Error::is_retryable`] calls safe to retry.
     pub retries: u32,
     /// Delete every row's Redis counter when the unit with this index starts (a failover that
-    /// lost the counters).
+    /// lost the counters). Redis only, through a `redis://` URL: [`Harness::new`](crate::Harness::new)
+    /// refuses it for etcd and ZooKeeper, whose tokens cannot be reset.
     pub reset_counters_at: Vec<u64>,
     /// Terminate one busy worker backend (`pg_terminate_backend`) about this often.
     pub kill_every: Option<Duration>,
-    /// Liveness recovery after counter loss.
+    /// Liveness recovery after counter loss (Redis: etcd and ZooKeeper tokens never go
+    /// backwards, their `raise_floor` and `recover_from` are no-ops).
     pub recovery: Recovery,
     /// Wall-clock bound: workers stop starting units after this long.
     pub max_duration: Duration,
@@ -179,6 +184,27 @@ impl Default for Config {
 }
 
 impl Config {
+    /// [`Config::default`] with the lease timing suited to `issuer`: a 40 ms TTL and stalls of
+    /// 60–120 ms for Redis and ZooKeeper (whose issuer ends a lock when its TTL runs out, to
+    /// the millisecond); for etcd, whose leases count whole seconds (and whose servers expire
+    /// them on a 500 ms tick), a 1 s TTL, stalls of 1.6–2.4 s (past the lock's real end) and
+    /// a 4 s acquire wait.
+    #[must_use]
+    pub fn for_issuer(issuer: IssuerKind) -> Self {
+        let default = Self::default();
+        if issuer == IssuerKind::Etcd {
+            Self {
+                ttl: Duration::from_secs(1),
+                pause_min: Duration::from_millis(1_600),
+                pause_max: Duration::from_millis(2_400),
+                acquire_wait: Duration::from_secs(4),
+                ..default
+            }
+        } else {
+            default
+        }
+    }
+
     /// Checks that the settings are consistent.
     pub(crate) fn validate(&self) -> Result<(), ChaosError> {
         let bad = |m: &str| Err(ChaosError::Config(m.to_owned()));
@@ -228,11 +254,13 @@ impl Config {
 }
 
 /// Where the harness runs: a Postgres database (pgfence's migrations are applied if missing)
-/// and a Redis server.
+/// and a token issuer.
 #[derive(Clone, Debug)]
 pub struct Target {
     /// The database.
     pub database: PgConnectOptions,
-    /// `redis://` URL.
-    pub redis_url: String,
+    /// The issuer's URL; its scheme picks the issuer ([`pgfence::connect_issuer_with`]):
+    /// `redis://` (also `rediss://`, `redis+unix://`), `redis+sentinel://host:port,.../master`,
+    /// `etcd://host:port,...` or `zk://host:port,...`.
+    pub issuer_url: String,
 }

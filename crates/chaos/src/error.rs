@@ -10,9 +10,15 @@ pub enum ChaosError {
     /// The configuration is inconsistent.
     #[error("invalid harness configuration: {0}")]
     Config(String),
-    /// Postgres or Redis failed during setup or verification.
+    /// Postgres or the issuer failed during setup or verification.
     #[error(transparent)]
     Fence(#[from] Error),
+    /// A throwaway server (or issuer deployment) could not be started, restarted or killed.
+    #[error("throwaway server: {0}")]
+    Server(#[from] pgfence_testkit::ServerError),
+    /// An issuer failover did not go as planned (no leader to kill, none elected after).
+    #[error("failover: {0}")]
+    Failover(String),
     /// A worker task panicked or was cancelled; the run's history is incomplete.
     #[error("a worker task failed: {0}")]
     Worker(String),

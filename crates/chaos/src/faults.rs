@@ -1,5 +1,5 @@
 //! The faults the harness injects by itself: counter loss and killed backends. (Stalls are
-//! injected by the workers; server restarts by the caller, through a
+//! injected by the workers; server restarts and issuer failovers by the caller, through a
 //! [`Control`](crate::Control).)
 
 use std::sync::Arc;
@@ -16,10 +16,14 @@ use crate::util::{lock, millis};
 
 /// Deletes every row's counter (a failover that lost them). Lock keys are left alone: holders
 /// keep their leases, only the numbering restarts. The fault is recorded if the `DEL` went
-/// through.
+/// through. Redis only: without the connection (which [`Harness::new`](crate::Harness::new)
+/// opens only for a Redis run that resets), nothing happens.
 pub(crate) async fn reset_counters(ctx: &Ctx) {
+    let Some(conn) = &ctx.redis else {
+        return;
+    };
     let keys: Vec<String> = ctx.resources.iter().map(pgfence::counter_key).collect();
-    let mut conn = ctx.redis.clone();
+    let mut conn = conn.clone();
     let mark = FaultMark {
         name: "counter_reset".into(),
         at_ms: ctx.shared.now_ms(),

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pgfence::{Auditor, Fence, Issuer, Repository, Resource};
+use pgfence::{Auditor, Fence, IssuerKind, IssuerOptions, Repository, Resource, TokenIssuer};
 use redis::aio::ConnectionManager;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -16,7 +16,9 @@ use crate::schema::{self, Cell, ClaimCell};
 use crate::util::{lock, millis};
 use crate::verify::{RunId, RunOutput, verify};
 use crate::worker::{Plan, worker};
-use crate::{AuditCounter, ChaosError, Config, FaultMark, Mode, Report, ReseedCounter, Target};
+use crate::{
+    AuditCounter, ChaosError, Config, FailoverEvent, FaultMark, Mode, Report, ReseedCounter, Target,
+};
 
 /// State the workers, the fault injectors and [`Control`] share.
 pub(crate) struct Shared {
@@ -28,6 +30,8 @@ pub(crate) struct Shared {
     pub(crate) done: AtomicBool,
     /// Faults so far.
     pub(crate) faults: Mutex<Vec<FaultMark>>,
+    /// The issuer failover, once recorded.
+    pub(crate) failover: Mutex<Option<FailoverEvent>>,
 }
 
 impl Shared {
@@ -52,9 +56,10 @@ pub(crate) struct Ctx {
     pub(crate) repo: Repository<Cell>,
     /// The same table, as the row-claim and batch modes claim and write it.
     pub(crate) claim_repo: Repository<ClaimCell>,
-    pub(crate) issuer: Issuer,
-    /// For the counter resets.
-    pub(crate) redis: ConnectionManager,
+    /// The token issuer, whichever it is.
+    pub(crate) issuer: Arc<dyn TokenIssuer>,
+    /// For the counter resets (Redis through a `redis://` URL, only when the run resets).
+    pub(crate) redis: Option<ConnectionManager>,
     pub(crate) shared: Arc<Shared>,
 }
 
@@ -88,7 +93,10 @@ impl Control {
         }
     }
 
-    /// Records that a fault starts now; recovery is measured from this point.
+    /// Records that a fault starts now; recovery is measured from this point. An issuer
+    /// failover is the fault named `failover` (mark it once the old leader is dead: leases
+    /// granted until then count as before it, leases asked for after it as after it), with
+    /// its details in [`Control::record_failover`].
     pub fn mark_fault(&self, name: &str) {
         let mark = FaultMark {
             name: name.to_owned(),
@@ -96,6 +104,14 @@ impl Control {
             at_unit: self.units_started(),
         };
         lock(&self.0.faults).push(mark);
+    }
+
+    /// Records what the issuer failover (the fault marked `failover`) came to: which leader
+    /// died, which took over and when. The report's
+    /// [`Summary::failover`](crate::Summary::failover) combines it with the tokens and writes
+    /// around the mark.
+    pub fn record_failover(&self, event: FailoverEvent) {
+        *lock(&self.0.failover) = Some(event);
     }
 }
 
@@ -113,6 +129,11 @@ impl Harness {
     /// Connects, applies pgfence's migrations if needed, creates the harness's tables (schema
     /// [`SCHEMA`](crate::SCHEMA), the fenced one guarded) and this run's counter rows.
     ///
+    /// The issuer is picked by [`Target::issuer_url`]'s scheme
+    /// ([`pgfence::connect_issuer_with`]) and used as an `Arc<dyn TokenIssuer>`. With Redis it
+    /// gets the audit pool as its floor source when [`Config::recovery`] says so (etcd and
+    /// ZooKeeper tokens never go backwards: nothing to reseed).
+    ///
     /// Three pools are opened: the workers' (whose backends may be killed), an audit pool
     /// (used for audit rows and as the issuer's floor source, never killed) and an admin pool.
     /// Each run gets fresh rows keyed by its run id; the tables (and the run's audit rows) stay
@@ -122,10 +143,14 @@ impl Harness {
     /// [`AuditCounter`].
     ///
     /// # Errors
-    /// [`ChaosError::Config`] for an inconsistent configuration; [`ChaosError::Fence`] when
-    /// Postgres or Redis cannot be reached or set up.
+    /// [`ChaosError::Config`] for an inconsistent configuration, or one the issuer cannot do
+    /// (counter resets need Redis through a `redis://` URL); [`ChaosError::Fence`] when
+    /// Postgres or the issuer cannot be reached or set up.
     pub async fn new(cfg: Config, target: &Target) -> Result<Self, ChaosError> {
         cfg.validate()?;
+        if !cfg.reset_counters_at.is_empty() {
+            check_counter_resets(&target.issuer_url)?;
+        }
         let rows = i32::try_from(cfg.rows).map_err(|_| ChaosError::Config("rows".into()))?;
         let run = format!("{:016x}", rand::random::<u64>());
         let worker_app = format!("pgfence-chaos-worker-{run}");
@@ -136,11 +161,17 @@ impl Harness {
 
         schema::setup(&admin, &run, rows).await?;
 
-        let mut issuer = Issuer::connect(&target.redis_url).await?;
+        let mut options = IssuerOptions::new();
         if cfg.recovery.floor_source {
-            issuer = issuer.with_floor_source(audit_pool.clone());
+            options = options.floor_source(audit_pool.clone());
         }
-        let redis = ConnectionManager::new(redis::Client::open(target.redis_url.as_str())?).await?;
+        let issuer = pgfence::connect_issuer_with(&target.issuer_url, options).await?;
+        let redis = if cfg.reset_counters_at.is_empty() {
+            None
+        } else {
+            let client = redis::Client::open(target.issuer_url.as_str())?;
+            Some(ConnectionManager::new(client).await?)
+        };
         let resources = (0..cfg.resource_count())
             .map(|i| match cfg.mode {
                 Mode::Batch => Resource::new(format!("chaos:{run}:group{i}")),
@@ -157,6 +188,7 @@ impl Harness {
             units: AtomicU64::new(0),
             done: AtomicBool::new(false),
             faults: Mutex::new(Vec::new()),
+            failover: Mutex::new(None),
         });
         Ok(Self {
             ctx: Arc::new(Ctx {
@@ -181,10 +213,26 @@ impl Harness {
 
     /// Counts the run's automatic reseeds with `counter` (see [`ReseedCounter`]); without
     /// one, `reseed_events` is reported as `null`.
-    #[must_use]
-    pub fn with_reseed_counter(mut self, counter: Arc<ReseedCounter>) -> Self {
+    ///
+    /// # Errors
+    /// [`ChaosError::Config`] when the issuer never reseeds (etcd, ZooKeeper: their tokens
+    /// cannot go backwards), so there is nothing to count.
+    pub fn with_reseed_counter(mut self, counter: Arc<ReseedCounter>) -> Result<Self, ChaosError> {
+        let kind = self.issuer_kind();
+        if !kind.can_reseed() {
+            return Err(ChaosError::Config(format!(
+                "reseed counting is for Redis: the {kind} issuer's tokens never go backwards, \
+                 it never reseeds"
+            )));
+        }
         self.reseeds = Some(counter);
-        self
+        Ok(self)
+    }
+
+    /// Which issuer the run uses.
+    #[must_use]
+    pub fn issuer_kind(&self) -> IssuerKind {
+        self.ctx.issuer.kind()
     }
 
     /// A handle for injecting faults while the run goes on.
@@ -261,6 +309,7 @@ impl Harness {
         let output = RunOutput {
             workers,
             faults: lock(&ctx.shared.faults).clone(),
+            failover: lock(&ctx.shared.failover).clone(),
             kills,
             duration_ms,
             audit: self.audit.tally(&prefix),
@@ -268,6 +317,7 @@ impl Harness {
         };
         let id = RunId {
             cfg: &ctx.cfg,
+            issuer: ctx.issuer.kind(),
             run: &ctx.run,
             resource_prefix: &prefix,
         };
@@ -282,4 +332,22 @@ async fn connect(target: &Target, application_name: &str, max: u32) -> Result<Pg
         .acquire_timeout(Duration::from_secs(5))
         .connect_with(target.database.clone().application_name(application_name))
         .await?)
+}
+
+/// Counter resets `DEL` the counters on one Redis server: Redis only, and only through a
+/// `redis://` URL (behind a `redis+sentinel://` URL the master moves). Checked before anything
+/// is set up.
+fn check_counter_resets(url: &str) -> Result<(), ChaosError> {
+    match crate::issuer_of_url(url) {
+        Some(IssuerKind::Redis) if pgfence::is_sentinel_url(url) => Err(ChaosError::Config(
+            "counter resets need a redis:// URL (they DEL the counters on that server), not \
+             redis+sentinel://"
+                .into(),
+        )),
+        Some(IssuerKind::Redis) | None => Ok(()),
+        Some(kind) => Err(ChaosError::Config(format!(
+            "counter resets delete Redis counter keys: the {kind} issuer has none, and its \
+             tokens cannot go backwards (fail its leader over instead)"
+        ))),
+    }
 }

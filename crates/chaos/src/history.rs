@@ -173,6 +173,9 @@ pub struct LeaseRecord {
     pub row: i32,
     /// Token.
     pub token: i64,
+    /// When the worker asked for it (ms since the run started; it may have waited for the
+    /// lock, and through issuer errors, since).
+    pub asked_at_ms: u64,
     /// When it was granted (ms since the run started).
     pub at_ms: u64,
 }
@@ -180,10 +183,33 @@ pub struct LeaseRecord {
 /// A fault the run went through.
 #[derive(Clone, Debug, Serialize)]
 pub struct FaultMark {
-    /// What happened (`counter_reset`, `redis_restart`, `postgres_restart`...).
+    /// What happened (`counter_reset`, `redis_restart`, `postgres_restart`, `failover`...).
     pub name: String,
     /// When (ms since the run started).
     pub at_ms: u64,
     /// Units started when it happened.
     pub at_unit: u64,
+}
+
+/// An issuer failover as the one who caused it saw it (see
+/// [`Deployment::failover_at`](crate::Deployment::failover_at)); recorded with
+/// [`Control::record_failover`](crate::Control::record_failover) after the fault mark named
+/// `failover`, it becomes the report's [`FailoverFigures`](crate::FailoverFigures).
+#[derive(Clone, Debug, Serialize)]
+pub struct FailoverEvent {
+    /// The issuer (`redis`, `etcd`, `zk`).
+    pub issuer: String,
+    /// The leader (etcd member, ZooKeeper server) or master (Redis) killed.
+    pub old_leader: String,
+    /// How long the kill took: from `SIGKILL` until the process was gone and its client port
+    /// closed, in ms. The `failover` fault is marked at the end of it.
+    pub kill_ms: u64,
+    /// The one that took over, once the survivors named one.
+    pub new_leader: Option<String>,
+    /// From the `SIGKILL` until the survivors named the new leader (or the sentinels promoted
+    /// the replica), in ms.
+    pub new_leader_after_ms: Option<u64>,
+    /// Redis: the unit at which the replica was paused (`SIGSTOP`) and its replication link
+    /// cut, so that it missed every `INCR` from there to the kill.
+    pub replica_paused_at_unit: Option<u64>,
 }

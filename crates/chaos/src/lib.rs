@@ -1,7 +1,8 @@
 //! Race harness: proof under faults.
 //!
-//! N workers repeatedly take the lock of one of K counter rows through the
-//! [`Issuer`](pgfence::Issuer), read the row's value, sometimes pause past the lease's TTL (an
+//! N workers repeatedly take the lock of one of K counter rows through a token issuer — Redis,
+//! etcd or ZooKeeper, as a [`pgfence::TokenIssuer`] picked by the URL's scheme (see
+//! [Issuers](#issuers)) — read the row's value, sometimes pause past the lease's TTL (an
 //! injected stall, like a GC pause or a frozen VM), then write `value + 1` with their fence
 //! token (in the multi-statement modes: several transactions and writes per lease, see
 //! below). Every try is recorded (row, token, value read, value written, outcome,
@@ -22,10 +23,38 @@
 //!
 //! Faults can be injected while it runs: Redis counter loss (built in: `DEL` of every counter
 //! at chosen points), killed Postgres backends (built in: `pg_terminate_backend` of a busy
-//! worker connection at random intervals), and anything else the caller does between
+//! worker connection at random intervals), a real issuer failover
+//! ([`Deployment::failover_at`]), and anything else the caller does between
 //! [`Control::wait_for_units`] and [`Control::mark_fault`] (restarting Redis or Postgres). For
 //! each fault the report measures recovery: how many leases, rejections and errors it took, and
 //! how long, until every row accepted writes again.
+//!
+//! # Issuers
+//!
+//! [`Target::issuer_url`] picks the issuer ([`pgfence::connect_issuer_with`]): `redis://`,
+//! `redis+sentinel://host:port,.../master`, `etcd://host:port,...` or `zk://host:port,...`.
+//! The workers only see the [`pgfence::TokenIssuer`] trait; [`Deployment`] starts throwaway
+//! servers for any of them, a single server or a replicated deployment to fail over.
+//!
+//! * **Redis** counts tokens per resource, and its counter can go backwards (counter loss, a
+//!   restart that comes back empty, a replica promoted before it had every `INCR`). Those are
+//!   Redis's faults here: counter resets ([`Config::reset_counters_at`]), restarts, and the
+//!   sentinel failover. The issuer gets a floor source (reseeds a missing counter from
+//!   Postgres's high-water mark: [`ReseedCounter`] counts those) and the workers call
+//!   `recover_from` after a rejection ([`Recovery`]).
+//! * **etcd** and **ZooKeeper** tokens are cluster-wide revisions / zxids, which never go
+//!   backwards, not even across a leader failover: reseeding and `recover_from` are no-ops, and
+//!   the Redis-only settings are refused ([`ChaosError::Config`]) rather than ignored. etcd
+//!   leases count whole seconds, so its runs use a 1 s TTL and longer stalls
+//!   ([`Config::for_issuer`]); the ZooKeeper issuer ends a lock when its TTL runs out, to the
+//!   millisecond, like Redis.
+//!
+//! A failover's figures ([`FailoverFigures`], in [`Summary::failover`]) compare the tokens on
+//! either side of it — the highest token accepted from a lease granted before the kill, the
+//! lowest issued to a lease asked for after: for etcd and ZooKeeper the latter is higher; for
+//! Redis it may be lower (that is the point: Postgres must reject those writes, stale or
+//! [`DuplicateToken`](pgfence::Error::DuplicateToken), and never accept them) — and count the
+//! rejections after it and the time until every row wrote again.
 //!
 //! # What guarantees what
 //!
@@ -147,19 +176,20 @@
 //! events per resource, and the summary reports those of the run's resources (their names
 //! start with [`Harness::resource_prefix`]) as `log_events` and `audit_failures`.
 //!
-//! Automatic reseeds after counter loss are reported by the issuer only as a `tracing` event.
-//! To count them, install a [`ReseedCounter`] layer ([`ReseedCounter::install_global`], or
-//! [`ReseedCounter::layer`] in your own subscriber) and pass it to
+//! Automatic reseeds after counter loss (Redis) are reported by the issuer only as a `tracing`
+//! event. To count them, install a [`ReseedCounter`] layer ([`ReseedCounter::install_global`],
+//! or [`ReseedCounter::layer`] in your own subscriber) and pass it to
 //! [`Harness::with_reseed_counter`]; without it `reseed_events` is reported as `null`.
 //!
 //! # Modules
 //!
-//! [`Config`] and [`Target`] say what runs where; [`Harness`] sets the run up and runs the
-//! workers, whose write pipeline (one plan of steps per [`Mode`]) lives in `worker`; the
-//! fault injectors in `faults`; the checks in `verify`; the [`Report`] and its printing in
-//! `report`.
+//! [`Config`] and [`Target`] say what runs where; [`Deployment`] starts the issuer's throwaway
+//! servers and fails them over; [`Harness`] sets the run up and runs the workers, whose write
+//! pipeline (one plan of steps per [`Mode`]) lives in `worker`; the fault injectors in
+//! `faults`; the checks in `verify`; the [`Report`] and its printing in `report`.
 
 mod config;
+mod deploy;
 mod error;
 mod faults;
 mod harness;
@@ -173,10 +203,13 @@ mod verify;
 mod worker;
 
 pub use config::{Config, Mode, Recovery, Target};
+pub use deploy::{Deployment, issuer_of_url, parse_issuer};
 pub use error::ChaosError;
 pub use harness::{Control, Harness};
-pub use history::{Attempt, BatchRows, FaultMark, LeaseRecord, Outcome, RowResult, Stage};
-pub use report::{BatchFigures, ErrorKind, FaultRecovery, Report, Summary};
+pub use history::{
+    Attempt, BatchRows, FailoverEvent, FaultMark, LeaseRecord, Outcome, RowResult, Stage,
+};
+pub use report::{BatchFigures, ErrorKind, FailoverFigures, FaultRecovery, Report, Summary};
 pub use reseed::{ReseedCounter, ReseedLayer};
 pub use schema::SCHEMA;
 pub use sink::{AuditCounter, AuditTally};

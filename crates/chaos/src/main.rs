@@ -6,11 +6,26 @@
 //!     --restart-postgres-at 16000 --control
 //! ```
 //!
-//! Without `--database-url` / `--redis-url` (or `DATABASE_URL` / `REDIS_URL`) it starts
-//! throwaway PostgreSQL and Redis servers from the installed binaries, which the restart faults
-//! need. Each run prints a readable summary and one JSON line (`--json` prints only the JSON).
-//! The exit status is 1 when a protected run shows a violation or a lost update, or when the
-//! unfenced control shows none (the harness would then prove nothing).
+//! `--issuer redis|etcd|zk` picks the token issuer (default: from `--issuer-url`'s scheme,
+//! else Redis). Without `--database-url` / `--issuer-url` / `--redis-url` (or `DATABASE_URL` /
+//! `PGFENCE_ISSUER_URL` / `REDIS_URL`) it starts throwaway PostgreSQL and issuer servers from
+//! the installed binaries, which the restart and failover faults need. Each run prints a
+//! readable summary and one JSON line (`--json` prints only the JSON). The exit status is 1
+//! when a protected run shows a violation or a lost update, when the unfenced control shows
+//! none (the harness would then prove nothing), when a requested failover did not happen or
+//! some row never wrote again after it, or when etcd or ZooKeeper issued a token after a
+//! failover that was not above every token accepted before it.
+//!
+//! `--failover-at N` fails the issuer over for real at unit N: etcd and ZooKeeper run as three
+//! members and the leader is killed (`SIGKILL`); Redis runs as a master, a replica and three
+//! sentinels, the replica is paused and cut off `--failover-lag` units earlier (it misses those
+//! `INCR`s), then the master is killed and the replica promoted with counters that are behind.
+//! A fresh deployment is started for each mode.
+//!
+//! ```text
+//! cargo run --release -p pgfence-chaos -- --issuer etcd --workers 16 --attempts 4000 \
+//!     --rows 16 --kill-every-ms 200 --failover-at 2000 --restart-postgres-at 3000
+//! ```
 //!
 //! Batch mode (`--mode batch`) splits the `--rows` counter rows into `--batch-groups` groups,
 //! one lock each; a unit claims and writes 10–100 (`--batch-min-rows`, `--batch-max-rows`)
@@ -27,13 +42,19 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
-use clap::Parser;
-use pgfence_chaos::{Config, Control, Harness, Mode, Recovery, ReseedCounter, Summary, Target};
+use clap::parser::ValueSource;
+use clap::{CommandFactory as _, FromArgMatches as _, Parser};
+use pgfence::IssuerKind;
+use pgfence_chaos::{
+    Config, Control, Deployment, FailoverEvent, Harness, Mode, Recovery, ReseedCounter, Summary,
+    Target, issuer_of_url, parse_issuer,
+};
 use pgfence_testkit::Server;
 use sqlx::postgres::PgConnectOptions;
 
-/// Race harness: N workers, K rows, stalls past the TTL, injected faults; checks token order,
-/// lost updates and the audit trail afterwards.
+/// Race harness: N workers, K rows, stalls past the TTL, injected faults (counter loss,
+/// killed backends, restarts, a real issuer failover) against the Redis, etcd or ZooKeeper
+/// issuer; checks token order, lost updates and the audit trail afterwards.
 #[derive(Parser, Debug)]
 #[command(name = "pgfence-chaos")]
 struct Args {
@@ -46,18 +67,22 @@ struct Args {
     /// Counter rows (one resource each; in batch mode split into --batch-groups groups).
     #[arg(long, default_value_t = 16)]
     rows: usize,
-    /// Lease TTL in milliseconds.
-    #[arg(long, default_value_t = 40)]
-    ttl_ms: u64,
+    /// The token issuer: redis, etcd or zk (ZooKeeper). Default: the scheme of --issuer-url,
+    /// else redis.
+    #[arg(long, value_parser = parse_issuer)]
+    issuer: Option<IssuerKind>,
+    /// Lease TTL in milliseconds [default: 40; etcd: 1000, its leases count whole seconds].
+    #[arg(long)]
+    ttl_ms: Option<u64>,
     /// Probability that a unit stalls once (before its read or between read and write).
     #[arg(long, default_value_t = 0.05)]
     pause_prob: f64,
-    /// Shortest stall, ms.
-    #[arg(long, default_value_t = 60)]
-    pause_min_ms: u64,
-    /// Longest stall, ms.
-    #[arg(long, default_value_t = 120)]
-    pause_max_ms: u64,
+    /// Shortest stall, ms [default: 60; etcd: 1600].
+    #[arg(long)]
+    pause_min_ms: Option<u64>,
+    /// Longest stall, ms [default: 120; etcd: 2400].
+    #[arg(long)]
+    pause_max_ms: Option<u64>,
     /// fenced (check + read + fenced write in one transaction), fenced-multi (the same in 2–3
     /// transactions of one lease), row-claim (claim, then 2–4 fenced updates over 1–3
     /// transactions), batch (claim_many, then update_many, of 10–100 rows of a group under
@@ -70,22 +95,35 @@ struct Args {
     /// Run all six modes in turn.
     #[arg(long)]
     all_modes: bool,
-    /// Delete every Redis counter when this unit starts (repeatable).
+    /// Delete every Redis counter when this unit starts (repeatable). Redis only, through a
+    /// redis:// URL.
     #[arg(long)]
     reset_counter_at: Vec<u64>,
     /// Terminate a busy worker backend about this often (ms).
     #[arg(long)]
     kill_every_ms: Option<u64>,
     /// Restart the throwaway Redis (it comes back empty) when this many units have started.
+    /// Redis only.
     #[arg(long)]
     restart_redis_at: Option<u64>,
     /// Restart the throwaway PostgreSQL when this many units have started.
     #[arg(long)]
     restart_postgres_at: Option<u64>,
-    /// Do not give the issuer a floor source (no automatic reseed after counter loss).
+    /// Fail the issuer over for real when this many units have started: SIGKILL of the etcd or
+    /// ZooKeeper leader (of three members), or of the Redis master once its replica has missed
+    /// --failover-lag units' INCRs (then the sentinels promote the replica). Needs the
+    /// throwaway deployment (no issuer URL).
+    #[arg(long)]
+    failover_at: Option<u64>,
+    /// Redis --failover-at: pause the replica and cut its link this many units before the
+    /// master is killed, so the promoted replica's counters are behind.
+    #[arg(long, default_value_t = 500)]
+    failover_lag: u64,
+    /// Do not give the issuer a floor source (no automatic reseed after counter loss). Redis
+    /// only.
     #[arg(long)]
     no_floor_source: bool,
-    /// Do not call `Issuer::recover_from` after a rejection.
+    /// Do not call `recover_from` after a rejection. Redis only.
     #[arg(long)]
     no_recover_from: bool,
     /// Batch mode: groups of rows, one resource (lock and token counter) each.
@@ -109,7 +147,11 @@ struct Args {
     /// PostgreSQL URL (default: a throwaway server).
     #[arg(long, env = "DATABASE_URL")]
     database_url: Option<String>,
-    /// Redis URL (default: a throwaway server).
+    /// Issuer URL: redis://, redis+sentinel://HOST:PORT,.../MASTER, etcd://HOST:PORT,... or
+    /// zk://HOST:PORT,... (default: throwaway servers for --issuer).
+    #[arg(long, env = "PGFENCE_ISSUER_URL")]
+    issuer_url: Option<String>,
+    /// Redis URL for --issuer redis (the same as --issuer-url; default: a throwaway server).
     #[arg(long, env = "REDIS_URL")]
     redis_url: Option<String>,
     /// Print only the JSON lines.
@@ -117,38 +159,143 @@ struct Args {
     json: bool,
 }
 
+/// The issuer to run against, and its URL (`None`: throwaway servers).
+struct IssuerChoice {
+    kind: IssuerKind,
+    url: Option<String>,
+}
+
+impl IssuerChoice {
+    /// Picks the issuer from `--issuer` and the URLs, and refuses what it cannot do.
+    /// `on_cli(id)`: whether the argument was given on the command line (not from the
+    /// environment).
+    fn resolve(args: &Args, on_cli: impl Fn(&str) -> bool) -> anyhow::Result<Self> {
+        let url_name = if on_cli("issuer_url") {
+            "--issuer-url"
+        } else {
+            "PGFENCE_ISSUER_URL"
+        };
+        let url_kind = match &args.issuer_url {
+            Some(url) => Some(issuer_of_url(url).with_context(|| {
+                format!(
+                    "{url_name} {url:?}: unknown scheme (expected redis://, rediss://, \
+                     redis+sentinel://, etcd:// or zk://)"
+                )
+            })?),
+            None => None,
+        };
+        let kind = match (args.issuer, url_kind) {
+            (Some(k), Some(u)) if k != u => {
+                bail!("--issuer {k}, but {url_name} is a {u} URL")
+            }
+            (Some(k), _) => k,
+            (None, Some(u)) => u,
+            (None, None) => IssuerKind::Redis,
+        };
+        if on_cli("redis_url") {
+            if kind != IssuerKind::Redis {
+                bail!("--redis-url is for --issuer redis; give the {kind} URL with --issuer-url");
+            }
+            if on_cli("issuer_url") {
+                bail!("give the Redis URL once: --issuer-url or --redis-url");
+            }
+        }
+        let url = match (&args.issuer_url, kind) {
+            (Some(url), _) => Some(url.clone()),
+            (None, IssuerKind::Redis) => args.redis_url.clone(),
+            (None, _) => None,
+        };
+        let choice = Self { kind, url };
+        choice.check(args)?;
+        Ok(choice)
+    }
+
+    /// Refuses the faults and settings this issuer (or deployment) cannot do.
+    fn check(&self, args: &Args) -> anyhow::Result<()> {
+        let kind = self.kind;
+        if kind != IssuerKind::Redis {
+            let tokens = if kind == IssuerKind::Etcd {
+                "revisions"
+            } else {
+                "zxids"
+            };
+            if !args.reset_counter_at.is_empty() {
+                bail!(
+                    "--reset-counter-at deletes Redis counter keys: the {kind} issuer has none \
+                     (its tokens are {tokens}, which never go backwards); use --failover-at"
+                );
+            }
+            if args.restart_redis_at.is_some() {
+                bail!(
+                    "--restart-redis-at restarts the throwaway Redis; with --issuer {kind} use --failover-at"
+                );
+            }
+            if args.no_floor_source || args.no_recover_from {
+                bail!(
+                    "--no-floor-source and --no-recover-from are Redis settings: {kind} {tokens} \
+                     never go backwards, there is nothing to reseed or recover"
+                );
+            }
+        }
+        if args.failover_at.is_some() {
+            if self.url.is_some() {
+                bail!(
+                    "--failover-at kills the issuer's leader, so it needs the throwaway \
+                     deployment: drop --issuer-url / --redis-url (and unset PGFENCE_ISSUER_URL \
+                     / REDIS_URL)"
+                );
+            }
+            if args.restart_redis_at.is_some() {
+                bail!(
+                    "--restart-redis-at with --failover-at: the failover runs Redis as master, \
+                     replica and sentinels, with no single server to restart; pick one"
+                );
+            }
+            if !args.reset_counter_at.is_empty() {
+                bail!(
+                    "--reset-counter-at with --failover-at: the issuer then connects through \
+                     the sentinels (redis+sentinel://), and counter resets need one redis:// \
+                     server; pick one"
+                );
+            }
+        }
+        if args.restart_redis_at.is_some() && self.url.is_some() {
+            bail!("--restart-redis-at needs the throwaway Redis (no --redis-url / --issuer-url)");
+        }
+        Ok(())
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let matches = Args::command().get_matches();
+    let args = Args::from_arg_matches(&matches)?;
+    let on_cli = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
+    let issuer = IssuerChoice::resolve(&args, on_cli)?;
     let reseeds = ReseedCounter::install_global()?;
 
     let mut pg = match &args.database_url {
         Some(_) => None,
         None => Some(Server::postgres().await.context("throwaway PostgreSQL")?),
     };
-    let mut redis = match &args.redis_url {
-        Some(_) => None,
-        None => Some(Server::redis().await.context("throwaway Redis")?),
-    };
     if args.restart_postgres_at.is_some() && pg.is_none() {
         bail!("--restart-postgres-at needs the throwaway PostgreSQL (no --database-url)");
     }
-    if args.restart_redis_at.is_some() && redis.is_none() {
-        bail!("--restart-redis-at needs the throwaway Redis (no --redis-url)");
-    }
+    // One deployment for every mode, unless each mode gets a fresh one to fail over.
+    let mut shared = match (&issuer.url, args.failover_at) {
+        (None, None) => Some(
+            Deployment::start(issuer.kind, false)
+                .await
+                .with_context(|| format!("throwaway {} server", issuer.kind))?,
+        ),
+        _ => None,
+    };
     let database_url = args
         .database_url
         .clone()
         .or_else(|| pg.as_ref().map(Server::url))
         .context("no database")?;
-    let target = Target {
-        database: PgConnectOptions::from_str(&database_url).context("database URL")?,
-        redis_url: args
-            .redis_url
-            .clone()
-            .or_else(|| redis.as_ref().map(Server::url))
-            .context("no Redis")?,
-    };
+    let database = PgConnectOptions::from_str(&database_url).context("database URL")?;
 
     let modes: Vec<Mode> = if args.all_modes {
         Mode::ALL.to_vec()
@@ -160,64 +307,98 @@ async fn main() -> anyhow::Result<()> {
 
     let mut ok = true;
     for mode in modes {
-        let cfg = Config {
-            mode,
-            workers: args.workers,
-            rows: args.rows,
-            units: args.attempts,
-            ttl: Duration::from_millis(args.ttl_ms),
-            pause_probability: args.pause_prob,
-            pause_min: Duration::from_millis(args.pause_min_ms),
-            pause_max: Duration::from_millis(args.pause_max_ms),
-            retries: args.retries,
-            reset_counters_at: args.reset_counter_at.clone(),
-            kill_every: args.kill_every_ms.map(Duration::from_millis),
-            recovery: Recovery {
-                floor_source: !args.no_floor_source,
-                recover_from: !args.no_recover_from,
-            },
-            max_duration: Duration::from_secs(args.max_seconds),
-            seed: args.seed,
-            batch_groups: args.batch_groups,
-            batch_min_rows: args.batch_min_rows,
-            batch_max_rows: args.batch_max_rows,
-            ..Config::default()
+        let fresh = match args.failover_at {
+            Some(_) => Some(
+                Deployment::start(issuer.kind, true)
+                    .await
+                    .with_context(|| {
+                        format!("throwaway {} deployment to fail over", issuer.kind)
+                    })?,
+            ),
+            None => None,
         };
-        let harness = Harness::new(cfg, &target)
-            .await?
-            .with_reseed_counter(reseeds.clone());
+        let issuer_url = issuer
+            .url
+            .clone()
+            .or_else(|| fresh.as_ref().or(shared.as_ref()).map(Deployment::url))
+            .context("no issuer")?;
+        let target = Target {
+            database: database.clone(),
+            issuer_url,
+        };
+        let cfg = config(&args, issuer.kind, mode);
+        let mut harness = Harness::new(cfg, &target).await?;
+        if harness.issuer_kind().can_reseed() {
+            harness = harness.with_reseed_counter(reseeds.clone())?;
+        }
         let ctl = harness.control();
-        // One task per server: a restart that is slow to be seen going down (the testkit
-        // waits up to 30 s for that) must not hold back the other server's restart.
-        let pg_restart = tokio::spawn(restart_at(
+        // One task per fault: a restart that is slow to be seen going down (the testkit waits
+        // up to 30 s for that) must not hold back the other faults.
+        let pg_restart = tokio::spawn(restart_postgres_at(
             ctl.clone(),
             pg.take(),
             args.restart_postgres_at,
-            "postgres_restart",
         ));
-        let redis_restart = tokio::spawn(restart_at(
+        let redis_restart = tokio::spawn(restart_redis_at(
             ctl.clone(),
-            redis.take(),
+            shared.take(),
             args.restart_redis_at,
-            "redis_restart",
+        ));
+        let failover = tokio::spawn(failover_at(
+            ctl.clone(),
+            fresh,
+            args.failover_at,
+            args.failover_lag,
         ));
         let report = harness.run().await?;
         pg = pg_restart.await.context("restart task")?;
-        redis = redis_restart.await.context("restart task")?;
+        shared = redis_restart.await.context("restart task")?;
+        let (fresh, event) = failover.await.context("failover task")?;
+        drop(fresh);
         print(&report.summary, args.json);
-        let proves = match mode {
+        let mut proves = match mode {
             Mode::Unfenced => !report.summary.is_safe(),
             // The row fence alone guarantees token order, not read-modify-write atomicity.
             Mode::RowFence => report.summary.violations == 0,
             _ => report.summary.is_safe(),
         };
+        if let Some(at) = args.failover_at {
+            match event {
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    eprintln!("no failover: the run ended before unit {at}");
+                    proves = false;
+                }
+                Err(e) => {
+                    eprintln!("the failover failed: {e:#}");
+                    proves = false;
+                }
+            }
+            if let Some(f) = &report.summary.failover {
+                // etcd revisions and ZooKeeper zxids never go backwards, failover or not.
+                if issuer.kind != IssuerKind::Redis
+                    && (f.tokens_increased == Some(false) || f.resources_backwards > 0)
+                {
+                    eprintln!("{} tokens went backwards across the failover", issuer.kind);
+                    proves = false;
+                }
+                // Liveness: every row must write again after it.
+                if f.rows_recovered < f.rows {
+                    eprintln!(
+                        "only {}/{} rows wrote again after the failover",
+                        f.rows_recovered, f.rows
+                    );
+                    proves = false;
+                }
+            }
+        }
         ok &= proves;
     }
     if let Some(s) = pg {
         s.stop();
     }
-    if let Some(s) = redis {
-        s.stop();
+    if let Some(d) = shared {
+        d.stop();
     }
     if !ok {
         std::process::exit(1);
@@ -225,23 +406,84 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The run's configuration: the issuer's timing ([`Config::for_issuer`]) unless given.
+fn config(args: &Args, issuer: IssuerKind, mode: Mode) -> Config {
+    let timing = Config::for_issuer(issuer);
+    let ms = |v: Option<u64>, default: Duration| v.map_or(default, Duration::from_millis);
+    Config {
+        mode,
+        workers: args.workers,
+        rows: args.rows,
+        units: args.attempts,
+        ttl: ms(args.ttl_ms, timing.ttl),
+        pause_probability: args.pause_prob,
+        pause_min: ms(args.pause_min_ms, timing.pause_min),
+        pause_max: ms(args.pause_max_ms, timing.pause_max),
+        retries: args.retries,
+        reset_counters_at: args.reset_counter_at.clone(),
+        kill_every: args.kill_every_ms.map(Duration::from_millis),
+        recovery: Recovery {
+            floor_source: !args.no_floor_source,
+            recover_from: !args.no_recover_from,
+        },
+        max_duration: Duration::from_secs(args.max_seconds),
+        seed: args.seed,
+        batch_groups: args.batch_groups,
+        batch_min_rows: args.batch_min_rows,
+        batch_max_rows: args.batch_max_rows,
+        ..timing
+    }
+}
+
 /// Restarts `server` (if any) once `unit` units have started, recording the fault as
-/// `name`; hands the server back when done (or when the run ended first).
-async fn restart_at(
+/// `postgres_restart`; hands the server back when done (or when the run ended first).
+async fn restart_postgres_at(
     ctl: Control,
     mut server: Option<Server>,
     unit: Option<u64>,
-    name: &'static str,
 ) -> Option<Server> {
     if let (Some(unit), Some(s)) = (unit, server.as_mut())
         && ctl.wait_for_units(unit).await
     {
-        ctl.mark_fault(name);
+        ctl.mark_fault("postgres_restart");
         if let Err(e) = s.restart().await {
             eprintln!("restart failed: {e}");
         }
     }
     server
+}
+
+/// Restarts the deployment's single Redis server (if it is one) once `unit` units have
+/// started, recording the fault as `redis_restart`; hands the deployment back.
+async fn restart_redis_at(
+    ctl: Control,
+    mut deployment: Option<Deployment>,
+    unit: Option<u64>,
+) -> Option<Deployment> {
+    if let (Some(unit), Some(s)) = (unit, deployment.as_mut().and_then(Deployment::redis_server))
+        && ctl.wait_for_units(unit).await
+    {
+        ctl.mark_fault("redis_restart");
+        if let Err(e) = s.restart().await {
+            eprintln!("restart failed: {e}");
+        }
+    }
+    deployment
+}
+
+/// Fails `deployment` over at `unit` (see [`Deployment::failover_at`]); hands it back with
+/// what happened.
+async fn failover_at(
+    ctl: Control,
+    mut deployment: Option<Deployment>,
+    unit: Option<u64>,
+    lag: u64,
+) -> (Option<Deployment>, anyhow::Result<Option<FailoverEvent>>) {
+    let event = match (unit, deployment.as_mut()) {
+        (Some(unit), Some(d)) => d.failover_at(&ctl, unit, lag).await.map_err(Into::into),
+        _ => Ok(None),
+    };
+    (deployment, event)
 }
 
 fn print(summary: &Summary, json_only: bool) {

@@ -6,7 +6,8 @@ use serde::Serialize;
 
 use crate::{Attempt, FaultMark, LeaseRecord, Mode};
 
-/// How the run recovered from one fault. Only leases granted after the fault count.
+/// How the run recovered from one fault. Only leases granted after the fault count (for an
+/// issuer failover: leases asked for after it, which the old leader cannot have issued).
 #[derive(Clone, Debug, Serialize)]
 pub struct FaultRecovery {
     /// The fault.
@@ -32,6 +33,63 @@ pub struct FaultRecovery {
     /// From the fault to the first accepted write on any row.
     pub first_write_ms: Option<u64>,
     /// From the fault until every row had accepted a write again.
+    pub recovery_ms: Option<u64>,
+}
+
+/// An issuer failover (the fault named `failover`): who died, who took over, and the tokens
+/// and writes on either side of it.
+///
+/// The failover's mark is taken once the old leader's process is gone (`SIGKILL` delivered,
+/// its port closed). "Before" is the leases granted until then; "after" is the leases whose
+/// acquisition *started* after it, so none of them can have been issued by the old leader,
+/// and for Redis also those granted after it (only the promoted replica can have issued them). etcd revisions and ZooKeeper zxids never go backwards, so there
+/// `min_token_after > max_token_before` and `resources_backwards` is 0. A Redis replica
+/// promoted with a counter that is behind re-issues tokens Postgres has already seen: those
+/// writes must be rejected (stale, or a duplicate token), never accepted.
+#[derive(Clone, Debug, Serialize)]
+pub struct FailoverFigures {
+    /// The issuer.
+    pub issuer: String,
+    /// When the old leader was gone (ms since the run started): the fault's mark.
+    pub at_ms: u64,
+    /// Units started by then.
+    pub at_unit: u64,
+    /// The leader (or Redis master) killed.
+    pub old_leader: String,
+    /// The one that took over.
+    pub new_leader: Option<String>,
+    /// From the `SIGKILL` until the survivors named the new leader (or promoted the replica).
+    pub new_leader_after_ms: Option<u64>,
+    /// Redis: the unit at which the replica was paused and cut off.
+    pub replica_paused_at_unit: Option<u64>,
+    /// Leases granted before the failover.
+    pub leases_before: u64,
+    /// The highest token of a committed write by a lease granted before the failover.
+    pub max_token_before: Option<i64>,
+    /// Leases asked for after the failover (Redis: or granted after it).
+    pub leases_after: u64,
+    /// The lowest token issued to those leases.
+    pub min_token_after: Option<i64>,
+    /// Whether `min_token_after > max_token_before` (`None` without leases on both sides).
+    pub tokens_increased: Option<bool>,
+    /// Resources (rows; groups in batch mode) whose lowest token issued after the failover was
+    /// at most their highest token accepted before it: the counter went backwards there.
+    pub resources_backwards: u64,
+    /// Statements committed by the leases after the failover.
+    pub accepted_after: u64,
+    /// Those leases with at least one committed statement.
+    pub units_accepted_after: u64,
+    /// Rejections those leases met (rows in batch mode), duplicate tokens included.
+    pub rejected_after: u64,
+    /// ... of which duplicate tokens.
+    pub duplicates_after: u64,
+    /// Rows that accepted a write again after the failover (as in [`FaultRecovery`]).
+    pub rows_recovered: usize,
+    /// Rows in the run.
+    pub rows: usize,
+    /// From the mark to the first accepted write on any row.
+    pub first_write_ms: Option<u64>,
+    /// From the mark until every row had accepted a write again.
     pub recovery_ms: Option<u64>,
 }
 
@@ -90,6 +148,8 @@ pub struct Summary {
     pub run: String,
     /// Protection used.
     pub mode: Mode,
+    /// The token issuer (`redis`, `etcd`, `zk`).
+    pub issuer: String,
     /// Workers.
     pub workers: usize,
     /// Rows.
@@ -145,15 +205,16 @@ pub struct Summary {
     /// ERROR event).
     pub audit_failures: u64,
     /// Automatic reseeds from the floor source (`null` without a
-    /// [`ReseedCounter`](crate::ReseedCounter)).
+    /// [`ReseedCounter`](crate::ReseedCounter), which only Redis runs take).
     pub reseed_events: Option<u64>,
-    /// Counter raises by [`pgfence::Issuer::recover_from`].
+    /// Counter raises by [`pgfence::TokenIssuer::recover_from`] (Redis only: a no-op
+    /// elsewhere).
     pub counter_raises: u64,
     /// Injected stalls.
     pub pauses: u64,
     /// Backends terminated.
     pub backend_kills: u64,
-    /// Acquisitions that failed (Redis errors).
+    /// Acquisitions that failed (issuer errors).
     pub acquire_errors: u64,
     /// Acquisitions that gave up waiting for the lock.
     pub acquire_timeouts: u64,
@@ -171,6 +232,8 @@ pub struct Summary {
     pub error_kinds: Vec<ErrorKind>,
     /// Batch mode: the rows' figures; `None` in the other modes.
     pub batch: Option<BatchFigures>,
+    /// The issuer failover, if the run had one.
+    pub failover: Option<FailoverFigures>,
 }
 
 impl Summary {
@@ -192,9 +255,10 @@ impl fmt::Display for Summary {
         let opt = |v: Option<u64>| v.map_or_else(|| "n/a".to_owned(), |v| v.to_string());
         writeln!(
             f,
-            "run {} ({} mode): {} workers on {} rows, {} units in {} ms{}",
+            "run {} ({} mode, {} issuer): {} workers on {} rows, {} units in {} ms{}",
             self.run,
             self.mode,
+            self.issuer,
             self.workers,
             self.rows,
             self.units,
@@ -291,6 +355,9 @@ impl fmt::Display for Summary {
                 r.acquire_errors_before_recovery
             )?;
         }
+        if let Some(fo) = &self.failover {
+            fmt_failover(f, fo)?;
+        }
         for k in &self.error_kinds {
             writeln!(
                 f,
@@ -306,6 +373,52 @@ impl fmt::Display for Summary {
         }
         Ok(())
     }
+}
+
+/// The failover lines of the summary.
+fn fmt_failover(f: &mut fmt::Formatter<'_>, fo: &FailoverFigures) -> fmt::Result {
+    let opt = |v: Option<i64>| v.map_or_else(|| "n/a".to_owned(), |v| v.to_string());
+    let ms = |v: Option<u64>| v.map_or_else(|| "never".to_owned(), |v| format!("{v} ms"));
+    let paused = fo
+        .replica_paused_at_unit
+        .map_or_else(String::new, |u| format!(" (replica paused at unit {u})"));
+    writeln!(
+        f,
+        "  failover:   {} leader {} killed at unit {} ({} ms){}; {} took over after {}",
+        fo.issuer,
+        fo.old_leader,
+        fo.at_unit,
+        fo.at_ms,
+        paused,
+        fo.new_leader.as_deref().unwrap_or("nobody"),
+        ms(fo.new_leader_after_ms),
+    )?;
+    writeln!(
+        f,
+        "  tokens:     max accepted before {} ({} leases), min issued after {} ({} leases): {}; {} resources went backwards",
+        opt(fo.max_token_before),
+        fo.leases_before,
+        opt(fo.min_token_after),
+        fo.leases_after,
+        match fo.tokens_increased {
+            Some(true) => "increased",
+            Some(false) => "WENT BACKWARDS",
+            None => "n/a",
+        },
+        fo.resources_backwards,
+    )?;
+    writeln!(
+        f,
+        "  after it:   {} statements accepted by {} units, {} rejected ({} duplicate tokens); {}/{} rows writing again after {} (first write after {})",
+        fo.accepted_after,
+        fo.units_accepted_after,
+        fo.rejected_after,
+        fo.duplicates_after,
+        fo.rows_recovered,
+        fo.rows,
+        ms(fo.recovery_ms),
+        ms(fo.first_write_ms),
+    )
 }
 
 /// Everything a run produced: the summary and the full client-side history.

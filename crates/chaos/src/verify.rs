@@ -9,13 +9,15 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use sqlx::{PgPool, Row};
 
-use crate::report::{BatchFigures, ErrorKind, FaultRecovery, Report, Summary};
+use pgfence::IssuerKind;
+
+use crate::report::{BatchFigures, ErrorKind, FailoverFigures, FaultRecovery, Report, Summary};
 use crate::schema::{CounterTable, Kind};
 use crate::util::count;
 use crate::worker::{Stats, WorkerOut};
 use crate::{
-    Attempt, AuditTally, ChaosError, Config, FaultMark, LeaseRecord, Mode, Outcome, RowResult,
-    Stage,
+    Attempt, AuditTally, ChaosError, Config, FailoverEvent, FaultMark, LeaseRecord, Mode, Outcome,
+    RowResult, Stage,
 };
 
 /// What the run produced on the client side, handed to [`verify`].
@@ -24,6 +26,8 @@ pub(crate) struct RunOutput {
     pub(crate) workers: Vec<WorkerOut>,
     /// Faults, in order.
     pub(crate) faults: Vec<FaultMark>,
+    /// The issuer failover's details, if one was recorded.
+    pub(crate) failover: Option<FailoverEvent>,
     /// Backends terminated.
     pub(crate) kills: u64,
     /// Wall-clock duration.
@@ -38,6 +42,8 @@ pub(crate) struct RunOutput {
 pub(crate) struct RunId<'a> {
     /// Its configuration.
     pub(crate) cfg: &'a Config,
+    /// Its issuer.
+    pub(crate) issuer: IssuerKind,
     /// Its id (the `run` column).
     pub(crate) run: &'a str,
     /// The prefix of its resources.
@@ -102,7 +108,7 @@ pub(crate) async fn verify(
             .entry((format!("acquire: {kind}"), *retryable))
             .or_default() += n;
     }
-    let fault_recovery = output
+    let fault_recovery: Vec<FaultRecovery> = output
         .faults
         .iter()
         .map(|f| match cfg.mode {
@@ -110,6 +116,20 @@ pub(crate) async fn verify(
             _ => recovery(f, cfg.rows, &attempts, &leases, &tries_committed, &stats),
         })
         .collect();
+    let failover = output
+        .faults
+        .iter()
+        .zip(&fault_recovery)
+        .find(|(f, _)| f.name == FAILOVER)
+        .map(|(f, r)| {
+            let around = Around {
+                fault: f,
+                event: output.failover.as_ref(),
+                issuer: id.issuer,
+                recovery: r,
+            };
+            failover_figures(&around, &leases, &attempts, &committed)
+        });
     // In batch mode a rejection is a row: each rejected row is audited and logged on its own.
     let batch = (cfg.mode == Mode::Batch).then(|| batch_figures(&attempts, &committed));
     let rejected = match &batch {
@@ -120,6 +140,7 @@ pub(crate) async fn verify(
     let summary = Summary {
         run: id.run.to_owned(),
         mode: cfg.mode,
+        issuer: id.issuer.name().to_owned(),
         workers: cfg.workers,
         rows: cfg.rows,
         units: count(leases.len()),
@@ -162,6 +183,7 @@ pub(crate) async fn verify(
             })
             .collect(),
         batch,
+        failover,
     };
     Ok(Report {
         summary,
@@ -462,7 +484,12 @@ fn recovery_batch(
         at_ms,
         ..fault.clone()
     };
-    let lease_at: HashMap<u64, u64> = leases.iter().map(|l| (l.unit, l.at_ms)).collect();
+    // Leases that count as after the fault, with when they were granted.
+    let lease_at: HashMap<u64, u64> = leases
+        .iter()
+        .filter(|l| after_fault(fault, l))
+        .map(|l| (l.unit, l.at_ms))
+        .collect();
     let finished: HashMap<(u64, u32), u64> = attempts
         .iter()
         .map(|a| ((a.unit, a.try_no), a.finished_ms))
@@ -472,7 +499,7 @@ fn recovery_batch(
     let mut recovered_at: BTreeMap<i32, (u64, u64)> = BTreeMap::new();
     for (&row, writes) in committed {
         for w in writes.iter().filter(|w| w.kind != Kind::Claim.as_str()) {
-            let Some(&at) = lease_at.get(&w.unit).filter(|&&at| at >= fault.at_ms) else {
+            let Some(&at) = lease_at.get(&w.unit) else {
                 continue;
             };
             if let Some(&t) = finished.get(&(w.unit, w.try_no)) {
@@ -487,7 +514,7 @@ fn recovery_batch(
     let mut per_row: BTreeMap<i32, (u64, u64)> = BTreeMap::new();
     for a in attempts {
         let Some(b) = &a.batch else { continue };
-        let Some(&at) = lease_at.get(&a.unit).filter(|&&at| at >= fault.at_ms) else {
+        let Some(&at) = lease_at.get(&a.unit) else {
             continue;
         };
         for (i, row) in b.rows.iter().enumerate() {
@@ -524,6 +551,17 @@ fn recovery_batch(
         acquire_errors_before_recovery: acquire_errors,
         first_write_ms: first.map(|t| t.saturating_sub(fault.at_ms)),
         recovery_ms: last.map(|t| t.saturating_sub(fault.at_ms)),
+    }
+}
+
+/// Whether `lease` counts as after `fault` for its recovery: granted at or after its mark, or
+/// for an issuer failover asked for after it (a lease asked for before the kill may have been
+/// issued by the old leader, its answer arriving after the mark).
+fn after_fault(fault: &FaultMark, lease: &LeaseRecord) -> bool {
+    if fault.name == FAILOVER {
+        lease.asked_at_ms > fault.at_ms
+    } else {
+        lease.at_ms >= fault.at_ms
     }
 }
 
@@ -588,7 +626,7 @@ fn recovery(
             *rejections.entry(a.unit).or_default() += 1;
         }
     }
-    let mut after: Vec<&LeaseRecord> = leases.iter().filter(|l| l.at_ms >= fault.at_ms).collect();
+    let mut after: Vec<&LeaseRecord> = leases.iter().filter(|l| after_fault(fault, l)).collect();
     after.sort_by_key(|l| (l.at_ms, l.unit));
     // Per row: leases, rejections, and when it first committed.
     let mut per_row: BTreeMap<i32, (u64, u64, Option<u64>)> = BTreeMap::new();
@@ -622,5 +660,122 @@ fn recovery(
         acquire_errors_before_recovery: acquire_errors_before,
         first_write_ms: first.map(|t| t.saturating_sub(fault.at_ms)),
         recovery_ms: last.map(|t| t.saturating_sub(fault.at_ms)),
+    }
+}
+
+/// The name of the fault mark of an issuer failover.
+pub(crate) const FAILOVER: &str = "failover";
+
+/// An issuer failover: its mark, what its causer recorded, and the recovery measured from it.
+struct Around<'a> {
+    fault: &'a FaultMark,
+    event: Option<&'a FailoverEvent>,
+    issuer: IssuerKind,
+    recovery: &'a FaultRecovery,
+}
+
+/// The tokens and writes on either side of a failover: leases granted before its mark (taken
+/// once the old leader was dead) against leases asked for after it (so none of those can come
+/// from the old leader) and, for Redis, granted after it.
+fn failover_figures(
+    around: &Around<'_>,
+    leases: &[LeaseRecord],
+    attempts: &[Attempt],
+    committed: &BTreeMap<i32, Vec<Committed>>,
+) -> FailoverFigures {
+    let at = around.fault.at_ms;
+    let by_unit: HashMap<u64, &LeaseRecord> = leases.iter().map(|l| (l.unit, l)).collect();
+    let before: HashSet<u64> = leases
+        .iter()
+        .filter(|l| l.at_ms <= at)
+        .map(|l| l.unit)
+        .collect();
+    // The mark is taken once the old leader is dead. Redis: a lease granted after it came from
+    // the new master (the workers that waited through the outage get its first tokens). etcd,
+    // ZooKeeper: an acquire sent before the mark may have been committed by the old leader, its
+    // answer lost and the acquire re-sent to a survivor (same owner: the same, older token), so
+    // only leases asked for after the mark count.
+    let redis = around.issuer == IssuerKind::Redis;
+    let after: HashSet<u64> = leases
+        .iter()
+        .filter(|l| l.asked_at_ms > at || (redis && l.at_ms > at))
+        .map(|l| l.unit)
+        .collect();
+    // Per resource (the lease's row, or group in batch mode): the highest token accepted
+    // before, the lowest issued after.
+    let mut max_before: HashMap<i32, i64> = HashMap::new();
+    let mut accepted_after = 0u64;
+    let mut units_after: HashSet<u64> = HashSet::new();
+    for w in committed.values().flatten() {
+        let Some(lease) = by_unit.get(&w.unit) else {
+            continue;
+        };
+        if before.contains(&w.unit) {
+            let top = max_before.entry(lease.row).or_insert(w.token);
+            *top = (*top).max(w.token);
+        }
+        if after.contains(&w.unit) {
+            accepted_after += 1;
+            units_after.insert(w.unit);
+        }
+    }
+    let mut min_after: HashMap<i32, i64> = HashMap::new();
+    for l in leases.iter().filter(|l| after.contains(&l.unit)) {
+        let low = min_after.entry(l.row).or_insert(l.token);
+        *low = (*low).min(l.token);
+    }
+    let (mut rejected_after, mut duplicates_after) = (0u64, 0u64);
+    for a in attempts.iter().filter(|a| after.contains(&a.unit)) {
+        match (&a.batch, &a.outcome) {
+            (Some(b), _) => {
+                rejected_after += count(b.rejected());
+                duplicates_after += count(
+                    b.claim
+                        .iter()
+                        .chain(&b.write)
+                        .filter(|r| **r == RowResult::Duplicate)
+                        .count(),
+                );
+            }
+            (None, Outcome::Rejected { duplicate, .. }) => {
+                rejected_after += 1;
+                duplicates_after += u64::from(*duplicate);
+            }
+            (None, _) => {}
+        }
+    }
+    let max_token_before = max_before.values().copied().max();
+    let min_token_after = min_after.values().copied().min();
+    let resources_backwards = count(
+        min_after
+            .iter()
+            .filter(|(row, low)| max_before.get(row).is_some_and(|top| **low <= *top))
+            .count(),
+    );
+    let event = around.event;
+    FailoverFigures {
+        issuer: around.issuer.name().to_owned(),
+        at_ms: at,
+        at_unit: around.fault.at_unit,
+        old_leader: event.map_or_else(|| "?".to_owned(), |e| e.old_leader.clone()),
+        new_leader: event.and_then(|e| e.new_leader.clone()),
+        new_leader_after_ms: event.and_then(|e| e.new_leader_after_ms),
+        replica_paused_at_unit: event.and_then(|e| e.replica_paused_at_unit),
+        leases_before: count(before.len()),
+        max_token_before,
+        leases_after: count(after.len()),
+        min_token_after,
+        tokens_increased: max_token_before
+            .zip(min_token_after)
+            .map(|(before, after)| after > before),
+        resources_backwards,
+        accepted_after,
+        units_accepted_after: count(units_after.len()),
+        rejected_after,
+        duplicates_after,
+        rows_recovered: around.recovery.rows_recovered,
+        rows: around.recovery.rows,
+        first_write_ms: around.recovery.first_write_ms,
+        recovery_ms: around.recovery.recovery_ms,
     }
 }

@@ -334,6 +334,7 @@ pub(crate) async fn worker(id: usize, ctx: Arc<Ctx>, started: Instant) -> Worker
         let Some(resource) = usize::try_from(row).ok().and_then(|i| ctx.resources.get(i)) else {
             break; // cannot happen: there is one resource per row (per group in batch mode)
         };
+        let asked_at_ms = w.now();
         let Some(lease) = w.acquire(resource).await else {
             continue;
         };
@@ -342,7 +343,7 @@ pub(crate) async fn worker(id: usize, ctx: Arc<Ctx>, started: Instant) -> Worker
             let _ = ctx.issuer.release(&lease).await;
             break;
         }
-        w.unit(&lease, row, unit).await;
+        w.unit(&lease, row, unit, asked_at_ms).await;
     }
     w.out
 }
@@ -362,7 +363,8 @@ impl Worker {
         millis(self.started.elapsed())
     }
 
-    /// Waits for `resource`'s lock. `None` (counted) when the wait ran out or Redis failed.
+    /// Waits for `resource`'s lock. `None` (counted) when the wait ran out or the issuer
+    /// failed.
     async fn acquire(&mut self, resource: &Resource) -> Option<Lease> {
         let cfg = &self.ctx.cfg;
         match self
@@ -393,7 +395,7 @@ impl Worker {
 
     /// One work unit with `lease`: maybe a counter reset, maybe a stall, the tries, the
     /// release.
-    async fn unit(&mut self, lease: &Lease, row: i32, unit: u64) {
+    async fn unit(&mut self, lease: &Lease, row: i32, unit: u64, asked_at_ms: u64) {
         let ctx = self.ctx.clone();
         let cfg = &ctx.cfg;
         let lease_at_ms = self.now();
@@ -402,6 +404,7 @@ impl Worker {
             worker: self.id,
             row,
             token: lease.token().get(),
+            asked_at_ms,
             at_ms: lease_at_ms,
         });
         if cfg.reset_counters_at.contains(&unit) {
@@ -1007,6 +1010,12 @@ pub(crate) fn classify(e: &Error) -> String {
             format!("database {}", text.chars().take(80).collect::<String>())
         }
         Error::Redis(r) => format!("redis {:?}", r.kind()),
+        // etcd's gRPC statuses carry a free-text message (addresses, ids): group by the status.
+        Error::Etcd(_) | Error::ZooKeeper(_) => {
+            let text = e.to_string();
+            let head = text.split(", message").next().unwrap_or_default();
+            head.chars().take(80).collect()
+        }
         other => {
             let text = other.to_string();
             text.chars().take(80).collect()

@@ -1,6 +1,8 @@
 //! Proof under faults: the race harness (`pgfence_chaos`) at CI size against real servers, with
-//! stalls past the TTL, Redis counter loss, killed backends and restarts; plus deterministic
-//! cases for why the transaction-scope check is needed and for error classification.
+//! stalls past the TTL, Redis counter loss, killed backends, restarts and real issuer failovers
+//! (Redis Sentinel, etcd, ZooKeeper: each skips when its servers are not installed); plus
+//! deterministic cases for why the transaction-scope check is needed and for error
+//! classification.
 //!
 //! Rejections are counted by each harness's own audit sink; reseeds by one global `tracing`
 //! layer keyed by resource, so runs that happen concurrently in this binary do not mix.
@@ -12,9 +14,12 @@ use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::time::Duration;
 
-use pgfence::{Error, Fence, Issuer, Repository, Resource, TableName};
-use pgfence_chaos::{Config, Harness, Mode, Outcome, Recovery, Report, ReseedCounter, Target};
-use pgfence_testkit::Server;
+use pgfence::{Error, Fence, Issuer, IssuerKind, Repository, Resource, TableName};
+use pgfence_chaos::{
+    ChaosError, Config, Deployment, FailoverEvent, FailoverFigures, Harness, Mode, Outcome,
+    Recovery, Report, ReseedCounter, Target,
+};
+use pgfence_testkit::{Server, etcd_installed, sentinel_installed, zk_installed};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use support::{TestDb, redis_url, unique_resource};
 
@@ -33,7 +38,8 @@ async fn run_with_restart(
     let harness = Harness::new(cfg, target)
         .await
         .unwrap()
-        .with_reseed_counter(ReseedCounter::install_global().expect("reseed counter"));
+        .with_reseed_counter(ReseedCounter::install_global().expect("reseed counter"))
+        .expect("a Redis run counts reseeds");
     let ctl = harness.control();
     let restart = tokio::spawn(async move {
         if ctl.wait_for_units(500).await {
@@ -88,7 +94,8 @@ async fn run(cfg: Config, target: &Target) -> Report {
     let harness = Harness::new(cfg, target)
         .await
         .expect("harness setup")
-        .with_reseed_counter(ReseedCounter::install_global().expect("reseed counter"));
+        .with_reseed_counter(ReseedCounter::install_global().expect("reseed counter"))
+        .expect("a Redis run counts reseeds");
     let report = harness.run().await.expect("run");
     eprintln!("{}{}", report.summary, report.summary.json());
     report
@@ -114,7 +121,7 @@ async fn fenced_run_holds_under_faults_and_the_unfenced_control_breaks() {
     let db = TestDb::new().await;
     let target = Target {
         database: db.options.clone(),
-        redis_url: redis_url().await,
+        issuer_url: redis_url().await,
     };
     let cfg = Config {
         workers: 8,
@@ -197,7 +204,7 @@ async fn redis_restart_mid_run_is_safe_and_recovers_by_itself() {
     let redis = Server::redis().await.expect("throwaway Redis");
     let target = Target {
         database: db.options.clone(),
-        redis_url: redis.url(),
+        issuer_url: redis.url(),
     };
     let cfg = Config {
         units: 1_200,
@@ -235,7 +242,7 @@ async fn postgres_restart_mid_run_is_safe_and_errors_are_retryable() {
     let pg = Server::postgres().await.expect("throwaway PostgreSQL");
     let target = Target {
         database: PgConnectOptions::from_str(&pg.url()).unwrap(),
-        redis_url: redis_url().await,
+        issuer_url: redis_url().await,
     };
     let cfg = Config {
         units: 1_200,
@@ -324,7 +331,7 @@ async fn row_claim_sessions_hold_under_faults() {
     let db = TestDb::new().await;
     let target = Target {
         database: db.options.clone(),
-        redis_url: redis_url().await,
+        issuer_url: redis_url().await,
     };
     let report = run(session_cfg(Mode::RowClaim), &target).await;
     assert_session_run_safe(&report);
@@ -356,7 +363,7 @@ async fn fenced_multi_sessions_hold_under_faults() {
     let db = TestDb::new().await;
     let target = Target {
         database: db.options.clone(),
-        redis_url: redis_url().await,
+        issuer_url: redis_url().await,
     };
     let report = run(session_cfg(Mode::FencedMulti), &target).await;
     assert_session_run_safe(&report);
@@ -439,7 +446,7 @@ async fn batch_units_hold_under_faults() {
     let db = TestDb::new().await;
     let target = Target {
         database: db.options.clone(),
-        redis_url: redis_url().await,
+        issuer_url: redis_url().await,
     };
     let report = run(batch_cfg(), &target).await;
     assert_session_run_safe(&report);
@@ -478,7 +485,7 @@ async fn batch_survives_redis_and_postgres_restarts() {
     let redis = Server::redis().await.expect("throwaway Redis");
     let target = Target {
         database: db.options.clone(),
-        redis_url: redis.url(),
+        issuer_url: redis.url(),
     };
     let (report, redis) = run_with_restart(cfg.clone(), &target, redis, "redis_restart").await;
     redis.stop();
@@ -495,7 +502,7 @@ async fn batch_survives_redis_and_postgres_restarts() {
     let pg = Server::postgres().await.expect("throwaway PostgreSQL");
     let target = Target {
         database: PgConnectOptions::from_str(&pg.url()).unwrap(),
-        redis_url: redis_url().await,
+        issuer_url: redis_url().await,
     };
     let (report, _pg) =
         run_with_restart(Config { seed: 31, ..cfg }, &target, pg, "postgres_restart").await;
@@ -523,7 +530,7 @@ async fn session_modes_survive_a_redis_restart() {
         let redis = Server::redis().await.expect("throwaway Redis");
         let target = Target {
             database: db.options.clone(),
-            redis_url: redis.url(),
+            issuer_url: redis.url(),
         };
         let cfg = Config {
             mode,
@@ -552,7 +559,7 @@ async fn session_modes_survive_a_postgres_restart() {
     for (mode, seed) in [(Mode::RowClaim, 19), (Mode::FencedMulti, 23)] {
         let target = Target {
             database: PgConnectOptions::from_str(&pg.url()).unwrap(),
-            redis_url: redis_url().await,
+            issuer_url: redis_url().await,
         };
         let cfg = Config {
             mode,
@@ -576,6 +583,249 @@ async fn session_modes_survive_a_postgres_restart() {
             .expect("restart happened");
         assert_eq!(f.rows_recovered, f.rows, "writes resume on every row: {s}");
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real issuer failovers: the leader (etcd, ZooKeeper) or the master (Redis Sentinel) is killed
+// mid-run and the run goes on against the survivors.
+
+/// Runs the harness against `deployment` (started for a failover) and fails it over once `at`
+/// units have started (`lag`: Redis, units the replica misses before). Returns the report,
+/// what the failover did, and the deployment, which must outlive the run.
+async fn run_with_failover(
+    cfg: Config,
+    db: &TestDb,
+    mut deployment: Deployment,
+    at: u64,
+    lag: u64,
+) -> (Report, FailoverEvent, Deployment) {
+    let target = Target {
+        database: db.options.clone(),
+        issuer_url: deployment.url(),
+    };
+    let mut harness = Harness::new(cfg, &target).await.expect("harness setup");
+    if harness.issuer_kind().can_reseed() {
+        harness = harness
+            .with_reseed_counter(ReseedCounter::install_global().expect("reseed counter"))
+            .expect("a Redis run counts reseeds");
+    }
+    let ctl = harness.control();
+    let failover = tokio::spawn(async move {
+        let event = deployment.failover_at(&ctl, at, lag).await;
+        (event, deployment)
+    });
+    let report = harness.run().await.expect("run");
+    let (event, deployment) = failover.await.expect("failover task");
+    eprintln!("{}{}", report.summary, report.summary.json());
+    let event = event
+        .expect("the failover goes through")
+        .expect("the failover happened before the run ended");
+    (report, event, deployment)
+}
+
+/// What every failover run must show: safe, every rejection reported, the leader changed,
+/// writes accepted after it on every row, every failure retryable.
+fn assert_failover_safe<'a>(report: &'a Report, event: &FailoverEvent) -> &'a FailoverFigures {
+    let s = &report.summary;
+    assert!(!s.timed_out, "time limit hit: {s}");
+    assert_eq!(s.violations, 0, "{s}");
+    assert_eq!(s.lost_updates, 0, "{s}");
+    assert_eq!(s.stale_reads, 0, "{s}");
+    assert_eq!(s.audit_rows, s.rejected, "one audit row per rejection: {s}");
+    assert_eq!(
+        s.log_events, s.rejected,
+        "one audit event per rejection: {s}"
+    );
+    assert_eq!(s.audit_failures, 0, "{s}");
+    assert_failures_retryable(report);
+    let f = s.failover.as_ref().expect("failover figures");
+    let new_leader = event.new_leader.as_deref().expect("a new leader");
+    assert_ne!(new_leader, event.old_leader, "the leader changed: {s}");
+    assert_eq!(f.old_leader, event.old_leader);
+    assert!(f.leases_before > 0 && f.leases_after > 0, "{s}");
+    assert!(
+        f.units_accepted_after > 0 && f.accepted_after > 0,
+        "writes accepted after the failover: {s}"
+    );
+    assert_eq!(f.rows_recovered, f.rows, "writes resume on every row: {s}");
+    assert!(f.recovery_ms.is_some(), "{s}");
+    f
+}
+
+/// The checks of a failover run on an issuer whose tokens never go backwards (etcd,
+/// ZooKeeper): every token issued after the kill is above every token accepted before it.
+fn assert_tokens_kept_rising(report: &Report, f: &FailoverFigures) {
+    let s = &report.summary;
+    assert_eq!(f.tokens_increased, Some(true), "{s}");
+    assert!(f.min_token_after > f.max_token_before, "{s}");
+    assert_eq!(f.resources_backwards, 0, "{s}");
+    assert_eq!(f.duplicates_after, 0, "{s}");
+    assert_eq!(s.counter_raises, 0, "nothing to recover: {s}");
+    assert_eq!(s.reseed_events, None, "{s}");
+    assert!(s.rejected > 0, "the stalls must cause rejections: {s}");
+}
+
+/// etcd, three members: the leader is killed (SIGKILL) at unit 200 of 400 while stalls past
+/// the TTL and killed backends go on. Fenced mode: no violation, no lost update, every
+/// rejection audited; tokens (revisions) issued after the kill are above every token accepted
+/// before; every row writes again. The Redis-only settings are refused, not ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_leader_failover_mid_run_is_safe() {
+    if !etcd_installed() {
+        eprintln!(
+            "SKIPPED etcd_leader_failover_mid_run_is_safe: etcd is not installed (Debian: \
+             apt-get install etcd-server; or set PGFENCE_ETCD_BIN)"
+        );
+        return;
+    }
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let db = TestDb::new().await;
+        let deployment = Deployment::start(IssuerKind::Etcd, true)
+            .await
+            .expect("three etcd members");
+        assert!(deployment.can_fail_over());
+        let target = Target {
+            database: db.options.clone(),
+            issuer_url: deployment.url(),
+        };
+        // Counter resets and reseed counting are Redis's: refused with a clear error.
+        let refused = Harness::new(
+            Config {
+                reset_counters_at: vec![10],
+                ..Config::for_issuer(IssuerKind::Etcd)
+            },
+            &target,
+        )
+        .await
+        .err()
+        .expect("a counter reset with etcd is refused");
+        assert!(
+            matches!(&refused, ChaosError::Config(m) if m.contains("etcd")),
+            "{refused}"
+        );
+        let harness = Harness::new(Config::for_issuer(IssuerKind::Etcd), &target)
+            .await
+            .unwrap();
+        assert_eq!(harness.issuer_kind(), IssuerKind::Etcd);
+        let refused = harness
+            .with_reseed_counter(ReseedCounter::install_global().unwrap())
+            .err()
+            .expect("etcd never reseeds");
+        assert!(matches!(refused, ChaosError::Config(_)), "{refused}");
+
+        let cfg = Config {
+            units: 400,
+            kill_every: Some(Duration::from_millis(150)),
+            seed: 41,
+            ..Config::for_issuer(IssuerKind::Etcd)
+        };
+        let (report, event, _cluster) = run_with_failover(cfg, &db, deployment, 200, 0).await;
+        let f = assert_failover_safe(&report, &event);
+        assert_tokens_kept_rising(&report, f);
+        assert_eq!(report.summary.issuer, "etcd");
+    })
+    .await
+    .expect("the etcd failover run is bounded to 120 s");
+}
+
+/// ZooKeeper, an ensemble of three: the leader is killed at unit 600 of 1,200, in row-claim
+/// mode (claim, then 2–4 fenced updates over 1–3 transactions per lease) with stalls past the
+/// TTL and killed backends. Safe, audited, zxids keep rising across the new epoch, every row
+/// writes again; each unit's increment lands at most once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn zookeeper_leader_failover_mid_run_is_safe() {
+    if !zk_installed() {
+        eprintln!(
+            "SKIPPED zookeeper_leader_failover_mid_run_is_safe: ZooKeeper is not installed \
+             (Debian: apt-get install zookeeper; or set PGFENCE_ZK_CLASSPATH)"
+        );
+        return;
+    }
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let db = TestDb::new().await;
+        let deployment = Deployment::start(IssuerKind::ZooKeeper, true)
+            .await
+            .expect("a ZooKeeper ensemble of three");
+        let cfg = Config {
+            mode: Mode::RowClaim,
+            units: 1_200,
+            pause_probability: 0.08,
+            kill_every: Some(Duration::from_millis(150)),
+            seed: 43,
+            ..Config::for_issuer(IssuerKind::ZooKeeper)
+        };
+        let (report, event, _ensemble) = run_with_failover(cfg, &db, deployment, 600, 0).await;
+        let f = assert_failover_safe(&report, &event);
+        assert_tokens_kept_rising(&report, f);
+        let s = &report.summary;
+        assert_eq!(s.issuer, "zk");
+        assert_eq!(s.repeated_increments, 0, "{s}");
+        assert_eq!(total(&db, &s.run).await, s.units_incremented, "{s}");
+        // A new leader starts a new epoch: the zxids after it are above 2^32 times it.
+        let epoch = |t: i64| t >> 32;
+        assert!(
+            epoch(f.min_token_after.unwrap()) > epoch(f.max_token_before.unwrap()),
+            "{s}"
+        );
+    })
+    .await
+    .expect("the ZooKeeper failover run is bounded to 120 s");
+}
+
+/// Redis Sentinel (a master, one replica, three sentinels): the replica is paused and cut off
+/// 300 units before the master is killed at unit 900 of 1,400; the sentinels promote it with
+/// counters that are behind, so tokens Postgres has seen are issued again. In fenced and in
+/// row-claim mode: every such write is rejected (stale or duplicate token) and none accepted
+/// (no violation, no lost update), every rejection audited, and `recover_from` (with the floor
+/// source) brings every row back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_sentinel_failover_mid_run_is_safe_and_recovers() {
+    if !sentinel_installed() {
+        eprintln!(
+            "SKIPPED redis_sentinel_failover_mid_run_is_safe_and_recovers: redis-server and \
+             redis-sentinel are not both installed (Debian: apt-get install redis-server \
+             redis-sentinel)"
+        );
+        return;
+    }
+    tokio::time::timeout(Duration::from_secs(150), async {
+        let db = TestDb::new().await;
+        for (mode, seed) in [(Mode::Fenced, 47), (Mode::RowClaim, 53)] {
+            let deployment = Deployment::start(IssuerKind::Redis, true)
+                .await
+                .expect("master, replica and sentinels");
+            assert!(deployment.url().starts_with("redis+sentinel://"));
+            let cfg = Config {
+                mode,
+                units: 1_400,
+                kill_every: Some(Duration::from_millis(150)),
+                seed,
+                ..Config::for_issuer(IssuerKind::Redis)
+            };
+            let (report, event, sentinels) =
+                run_with_failover(cfg, &db, deployment, 900, 300).await;
+            let f = assert_failover_safe(&report, &event);
+            let s = &report.summary;
+            assert_eq!(s.issuer, "redis");
+            assert_eq!(
+                f.replica_paused_at_unit.map(|u| u >= 600),
+                Some(true),
+                "{s}"
+            );
+            assert!(
+                f.resources_backwards > 0 && f.tokens_increased != Some(true),
+                "the promoted replica re-issued tokens Postgres had seen: {s}"
+            );
+            assert!(f.rejected_after > 0, "those writes were rejected: {s}");
+            assert!(
+                s.counter_raises > 0,
+                "recover_from raised the counters: {s}"
+            );
+            sentinels.stop();
+        }
+    })
+    .await
+    .expect("the Redis failover runs are bounded to 150 s");
 }
 
 // ---------------------------------------------------------------------------------------------
