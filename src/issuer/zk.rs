@@ -193,6 +193,25 @@ struct Inner {
     held: Mutex<HashMap<(String, String), Arc<Held>>>,
 }
 
+impl Inner {
+    /// The current session's client.
+    fn current(&self) -> Client {
+        self.client
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Drops `held` from the map if it is still the entry for `key` (a newer lease of the same
+    /// owner may have replaced it).
+    fn forget(&self, key: &(String, String), held: &Arc<Held>) {
+        let mut map = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        if map.get(key).is_some_and(|h| Arc::ptr_eq(h, held)) {
+            map.remove(key);
+        }
+    }
+}
+
 /// A lock this issuer holds, and its timer's state.
 struct Held {
     path: String,
@@ -304,11 +323,7 @@ impl ZkIssuer {
     }
 
     fn current(&self) -> Client {
-        self.inner
-            .client
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.inner.current()
     }
 
     /// The session to use: the current one, or a new one when it has expired or closed (the
@@ -569,11 +584,8 @@ impl ZkIssuer {
         {
             // The timer must not delete the node after a newer lease of this owner took it.
             held.end();
-            let key = (dir.clone(), lease.owner.clone());
-            let mut map = self.held_map();
-            if map.get(&key).is_some_and(|h| Arc::ptr_eq(h, &held)) {
-                map.remove(&key);
-            }
+            self.inner
+                .forget(&(dir.clone(), lease.owner.clone()), &held);
         }
         let until = Instant::now() + Duration::from_secs(2);
         let (outcome, retried) = retrying(until, || self.release_once(&dir, lease)).await;
@@ -774,11 +786,7 @@ async fn remove_strays(inner: Weak<Inner>, key: (String, String)) {
             if !strays.contains(&key) {
                 return;
             }
-            let client = inner
-                .client
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone();
+            let client = inner.current();
             if ended(client.state()) {
                 strays.remove(&key);
                 return;
@@ -843,17 +851,8 @@ async fn expire(inner: Weak<Inner>, key: (String, String), held: Arc<Held>) {
         let Some(inner) = inner.upgrade() else {
             return;
         };
-        {
-            let mut map = inner.held.lock().unwrap_or_else(PoisonError::into_inner);
-            if map.get(&key).is_some_and(|h| Arc::ptr_eq(h, &held)) {
-                map.remove(&key);
-            }
-        }
-        let client = inner
-            .client
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
+        inner.forget(&key, &held);
+        let client = inner.current();
         if ended(client.state()) {
             // The session is over: the ensemble deleted its nodes.
             return;
