@@ -13,7 +13,7 @@ mod support;
 use std::time::Duration;
 
 use issuer_suite::{Cluster, Profile};
-use pgfence::{EtcdIssuer, ReleaseOutcome, Resource, etcd_lock_key};
+use pgfence::{EtcdIssuer, IssuerKind, ReleaseOutcome, Resource, connect_issuer, etcd_lock_key};
 use pgfence_testkit::{EtcdCluster, etcd_installed};
 use support::unique_resource;
 use tokio::sync::OnceCell;
@@ -88,6 +88,50 @@ async fn bad_ttls_and_owners_are_refused_before_touching_etcd() {
     issuer_suite::bad_ttls_and_owners_are_refused(&ETCD, issuer().await).await;
     assert!(EtcdIssuer::connect("redis://127.0.0.1:6379").await.is_err());
     assert!(EtcdIssuer::connect("etcd://").await.is_err());
+}
+
+/// The lease semantics of the other issuers, through `Arc<dyn TokenIssuer>` (as
+/// `redis_through_the_trait` in `tests/test_issuer_trait.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_through_the_trait() {
+    if skip("etcd_through_the_trait") {
+        return;
+    }
+    let issuer = connect_issuer(&etcd_url().await).await.unwrap();
+    assert_eq!(issuer.kind(), IssuerKind::Etcd);
+    assert!(!issuer.kind().can_reseed());
+    // etcd leases count whole seconds, with a server minimum of 2 s by default.
+    issuer_suite::lease_semantics(issuer, SEC, 4 * SEC).await;
+}
+
+/// Revisions never go backwards: raise_floor and recover_from do nothing.
+#[tokio::test]
+async fn etcd_floor_and_recovery_are_no_ops() {
+    if skip("etcd_floor_and_recovery_are_no_ops") {
+        return;
+    }
+    let issuer = connect_issuer(&etcd_url().await).await.unwrap();
+    let resource = unique_resource("trait-etcd-floor");
+    let revision = issuer.status(&resource).await.unwrap().counter;
+    // The revision reported may have moved on with other keys: the suite checks its bounds.
+    issuer_suite::floor_and_recovery_are_no_ops(&*issuer, &resource, revision).await;
+}
+
+/// Two prefixes on one etcd: two locks for one resource.
+#[tokio::test]
+async fn etcd_key_prefixes_separate_locks() {
+    if skip("etcd_key_prefixes_separate_locks") {
+        return;
+    }
+    let url = etcd_url().await;
+    let a = EtcdIssuer::connect(&url)
+        .await
+        .unwrap()
+        .with_key_prefix("app-a")
+        .unwrap();
+    let resource = unique_resource("trait-etcd-prefix");
+    assert_eq!(a.lock_key(&resource), format!("app-a/lock/{resource}"));
+    issuer_suite::key_prefixes_separate_locks(&a, &url, &resource).await;
 }
 
 /// The lock's layout in etcd, tokens across resources, and a lock deleted by hand.

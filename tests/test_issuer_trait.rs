@@ -1,16 +1,26 @@
 //! The lease semantics every issuer shares, checked through `Arc<dyn TokenIssuer>` (as a CLI
-//! or a service that picks its issuer from a URL holds it): Redis always, etcd with the `etcd`
-//! feature and ZooKeeper with the `zk` feature (each skipped, with a message, when its server
-//! is not installed). Also the key prefixes.
+//! or a service that picks its issuer from a URL holds it) on Redis: `lease_semantics` of the
+//! shared suite in `issuer_suite`, which `etcd_through_the_trait` (`tests/test_etcd_issuer.rs`)
+//! and `zk_through_the_trait` (`tests/test_zk_issuer.rs`) run on the other issuers. Also
+//! Redis's floor and recovery, and the key prefixes.
 
+// This binary runs only `issuer_suite::lease_semantics`; the suite's other items (its test
+// functions, `lease_tests!` and the failover's `Cluster`) are the etcd and ZooKeeper binaries'.
+#[allow(
+    dead_code,
+    unused_imports,
+    unused_macros,
+    reason = "only lease_semantics is used here; the rest is for the etcd and zk test binaries"
+)]
+mod issuer_suite;
 mod support;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use pgfence::{
-    Error, Issuer, IssuerKind, IssuerOptions, KeepAlive, LeaseState, ReleaseOutcome, Resource,
-    TokenIssuer, connect_issuer, connect_issuer_with,
+    Error, Issuer, IssuerKind, IssuerOptions, KeepAlive, ReleaseOutcome, Resource, TokenIssuer,
+    connect_issuer, connect_issuer_with,
 };
 use redis::AsyncCommands;
 use support::{TestDb, redis_url, unique_resource};
@@ -18,126 +28,12 @@ use tokio::time::Instant;
 
 const SEC: Duration = Duration::from_secs(1);
 
-/// The checks, on any issuer. `short` is a TTL the issuer expires quickly (etcd rounds TTLs
-/// up to whole seconds and has a minimum of its own).
-async fn lease_semantics(issuer: Arc<dyn TokenIssuer>, short: Duration, expire_wait: Duration) {
-    let resource = unique_resource("trait");
-
-    // Acquire, exclusive while held.
-    let mut a = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
-    assert!(issuer.acquire(&resource, 10 * SEC).await.unwrap().is_none());
-    let retry_in = issuer
-        .acquire_as(&resource, "someone-else", 10 * SEC)
-        .await
-        .unwrap()
-        .unwrap_err();
-    assert!(retry_in <= 10 * SEC, "{retry_in:?}");
-    // The same owner again: the same token (an idempotent retry).
-    let again = issuer
-        .acquire_as(&resource, a.owner(), 10 * SEC)
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(again.token(), a.token());
-
-    // Status names the holder.
-    let status = issuer.status(&resource).await.unwrap();
-    assert_eq!(status.owner.as_deref(), Some(a.owner()));
-    assert_eq!(status.token, Some(a.token().get()));
-    assert!(status.counter >= a.token().get());
-
-    // Extend: still held.
-    assert_eq!(
-        issuer.extend(&mut a, 20 * SEC).await.unwrap(),
-        LeaseState::Held
-    );
-    assert!(a.remaining() > 10 * SEC);
-
-    // Release: released, then already expired (nobody holds it).
-    assert_eq!(issuer.release(&a).await.unwrap(), ReleaseOutcome::Released);
-    assert_eq!(
-        issuer.release(&a).await.unwrap(),
-        ReleaseOutcome::AlreadyExpired
-    );
-    assert_eq!(
-        issuer.extend(&mut a, 10 * SEC).await.unwrap(),
-        LeaseState::Expired
-    );
-
-    // A newer lease: a larger token; the old handle is told the lock is another's.
-    let b = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
-    assert!(b.token() > a.token(), "{} > {}", b.token(), a.token());
-    assert_eq!(
-        issuer.release(&a).await.unwrap(),
-        ReleaseOutcome::TakenByOther
-    );
-    assert_eq!(
-        issuer.extend(&mut a, 10 * SEC).await.unwrap(),
-        LeaseState::Taken
-    );
-
-    // acquire_wait gets the lock once the holder releases it.
-    let waiter = {
-        let issuer = issuer.clone();
-        let resource = resource.clone();
-        tokio::spawn(async move { issuer.acquire_wait(&resource, 10 * SEC, 10 * SEC).await })
-    };
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(issuer.release(&b).await.unwrap(), ReleaseOutcome::Released);
-    let c = waiter
-        .await
-        .unwrap()
-        .unwrap()
-        .expect("the waiter got the lock");
-    assert!(c.token() > b.token());
-    // A wait that runs out.
-    assert!(
-        issuer
-            .acquire_wait(&resource, 10 * SEC, Duration::from_millis(100))
-            .await
-            .unwrap()
-            .is_none()
-    );
-    assert_eq!(issuer.release(&c).await.unwrap(), ReleaseOutcome::Released);
-
-    // A lease that is not renewed expires; one kept alive outlives its TTL.
-    let lapsed = issuer.acquire(&resource, short).await.unwrap().unwrap();
-    tokio::time::sleep(expire_wait).await;
-    assert_eq!(
-        issuer.release(&lapsed).await.unwrap(),
-        ReleaseOutcome::AlreadyExpired
-    );
-    let kept = issuer.acquire(&resource, short).await.unwrap().unwrap();
-    let keep = KeepAlive::spawn(issuer.clone(), kept.clone());
-    tokio::time::sleep(expire_wait).await;
-    assert!(keep.deadline().is_some(), "still held");
-    assert_eq!(
-        issuer.status(&resource).await.unwrap().token,
-        Some(kept.token().get())
-    );
-    keep.stop();
-    assert_eq!(
-        issuer.release(&kept).await.unwrap(),
-        ReleaseOutcome::Released
-    );
-
-    // Bad input is refused before anything is sent.
-    assert!(matches!(
-        issuer.acquire(&resource, Duration::ZERO).await,
-        Err(Error::InvalidDuration(_))
-    ));
-    assert!(matches!(
-        issuer.acquire_as(&resource, "", SEC).await,
-        Err(Error::InvalidOwner(_))
-    ));
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_through_the_trait() {
     let issuer = connect_issuer(&redis_url().await).await.unwrap();
     assert_eq!(issuer.kind(), IssuerKind::Redis);
     assert!(issuer.kind().can_reseed());
-    lease_semantics(
+    issuer_suite::lease_semantics(
         issuer,
         Duration::from_millis(300),
         Duration::from_millis(700),
@@ -307,221 +203,4 @@ async fn keep_alive_with_a_concrete_issuer() {
         issuer.release(&lease).await.unwrap(),
         ReleaseOutcome::Released
     );
-}
-
-#[cfg(feature = "etcd")]
-mod etcd {
-    use super::*;
-    use pgfence::EtcdIssuer;
-    use pgfence_testkit::{EtcdCluster, etcd_installed};
-    use tokio::sync::OnceCell;
-
-    static SINGLE: OnceCell<(String, Option<EtcdCluster>)> = OnceCell::const_new();
-
-    fn skip(test: &str) -> bool {
-        if std::env::var("PGFENCE_ETCD_URL").is_ok_and(|u| !u.is_empty()) || etcd_installed() {
-            return false;
-        }
-        eprintln!("SKIPPED {test}: etcd is not installed (Debian: apt-get install etcd-server)");
-        true
-    }
-
-    async fn etcd_url() -> String {
-        SINGLE
-            .get_or_init(|| async {
-                match std::env::var("PGFENCE_ETCD_URL") {
-                    Ok(url) if !url.is_empty() => (url, None),
-                    _ => {
-                        let node = EtcdCluster::single().await.expect("start throwaway etcd");
-                        (node.url(), Some(node))
-                    }
-                }
-            })
-            .await
-            .0
-            .clone()
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn etcd_through_the_trait() {
-        if skip("etcd_through_the_trait") {
-            return;
-        }
-        let issuer = connect_issuer(&etcd_url().await).await.unwrap();
-        assert_eq!(issuer.kind(), IssuerKind::Etcd);
-        assert!(!issuer.kind().can_reseed());
-        // etcd leases count whole seconds, with a server minimum of 2 s by default.
-        lease_semantics(issuer, SEC, 4 * SEC).await;
-    }
-
-    /// Revisions never go backwards: raise_floor and recover_from do nothing.
-    #[tokio::test]
-    async fn etcd_floor_and_recovery_are_no_ops() {
-        if skip("etcd_floor_and_recovery_are_no_ops") {
-            return;
-        }
-        let issuer = connect_issuer(&etcd_url().await).await.unwrap();
-        let resource = unique_resource("trait-etcd-floor");
-        let revision = issuer.status(&resource).await.unwrap().counter;
-        let after = issuer.raise_floor(&resource, i64::MAX / 2).await.unwrap();
-        assert!(after >= revision && after < i64::MAX / 2, "{after}");
-        assert!(matches!(
-            issuer.raise_floor(&resource, -1).await,
-            Err(Error::InvalidToken(_))
-        ));
-        let stale = Error::StaleToken {
-            target: pgfence::StaleTarget::Resource(resource.to_string()),
-            presented: 1,
-            current: i64::MAX / 2,
-            other_counter: false,
-        };
-        assert!(!issuer.recover_from(&stale).await.unwrap());
-        let lease = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
-        assert!(lease.token().get() > revision);
-        assert_eq!(
-            issuer.release(&lease).await.unwrap(),
-            ReleaseOutcome::Released
-        );
-    }
-
-    /// Two prefixes on one etcd: two locks for one resource.
-    #[tokio::test]
-    async fn etcd_key_prefixes_separate_locks() {
-        if skip("etcd_key_prefixes_separate_locks") {
-            return;
-        }
-        let url = etcd_url().await;
-        let a = EtcdIssuer::connect(&url)
-            .await
-            .unwrap()
-            .with_key_prefix("app-a")
-            .unwrap();
-        let b = connect_issuer_with(&url, IssuerOptions::new().key_prefix("app-b"))
-            .await
-            .unwrap();
-        let resource = unique_resource("trait-etcd-prefix");
-        assert_eq!(a.lock_key(&resource), format!("app-a/lock/{resource}"));
-        let la = a.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
-        let lb = b.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
-        assert!(a.acquire(&resource, 10 * SEC).await.unwrap().is_none());
-        // Under b's prefix the resource's lock is lb's: la's handle cannot touch it.
-        assert_eq!(
-            b.release(&la).await.unwrap(),
-            ReleaseOutcome::TakenByOther,
-            "not its lock"
-        );
-        assert_eq!(a.release(&la).await.unwrap(), ReleaseOutcome::Released);
-        assert_eq!(b.release(&lb).await.unwrap(), ReleaseOutcome::Released);
-    }
-}
-
-#[cfg(feature = "zk")]
-mod zk {
-    use super::*;
-    use pgfence::ZkIssuer;
-    use pgfence_testkit::{ZkEnsemble, zk_installed};
-    use tokio::sync::OnceCell;
-
-    static SINGLE: OnceCell<(String, Option<ZkEnsemble>)> = OnceCell::const_new();
-
-    fn skip(test: &str) -> bool {
-        if std::env::var("PGFENCE_ZK_URL").is_ok_and(|u| !u.is_empty()) || zk_installed() {
-            return false;
-        }
-        eprintln!("SKIPPED {test}: ZooKeeper is not installed (Debian: apt-get install zookeeper)");
-        true
-    }
-
-    async fn zk_url() -> String {
-        SINGLE
-            .get_or_init(|| async {
-                match std::env::var("PGFENCE_ZK_URL") {
-                    Ok(url) if !url.is_empty() => (url, None),
-                    _ => {
-                        let node = ZkEnsemble::single()
-                            .await
-                            .expect("start throwaway ZooKeeper");
-                        (node.url(), Some(node))
-                    }
-                }
-            })
-            .await
-            .0
-            .clone()
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn zk_through_the_trait() {
-        if skip("zk_through_the_trait") {
-            return;
-        }
-        let issuer = connect_issuer(&zk_url().await).await.unwrap();
-        assert_eq!(issuer.kind(), IssuerKind::ZooKeeper);
-        assert_eq!(issuer.kind().name(), "zk");
-        assert!(!issuer.kind().can_reseed());
-        // The issuer's own timer ends a lapsed lease: sub-second TTLs work.
-        lease_semantics(issuer, Duration::from_millis(300), SEC).await;
-    }
-
-    /// zxids never go backwards: raise_floor and recover_from do nothing.
-    #[tokio::test]
-    async fn zk_floor_and_recovery_are_no_ops() {
-        if skip("zk_floor_and_recovery_are_no_ops") {
-            return;
-        }
-        let issuer = connect_issuer(&zk_url().await).await.unwrap();
-        let resource = unique_resource("trait-zk-floor");
-        let first = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
-        issuer.release(&first).await.unwrap();
-        let counter = issuer.status(&resource).await.unwrap().counter;
-        assert!(counter > first.token().get(), "the release's zxid");
-        let after = issuer.raise_floor(&resource, i64::MAX / 2).await.unwrap();
-        assert_eq!(after, counter, "nothing raised");
-        assert!(matches!(
-            issuer.raise_floor(&resource, -1).await,
-            Err(Error::InvalidToken(_))
-        ));
-        let stale = Error::StaleToken {
-            target: pgfence::StaleTarget::Resource(resource.to_string()),
-            presented: 1,
-            current: i64::MAX / 2,
-            other_counter: false,
-        };
-        assert!(!issuer.recover_from(&stale).await.unwrap());
-        let lease = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
-        assert!(lease.token().get() > counter);
-        assert_eq!(
-            issuer.release(&lease).await.unwrap(),
-            ReleaseOutcome::Released
-        );
-    }
-
-    /// Two prefixes on one ensemble: two locks for one resource.
-    #[tokio::test]
-    async fn zk_key_prefixes_separate_locks() {
-        if skip("zk_key_prefixes_separate_locks") {
-            return;
-        }
-        let url = zk_url().await;
-        let a = ZkIssuer::connect(&url)
-            .await
-            .unwrap()
-            .with_key_prefix("app-a")
-            .unwrap();
-        let b = connect_issuer_with(&url, IssuerOptions::new().key_prefix("app-b"))
-            .await
-            .unwrap();
-        let resource = unique_resource("trait-zk-prefix");
-        assert_eq!(a.lock_dir(&resource), format!("/app-a/lock/{resource}"));
-        let la = a.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
-        let lb = b.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
-        assert!(a.acquire(&resource, 10 * SEC).await.unwrap().is_none());
-        assert_eq!(
-            b.release(&la).await.unwrap(),
-            ReleaseOutcome::TakenByOther,
-            "not its lock"
-        );
-        assert_eq!(a.release(&la).await.unwrap(), ReleaseOutcome::Released);
-        assert_eq!(b.release(&lb).await.unwrap(), ReleaseOutcome::Released);
-    }
 }

@@ -15,7 +15,7 @@ mod support;
 use std::time::Duration;
 
 use issuer_suite::{Cluster, Profile};
-use pgfence::{Error, ReleaseOutcome, Resource, ZkIssuer, zk_lock_dir};
+use pgfence::{Error, IssuerKind, ReleaseOutcome, Resource, ZkIssuer, connect_issuer, zk_lock_dir};
 use pgfence_testkit::{ZkEnsemble, zk_installed};
 use support::unique_resource;
 use tokio::sync::OnceCell;
@@ -98,6 +98,54 @@ async fn bad_ttls_and_owners_are_refused_before_touching_zookeeper() {
             "{url}"
         );
     }
+}
+
+/// The lease semantics of the other issuers, through `Arc<dyn TokenIssuer>` (as
+/// `redis_through_the_trait` in `tests/test_issuer_trait.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zk_through_the_trait() {
+    if skip("zk_through_the_trait") {
+        return;
+    }
+    let issuer = connect_issuer(&zk_url().await).await.unwrap();
+    assert_eq!(issuer.kind(), IssuerKind::ZooKeeper);
+    assert_eq!(issuer.kind().name(), "zk");
+    assert!(!issuer.kind().can_reseed());
+    // The issuer's own timer ends a lapsed lease: sub-second TTLs work.
+    issuer_suite::lease_semantics(issuer, Duration::from_millis(300), SEC).await;
+}
+
+/// zxids never go backwards: raise_floor and recover_from do nothing.
+#[tokio::test]
+async fn zk_floor_and_recovery_are_no_ops() {
+    if skip("zk_floor_and_recovery_are_no_ops") {
+        return;
+    }
+    let issuer = connect_issuer(&zk_url().await).await.unwrap();
+    let resource = unique_resource("trait-zk-floor");
+    let first = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
+    issuer.release(&first).await.unwrap();
+    let counter = issuer.status(&resource).await.unwrap().counter;
+    assert!(counter > first.token().get(), "the release's zxid");
+    let after = issuer_suite::floor_and_recovery_are_no_ops(&*issuer, &resource, counter).await;
+    assert_eq!(after, counter, "nothing raised");
+}
+
+/// Two prefixes on one ensemble: two locks for one resource.
+#[tokio::test]
+async fn zk_key_prefixes_separate_locks() {
+    if skip("zk_key_prefixes_separate_locks") {
+        return;
+    }
+    let url = zk_url().await;
+    let a = ZkIssuer::connect(&url)
+        .await
+        .unwrap()
+        .with_key_prefix("app-a")
+        .unwrap();
+    let resource = unique_resource("trait-zk-prefix");
+    assert_eq!(a.lock_dir(&resource), format!("/app-a/lock/{resource}"));
+    issuer_suite::key_prefixes_separate_locks(&a, &url, &resource).await;
 }
 
 /// The lock's layout in ZooKeeper, tokens across resources, and a lock deleted by hand.

@@ -10,8 +10,13 @@
 //! [`deleted_lock_is_lost_to_its_holder`]) and the leader failover (the cluster's operations
 //! through [`Cluster`]).
 //!
-//! Included as `mod issuer_suite;` by those two test binaries only (a directory module is not
-//! a test binary of its own); every item here is used by both.
+//! The files also call, from their tests named after the issuer (as they were named in
+//! `tests/test_issuer_trait.rs`): [`lease_semantics`] through `Arc<dyn TokenIssuer>`,
+//! [`floor_and_recovery_are_no_ops`] and [`key_prefixes_separate_locks`].
+//!
+//! Included as `mod issuer_suite;` by those two test binaries (a directory module is not a test
+//! binary of its own), where every item here is used, and by `tests/test_issuer_trait.rs`,
+//! which runs [`lease_semantics`] on Redis and allows the rest as dead code there.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -19,7 +24,8 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use pgfence::{
-    Error, Lease, LeaseState, ReleaseOutcome, Repository, Resource, TableName, TokenIssuer,
+    Error, IssuerOptions, KeepAlive, Lease, LeaseState, ReleaseOutcome, Repository, Resource,
+    TableName, TokenIssuer, connect_issuer_with,
 };
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
@@ -748,4 +754,172 @@ where
     let last = last.unwrap().expect("released");
     assert!(last.token().get() > min_after);
     (max_before, min_after)
+}
+
+/// The lease semantics every issuer shares, checked through `Arc<dyn TokenIssuer>` (as a CLI
+/// or a service that picks its issuer from a URL holds it). `short` is a TTL the issuer
+/// expires quickly (etcd rounds TTLs up to whole seconds and has a minimum of its own);
+/// `expire_wait` is long enough for a lease of `short` to run out.
+pub async fn lease_semantics(issuer: Arc<dyn TokenIssuer>, short: Duration, expire_wait: Duration) {
+    let resource = unique_resource("trait");
+
+    // Acquire, exclusive while held.
+    let mut a = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
+    assert!(issuer.acquire(&resource, 10 * SEC).await.unwrap().is_none());
+    let retry_in = issuer
+        .acquire_as(&resource, "someone-else", 10 * SEC)
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(retry_in <= 10 * SEC, "{retry_in:?}");
+    // The same owner again: the same token (an idempotent retry).
+    let again = issuer
+        .acquire_as(&resource, a.owner(), 10 * SEC)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.token(), a.token());
+
+    // Status names the holder.
+    let status = issuer.status(&resource).await.unwrap();
+    assert_eq!(status.owner.as_deref(), Some(a.owner()));
+    assert_eq!(status.token, Some(a.token().get()));
+    assert!(status.counter >= a.token().get());
+
+    // Extend: still held.
+    assert_eq!(
+        issuer.extend(&mut a, 20 * SEC).await.unwrap(),
+        LeaseState::Held
+    );
+    assert!(a.remaining() > 10 * SEC);
+
+    // Release: released, then already expired (nobody holds it).
+    assert_eq!(issuer.release(&a).await.unwrap(), ReleaseOutcome::Released);
+    assert_eq!(
+        issuer.release(&a).await.unwrap(),
+        ReleaseOutcome::AlreadyExpired
+    );
+    assert_eq!(
+        issuer.extend(&mut a, 10 * SEC).await.unwrap(),
+        LeaseState::Expired
+    );
+
+    // A newer lease: a larger token; the old handle is told the lock is another's.
+    let b = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
+    assert!(b.token() > a.token(), "{} > {}", b.token(), a.token());
+    assert_eq!(
+        issuer.release(&a).await.unwrap(),
+        ReleaseOutcome::TakenByOther
+    );
+    assert_eq!(
+        issuer.extend(&mut a, 10 * SEC).await.unwrap(),
+        LeaseState::Taken
+    );
+
+    // acquire_wait gets the lock once the holder releases it.
+    let waiter = {
+        let issuer = issuer.clone();
+        let resource = resource.clone();
+        tokio::spawn(async move { issuer.acquire_wait(&resource, 10 * SEC, 10 * SEC).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(issuer.release(&b).await.unwrap(), ReleaseOutcome::Released);
+    let c = waiter
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("the waiter got the lock");
+    assert!(c.token() > b.token());
+    // A wait that runs out.
+    assert!(
+        issuer
+            .acquire_wait(&resource, 10 * SEC, Duration::from_millis(100))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(issuer.release(&c).await.unwrap(), ReleaseOutcome::Released);
+
+    // A lease that is not renewed expires; one kept alive outlives its TTL.
+    let lapsed = issuer.acquire(&resource, short).await.unwrap().unwrap();
+    tokio::time::sleep(expire_wait).await;
+    assert_eq!(
+        issuer.release(&lapsed).await.unwrap(),
+        ReleaseOutcome::AlreadyExpired
+    );
+    let kept = issuer.acquire(&resource, short).await.unwrap().unwrap();
+    let keep = KeepAlive::spawn(issuer.clone(), kept.clone());
+    tokio::time::sleep(expire_wait).await;
+    assert!(keep.deadline().is_some(), "still held");
+    assert_eq!(
+        issuer.status(&resource).await.unwrap().token,
+        Some(kept.token().get())
+    );
+    keep.stop();
+    assert_eq!(
+        issuer.release(&kept).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+
+    // Bad input is refused before anything is sent.
+    assert!(matches!(
+        issuer.acquire(&resource, Duration::ZERO).await,
+        Err(Error::InvalidDuration(_))
+    ));
+    assert!(matches!(
+        issuer.acquire_as(&resource, "", SEC).await,
+        Err(Error::InvalidOwner(_))
+    ));
+}
+
+/// An issuer whose counter never goes backwards ignores raise_floor and recover_from:
+/// `counter` is `resource`'s counter before; a floor far above it is not raised, a bad floor
+/// is refused, a stale-token error recovers nothing, and the next lease's token is above
+/// `counter`. Returns the counter raise_floor reported (at least `counter`, far below the
+/// floor), for the issuer's own check.
+pub async fn floor_and_recovery_are_no_ops<I: TokenIssuer + ?Sized>(
+    issuer: &I,
+    resource: &Resource,
+    counter: i64,
+) -> i64 {
+    let after = issuer.raise_floor(resource, i64::MAX / 2).await.unwrap();
+    assert!(after >= counter && after < i64::MAX / 2, "{after}");
+    assert!(matches!(
+        issuer.raise_floor(resource, -1).await,
+        Err(Error::InvalidToken(_))
+    ));
+    let stale = Error::StaleToken {
+        target: pgfence::StaleTarget::Resource(resource.to_string()),
+        presented: 1,
+        current: i64::MAX / 2,
+        other_counter: false,
+    };
+    assert!(!issuer.recover_from(&stale).await.unwrap());
+    let lease = issuer.acquire(resource, 10 * SEC).await.unwrap().unwrap();
+    assert!(lease.token().get() > counter);
+    assert_eq!(
+        issuer.release(&lease).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+    after
+}
+
+/// Two key prefixes on one server: two locks for one resource. `a` is the file's issuer
+/// under the prefix `app-a` (its key layout checked by the file); the one under `app-b` is
+/// connected here, through the trait, to `url`.
+pub async fn key_prefixes_separate_locks<I: TokenIssuer>(a: &I, url: &str, resource: &Resource) {
+    let b = connect_issuer_with(url, IssuerOptions::new().key_prefix("app-b"))
+        .await
+        .unwrap();
+    let la = a.acquire(resource, 10 * SEC).await.unwrap().unwrap();
+    let lb = b.acquire(resource, 10 * SEC).await.unwrap().unwrap();
+    assert!(a.acquire(resource, 10 * SEC).await.unwrap().is_none());
+    // Under b's prefix the resource's lock is lb's: la's handle cannot touch it.
+    assert_eq!(
+        b.release(&la).await.unwrap(),
+        ReleaseOutcome::TakenByOther,
+        "not its lock"
+    );
+    assert_eq!(a.release(&la).await.unwrap(), ReleaseOutcome::Released);
+    assert_eq!(b.release(&lb).await.unwrap(), ReleaseOutcome::Released);
 }

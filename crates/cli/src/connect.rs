@@ -162,7 +162,7 @@ pub async fn require_schema(pool: &PgPool) -> Result<()> {
 
 /// Whether `url` names a standalone Redis (`redis://`, `rediss://`, a Unix socket) rather than
 /// etcd or Redis Sentinel: the issuer the CLI builds itself, to give it a floor source.
-fn is_plain_redis(url: &str) -> bool {
+pub fn is_plain_redis(url: &str) -> bool {
     let lower = url.get(..16).unwrap_or(url).to_ascii_lowercase();
     ["redis://", "rediss://", "redis+unix://", "unix://"]
         .iter()

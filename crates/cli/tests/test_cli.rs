@@ -776,7 +776,7 @@ async fn simulate_mermaid_is_a_sequence_diagram() {
     assert_eq!(lines[0], "sequenceDiagram");
     for actor in [
         "A as Worker A",
-        "R as Redis",
+        "R as Lock service",
         "P as Postgres",
         "B as Worker B",
     ] {

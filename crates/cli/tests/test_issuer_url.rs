@@ -361,4 +361,8 @@ async fn run_status_and_reseed_with_zookeeper() {
         ],
     );
     assert!(out.trim().parse::<i64>().unwrap() > token, "{out}");
+    // The race demo runs on this issuer too: the zombie's write is rejected.
+    let out = ok(&env, &["simulate"]);
+    assert!(out.contains("issuer:   zk://"), "{out}");
+    assert!(out.contains("fencing works"), "{out}");
 }

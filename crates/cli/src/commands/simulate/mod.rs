@@ -38,6 +38,15 @@ pub async fn simulate(conn: &Conn, args: &SimulateArgs) -> Result<ExitCode> {
     if args.pause > Duration::from_secs(60) {
         bail!("--pause is capped at 60s");
     }
+    let etcd = conn.issuer_url.as_deref().is_some_and(|u| {
+        u.get(..7)
+            .is_some_and(|s| s.eq_ignore_ascii_case("etcd://"))
+    });
+    if etcd && args.ttl < Duration::from_secs(2) {
+        bail!(
+            "etcd leases count whole seconds, at least 2 s on a default etcd: use e.g. --ttl 2s --pause 4s"
+        );
+    }
     let say = Narrator {
         mermaid: args.mermaid,
     };

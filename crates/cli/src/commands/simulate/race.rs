@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use pgfence::{Error, FenceToken, Issuer, Lease, ReleaseOutcome, Repository, Resource, TableName};
+use pgfence::{
+    Error, FenceToken, Lease, ReleaseOutcome, Repository, Resource, TableName, TokenIssuer,
+};
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio::sync::Notify;
 
@@ -38,10 +40,10 @@ pgfence::fenced_table!(DemoRow {
 pub struct Stage {
     /// The demo database.
     pub pool: PgPool,
-    /// The lock issuer.
-    pub issuer: Issuer,
-    /// Redis, for cleaning up the demo's keys.
-    pub redis_url: String,
+    /// The lock issuer (Redis unless `--issuer-url` names another).
+    pub issuer: Arc<dyn TokenIssuer>,
+    /// Redis and the demo's keys there, for cleaning up (Redis issuers only).
+    pub redis_keys: Option<(String, Vec<String>)>,
     /// The demo's lock.
     pub resource: Resource,
     /// The demo table.

@@ -183,7 +183,7 @@ fn timeline(events: &[Event]) -> Vec<String> {
         .iter()
         .map(|e| {
             let who = match e.actor {
-                '-' => "redis".to_owned(),
+                '-' => "lock ".to_owned(),
                 a => format!("{a}    "),
             };
             format!(
@@ -198,7 +198,7 @@ fn timeline(events: &[Event]) -> Vec<String> {
 /// The events as a Mermaid sequence diagram.
 fn mermaid(events: &[Event], fenced: bool) -> String {
     let mut out = String::from("sequenceDiagram\n");
-    out.push_str("    participant A as Worker A\n    participant R as Redis\n    participant P as Postgres\n    participant B as Worker B\n");
+    out.push_str("    participant A as Worker A\n    participant R as Lock service\n    participant P as Postgres\n    participant B as Worker B\n");
     for e in events {
         let who = e.actor;
         let at = e.at.as_millis();

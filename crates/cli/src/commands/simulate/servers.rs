@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use pgfence::{Repository, Resource, TableName};
+use pgfence::{IssuerOptions, Repository, Resource, TableName, TokenIssuer};
 use pgfence_testkit::{Kind, Server, url_or_start};
 use sqlx::AssertSqlSafe;
 
@@ -12,17 +12,22 @@ use super::events::Recorder;
 use super::race::Stage;
 use super::render::Narrator;
 use crate::cli::Conn;
-use crate::connect::{connect_pg, connect_redis};
+use crate::connect::{connect_issuer, connect_pg, connect_redis, is_plain_redis};
 use crate::util;
 
-/// The two servers' URLs, and the throwaway servers among them, which live as long as this.
+/// The servers' URLs, and the throwaway servers among them, which live as long as this.
 pub struct Servers {
     /// PostgreSQL.
     pub pg_url: String,
-    /// Redis.
-    pub redis_url: String,
+    /// Redis, when the issuer is a plain Redis (the configured one or a throwaway one).
+    pub redis_url: Option<String>,
+    /// Any other issuer (`--issuer-url` naming Redis Sentinel, etcd or ZooKeeper): used as
+    /// is, never started.
+    pub issuer_url: Option<String>,
     /// The issuer's key prefix (`--key-prefix`), if not the default.
     pub key_prefix: Option<String>,
+    /// How many servers the demo runs on (PostgreSQL and Redis, or PostgreSQL alone).
+    wanted: usize,
     throwaway: Vec<Server>,
 }
 
@@ -30,17 +35,29 @@ impl Servers {
     /// The given URLs, or throwaway servers where none is given.
     pub async fn start(conn: &Conn, say: &Narrator) -> Result<Self> {
         let key_prefix = conn.key_prefix()?.map(str::to_owned);
+        let issuer_url = conn
+            .issuer_url
+            .as_deref()
+            .filter(|u| !u.is_empty())
+            .map(str::to_owned);
+        // A plain Redis given as the issuer URL is the Redis to use.
+        let (redis_url, issuer_url) = match issuer_url {
+            Some(url) if is_plain_redis(&url) => (Some(url), None),
+            Some(url) => (None, Some(url)),
+            None => (conn.redis_url.clone().filter(|u| !u.is_empty()), None),
+        };
+        let mut wanted = vec![(
+            Kind::Postgres,
+            conn.database_url.as_deref(),
+            "postgres",
+            "DATABASE_URL",
+        )];
+        if issuer_url.is_none() {
+            wanted.push((Kind::Redis, redis_url.as_deref(), "redis", "REDIS_URL"));
+        }
         let mut throwaway: Vec<Server> = Vec::new();
         let mut urls = Vec::new();
-        for (kind, configured, label, var) in [
-            (
-                Kind::Postgres,
-                conn.database_url.as_deref(),
-                "postgres",
-                "DATABASE_URL",
-            ),
-            (Kind::Redis, conn.redis_url.as_deref(), "redis", "REDIS_URL"),
-        ] {
+        for (kind, configured, label, var) in wanted {
             let (url, server) = url_or_start(kind, configured).await.with_context(|| {
                 format!("cannot start a throwaway {label} server (or set {var})")
             })?;
@@ -62,17 +79,26 @@ impl Servers {
             }
             urls.push(url);
         }
+        if let Some(url) = &issuer_url {
+            say.line(format!(
+                "  {:<10}{} (PGFENCE_ISSUER_URL / --issuer-url)",
+                "issuer:",
+                util::redact(url)
+            ));
+        }
         Ok(Self {
             pg_url: urls[0].clone(),
-            redis_url: urls[1].clone(),
+            redis_url: urls.get(1).cloned(),
+            issuer_url,
             key_prefix,
+            wanted: urls.len(),
             throwaway,
         })
     }
 
     /// True when some server is the user's: then the demo must clean up after itself.
     pub fn has_users_server(&self) -> bool {
-        self.throwaway.len() < 2
+        self.throwaway.len() < self.wanted || self.issuer_url.is_some()
     }
 
     /// Stops the throwaway servers, saying so.
@@ -88,14 +114,31 @@ impl Servers {
 /// Migrates, creates the demo table (guarded when `fenced`) and a fresh demo resource.
 pub async fn setup(servers: &Servers, fenced: bool, say: &Narrator) -> Result<Arc<Stage>> {
     let pool = connect_pg(&servers.pg_url).await?;
-    let mut issuer = connect_redis(&servers.redis_url).await?;
-    if let Some(prefix) = &servers.key_prefix {
-        issuer = issuer.with_key_prefix(prefix)?;
-    }
-    let applied = pgfence::migrate(&pool).await?;
     let suffix = format!("{:08x}", rand::random::<u32>());
     let table = TableName::new("public", &format!("pgfence_demo_{suffix}"))?;
     let resource = Resource::new(format!("demo:payments:batch-42:{suffix}"))?;
+    let (issuer, redis_keys): (Arc<dyn TokenIssuer>, _) = match &servers.redis_url {
+        Some(url) => {
+            let mut issuer = connect_redis(url).await?;
+            if let Some(prefix) = &servers.key_prefix {
+                issuer = issuer.with_key_prefix(prefix)?;
+            }
+            let keys = vec![issuer.lock_key(&resource), issuer.counter_key(&resource)];
+            (Arc::new(issuer), Some((url.clone(), keys)))
+        }
+        None => {
+            let url = servers
+                .issuer_url
+                .as_deref()
+                .context("no issuer to run the demo on")?;
+            let options = match &servers.key_prefix {
+                Some(prefix) => IssuerOptions::new().key_prefix(prefix),
+                None => IssuerOptions::new(),
+            };
+            (connect_issuer(url, options).await?, None)
+        }
+    };
+    let applied = pgfence::migrate(&pool).await?;
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE TABLE {t} (batch text PRIMARY KEY, status text NOT NULL, paid_by text NOT NULL);
          INSERT INTO {t} VALUES ('batch-42', 'pending', 'nobody');",
@@ -128,7 +171,7 @@ pub async fn setup(servers: &Servers, fenced: bool, say: &Narrator) -> Result<Ar
             .transpose()?,
         pool,
         issuer,
-        redis_url: servers.redis_url.clone(),
+        redis_keys,
         resource,
         table,
         fenced,
@@ -150,14 +193,12 @@ pub async fn cleanup(stage: &Stage) {
         .bind(stage.resource.as_str())
         .execute(&stage.pool)
         .await;
-    // The demo's own resource only: production counters are never deleted.
-    let keys = [
-        stage.issuer.lock_key(&stage.resource),
-        stage.issuer.counter_key(&stage.resource),
-    ];
-    if let Ok(client) = redis::Client::open(stage.redis_url.as_str())
+    // The demo's own resource only: production counters are never deleted. (etcd and
+    // ZooKeeper locks are gone once released; their revisions and zxids are not state.)
+    if let Some((url, keys)) = &stage.redis_keys
+        && let Ok(client) = redis::Client::open(url.as_str())
         && let Ok(mut conn) = client.get_multiplexed_async_connection().await
     {
-        let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await;
+        let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(keys).query_async(&mut conn).await;
     }
 }
