@@ -16,131 +16,40 @@
 
 use std::sync::{Arc, Mutex};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
-use pgfence::{EtcdIssuer, Issuer, Lease, Resource};
-use pgfence_testkit::EtcdCluster;
+use pgfence::{EtcdIssuer, Issuer};
+use pgfence_testkit::{EtcdCluster, ServerError};
 
 use crate::LEASE_TTL;
-use crate::measure::{Metric, Outcome, Sample, Workload, measure};
+use crate::coord::{AcquireHeld, LocalServer, Server, release_held};
+use crate::measure::{Outcome, Sample, Workload};
 use crate::sections::{Results, measure_redis, put};
 use crate::servers::{Env, prefix};
 use crate::workloads::IssuerCycle;
 
 /// The etcd server of the run: a throwaway node (kept for every round), or `PGFENCE_ETCD_URL`.
-pub(crate) struct EtcdServer {
-    /// Kept alive for the run; `None` for `PGFENCE_ETCD_URL`.
-    cluster: Option<EtcdCluster>,
-    url: String,
-}
+pub(crate) type EtcdServer = Server<EtcdCluster>;
 
-impl EtcdServer {
-    /// `PGFENCE_ETCD_URL`, or a throwaway single node.
-    pub(crate) async fn start() -> Result<Self> {
-        if let Some(url) = std::env::var("PGFENCE_ETCD_URL")
-            .ok()
-            .filter(|u| !u.trim().is_empty())
-        {
-            return Ok(Self { cluster: None, url });
-        }
-        let cluster = EtcdCluster::single()
-            .await
-            .context("starting a throwaway etcd (or set PGFENCE_ETCD_URL)")?;
-        let url = cluster.url();
-        Ok(Self {
-            cluster: Some(cluster),
-            url,
-        })
+impl LocalServer for EtcdCluster {
+    const ENV: &'static str = "PGFENCE_ETCD_URL";
+    const NAME: &'static str = "etcd";
+    const WHAT: &'static str = "throwaway single-node etcd";
+
+    async fn start() -> std::result::Result<Self, ServerError> {
+        EtcdCluster::single().await
     }
 
-    /// Where it came from, for the progress output.
-    pub(crate) fn describe(&self) -> String {
-        match &self.cluster {
-            Some(_) => format!("throwaway single-node etcd at {}", self.url),
-            None => format!("PGFENCE_ETCD_URL {}", self.url),
-        }
+    fn url(&self) -> String {
+        EtcdCluster::url(self)
     }
 
-    /// The etcd server's CPU ticks (user + system) so far, for a local throwaway server.
-    fn ticks(&self) -> Option<u64> {
-        let pid = self.cluster.as_ref()?.members().first()?.pid()?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        pgfence_bench::parse_proc_stat(&stat).map(|(_, own, _)| own)
-    }
-}
-
-/// Microseconds per `USER_HZ` tick.
-const TICK_US: f64 = 10_000.0;
-
-/// Runs `work` like [`measure`], and also reads the etcd server's CPU per operation.
-async fn measure_etcd<W: Workload>(env: &Env, server: &EtcdServer, work: W) -> Result<Sample> {
-    let before = server.ticks();
-    let mut sample = measure(&env.cfg, env.cfg.tasks, Metric::Applied, work).await?;
-    let after = server.ticks();
-    if let (Some(a), Some(b)) = (before, after)
-        && sample.total_ops > 0
-    {
-        sample.etcd_server_us_per_op =
-            Some(b.saturating_sub(a) as f64 * TICK_US / sample.total_ops as f64);
-    }
-    Ok(sample)
-}
-
-/// 8a: `EtcdIssuer` acquire + release of one resource per task.
-struct EtcdCycle {
-    issuer: EtcdIssuer,
-    prefix: String,
-}
-
-impl Workload for EtcdCycle {
-    type State = Resource;
-
-    fn state(&self, task: usize) -> Self::State {
-        Resource::new(format!("{}:{task}", self.prefix)).expect("valid resource name")
+    fn pid(&self) -> Option<u32> {
+        self.members().first()?.pid()
     }
 
-    async fn op(&self, resource: &mut Self::State) -> Outcome {
-        match self.issuer.acquire(resource, LEASE_TTL).await {
-            Ok(Some(lease)) => match self.issuer.release(&lease).await {
-                Ok(pgfence::ReleaseOutcome::Released) => Outcome::Applied,
-                Ok(state) => Outcome::Failed(format!("release found {state:?}")),
-                Err(e) => Outcome::Failed(e.to_string()),
-            },
-            Ok(None) => Outcome::Rejected,
-            Err(e) => Outcome::Failed(e.to_string()),
-        }
-    }
-}
-
-/// 8b: `EtcdIssuer::acquire` of a fresh resource; the leases are kept for a release after the
-/// measurement.
-struct EtcdAcquireFresh {
-    issuer: EtcdIssuer,
-    prefix: String,
-    held: Arc<Mutex<Vec<Lease>>>,
-}
-
-impl Workload for EtcdAcquireFresh {
-    type State = (usize, u64);
-
-    fn state(&self, task: usize) -> Self::State {
-        (task, 0)
-    }
-
-    async fn op(&self, (task, n): &mut Self::State) -> Outcome {
-        *n += 1;
-        let resource = match Resource::new(format!("{}:{task}:{n}", self.prefix)) {
-            Ok(r) => r,
-            Err(e) => return Outcome::Failed(e.to_string()),
-        };
-        match self.issuer.acquire(&resource, LEASE_TTL).await {
-            Ok(Some(lease)) => {
-                self.held.lock().expect("not poisoned").push(lease);
-                Outcome::Applied
-            }
-            Ok(None) => Outcome::Rejected,
-            Err(e) => Outcome::Failed(e.to_string()),
-        }
+    fn server_us_per_op(sample: &mut Sample) -> &mut Option<f64> {
+        &mut sample.etcd_server_us_per_op
     }
 }
 
@@ -182,39 +91,46 @@ impl Workload for RawEtcdCycle {
     }
 }
 
-/// Section `etcd`: 8a–8d.
+/// Section `etcd`: 8a–8d (8a and 8d: [`IssuerCycle`]; 8b: [`AcquireHeld`]).
 pub(crate) async fn etcd(
     env: &Env,
     server: &EtcdServer,
     round: usize,
     out: &mut Results,
 ) -> Result<()> {
-    let issuer = EtcdIssuer::connect(&server.url).await?;
+    let issuer = EtcdIssuer::connect(server.url()).await?;
 
-    let work = EtcdCycle {
+    let work = IssuerCycle {
         issuer: issuer.clone(),
         prefix: prefix(env, "etcd-cycle"),
     };
-    let sample = measure_etcd(env, server, work).await?;
+    let sample = server.measure(env, work).await?;
     put(out, round, "etcd.issuer_cycle", sample);
 
     let held = Arc::new(Mutex::new(Vec::new()));
-    let work = EtcdAcquireFresh {
+    let work = AcquireHeld {
         issuer: issuer.clone(),
         prefix: prefix(env, "etcd-fresh"),
         held: Arc::clone(&held),
     };
-    let sample = measure_etcd(env, server, work).await?;
+    let sample = server.measure(env, work).await?;
     put(out, round, "etcd.issuer_fresh", sample);
-    // Unmeasured: release what 8b took, so that the leases do not expire during later figures.
-    let leases = std::mem::take(&mut *held.lock().expect("not poisoned"));
-    release_all(&issuer, leases, env.cfg.tasks).await;
+    // Unmeasured: release what 8b took, so that the leases do not expire during later figures
+    // (errors ignored: the leases expire anyway).
+    let releaser = issuer.clone();
+    release_held(&held, env.cfg.tasks, move |lease| {
+        let issuer = releaser.clone();
+        async move {
+            let _ = issuer.release(&lease).await;
+        }
+    })
+    .await;
 
     let work = RawEtcdCycle {
         client: issuer.client().clone(),
         prefix: format!("{}/bench/{}", issuer.key_prefix(), prefix(env, "etcd-raw")),
     };
-    let sample = measure_etcd(env, server, work).await?;
+    let sample = server.measure(env, work).await?;
     put(out, round, "etcd.raw_cycle", sample);
 
     let work = IssuerCycle {
@@ -224,24 +140,4 @@ pub(crate) async fn etcd(
     let sample = measure_redis(env, work).await?;
     put(out, round, "etcd.redis_cycle", sample);
     Ok(())
-}
-
-/// Releases `leases` on `tasks` tasks (errors ignored: the leases expire anyway).
-async fn release_all(issuer: &EtcdIssuer, leases: Vec<Lease>, tasks: usize) {
-    let leases = Arc::new(Mutex::new(leases));
-    let handles: Vec<_> = (0..tasks.max(1))
-        .map(|_| {
-            let (issuer, leases) = (issuer.clone(), Arc::clone(&leases));
-            tokio::spawn(async move {
-                loop {
-                    let next = leases.lock().expect("not poisoned").pop();
-                    let Some(lease) = next else { break };
-                    let _ = issuer.release(&lease).await;
-                }
-            })
-        })
-        .collect();
-    for h in handles {
-        let _ = h.await;
-    }
 }

@@ -57,7 +57,7 @@
 //!
 //! Run without `--bench` (as `cargo test --all-targets` does), it only prints how to run it.
 //!
-//! Modules: [`config`] (settings), [`servers`] (servers, database, tables), [`measure`] (the
+//! Modules: [`config`] (settings), `coord` (what sections `etcd` and `zk` share), [`servers`] (servers, database, tables), [`measure`] (the
 //! measuring loop), [`cpu`] (CPU accounting per process), [`workloads`] (pgfence and sqlx
 //! loads), [`baselines`] (pgbench, redis-benchmark, rslock, a hand-rolled lock),
 //! [`sections`] (what each section measures), [`report`] (tables and JSON).
@@ -73,6 +73,8 @@
 
 mod baselines;
 mod config;
+#[cfg(any(feature = "etcd", feature = "zk"))]
+mod coord;
 mod cpu;
 #[cfg(feature = "etcd")]
 mod etcd;

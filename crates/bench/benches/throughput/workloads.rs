@@ -1,6 +1,9 @@
 //! The loads measured: pgfence's repository and issuer, and the same writes through raw sqlx.
 
-use pgfence::{Fencing, Issuer, Repository, Resource};
+use std::future::Future;
+use std::time::Duration;
+
+use pgfence::{Fencing, Issuer, Lease, ReleaseOutcome, Repository, Resource};
 use sqlx::{PgPool, SqlStr};
 
 use crate::measure::{BatchKeys, Keys, Outcome, Workload, next_token, stale_token};
@@ -247,16 +250,50 @@ impl Workload for AcquireFresh {
     }
 }
 
-/// 3c: acquire + release of one resource per task.
-pub(crate) struct IssuerCycle<C = pgfence::RedisConnections> {
-    pub(crate) issuer: Issuer<C>,
-    pub(crate) prefix: String,
+/// An issuer the cycle loads drive: its own `acquire` and `release`, called directly (no
+/// boxed futures).
+pub(crate) trait CycleIssuer: Send + Sync + 'static {
+    /// The issuer's `acquire`.
+    fn acquire(
+        &self,
+        resource: &Resource,
+        ttl: Duration,
+    ) -> impl Future<Output = pgfence::Result<Option<Lease>>> + Send;
+
+    /// The issuer's `release`.
+    fn release(
+        &self,
+        lease: &Lease,
+    ) -> impl Future<Output = pgfence::Result<ReleaseOutcome>> + Send;
 }
 
-impl<C> Workload for IssuerCycle<C>
+impl<C> CycleIssuer for Issuer<C>
 where
     C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
 {
+    fn acquire(
+        &self,
+        resource: &Resource,
+        ttl: Duration,
+    ) -> impl Future<Output = pgfence::Result<Option<Lease>>> + Send {
+        Issuer::acquire(self, resource, ttl)
+    }
+
+    fn release(
+        &self,
+        lease: &Lease,
+    ) -> impl Future<Output = pgfence::Result<ReleaseOutcome>> + Send {
+        Issuer::release(self, lease)
+    }
+}
+
+/// 3c (and 8a, 9a): acquire + release of one resource per task.
+pub(crate) struct IssuerCycle<I = Issuer> {
+    pub(crate) issuer: I,
+    pub(crate) prefix: String,
+}
+
+impl<I: CycleIssuer> Workload for IssuerCycle<I> {
     type State = Resource;
 
     fn state(&self, task: usize) -> Self::State {

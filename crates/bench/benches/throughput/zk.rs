@@ -22,12 +22,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use pgfence::{Issuer, Lease, Resource, ZkIssuer};
-use pgfence_testkit::ZkEnsemble;
+use pgfence::{Issuer, Resource, ZkIssuer};
+use pgfence_testkit::{ServerError, ZkEnsemble};
 use zookeeper_client::{Acls, Client, CreateMode};
 
-use crate::LEASE_TTL;
-use crate::measure::{Metric, Outcome, Sample, Workload, measure};
+use crate::coord::{AcquireHeld, LocalServer, Server, release_held};
+use crate::measure::{Outcome, Sample, Workload};
 use crate::sections::{Results, measure_redis, put};
 use crate::servers::{Env, prefix};
 use crate::workloads::IssuerCycle;
@@ -37,143 +37,48 @@ const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The ZooKeeper server of the run: a throwaway server (kept for every round), or
 /// `PGFENCE_ZK_URL`.
-pub(crate) struct ZkServer {
-    /// Kept alive for the run; `None` for `PGFENCE_ZK_URL`.
-    ensemble: Option<ZkEnsemble>,
-    url: String,
-}
+pub(crate) type ZkServer = Server<ZkEnsemble>;
 
-impl ZkServer {
-    /// `PGFENCE_ZK_URL`, or a throwaway standalone server.
-    pub(crate) async fn start() -> Result<Self> {
-        if let Some(url) = std::env::var("PGFENCE_ZK_URL")
-            .ok()
-            .filter(|u| !u.trim().is_empty())
-        {
-            return Ok(Self {
-                ensemble: None,
-                url,
-            });
-        }
-        let ensemble = ZkEnsemble::single()
-            .await
-            .context("starting a throwaway ZooKeeper (or set PGFENCE_ZK_URL)")?;
-        let url = ensemble.url();
-        Ok(Self {
-            ensemble: Some(ensemble),
-            url,
-        })
+impl LocalServer for ZkEnsemble {
+    const ENV: &'static str = "PGFENCE_ZK_URL";
+    const NAME: &'static str = "ZooKeeper";
+    const WHAT: &'static str = "throwaway standalone ZooKeeper";
+
+    async fn start() -> std::result::Result<Self, ServerError> {
+        ZkEnsemble::single().await
     }
 
-    /// Where it came from, for the progress output.
-    pub(crate) fn describe(&self) -> String {
-        match &self.ensemble {
-            Some(_) => format!("throwaway standalone ZooKeeper at {}", self.url),
-            None => format!("PGFENCE_ZK_URL {}", self.url),
-        }
+    fn url(&self) -> String {
+        ZkEnsemble::url(self)
     }
 
-    /// The ZooKeeper JVM's CPU ticks (user + system, all threads) so far, for a local
-    /// throwaway server.
-    fn ticks(&self) -> Option<u64> {
-        let pid = self.ensemble.as_ref()?.members().first()?.pid()?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        pgfence_bench::parse_proc_stat(&stat).map(|(_, own, _)| own)
+    /// The ZooKeeper JVM (its CPU: all threads).
+    fn pid(&self) -> Option<u32> {
+        self.members().first()?.pid()
     }
 
-    /// The connect string of the URL (`host:port,...`), for the raw client: the scheme, a
-    /// trailing `/` and the query are dropped; a host without a port gets 2181.
-    fn hosts(&self) -> String {
-        let rest = self.url.get(pgfence::ZK_SCHEME.len()..).unwrap_or("");
-        let hosts = rest.split('?').next().unwrap_or("");
-        hosts
-            .trim_end_matches('/')
-            .split(',')
-            .map(|h| {
-                if h.ends_with(']') || !h.contains(':') {
-                    format!("{h}:2181")
-                } else {
-                    h.to_owned()
-                }
-            })
-            .collect::<Vec<_>>()
-            .join(",")
+    fn server_us_per_op(sample: &mut Sample) -> &mut Option<f64> {
+        &mut sample.zk_server_us_per_op
     }
 }
 
-/// Microseconds per `USER_HZ` tick.
-const TICK_US: f64 = 10_000.0;
-
-/// Runs `work` like [`measure`], and also reads the ZooKeeper server's CPU per operation.
-async fn measure_zk<W: Workload>(env: &Env, server: &ZkServer, work: W) -> Result<Sample> {
-    let before = server.ticks();
-    let mut sample = measure(&env.cfg, env.cfg.tasks, Metric::Applied, work).await?;
-    let after = server.ticks();
-    if let (Some(a), Some(b)) = (before, after)
-        && sample.total_ops > 0
-    {
-        sample.zk_server_us_per_op =
-            Some(b.saturating_sub(a) as f64 * TICK_US / sample.total_ops as f64);
-    }
-    Ok(sample)
-}
-
-/// 9a: `ZkIssuer` acquire + release of one resource per task.
-struct ZkCycle {
-    issuer: ZkIssuer,
-    prefix: String,
-}
-
-impl Workload for ZkCycle {
-    type State = Resource;
-
-    fn state(&self, task: usize) -> Self::State {
-        Resource::new(format!("{}:{task}", self.prefix)).expect("valid resource name")
-    }
-
-    async fn op(&self, resource: &mut Self::State) -> Outcome {
-        match self.issuer.acquire(resource, LEASE_TTL).await {
-            Ok(Some(lease)) => match self.issuer.release(&lease).await {
-                Ok(pgfence::ReleaseOutcome::Released) => Outcome::Applied,
-                Ok(state) => Outcome::Failed(format!("release found {state:?}")),
-                Err(e) => Outcome::Failed(e.to_string()),
-            },
-            Ok(None) => Outcome::Rejected,
-            Err(e) => Outcome::Failed(e.to_string()),
-        }
-    }
-}
-
-/// 9b: `ZkIssuer::acquire` of a fresh resource; the leases are kept for a release after the
-/// measurement.
-struct ZkAcquireFresh {
-    issuer: ZkIssuer,
-    prefix: String,
-    held: Arc<Mutex<Vec<Lease>>>,
-}
-
-impl Workload for ZkAcquireFresh {
-    type State = (usize, u64);
-
-    fn state(&self, task: usize) -> Self::State {
-        (task, 0)
-    }
-
-    async fn op(&self, (task, n): &mut Self::State) -> Outcome {
-        *n += 1;
-        let resource = match Resource::new(format!("{}:{task}:{n}", self.prefix)) {
-            Ok(r) => r,
-            Err(e) => return Outcome::Failed(e.to_string()),
-        };
-        match self.issuer.acquire(&resource, LEASE_TTL).await {
-            Ok(Some(lease)) => {
-                self.held.lock().expect("not poisoned").push(lease);
-                Outcome::Applied
+/// The connect string of a `zk://` URL (`host:port,...`), for the raw client: the scheme, a
+/// trailing `/` and the query are dropped; a host without a port gets 2181.
+fn hosts(url: &str) -> String {
+    let rest = url.get(pgfence::ZK_SCHEME.len()..).unwrap_or("");
+    let hosts = rest.split('?').next().unwrap_or("");
+    hosts
+        .trim_end_matches('/')
+        .split(',')
+        .map(|h| {
+            if h.ends_with(']') || !h.contains(':') {
+                format!("{h}:2181")
+            } else {
+                h.to_owned()
             }
-            Ok(None) => Outcome::Rejected,
-            Err(e) => Outcome::Failed(e.to_string()),
-        }
-    }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// 9c: the raw ceiling through a session of its own: create an ephemeral sequential node
@@ -210,27 +115,27 @@ impl Workload for RawZkCycle {
     }
 }
 
-/// Section `zk`: 9a–9d.
+/// Section `zk`: 9a–9d (9a and 9d: [`IssuerCycle`]; 9b: [`AcquireHeld`]).
 pub(crate) async fn zk(
     env: &Env,
     server: &ZkServer,
     round: usize,
     out: &mut Results,
 ) -> Result<()> {
-    let issuer = ZkIssuer::connect(&server.url).await?;
+    let issuer = ZkIssuer::connect(server.url()).await?;
     // The raw client's own session: 9c, and the unmeasured cleanup of the issuer's lock dirs.
     let client = Client::connector()
         .with_session_timeout(SESSION_TIMEOUT)
-        .connect(&server.hosts())
+        .connect(&hosts(server.url()))
         .await
         .context("raw zookeeper-client session")?;
 
     let cycle_prefix = prefix(env, "zk-cycle");
-    let work = ZkCycle {
+    let work = IssuerCycle {
         issuer: issuer.clone(),
         prefix: cycle_prefix.clone(),
     };
-    let sample = measure_zk(env, server, work).await?;
+    let sample = server.measure(env, work).await?;
     put(out, round, "zk.issuer_cycle", sample);
     // Unmeasured: the (empty) lock dirs of 9a, so that ZooKeeper's container reaper does not
     // delete them during later figures.
@@ -240,17 +145,27 @@ pub(crate) async fn zk(
     }
 
     let held = Arc::new(Mutex::new(Vec::new()));
-    let work = ZkAcquireFresh {
+    let work = AcquireHeld {
         issuer: issuer.clone(),
         prefix: prefix(env, "zk-fresh"),
         held: Arc::clone(&held),
     };
-    let sample = measure_zk(env, server, work).await?;
+    let sample = server.measure(env, work).await?;
     put(out, round, "zk.issuer_fresh", sample);
     // Unmeasured: release what 9b took and delete its lock dirs, so that the timers, the nodes
-    // and the container reaper do not load later figures.
-    let leases = std::mem::take(&mut *held.lock().expect("not poisoned"));
-    release_all(&issuer, &client, leases, env.cfg.tasks).await;
+    // and the container reaper do not load later figures (errors ignored: the leases expire
+    // anyway, and the dirs are containers ZooKeeper reaps).
+    let (releaser, deleter) = (issuer.clone(), client.clone());
+    release_held(&held, env.cfg.tasks, move |lease| {
+        let (issuer, client) = (releaser.clone(), deleter.clone());
+        async move {
+            let _ = issuer.release(&lease).await;
+            let _ = client
+                .delete(&issuer.lock_dir(lease.resource()), None)
+                .await;
+        }
+    })
+    .await;
     drop(issuer);
 
     let base = format!("/pgfence-bench/{}", prefix(env, "zk-raw"));
@@ -262,7 +177,7 @@ pub(crate) async fn zk(
         client: client.clone(),
         base: base.clone(),
     };
-    let sample = measure_zk(env, server, work).await;
+    let sample = server.measure(env, work).await;
     // The parents (empty by now), whatever the measurement came to.
     for task in 0..env.cfg.tasks {
         let _ = client.delete(&format!("{base}/{task}"), None).await;
@@ -279,28 +194,4 @@ pub(crate) async fn zk(
     let sample = measure_redis(env, work).await?;
     put(out, round, "zk.redis_cycle", sample);
     Ok(())
-}
-
-/// Releases `leases` on `tasks` tasks and deletes their lock dirs through `client` (errors
-/// ignored: the leases expire anyway, and the dirs are containers ZooKeeper reaps).
-async fn release_all(issuer: &ZkIssuer, client: &Client, leases: Vec<Lease>, tasks: usize) {
-    let leases = Arc::new(Mutex::new(leases));
-    let handles: Vec<_> = (0..tasks.max(1))
-        .map(|_| {
-            let (issuer, client, leases) = (issuer.clone(), client.clone(), Arc::clone(&leases));
-            tokio::spawn(async move {
-                loop {
-                    let next = leases.lock().expect("not poisoned").pop();
-                    let Some(lease) = next else { break };
-                    let _ = issuer.release(&lease).await;
-                    let _ = client
-                        .delete(&issuer.lock_dir(lease.resource()), None)
-                        .await;
-                }
-            })
-        })
-        .collect();
-    for h in handles {
-        let _ = h.await;
-    }
 }
