@@ -578,17 +578,19 @@ impl ZkIssuer {
     /// [`Error::ZooKeeper`].
     pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
         let dir = self.lock_dir(&lease.resource);
-        if let Some(held) = self
+        let known = self
             .held(&dir, &lease.owner)
             .filter(|h| h.token == lease.token.get())
-        {
-            // The timer must not delete the node after a newer lease of this owner took it.
-            held.end();
-            self.inner
-                .forget(&(dir.clone(), lease.owner.clone()), &held);
-        }
+            .map(|held| {
+                // The timer must not delete the node after a newer lease of this owner took it.
+                held.end();
+                self.inner
+                    .forget(&(dir.clone(), lease.owner.clone()), &held);
+                held.path.clone()
+            });
         let until = Instant::now() + Duration::from_secs(2);
-        let (outcome, retried) = retrying(until, || self.release_once(&dir, lease)).await;
+        let (outcome, retried) =
+            retrying(until, || self.release_once(&dir, known.as_deref(), lease)).await;
         let outcome = match outcome {
             Ok(outcome) => outcome,
             Err(e) => {
@@ -608,9 +610,24 @@ impl ZkIssuer {
         Ok(outcome)
     }
 
-    async fn release_once(&self, dir: &str, lease: &Lease) -> Result<ReleaseOutcome> {
+    /// One release. `known` is the lease's node when this issuer took it: its path is unique
+    /// (sequence numbers are never reused), so deleting it is owner-safe in one round trip.
+    async fn release_once(
+        &self,
+        dir: &str,
+        known: Option<&str>,
+        lease: &Lease,
+    ) -> Result<ReleaseOutcome> {
         let client = self.session().await?;
-        match self.find(&client, dir, lease).await? {
+        if let Some(path) = known {
+            match timed(client.delete(path, None)).await {
+                Ok(()) => return Ok(ReleaseOutcome::Released),
+                // Gone: expired, deleted by hand, or an earlier try's delete applied.
+                Err(Error::ZooKeeper(zookeeper_client::Error::NoNode)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        match self.find(&client, dir, None, lease).await? {
             Found::Mine(path) => {
                 delete(&client, &path).await?;
                 Ok(ReleaseOutcome::Released)
@@ -621,7 +638,22 @@ impl ZkIssuer {
     }
 
     /// Where `lease`'s lock node is: still there, gone with another holder, or gone and free.
-    async fn find(&self, client: &Client, dir: &str, lease: &Lease) -> Result<Found> {
+    /// `known` (the node's path, when this issuer holds the lease) answers "still there" with
+    /// one read instead of a listing and a read.
+    async fn find(
+        &self,
+        client: &Client,
+        dir: &str,
+        known: Option<&str>,
+        lease: &Lease,
+    ) -> Result<Found> {
+        if let Some(path) = known
+            && timed(client.check_stat(path))
+                .await?
+                .is_some_and(|stat| stat.czxid == lease.token.get())
+        {
+            return Ok(Found::Mine(path.to_owned()));
+        }
         let stem = owner_stem(&lease.owner);
         let nodes = queue(list(client, dir).await?.0);
         if let Some((_, name)) = nodes.first().filter(|(_, n)| is_owners(n, &stem)) {
@@ -683,7 +715,8 @@ impl ZkIssuer {
         let held = self
             .held(&dir, &lease.owner)
             .filter(|h| h.token == lease.token.get());
-        let path = match self.find(&client, &dir, lease).await? {
+        let known = held.as_ref().map(|h| h.path.as_str());
+        let path = match self.find(&client, &dir, known, lease).await? {
             Found::Mine(path) => path,
             Found::Other => return Ok((LeaseState::Taken, None)),
             Found::Free => return Ok((LeaseState::Expired, None)),
