@@ -176,8 +176,10 @@ fn split_qualified(s: &str) -> Result<Vec<String>> {
     }
 }
 
-/// Quotes `value` as an SQL string literal (`'...'` with inner `'` doubled). Used only for the
-/// migration files pgfence writes, where bind parameters do not exist.
+/// Quotes `value` as an SQL string literal: `'...'` with inner `'` doubled, or, when `value`
+/// holds a backslash, `E'...'` with backslashes doubled too, which reads the same whatever the
+/// server's `standard_conforming_strings`. Used where bind parameters do not exist: the
+/// migration files pgfence writes and the PostgreSQL issuer's simple-protocol statements.
 ///
 /// # Errors
 /// [`Error::InvalidIdentifier`] when `value` contains a NUL byte.
@@ -187,6 +189,12 @@ pub fn quote_literal(value: &str) -> Result<String> {
             name: display_name(value),
             reason: "contains a NUL byte",
         });
+    }
+    if value.contains('\\') {
+        return Ok(format!(
+            "E'{}'",
+            value.replace('\\', "\\\\").replace('\'', "''")
+        ));
     }
     Ok(format!("'{}'", value.replace('\'', "''")))
 }

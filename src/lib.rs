@@ -39,8 +39,9 @@ pub use ident::{Ident, TableName};
 pub use issuer::{
     BoxFuture, DEFAULT_KEY_PREFIX, FloorSource, Issuer, IssuerKind, IssuerOptions, KeepAlive,
     Lease, LeaseLost, LeaseState, LockStatus, MAX_KEY_PREFIX_LEN, MAX_TTL, MIN_TTL,
-    RedisConnections, ReleaseOutcome, TokenIssuer, check_key_prefix, check_ttl, connect_issuer,
-    connect_issuer_with, counter_key, default_connections, lock_key, new_owner_id,
+    POSTGRES_SCHEMES, PgIssuer, RedisConnections, ReleaseOutcome, TokenIssuer, check_key_prefix,
+    check_ttl, connect_issuer, connect_issuer_with, counter_key, default_connections,
+    is_postgres_url, lock_key, new_owner_id,
 };
 pub use issuer::{
     DEFAULT_FAILOVER_WAIT, DEFAULT_SENTINEL_PORT, SENTINEL_SCHEME, SentinelConnections,

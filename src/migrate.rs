@@ -45,6 +45,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V6__observe_mode",
         include_str!("../migrations/V6__observe_mode.sql"),
     ),
+    (
+        "V7__pg_issuer",
+        include_str!("../migrations/V7__pg_issuer.sql"),
+    ),
 ];
 
 /// One migration, as reported by [`migrate`] and [`status`].

@@ -29,32 +29,36 @@ pub enum IssuerKind {
     /// The ZooKeeper issuer (`ZkIssuer`, feature `zk`): tokens are the zxids that created the
     /// lock nodes, which never go backwards; reseeding is a no-op.
     ZooKeeper,
+    /// The PostgreSQL issuer ([`PgIssuer`](crate::PgIssuer)): a counter row that commits in
+    /// the same WAL as the fences it protects; reseeding is a no-op.
+    Postgres,
 }
 
 impl IssuerKind {
-    /// `"redis"`, `"etcd"` or `"zk"`.
+    /// `"redis"`, `"etcd"`, `"zk"` or `"postgres"`.
     #[must_use]
     pub fn name(self) -> &'static str {
         match self {
             IssuerKind::Redis => "redis",
             IssuerKind::Etcd => "etcd",
             IssuerKind::ZooKeeper => "zk",
+            IssuerKind::Postgres => "postgres",
         }
     }
 
-    /// Whether this build of pgfence includes this issuer (Redis always; etcd with the `etcd`
-    /// feature, ZooKeeper with the `zk` feature).
+    /// Whether this build of pgfence includes this issuer (Redis and PostgreSQL always; etcd
+    /// with the `etcd` feature, ZooKeeper with the `zk` feature).
     #[must_use]
     pub fn is_built(self) -> bool {
         match self {
-            IssuerKind::Redis => true,
+            IssuerKind::Redis | IssuerKind::Postgres => true,
             IssuerKind::Etcd => cfg!(feature = "etcd"),
             IssuerKind::ZooKeeper => cfg!(feature = "zk"),
         }
     }
 
     /// Whether this issuer's counter can go backwards (and so can be reseeded from Postgres):
-    /// true for Redis, false for etcd and ZooKeeper.
+    /// true for Redis, false for etcd, ZooKeeper and PostgreSQL.
     #[must_use]
     pub fn can_reseed(self) -> bool {
         self == IssuerKind::Redis
@@ -270,10 +274,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> TokenIssuer for Issuer<C
 }
 
 /// [`TokenIssuer`] for an issuer whose tokens never go backwards (etcd revisions, ZooKeeper
-/// zxids): the methods delegate to the issuer's own; `raise_floor`, `recover_from` and
-/// `reseed` change nothing and report the current counter (`raise_floor` still checks
-/// `floor` as the Redis issuer does).
-#[cfg(any(feature = "etcd", feature = "zk"))]
+/// zxids, a PostgreSQL counter committed with the fences): the methods delegate to the
+/// issuer's own; `raise_floor`, `recover_from` and `reseed` change nothing and report the
+/// current counter (`raise_floor` still checks `floor` as the Redis issuer does).
 macro_rules! never_backwards_issuer {
     ($ty:ty, $kind:expr) => {
         impl TokenIssuer for $ty {
@@ -369,6 +372,7 @@ macro_rules! never_backwards_issuer {
 never_backwards_issuer!(super::EtcdIssuer, IssuerKind::Etcd);
 #[cfg(feature = "zk")]
 never_backwards_issuer!(super::ZkIssuer, IssuerKind::ZooKeeper);
+never_backwards_issuer!(super::PgIssuer, IssuerKind::Postgres);
 
 /// How [`connect_issuer_with`] sets up the issuer it connects.
 #[derive(Clone, Debug, Default)]
@@ -393,13 +397,17 @@ impl IssuerOptions {
     }
 
     /// Recover a lost Redis counter from this database ([`Issuer::with_floor_source`]).
-    /// Ignored by etcd and ZooKeeper, whose revisions and zxids are never lost.
+    /// Ignored by etcd, ZooKeeper and PostgreSQL, whose counters never go backwards.
     #[must_use]
     pub fn floor_source(mut self, pool: PgPool) -> Self {
         self.floor_source = Some(pool);
         self
     }
 }
+
+/// The issuer URL schemes, for error messages.
+const EXPECTED_SCHEMES: &str =
+    "redis://, rediss://, redis+sentinel://, etcd://, zk://, postgres:// or postgresql://";
 
 /// The scheme of `url`, lower-cased, with its `://` (`None` without one).
 fn scheme(url: &str) -> Option<String> {
@@ -428,7 +436,10 @@ pub async fn connect_issuer(url: &str) -> Result<Arc<dyn TokenIssuer>> {
 ///   issuer through Redis Sentinel ([`Issuer::connect_sentinel`]);
 /// * `etcd://host:port[,host:port...]`: the etcd issuer (feature `etcd`);
 /// * `zk://host:port[,host:port...][?session_timeout_ms=N]`: the ZooKeeper issuer (feature
-///   `zk`).
+///   `zk`);
+/// * `postgres://...` or `postgresql://...`: the PostgreSQL issuer
+///   ([`PgIssuer::connect`](crate::PgIssuer::connect)); the database needs pgfence's
+///   migrations.
 ///
 /// # Errors
 /// [`Error::IssuerNotBuilt`] for `etcd://` or `zk://` without the feature;
@@ -489,12 +500,19 @@ pub async fn connect_issuer_with(
             scheme: "zk://",
             feature: "zk",
         }),
+        Some("postgres://" | "postgresql://") => {
+            let mut issuer = super::PgIssuer::connect(url).await?;
+            if let Some(prefix) = &options.key_prefix {
+                issuer = issuer.with_key_prefix(prefix)?;
+            }
+            Ok(Arc::new(issuer))
+        }
         Some(other) => Err(Error::InvalidIssuerUrl(format!(
-            "unknown scheme {other:?}; expected redis://, rediss://, redis+sentinel://, etcd:// or zk://"
+            "unknown scheme {other:?}; expected {EXPECTED_SCHEMES}"
         ))),
-        None => Err(Error::InvalidIssuerUrl(
-            "no scheme; expected redis://, rediss://, redis+sentinel://, etcd:// or zk://".into(),
-        )),
+        None => Err(Error::InvalidIssuerUrl(format!(
+            "no scheme; expected {EXPECTED_SCHEMES}"
+        ))),
     }
 }
 

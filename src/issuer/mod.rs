@@ -14,6 +14,7 @@ mod connections;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod keepalive;
+mod pg;
 mod scripts;
 mod sentinel;
 #[cfg(feature = "zk")]
@@ -39,6 +40,7 @@ pub(crate) use etcd::is_transient as etcd_is_transient;
 #[cfg(feature = "etcd")]
 pub use etcd::{ETCD_SCHEME, EtcdIssuer, etcd_lock_key, is_etcd_url};
 pub use keepalive::{KeepAlive, LeaseLost};
+pub use pg::{POSTGRES_SCHEMES, PgIssuer, is_postgres_url};
 use scripts::{ACQUIRE, EXTEND, RAISE_FLOOR, REISSUE, RELEASE};
 pub use sentinel::{
     DEFAULT_FAILOVER_WAIT, DEFAULT_SENTINEL_PORT, SENTINEL_SCHEME, SentinelConnections,
@@ -797,9 +799,8 @@ fn unexpected(v: &[Value]) -> Error {
 
 /// Runs an owner-safe `op` until it succeeds, fails for a reason that is not transient, or
 /// `until` passes (backoff 25 ms doubling to 400 ms between attempts). Also says whether it was
-/// re-sent. Used by the consensus-store issuers, whose release and extend compare owner and
-/// token, so sending them twice is harmless.
-#[cfg(any(feature = "etcd", feature = "zk"))]
+/// re-sent. Used by the consensus-store and PostgreSQL issuers, whose release and extend
+/// compare owner and token, so sending them twice is harmless.
 pub(crate) async fn retrying<T, F, Fut>(until: Instant, mut op: F) -> (Result<T>, bool)
 where
     F: FnMut() -> Fut,
@@ -820,10 +821,9 @@ where
     }
 }
 
-/// The waiting acquire of the consensus-store issuers: calls `try_once` with one owner id
+/// The waiting acquire of the consensus-store and PostgreSQL issuers: calls `try_once` with one owner id
 /// until it gets the lock or `wait` runs out (`Ok(None)`), sleeping [`wait_nap`] between tries
 /// and waiting through retryable errors (a failover while waiting) up to the deadline.
-#[cfg(any(feature = "etcd", feature = "zk"))]
 pub(crate) async fn acquire_waiting<F, Fut>(
     ttl: Duration,
     wait: Duration,

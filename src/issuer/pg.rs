@@ -1,0 +1,425 @@
+//! The PostgreSQL issuer: leases and fence tokens kept in the database the fences live in
+//! (migration V7: `pgfence.issuer_lock`, `pgfence.issuer_counter` and the `pgfence.issuer_*`
+//! functions).
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, PgPool, Row};
+use tokio::time::Instant;
+
+use super::{
+    DEFAULT_KEY_PREFIX, KeepAlive, Lease, LeaseState, LockStatus, ReleaseOutcome, acquire_waiting,
+    check_key_prefix, check_owner, retrying, ttl_millis,
+};
+use crate::ident::quote_literal;
+use crate::{Error, FenceToken, Resource, Result};
+
+/// The URL schemes that select the PostgreSQL issuer in
+/// [`connect_issuer`](crate::connect_issuer): `postgres://` and `postgresql://`.
+pub const POSTGRES_SCHEMES: [&str; 2] = ["postgres://", "postgresql://"];
+
+/// Whether `url` names the PostgreSQL issuer (`postgres://` or `postgresql://`, any case).
+#[must_use]
+pub fn is_postgres_url(url: &str) -> bool {
+    let head = url.get(..13).unwrap_or(url).to_ascii_lowercase();
+    POSTGRES_SCHEMES.iter().any(|s| head.starts_with(s))
+}
+
+/// How many times an acquire is re-sent, with the same owner id, after a transport error.
+const ACQUIRE_ATTEMPTS: u32 = 3;
+
+/// How long a release or a status read is re-sent after transport errors.
+const RESEND_WINDOW: Duration = Duration::from_secs(2);
+
+/// Connections [`PgIssuer::connect`] opens at most.
+const POOL_SIZE: u32 = 8;
+
+/// Issues leases and fence tokens from PostgreSQL: no Redis, etcd or ZooKeeper needed.
+///
+/// A lock is a row of `pgfence.issuer_lock` (owner id, token, expiry by the **database's**
+/// clock), a token counter a row of `pgfence.issuer_counter` (one per resource, or per fencing
+/// domain). Each operation is **one statement** calling one `SECURITY DEFINER` function
+/// (`pgfence.issuer_acquire`, `issuer_release`, `issuer_extend`, `issuer_status`), sent with
+/// the simple query protocol: no prepared statement, no advisory lock, no session setting, so
+/// it works through a transaction-mode pooler (PgBouncer), and an application role that
+/// `pgfence grant` prepared can use it without being able to lower a counter or take a live
+/// lock from its holder.
+///
+/// # Why there is nothing to reseed
+///
+/// Pointed at the database whose rows it fences (the recommended set-up), the counter and the
+/// fences commit in the same WAL: a token can never be behind a fence written after it was
+/// issued, and a restart or crash recovery moves both together. So
+/// [`TokenIssuer::raise_floor`](crate::TokenIssuer::raise_floor),
+/// [`recover_from`](crate::TokenIssuer::recover_from) and
+/// [`reseed`](crate::TokenIssuer::reseed) change nothing ([`IssuerKind::can_reseed`](crate::IssuerKind::can_reseed)
+/// is false). A counter that does not exist yet starts above the high-water mark PostgreSQL
+/// recorded for the resource (or its domain), so switching a resource from another issuer
+/// keeps its checks working. One limit remains: an *asynchronous* standby promoted after the
+/// primary died may have lost the newest commits, counter and fences alike, and can then hand
+/// out again a token a lease held before the failover; run the database with synchronous
+/// replication where zombies across a database failover matter.
+///
+/// # Waiting
+///
+/// [`PgIssuer::acquire_wait`] polls with jittered backoff (10 ms doubling to 500 ms, never
+/// past the holder's remaining TTL, which the acquire reports). LISTEN/NOTIFY would need a
+/// session of its own, which a transaction-mode pooler cannot give.
+///
+/// ```no_run
+/// # async fn f() -> pgfence::Result<()> {
+/// use std::time::Duration;
+/// let issuer = pgfence::PgIssuer::connect("postgres://app@127.0.0.1/billing").await?;
+/// let resource = pgfence::Resource::new("payments:batch:42")?;
+/// if let Some(lease) = issuer.acquire(&resource, Duration::from_secs(30)).await? {
+///     // ... fenced writes with lease.token() ...
+///     issuer.release(&lease).await?;
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PgIssuer {
+    pool: PgPool,
+    prefix: Arc<str>,
+}
+
+impl std::fmt::Debug for PgIssuer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgIssuer")
+            .field("key_prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgIssuer {
+    /// Connects to PostgreSQL at `url` (`postgres://` or `postgresql://`, anything sqlx's
+    /// [`PgConnectOptions`] parses) with a small pool of its own. The database needs pgfence's
+    /// migrations (V7 or later).
+    ///
+    /// # Errors
+    /// [`Error::InvalidIssuerUrl`] for a URL that does not parse (the URL is not echoed: it
+    /// may hold a password); [`Error::Database`] when the server cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self> {
+        if !is_postgres_url(url) {
+            return Err(Error::InvalidIssuerUrl(
+                "the PostgreSQL issuer takes postgres:// or postgresql:// URLs".into(),
+            ));
+        }
+        let options = PgConnectOptions::from_str(url).map_err(|e| {
+            Error::InvalidIssuerUrl(format!("PostgreSQL URL did not parse: {}", redacted(&e)))
+        })?;
+        let pool = PgPoolOptions::new()
+            .max_connections(POOL_SIZE)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options)
+            .await?;
+        Ok(Self::new(pool))
+    }
+
+    /// An issuer on an existing pool (for example the service's own: the issuer's statements
+    /// are short and hold no connection between calls).
+    #[must_use]
+    pub fn new(pool: PgPool) -> Self {
+        Self {
+            pool,
+            prefix: Arc::from(DEFAULT_KEY_PREFIX),
+        }
+    }
+
+    /// The same issuer with another key prefix: issuers with different prefixes share no lock
+    /// and no counter on one database.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKeyPrefix`] (see [`check_key_prefix`]).
+    pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
+        self.prefix = Arc::from(check_key_prefix(prefix)?);
+        Ok(self)
+    }
+
+    /// The key prefix (`pgfence` by default).
+    #[must_use]
+    pub fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The pool the issuer sends its statements on.
+    #[must_use]
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::MIN_TTL)`..=`[`MAX_TTL`](crate::MAX_TTL)
+    /// (nothing is sent); [`Error::InvalidToken`] when the counter would pass
+    /// [`MAX_TOKEN`](crate::MAX_TOKEN) (nothing changes); [`Error::Database`].
+    pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
+        Ok(self
+            .acquire_as(resource, &super::new_owner_id(), ttl)
+            .await?
+            .ok())
+    }
+
+    /// Like [`PgIssuer::acquire`] with a caller-chosen owner id. Re-running it with the same
+    /// owner while the lease is held returns the same token and renews the TTL (the
+    /// idempotent retry after a lost reply). `Err(retry_in)` (the holder's remaining TTL by the
+    /// database's clock) when another owner holds the lock.
+    ///
+    /// # Errors
+    /// As [`PgIssuer::acquire`]; [`Error::InvalidOwner`] for an empty owner id, one containing
+    /// `:` or a NUL byte, or one longer than 256 bytes.
+    pub async fn acquire_as(
+        &self,
+        resource: &Resource,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<std::result::Result<Lease, Duration>> {
+        let ttl_ms = ttl_millis(ttl)?;
+        let owner_lit = owner_literal(owner)?;
+        let sql = format!(
+            "SELECT acquired, token, ttl_ms FROM pgfence.issuer_acquire({}, {}, {owner_lit}, {ttl_ms})",
+            self.prefix_literal()?,
+            resource_literal(resource)?,
+        );
+        let _timer = crate::metrics::Timer::acquire();
+        let mut attempt = 0;
+        let result = loop {
+            let sent_at = Instant::now();
+            match self.one_row(&sql).await {
+                Ok(row) => break decode_acquire(&row, resource, owner, ttl, sent_at),
+                // The same owner id makes a re-sent acquire return the token already issued.
+                Err(e) if attempt + 1 < ACQUIRE_ATTEMPTS && e.is_retryable() => attempt += 1,
+                Err(e) => break Err(token_limit(e)),
+            }
+        };
+        crate::metrics::acquisition(match &result {
+            Ok(Ok(_)) => "acquired",
+            Ok(Err(_)) => "busy",
+            Err(_) => "error",
+        });
+        result
+    }
+
+    /// Waits up to `wait` for the lock (see the type's docs, "Waiting"), also through
+    /// retryable errors such as a database restart. `Ok(None)` when the wait ran out.
+    ///
+    /// # Errors
+    /// As [`PgIssuer::acquire`].
+    pub async fn acquire_wait(
+        &self,
+        resource: &Resource,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<Option<Lease>> {
+        acquire_waiting(ttl, wait, |owner| async move {
+            self.acquire_as(resource, &owner, ttl).await
+        })
+        .await
+    }
+
+    /// Releases the lock if `lease` (owner and token) still holds it. The counter is left
+    /// alone. A release lost in transit is sent again for up to 2 s; when a re-sent release
+    /// finds the lock gone before the lease's local deadline, an earlier attempt released it.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
+        let sql = format!(
+            "SELECT pgfence.issuer_release({}, {}, {}, {}) AS code",
+            self.prefix_literal()?,
+            resource_literal(&lease.resource)?,
+            owner_literal(&lease.owner)?,
+            lease.token.get(),
+        );
+        let (result, retried) = retrying(Instant::now() + RESEND_WINDOW, || self.code(&sql)).await;
+        let outcome = ReleaseOutcome::from_reply(result?);
+        if outcome == ReleaseOutcome::AlreadyExpired && retried && Instant::now() < lease.deadline {
+            return Ok(ReleaseOutcome::Released);
+        }
+        Ok(outcome)
+    }
+
+    /// Extends the lock to `ttl` from now (the database's now) if `lease` still holds it, and
+    /// moves the lease's local deadline accordingly. Re-sent after transport errors until the
+    /// lease's local deadline, or for 2 s when that is sooner.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDuration`]; [`Error::Database`].
+    pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
+        let until = lease.deadline.max(Instant::now() + RESEND_WINDOW);
+        self.extend_until(lease, ttl, until).await
+    }
+
+    /// [`PgIssuer::extend`], re-sending after transport failures until `until` (what
+    /// [`KeepAlive`] uses).
+    ///
+    /// # Errors
+    /// As [`PgIssuer::extend`].
+    pub async fn extend_until(
+        &self,
+        lease: &mut Lease,
+        ttl: Duration,
+        until: Instant,
+    ) -> Result<LeaseState> {
+        let ttl_ms = ttl_millis(ttl)?;
+        let sql = format!(
+            "SELECT pgfence.issuer_extend({}, {}, {}, {}, {ttl_ms}) AS code",
+            self.prefix_literal()?,
+            resource_literal(&lease.resource)?,
+            owner_literal(&lease.owner)?,
+            lease.token.get(),
+        );
+        let mut sent_at = Instant::now();
+        let (result, _) = retrying(until, || {
+            sent_at = Instant::now();
+            self.code(&sql)
+        })
+        .await;
+        let state = LeaseState::from_reply(result?);
+        if state == LeaseState::Held {
+            lease.ttl = ttl;
+            lease.deadline = sent_at + ttl;
+        }
+        Ok(state)
+    }
+
+    /// Reads `resource`'s lock (a lapsed one reads as free) and counter.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
+        let sql = format!(
+            "SELECT owner, token, ttl_ms, counter FROM pgfence.issuer_status({}, {})",
+            self.prefix_literal()?,
+            resource_literal(resource)?,
+        );
+        let (row, _) = retrying(Instant::now() + RESEND_WINDOW, || self.one_row(&sql)).await;
+        let row = row?;
+        let owner: Option<String> = row.try_get("owner")?;
+        Ok(LockStatus {
+            resource: resource.to_string(),
+            token: row.try_get("token")?,
+            ttl_ms: if owner.is_some() {
+                row.try_get("ttl_ms")?
+            } else {
+                None
+            },
+            owner,
+            counter: row.try_get("counter")?,
+        })
+    }
+
+    /// Keeps `lease` alive in the background; see [`KeepAlive`].
+    #[must_use]
+    pub fn keep_alive(&self, lease: &Lease) -> KeepAlive {
+        KeepAlive::spawn(Arc::new(self.clone()), lease.clone())
+    }
+
+    fn prefix_literal(&self) -> Result<String> {
+        quote_literal(&self.prefix)
+            .map_err(|_| Error::InvalidKeyPrefix("contains a NUL byte".into()))
+    }
+
+    /// One statement, simple query protocol (no named prepared statement for a pooler to
+    /// lose), one row back.
+    async fn one_row(&self, sql: &str) -> Result<PgRow> {
+        Ok(sqlx::raw_sql(AssertSqlSafe(sql.to_owned()))
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
+    async fn code(&self, sql: &str) -> Result<i64> {
+        let code: i32 = self.one_row(sql).await?.try_get("code")?;
+        Ok(i64::from(code))
+    }
+}
+
+fn decode_acquire(
+    row: &PgRow,
+    resource: &Resource,
+    owner: &str,
+    ttl: Duration,
+    sent_at: Instant,
+) -> Result<std::result::Result<Lease, Duration>> {
+    let acquired: bool = row.try_get("acquired")?;
+    if !acquired {
+        let ms: i64 = row.try_get::<Option<i64>, _>("ttl_ms")?.unwrap_or(0);
+        return Ok(Err(Duration::from_millis(u64::try_from(ms).unwrap_or(0))));
+    }
+    let token: i64 = row
+        .try_get::<Option<i64>, _>("token")?
+        .ok_or_else(|| Error::InvalidToken("NULL from pgfence.issuer_acquire".into()))?;
+    Ok(Ok(Lease {
+        resource: resource.clone(),
+        owner: owner.to_owned(),
+        token: FenceToken::new(token)?,
+        ttl,
+        deadline: sent_at + ttl,
+    }))
+}
+
+/// The acquire's refusal to pass the token limit (SQLSTATE 22003) as [`Error::InvalidToken`].
+fn token_limit(e: Error) -> Error {
+    if let Error::Database(sqlx::Error::Database(db)) = &e
+        && db.code().as_deref() == Some("22003")
+    {
+        return Error::InvalidToken(db.message().to_owned());
+    }
+    e
+}
+
+fn resource_literal(resource: &Resource) -> Result<String> {
+    quote_literal(resource.as_str())
+        .map_err(|_| Error::InvalidResource("contains a NUL byte".into()))
+}
+
+fn owner_literal(owner: &str) -> Result<String> {
+    check_owner(owner)?;
+    if owner.len() > 256 {
+        return Err(Error::InvalidOwner(format!(
+            "{} bytes long, at most 256 allowed",
+            owner.len()
+        )));
+    }
+    quote_literal(owner).map_err(|_| Error::InvalidOwner("contains a NUL byte".into()))
+}
+
+/// A URL parse error's text without the URL (which may hold a password).
+fn redacted(e: &sqlx::Error) -> String {
+    match e {
+        sqlx::Error::Configuration(inner) => inner.to_string(),
+        _ => "invalid connection URL".to_owned(),
+    }
+    .chars()
+    .take(200)
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schemes() {
+        assert!(is_postgres_url("postgres://h/db"));
+        assert!(is_postgres_url("PostgreSQL://h/db"));
+        assert!(!is_postgres_url("redis://h"));
+        assert!(!is_postgres_url("postgres:/h"));
+    }
+
+    #[test]
+    fn literals_quote_hostile_text() {
+        let r = Resource::new(r"a'b\c").unwrap();
+        assert_eq!(resource_literal(&r).unwrap(), r"E'a''b\\c'");
+        assert!(matches!(owner_literal("a:b"), Err(Error::InvalidOwner(_))));
+        assert!(matches!(owner_literal("a\0b"), Err(Error::InvalidOwner(_))));
+        assert!(matches!(
+            owner_literal(&"x".repeat(257)),
+            Err(Error::InvalidOwner(_))
+        ));
+    }
+}
