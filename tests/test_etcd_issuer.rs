@@ -29,6 +29,7 @@ const ETCD: Profile = Profile {
     ttl_resolution: SEC,
     expiry_slack: Duration::from_secs(5),
     reports_retry_in: true,
+    counter_is_last_token: false,
 };
 
 fn skip(test: &str) -> bool {

@@ -4,13 +4,10 @@
 //! and `zk_through_the_trait` (`tests/test_zk_issuer.rs`) run on the other issuers. Also
 //! Redis's floor and recovery, and the key prefixes.
 
-// This binary runs only `issuer_suite::lease_semantics`; the suite's other items (its test
-// functions, `lease_tests!` and the failover's `Cluster`) are the etcd and ZooKeeper binaries'.
+// The leader failover and its `Cluster` are the consensus stores' (etcd, ZooKeeper) tests.
 #[allow(
     dead_code,
-    unused_imports,
-    unused_macros,
-    reason = "only lease_semantics is used here; the rest is for the etcd and zk test binaries"
+    reason = "the cluster failover is the consensus stores' test"
 )]
 mod issuer_suite;
 mod support;
@@ -23,10 +20,35 @@ use pgfence::{
     connect_issuer, connect_issuer_with,
 };
 use redis::AsyncCommands;
-use support::{TestDb, redis_url, unique_resource};
+use support::{TestDb, issuer, redis_url, unique_resource};
 use tokio::time::Instant;
 
 const SEC: Duration = Duration::from_secs(1);
+
+/// Redis keeps TTLs to the millisecond and tells a refused owner the holder's remaining TTL;
+/// the counter is the resource's last token.
+const REDIS: issuer_suite::Profile = issuer_suite::Profile {
+    name: "redis",
+    label: "Redis",
+    ttl_resolution: Duration::ZERO,
+    expiry_slack: Duration::from_secs(2),
+    reports_retry_in: true,
+    counter_is_last_token: true,
+};
+
+/// Nothing to skip: Redis is what every issuer test of this crate needs.
+fn skip(_test: &str) -> bool {
+    false
+}
+
+// The suite's shared tests, as for the other issuers (they were copies in test_issuer.rs):
+// concurrent_acquisitions_are_exclusive_and_strictly_increasing,
+// expired_lease_cannot_release_or_extend_the_next_holders_lock,
+// owner_extend_keeps_the_lock_past_its_ttl,
+// retried_acquire_by_the_same_owner_returns_the_same_token,
+// wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time,
+// paused_holder_is_fenced_by_postgres.
+issuer_suite::lease_tests!(REDIS, skip, issuer);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_through_the_trait() {

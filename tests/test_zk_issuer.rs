@@ -31,6 +31,7 @@ const ZK: Profile = Profile {
     ttl_resolution: Duration::ZERO,
     expiry_slack: Duration::from_secs(3),
     reports_retry_in: false,
+    counter_is_last_token: false,
 };
 
 fn skip(test: &str) -> bool {

@@ -17,7 +17,8 @@ const SENTINEL_MASTER: &str = "pgfence-chaos";
 /// How long a failover may take to elect a new leader (or promote the replica).
 const ELECTION_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Parses an issuer name: `redis`, `etcd`, or `zk` (also `zookeeper`).
+/// Parses an issuer name: `redis`, `etcd`, `zk` (also `zookeeper`) or `postgres` (also
+/// `postgresql`, `pg`).
 ///
 /// # Errors
 /// The name of no issuer.
@@ -26,8 +27,9 @@ pub fn parse_issuer(name: &str) -> Result<IssuerKind, String> {
         "redis" => Ok(IssuerKind::Redis),
         "etcd" => Ok(IssuerKind::Etcd),
         "zk" | "zookeeper" => Ok(IssuerKind::ZooKeeper),
+        "postgres" | "postgresql" | "pg" => Ok(IssuerKind::Postgres),
         other => Err(format!(
-            "unknown issuer {other:?} (expected redis, etcd or zk)"
+            "unknown issuer {other:?} (expected redis, etcd, zk or postgres)"
         )),
     }
 }
@@ -41,6 +43,7 @@ pub fn issuer_of_url(url: &str) -> Option<IssuerKind> {
         "redis" | "rediss" | "redis+unix" | "unix" | "redis+sentinel" => Some(IssuerKind::Redis),
         "etcd" => Some(IssuerKind::Etcd),
         "zk" => Some(IssuerKind::ZooKeeper),
+        "postgres" | "postgresql" => Some(IssuerKind::Postgres),
         _ => None,
     }
 }
@@ -52,6 +55,10 @@ pub fn issuer_of_url(url: &str) -> Option<IssuerKind> {
 /// | Redis | one `redis-server` (restartable: it comes back empty) | a master, one replica and three sentinels (quorum 2, down after 1 s): `redis+sentinel://` |
 /// | etcd | one member | three members |
 /// | ZooKeeper | one standalone server | an ensemble of three |
+///
+/// The PostgreSQL issuer has no deployment: it runs on the harness's own database
+/// ([`Target::postgres`](crate::Target::postgres)), whose restarts are the caller's (a
+/// throwaway [`Server`]); [`Deployment::start`] refuses it.
 ///
 /// Dropping it stops every process and removes their directories.
 #[derive(Debug)]
@@ -90,6 +97,13 @@ impl Deployment {
             }
             (IssuerKind::ZooKeeper, failover) => {
                 Servers::Zk(ZkEnsemble::start(if failover { 3 } else { 1 }).await?)
+            }
+            (IssuerKind::Postgres, _) => {
+                return Err(ChaosError::Config(
+                    "the postgres issuer has no servers of its own: it runs on the harness's \
+                     database (Target::postgres); a PostgreSQL failover is not implemented"
+                        .into(),
+                ));
             }
             (other, _) => {
                 return Err(ChaosError::Config(format!(

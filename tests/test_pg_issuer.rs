@@ -1,0 +1,499 @@
+//! The PostgreSQL issuer (`PgIssuer`) against real PostgreSQL: the lease semantics of the other
+//! issuers (the shared suite in `issuer_suite`), its table layout, fencing domains and key
+//! prefixes, hostile names, the token limit, least privilege, a restart and killed backends.
+//!
+//! The suite's tests share one migrated database per test binary on the tests' PostgreSQL
+//! (`DATABASE_URL`, else a throwaway server); tests that look at the tables use databases of
+//! their own.
+
+// The leader failover and its `Cluster` are for the etcd and ZooKeeper binaries.
+#[allow(
+    dead_code,
+    reason = "the cluster failover is the consensus stores' test"
+)]
+mod issuer_suite;
+mod support;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use issuer_suite::Profile;
+use pgfence::{
+    Error, Fence, FenceToken, IssuerKind, IssuerOptions, LeaseState, PgIssuer, ReleaseOutcome,
+    Resource, connect_issuer, connect_issuer_with,
+};
+use pgfence_testkit::Server;
+use sqlx::postgres::PgPoolOptions;
+use support::{TestDb, unique_resource};
+use tokio::sync::OnceCell;
+use tokio::time::Instant;
+
+const SEC: Duration = Duration::from_secs(1);
+
+/// Expiry is by the database clock, to the millisecond; a refused owner is told the holder's
+/// remaining TTL.
+const PG: Profile = Profile {
+    name: "pg",
+    label: "PostgreSQL",
+    ttl_resolution: Duration::ZERO,
+    expiry_slack: Duration::from_secs(2),
+    reports_retry_in: true,
+    counter_is_last_token: true,
+};
+
+/// Nothing to skip: PostgreSQL is what every test of this crate needs.
+fn skip(_test: &str) -> bool {
+    false
+}
+
+/// The URL of the migrated database the suite's tests share (one per test binary; on a
+/// throwaway server it goes with the server).
+async fn shared_db_url() -> String {
+    static DB: OnceCell<String> = OnceCell::const_new();
+    DB.get_or_init(|| async {
+        let db = TestDb::new().await;
+        let url = db.url();
+        // Kept for the binary's life: the tests share it (each test has its own runtime, so
+        // each connects its own pool).
+        std::mem::forget(db);
+        url
+    })
+    .await
+    .clone()
+}
+
+/// An issuer on the shared database (a pool of its own: each test has its own runtime).
+async fn issuer() -> PgIssuer {
+    PgIssuer::connect(&shared_db_url().await)
+        .await
+        .expect("connect the PostgreSQL issuer")
+}
+
+// The suite's shared tests, as for the other issuers:
+// concurrent_acquisitions_are_exclusive_and_strictly_increasing,
+// expired_lease_cannot_release_or_extend_the_next_holders_lock,
+// owner_extend_keeps_the_lock_past_its_ttl,
+// retried_acquire_by_the_same_owner_returns_the_same_token,
+// wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time,
+// paused_holder_is_fenced_by_postgres.
+issuer_suite::lease_tests!(PG, skip, issuer);
+
+#[tokio::test]
+async fn bad_ttls_owners_and_urls_are_refused_before_touching_postgres() {
+    issuer_suite::bad_ttls_and_owners_are_refused(&PG, issuer().await).await;
+    let issuer = issuer().await;
+    let resource = unique_resource("pg-bad-owner");
+    for owner in ["a\0b".to_owned(), "x".repeat(257)] {
+        assert!(matches!(
+            issuer.acquire_as(&resource, &owner, SEC).await,
+            Err(Error::InvalidOwner(_))
+        ));
+    }
+    for url in ["redis://127.0.0.1:6379", "postgres:/nohost", "mysql://h/db"] {
+        assert!(
+            matches!(
+                PgIssuer::connect(url).await,
+                Err(Error::InvalidIssuerUrl(_))
+            ),
+            "{url}"
+        );
+    }
+    // A URL that does not parse is refused without echoing it (it may hold a password).
+    let err = connect_issuer("postgres://user:s3cret@127.0.0.1:notaport/db")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err:?}");
+    assert!(!err.to_string().contains("s3cret"), "{err}");
+}
+
+/// The lease semantics of the other issuers, through `Arc<dyn TokenIssuer>`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_through_the_trait() {
+    let issuer = connect_issuer(&shared_db_url().await).await.unwrap();
+    assert_eq!(issuer.kind(), IssuerKind::Postgres);
+    assert_eq!(issuer.kind().name(), "postgres");
+    assert!(issuer.kind().is_built());
+    assert!(!issuer.kind().can_reseed());
+    // Expiry by the database clock, to the millisecond: sub-second TTLs work.
+    issuer_suite::lease_semantics(issuer, Duration::from_millis(300), SEC).await;
+}
+
+/// The counter commits with the fences: raise_floor, recover_from and reseed change nothing.
+#[tokio::test]
+async fn pg_floor_and_recovery_are_no_ops() {
+    let db = TestDb::new().await;
+    let issuer = connect_issuer(&db.url()).await.unwrap();
+    let resource = unique_resource("pg-floor");
+    let first = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
+    issuer.release(&first).await.unwrap();
+    let counter = issuer.status(&resource).await.unwrap().counter;
+    assert_eq!(counter, first.token().get());
+    let after = issuer_suite::floor_and_recovery_are_no_ops(&*issuer, &resource, counter).await;
+    assert_eq!(after, counter, "nothing raised");
+    assert_eq!(
+        issuer.reseed(&db.pool, &resource).await.unwrap(),
+        counter + 1,
+        "the suite's own lease"
+    );
+}
+
+/// Two prefixes on one database: two locks and two counters for one resource.
+#[tokio::test]
+async fn pg_key_prefixes_separate_locks_and_counters() {
+    let db = TestDb::new().await;
+    let a = PgIssuer::new(db.pool.clone())
+        .with_key_prefix("app-a")
+        .unwrap();
+    assert_eq!(a.key_prefix(), "app-a");
+    let resource = unique_resource("pg-prefix");
+    issuer_suite::key_prefixes_separate_locks(&a, &db.url(), &resource).await;
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT prefix, value FROM pgfence.issuer_counter ORDER BY prefix")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        rows,
+        [("app-a".into(), 1), ("app-b".into(), 1)],
+        "own counters"
+    );
+    assert!(matches!(
+        PgIssuer::new(db.pool.clone()).with_key_prefix("a b"),
+        Err(Error::InvalidKeyPrefix(_))
+    ));
+    assert!(matches!(
+        connect_issuer_with(&db.url(), IssuerOptions::new().key_prefix("")).await,
+        Err(Error::InvalidKeyPrefix(_))
+    ));
+}
+
+/// The rows are what the docs say; a lock deleted by hand is lost to its holder; resources of
+/// one fencing domain draw from one counter; hostile names are stored as they are.
+#[tokio::test]
+async fn layout_domains_hostile_names_and_a_deleted_lock() {
+    let db = TestDb::new().await;
+    let issuer = PgIssuer::new(db.pool.clone());
+    let one = Resource::new("{billing}account:1").unwrap();
+    let two = Resource::new("{billing}account:2").unwrap();
+    let a = issuer.acquire(&one, 5 * SEC).await.unwrap().unwrap();
+    let b = issuer.acquire(&two, 5 * SEC).await.unwrap().unwrap();
+    assert_eq!(
+        b.token().get(),
+        a.token().get() + 1,
+        "one counter per domain"
+    );
+    let (owner, token, live): (String, i64, bool) = sqlx::query_as(
+        "SELECT owner, token, expires_at > clock_timestamp() FROM pgfence.issuer_lock \
+         WHERE prefix = 'pgfence' AND resource = $1",
+    )
+    .bind(two.as_str())
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (owner.as_str(), token, live),
+        (b.owner(), b.token().get(), true)
+    );
+    let counter: i64 = sqlx::query_scalar(
+        "SELECT value FROM pgfence.issuer_counter WHERE prefix = 'pgfence' AND counter = 'billing'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(counter, b.token().get());
+    assert_eq!(issuer.status(&one).await.unwrap().counter, counter);
+
+    // An operator deletes A's lock and someone takes it: A is told so, and cannot free it.
+    db.exec("DELETE FROM pgfence.issuer_lock WHERE resource = '{billing}account:1'")
+        .await;
+    issuer_suite::deleted_lock_is_lost_to_its_holder(&issuer, &one, a, &b).await;
+
+    // Names that would break naive quoting: stored and matched exactly.
+    for name in [r"it's", r"back\slash", r"a'b\'c;--", r"\\'", "ünïcødé:€"] {
+        let resource = Resource::new(name).unwrap();
+        let lease = issuer.acquire(&resource, 5 * SEC).await.unwrap().unwrap();
+        let stored: String = sqlx::query_scalar(
+            "SELECT resource FROM pgfence.issuer_lock WHERE resource = $1 AND owner = $2",
+        )
+        .bind(name)
+        .bind(lease.owner())
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(stored, name);
+        assert_eq!(
+            issuer.status(&resource).await.unwrap().token,
+            Some(lease.token().get())
+        );
+        assert!(issuer.acquire(&resource, SEC).await.unwrap().is_none());
+        assert_eq!(
+            issuer.release(&lease).await.unwrap(),
+            ReleaseOutcome::Released
+        );
+    }
+    let prefixed = PgIssuer::new(db.pool.clone())
+        .with_key_prefix(r"o'k\x")
+        .unwrap();
+    let lease = prefixed
+        .acquire(&Resource::new("p").unwrap(), SEC)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(lease.token().get(), 1);
+    let prefixes: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pgfence.issuer_lock WHERE prefix = E'o''k\\\\x' AND resource = 'p'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(prefixes, 1);
+}
+
+/// A new counter starts above the high-water mark PostgreSQL recorded (a resource that was
+/// fenced with another issuer's tokens keeps working); an existing one is not moved.
+#[tokio::test]
+async fn a_new_counter_starts_above_the_recorded_high_water_mark() {
+    let db = TestDb::new().await;
+    let fence = Fence::new(db.pool.clone());
+    let resource = unique_resource("pg-floor-mark");
+    let mut tx = db.pool.begin().await.unwrap();
+    fence
+        .check(&mut *tx, &resource, FenceToken::new(41).unwrap())
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let issuer = PgIssuer::new(db.pool.clone());
+    let lease = issuer.acquire(&resource, SEC).await.unwrap().unwrap();
+    assert_eq!(lease.token().get(), 42);
+    // Its check passes where token 41's elders are fenced out.
+    let mut tx = db.pool.begin().await.unwrap();
+    fence.check(&mut *tx, &resource, &lease).await.unwrap();
+    tx.commit().await.unwrap();
+    // Domain: the highest mark of the domain.
+    let d1 = Resource::new(format!("{{dom{}}}a", rand::random::<u32>())).unwrap();
+    let d2 = Resource::new(format!("{{{}}}b", d1.domain().unwrap())).unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    fence
+        .check(&mut *tx, &d1, FenceToken::new(7).unwrap())
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let lease = issuer.acquire(&d2, SEC).await.unwrap().unwrap();
+    assert_eq!(lease.token().get(), 8, "above the domain's mark");
+}
+
+/// An acquire whose token would pass the token limit is refused and changes nothing: the lock
+/// stays free, the counter as it was.
+#[tokio::test]
+async fn a_refused_acquire_at_the_token_limit_changes_nothing() {
+    let db = TestDb::new().await;
+    let issuer = PgIssuer::new(db.pool.clone());
+    let resource = unique_resource("pg-limit");
+    let lease = issuer.acquire(&resource, SEC).await.unwrap().unwrap();
+    issuer.release(&lease).await.unwrap();
+    sqlx::query("UPDATE pgfence.issuer_counter SET value = $1")
+        .bind(pgfence::MAX_TOKEN)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let err = issuer.acquire(&resource, SEC).await.unwrap_err();
+    assert!(matches!(err, Error::InvalidToken(_)), "{err:?}");
+    assert!(err.to_string().contains("token limit"), "{err}");
+    let status = issuer.status(&resource).await.unwrap();
+    assert_eq!(status.owner, None, "the lock stays free");
+    assert_eq!(
+        status.counter,
+        pgfence::MAX_TOKEN,
+        "the counter is unchanged"
+    );
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM pgfence.issuer_lock")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0, "no lock row left behind");
+}
+
+/// An application role that `pgfence grant` prepared takes, extends and releases leases, and
+/// cannot touch the tables: it cannot lower a counter, forge or steal a lock.
+#[tokio::test]
+async fn the_granted_application_role_leases_but_cannot_lower_or_steal() {
+    let db = TestDb::new().await;
+    let role = format!("pgfence_app_{}", rand::random::<u32>());
+    db.exec(&format!("CREATE ROLE {role} LOGIN")).await;
+    db.exec(&format!(
+        "GRANT CONNECT ON DATABASE \"{}\" TO {role}",
+        db.name
+    ))
+    .await;
+    pgfence::grant(&db.pool, &pgfence::Ident::new(&role).unwrap())
+        .await
+        .unwrap();
+    let app = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(db.options.clone().username(&role))
+        .await
+        .unwrap();
+    let issuer = PgIssuer::new(app.clone());
+    let resource = unique_resource("pg-app");
+    let mut lease = issuer.acquire(&resource, 5 * SEC).await.unwrap().unwrap();
+    assert_eq!(
+        issuer.extend(&mut lease, 5 * SEC).await.unwrap(),
+        LeaseState::Held
+    );
+    assert!(issuer.status(&resource).await.unwrap().owner.is_some());
+    for sql in [
+        "UPDATE pgfence.issuer_counter SET value = 0",
+        "DELETE FROM pgfence.issuer_lock",
+        "UPDATE pgfence.issuer_lock SET owner = 'me'",
+        "INSERT INTO pgfence.issuer_counter VALUES ('pgfence', 'x', 0)",
+        "SELECT * FROM pgfence.issuer_lock",
+    ] {
+        let err = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&app)
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("permission denied"),
+            "{sql}: {err}"
+        );
+    }
+    // Another owner with the holder's token (it can read it from status) is not the holder.
+    let forged = pgfence::Lease::resume(resource.clone(), "intruder", lease.token());
+    assert_eq!(
+        issuer.release(&forged).await.unwrap(),
+        ReleaseOutcome::TakenByOther
+    );
+    assert_eq!(
+        issuer.release(&lease).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+    let next = issuer.acquire(&resource, SEC).await.unwrap().unwrap();
+    assert_eq!(next.token().get(), lease.token().get() + 1);
+    app.close().await;
+    db.exec(&format!(
+        "REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgfence FROM {role}; REVOKE ALL ON SCHEMA pgfence FROM {role}; \
+         REVOKE ALL ON ALL TABLES IN SCHEMA pgfence FROM {role}; REVOKE CONNECT ON DATABASE \"{}\" FROM {role}",
+        db.name
+    ))
+    .await;
+    db.exec(&format!("DROP ROLE {role}")).await;
+}
+
+/// A server of its own, restarted while 4 workers take and release leases and while their
+/// backends are killed: tokens keep rising per resource, a lease held across the restart is
+/// still held (the lock and counter are durable rows), and the workers' only errors are
+/// retryable ones, each followed by a successful acquisition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tokens_and_locks_survive_a_restart_and_killed_backends() {
+    let mut server = Server::postgres().await.expect("throwaway PostgreSQL");
+    let admin = sqlx::PgPool::connect(&server.url()).await.unwrap();
+    pgfence::migrate(&admin).await.unwrap();
+    admin.close().await;
+    let issuer = PgIssuer::connect(&server.url()).await.unwrap();
+    let long = unique_resource("pg-restart-held");
+    let held = issuer.acquire(&long, 60 * SEC).await.unwrap().unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let grants = Arc::new(AtomicUsize::new(0));
+    let mut workers = Vec::new();
+    for w in 0..4 {
+        let (issuer, stop, grants) = (issuer.clone(), stop.clone(), grants.clone());
+        workers.push(tokio::spawn(async move {
+            let resource = Resource::new(format!("pg-restart-{w}")).unwrap();
+            let mut tokens = Vec::new();
+            let mut errors = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                match issuer.acquire_wait(&resource, SEC, 20 * SEC).await {
+                    Ok(Some(lease)) => {
+                        tokens.push(lease.token().get());
+                        grants.fetch_add(1, Ordering::Relaxed);
+                        // A release lost to a fault leaves the lock to expire: still safe.
+                        if let Err(e) = issuer.release(&lease).await {
+                            assert!(e.is_retryable(), "{e:?}");
+                        }
+                    }
+                    Ok(None) => panic!("no lease within 20 s"),
+                    Err(e) => {
+                        assert!(e.is_retryable(), "only transient errors: {e:?}");
+                        errors.push(e.to_string());
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+            }
+            (tokens, errors)
+        }));
+    }
+    let wait_grants = |n: usize| {
+        let grants = grants.clone();
+        async move {
+            let deadline = Instant::now() + 30 * SEC;
+            while grants.load(Ordering::Relaxed) < n {
+                assert!(Instant::now() < deadline, "stuck below {n} grants");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    wait_grants(200).await;
+    let started_before = start_time(&server.url()).await;
+    server.restart().await.expect("restart");
+    assert_ne!(
+        start_time(&server.url()).await,
+        started_before,
+        "a real restart"
+    );
+    let after_restart = grants.load(Ordering::Relaxed);
+    wait_grants(after_restart + 200).await;
+    // Kill every backend but our own, twice, while the workers run.
+    let killer = sqlx::PgPool::connect(&server.url()).await.unwrap();
+    let mut killed = 0;
+    for _ in 0..2 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(&killer)
+        .await
+        .unwrap();
+        killed += n;
+        let now = grants.load(Ordering::Relaxed);
+        wait_grants(now + 100).await;
+    }
+    assert!(killed > 0, "backends were killed");
+    stop.store(true, Ordering::Relaxed);
+    let mut errors = 0;
+    for worker in workers {
+        let (tokens, errs) = worker.await.unwrap();
+        assert!(
+            tokens.windows(2).all(|w| w[0] < w[1]),
+            "strictly increasing per resource"
+        );
+        assert_eq!(tokens.iter().collect::<BTreeSet<_>>().len(), tokens.len());
+        errors += errs.len();
+    }
+    // The lease taken before the restart still holds its lock.
+    let status = issuer.status(&long).await.unwrap();
+    assert_eq!(status.token, Some(held.token().get()));
+    assert_eq!(
+        issuer.release(&held).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+    eprintln!(
+        "pg issuer under faults: {} grants, 1 restart, {killed} backends killed, {errors} transient errors seen by callers",
+        grants.load(Ordering::Relaxed)
+    );
+    killer.close().await;
+    issuer.pool().close().await;
+    server.stop();
+}
+
+async fn start_time(url: &str) -> String {
+    let pool = sqlx::PgPool::connect(url).await.unwrap();
+    let t: String = sqlx::query_scalar("SELECT pg_postmaster_start_time()::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    t
+}
