@@ -135,12 +135,14 @@ pub struct Config {
     pub retries: u32,
     /// Delete every row's Redis counter when the unit with this index starts (a failover that
     /// lost the counters). Redis only, through a `redis://` URL: [`Harness::new`](crate::Harness::new)
-    /// refuses it for etcd and ZooKeeper, whose tokens cannot be reset.
+    /// refuses it for etcd, ZooKeeper and PostgreSQL, whose tokens cannot be reset.
     pub reset_counters_at: Vec<u64>,
-    /// Terminate one busy worker backend (`pg_terminate_backend`) about this often.
+    /// Terminate one busy worker backend (`pg_terminate_backend`) about this often; with the
+    /// PostgreSQL issuer also one of the issuer's own backends each time (see
+    /// [`Harness::new`](crate::Harness::new)).
     pub kill_every: Option<Duration>,
-    /// Liveness recovery after counter loss (Redis: etcd and ZooKeeper tokens never go
-    /// backwards, their `raise_floor` and `recover_from` are no-ops).
+    /// Liveness recovery after counter loss (Redis: etcd, ZooKeeper and PostgreSQL tokens
+    /// never go backwards, their `raise_floor` and `recover_from` are no-ops).
     pub recovery: Recovery,
     /// Wall-clock bound: workers stop starting units after this long.
     pub max_duration: Duration,
@@ -188,20 +190,28 @@ impl Config {
     /// 60–120 ms for Redis and ZooKeeper (whose issuer ends a lock when its TTL runs out, to
     /// the millisecond); for etcd, whose leases count whole seconds (and whose servers expire
     /// them on a 500 ms tick), a 1 s TTL, stalls of 1.6–2.4 s (past the lock's real end) and
-    /// a 4 s acquire wait.
+    /// a 4 s acquire wait; for PostgreSQL, whose locks end by the database's clock to the
+    /// microsecond but whose every acquire and release is a statement on the server the
+    /// workers load (tens of milliseconds when the machine is busy or the server restarting),
+    /// a 100 ms TTL and stalls of 150–300 ms.
     #[must_use]
     pub fn for_issuer(issuer: IssuerKind) -> Self {
         let default = Self::default();
-        if issuer == IssuerKind::Etcd {
-            Self {
+        match issuer {
+            IssuerKind::Etcd => Self {
                 ttl: Duration::from_secs(1),
                 pause_min: Duration::from_millis(1_600),
                 pause_max: Duration::from_millis(2_400),
                 acquire_wait: Duration::from_secs(4),
                 ..default
-            }
-        } else {
-            default
+            },
+            IssuerKind::Postgres => Self {
+                ttl: Duration::from_millis(100),
+                pause_min: Duration::from_millis(150),
+                pause_max: Duration::from_millis(300),
+                ..default
+            },
+            _ => default,
         }
     }
 
@@ -261,6 +271,31 @@ pub struct Target {
     pub database: PgConnectOptions,
     /// The issuer's URL; its scheme picks the issuer ([`pgfence::connect_issuer_with`]):
     /// `redis://` (also `rediss://`, `redis+unix://`), `redis+sentinel://host:port,.../master`,
-    /// `etcd://host:port,...` or `zk://host:port,...`.
+    /// `etcd://host:port,...`, `zk://host:port,...`, or `postgres://` / `postgresql://` for
+    /// the [`PgIssuer`](pgfence::PgIssuer) — meant to be `database` itself
+    /// ([`Target::postgres`]), so that its restarts and killed backends hit the issuer too.
     pub issuer_url: String,
+}
+
+impl Target {
+    /// The harness on the database at `database_url` with the PostgreSQL issuer on that same
+    /// database (no other server): `issuer_url` is `database_url`.
+    ///
+    /// # Errors
+    /// [`ChaosError::Config`] when `database_url` is not a `postgres://` or `postgresql://`
+    /// URL or does not parse (the URL is not echoed: it may hold a password).
+    pub fn postgres(database_url: &str) -> Result<Self, ChaosError> {
+        if !pgfence::is_postgres_url(database_url) {
+            return Err(ChaosError::Config(
+                "the postgres issuer takes the database's postgres:// or postgresql:// URL".into(),
+            ));
+        }
+        let database = database_url
+            .parse::<PgConnectOptions>()
+            .map_err(|_| ChaosError::Config("the database URL does not parse".into()))?;
+        Ok(Self {
+            database,
+            issuer_url: database_url.to_owned(),
+        })
+    }
 }

@@ -11,7 +11,7 @@ use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::time::Instant;
 
-use crate::faults::kill_backends;
+use crate::faults::{Kills, kill_backends};
 use crate::schema::{self, Cell, ClaimCell};
 use crate::util::{lock, millis};
 use crate::verify::{RunId, RunOutput, verify};
@@ -123,6 +123,8 @@ pub struct Harness {
     audit: Arc<AuditCounter>,
     reseeds: Option<Arc<ReseedCounter>>,
     worker_app: String,
+    /// The PostgreSQL issuer's application name (its backends are killed with the workers').
+    issuer_app: Option<String>,
 }
 
 impl Harness {
@@ -134,6 +136,13 @@ impl Harness {
     /// gets the audit pool as its floor source when [`Config::recovery`] says so (etcd and
     /// ZooKeeper tokens never go backwards: nothing to reseed).
     ///
+    /// The PostgreSQL issuer (`postgres://`, see [`Target::postgres`]) connects with the
+    /// application name `pgfence-chaos-issuer-<run>` (added to its URL), so that with
+    /// [`Config::kill_every`] its backends are terminated along with the workers': an acquire
+    /// or release that loses its connection is re-sent with the same owner id. (The audit and
+    /// admin pools are spared.) Restarting its server restarts the issuer too when it is the
+    /// harness's database.
+    ///
     /// Three pools are opened: the workers' (whose backends may be killed), an audit pool
     /// (used for audit rows and as the issuer's floor source, never killed) and an admin pool.
     /// Each run gets fresh rows keyed by its run id; the tables (and the run's audit rows) stay
@@ -144,7 +153,8 @@ impl Harness {
     ///
     /// # Errors
     /// [`ChaosError::Config`] for an inconsistent configuration, or one the issuer cannot do
-    /// (counter resets need Redis through a `redis://` URL); [`ChaosError::Fence`] when
+    /// (counter resets need Redis through a `redis://` URL: refused for etcd, ZooKeeper and
+    /// PostgreSQL); [`ChaosError::Fence`] when
     /// Postgres or the issuer cannot be reached or set up.
     pub async fn new(cfg: Config, target: &Target) -> Result<Self, ChaosError> {
         cfg.validate()?;
@@ -165,7 +175,13 @@ impl Harness {
         if cfg.recovery.floor_source {
             options = options.floor_source(audit_pool.clone());
         }
-        let issuer = pgfence::connect_issuer_with(&target.issuer_url, options).await?;
+        let issuer_app = (crate::issuer_of_url(&target.issuer_url) == Some(IssuerKind::Postgres))
+            .then(|| format!("pgfence-chaos-issuer-{run}"));
+        let issuer_url = match &issuer_app {
+            Some(app) => with_application_name(&target.issuer_url, app),
+            None => target.issuer_url.clone(),
+        };
+        let issuer = pgfence::connect_issuer_with(&issuer_url, options).await?;
         let redis = if cfg.reset_counters_at.is_empty() {
             None
         } else {
@@ -208,6 +224,7 @@ impl Harness {
             audit,
             reseeds: None,
             worker_app,
+            issuer_app,
         })
     }
 
@@ -276,9 +293,10 @@ impl Harness {
         let killer = ctx.cfg.kill_every.map(|every| {
             let admin = self.admin.clone();
             let app = self.worker_app.clone();
+            let issuer_app = self.issuer_app.clone();
             let shared = ctx.shared.clone();
             let seed = ctx.cfg.seed;
-            tokio::spawn(kill_backends(admin, app, shared, every, seed))
+            tokio::spawn(kill_backends(admin, app, issuer_app, shared, every, seed))
         });
         let handles: Vec<_> = (0..ctx.cfg.workers)
             .map(|w| tokio::spawn(worker(w, ctx.clone(), started)))
@@ -295,8 +313,8 @@ impl Harness {
         }
         ctx.shared.done.store(true, Ordering::SeqCst);
         let kills = match killer {
-            Some(k) => k.await.unwrap_or(0),
-            None => 0,
+            Some(k) => k.await.unwrap_or_default(),
+            None => Kills::default(),
         };
         let duration_ms = millis(started.elapsed());
         // Let audit writes that raced the end of the run land (each is bounded by its timeout).
@@ -345,9 +363,22 @@ fn check_counter_resets(url: &str) -> Result<(), ChaosError> {
                 .into(),
         )),
         Some(IssuerKind::Redis) | None => Ok(()),
+        Some(IssuerKind::Postgres) => Err(ChaosError::Config(
+            "counter resets delete Redis counter keys: the postgres issuer has none, and its \
+             counter rows commit with the fences, so they cannot go backwards (restart \
+             PostgreSQL or kill backends instead)"
+                .into(),
+        )),
         Some(kind) => Err(ChaosError::Config(format!(
             "counter resets delete Redis counter keys: the {kind} issuer has none, and its \
              tokens cannot go backwards (fail its leader over instead)"
         ))),
     }
+}
+
+/// `url` with the connection parameter `application_name=<name>` added (sqlx takes the last
+/// one given, so it wins over one already in the URL). `name` must be URL-safe.
+fn with_application_name(url: &str, name: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}application_name={name}")
 }

@@ -6,10 +6,20 @@
 //!     --restart-postgres-at 16000 --control
 //! ```
 //!
-//! `--issuer redis|etcd|zk` picks the token issuer (default: from `--issuer-url`'s scheme,
-//! else Redis). Without `--database-url` / `--issuer-url` / `--redis-url` (or `DATABASE_URL` /
-//! `PGFENCE_ISSUER_URL` / `REDIS_URL`) it starts throwaway PostgreSQL and issuer servers from
-//! the installed binaries, which the restart and failover faults need. Each run prints a
+//! `--issuer redis|etcd|zk|postgres` picks the token issuer (default: from `--issuer-url`'s
+//! scheme, else Redis). Without `--database-url` / `--issuer-url` / `--redis-url` (or
+//! `DATABASE_URL` / `PGFENCE_ISSUER_URL` / `REDIS_URL`) it starts throwaway PostgreSQL and
+//! issuer servers from the installed binaries, which the restart and failover faults need.
+//! `--issuer postgres` is the [`pgfence::PgIssuer`] on the harness's own database (no other
+//! server): `--restart-postgres-at` restarts the issuer with the database, and
+//! `--kill-every-ms` terminates the issuer's backends along with the workers'. The Redis-only
+//! faults and `--failover-at` are refused for it:
+//!
+//! ```text
+//! cargo run --release -p pgfence-chaos -- --issuer postgres --workers 16 --attempts 10000 \
+//!     --rows 16 --kill-every-ms 200 --restart-postgres-at 5000 --all-modes
+//! ```
+//! Each run prints a
 //! readable summary and one JSON line (`--json` prints only the JSON). The exit status is 1
 //! when a protected run shows a violation or a lost update, when the unfenced control shows
 //! none (the harness would then prove nothing), when a requested failover did not happen or
@@ -53,8 +63,8 @@ use pgfence_testkit::Server;
 use sqlx::postgres::PgConnectOptions;
 
 /// Race harness: N workers, K rows, stalls past the TTL, injected faults (counter loss,
-/// killed backends, restarts, a real issuer failover) against the Redis, etcd or ZooKeeper
-/// issuer; checks token order, lost updates and the audit trail afterwards.
+/// killed backends, restarts, a real issuer failover) against the Redis, etcd, ZooKeeper or
+/// PostgreSQL issuer; checks token order, lost updates and the audit trail afterwards.
 #[derive(Parser, Debug)]
 #[command(name = "pgfence-chaos")]
 struct Args {
@@ -67,20 +77,21 @@ struct Args {
     /// Counter rows (one resource each; in batch mode split into --batch-groups groups).
     #[arg(long, default_value_t = 16)]
     rows: usize,
-    /// The token issuer: redis, etcd or zk (ZooKeeper). Default: the scheme of --issuer-url,
-    /// else redis.
+    /// The token issuer: redis, etcd, zk (ZooKeeper) or postgres (pgfence's PgIssuer on the
+    /// harness's own database). Default: the scheme of --issuer-url, else redis.
     #[arg(long, value_parser = parse_issuer)]
     issuer: Option<IssuerKind>,
-    /// Lease TTL in milliseconds [default: 40; etcd: 1000, its leases count whole seconds].
+    /// Lease TTL in milliseconds [default: 40; etcd: 1000, its leases count whole seconds;
+    /// postgres: 100].
     #[arg(long)]
     ttl_ms: Option<u64>,
     /// Probability that a unit stalls once (before its read or between read and write).
     #[arg(long, default_value_t = 0.05)]
     pause_prob: f64,
-    /// Shortest stall, ms [default: 60; etcd: 1600].
+    /// Shortest stall, ms [default: 60; etcd: 1600; postgres: 150].
     #[arg(long)]
     pause_min_ms: Option<u64>,
-    /// Longest stall, ms [default: 120; etcd: 2400].
+    /// Longest stall, ms [default: 120; etcd: 2400; postgres: 300].
     #[arg(long)]
     pause_max_ms: Option<u64>,
     /// fenced (check + read + fenced write in one transaction), fenced-multi (the same in 2–3
@@ -99,20 +110,22 @@ struct Args {
     /// redis:// URL.
     #[arg(long)]
     reset_counter_at: Vec<u64>,
-    /// Terminate a busy worker backend about this often (ms).
+    /// Terminate a busy worker backend about this often (ms); with --issuer postgres also one
+    /// of the issuer's backends each time.
     #[arg(long)]
     kill_every_ms: Option<u64>,
     /// Restart the throwaway Redis (it comes back empty) when this many units have started.
     /// Redis only.
     #[arg(long)]
     restart_redis_at: Option<u64>,
-    /// Restart the throwaway PostgreSQL when this many units have started.
+    /// Restart the throwaway PostgreSQL when this many units have started (with --issuer
+    /// postgres, the issuer's server too).
     #[arg(long)]
     restart_postgres_at: Option<u64>,
     /// Fail the issuer over for real when this many units have started: SIGKILL of the etcd or
     /// ZooKeeper leader (of three members), or of the Redis master once its replica has missed
     /// --failover-lag units' INCRs (then the sentinels promote the replica). Needs the
-    /// throwaway deployment (no issuer URL).
+    /// throwaway deployment (no issuer URL). Not for --issuer postgres.
     #[arg(long)]
     failover_at: Option<u64>,
     /// Redis --failover-at: pause the replica and cut its link this many units before the
@@ -144,11 +157,12 @@ struct Args {
     /// Seed of the workers' random choices.
     #[arg(long, default_value_t = 0x5eed)]
     seed: u64,
-    /// PostgreSQL URL (default: a throwaway server).
+    /// PostgreSQL URL (default: a throwaway server). With --issuer postgres, the issuer's too.
     #[arg(long, env = "DATABASE_URL")]
     database_url: Option<String>,
     /// Issuer URL: redis://, redis+sentinel://HOST:PORT,.../MASTER, etcd://HOST:PORT,... or
-    /// zk://HOST:PORT,... (default: throwaway servers for --issuer).
+    /// zk://HOST:PORT,... (default: throwaway servers for --issuer). The postgres issuer
+    /// always uses the database (a postgres:// URL here must be --database-url's).
     #[arg(long, env = "PGFENCE_ISSUER_URL")]
     issuer_url: Option<String>,
     /// Redis URL for --issuer redis (the same as --issuer-url; default: a throwaway server).
@@ -159,7 +173,8 @@ struct Args {
     json: bool,
 }
 
-/// The issuer to run against, and its URL (`None`: throwaway servers).
+/// The issuer to run against, and its URL (`None`: throwaway servers; for PostgreSQL always
+/// `None`: the issuer is the harness's database, whatever URL that has).
 struct IssuerChoice {
     kind: IssuerKind,
     url: Option<String>,
@@ -179,7 +194,7 @@ impl IssuerChoice {
             Some(url) => Some(issuer_of_url(url).with_context(|| {
                 format!(
                     "{url_name} {url:?}: unknown scheme (expected redis://, rediss://, \
-                     redis+sentinel://, etcd:// or zk://)"
+                     redis+sentinel://, etcd://, zk://, postgres:// or postgresql://)"
                 )
             })?),
             None => None,
@@ -193,6 +208,12 @@ impl IssuerChoice {
             (None, None) => IssuerKind::Redis,
         };
         if on_cli("redis_url") {
+            if kind == IssuerKind::Postgres {
+                bail!(
+                    "--redis-url is for --issuer redis; the postgres issuer runs on the \
+                     harness's database (--database-url)"
+                );
+            }
             if kind != IssuerKind::Redis {
                 bail!("--redis-url is for --issuer redis; give the {kind} URL with --issuer-url");
             }
@@ -201,6 +222,17 @@ impl IssuerChoice {
             }
         }
         let url = match (&args.issuer_url, kind) {
+            // The issuer is the harness's database: a URL for it must be the database's.
+            (Some(url), IssuerKind::Postgres) => {
+                if args.database_url.as_deref() != Some(url.as_str()) {
+                    bail!(
+                        "the postgres issuer runs on the harness's own database: give that with \
+                         --database-url (or DATABASE_URL) and drop {url_name}, or make them \
+                         the same URL"
+                    );
+                }
+                None
+            }
             (Some(url), _) => Some(url.clone()),
             (None, IssuerKind::Redis) => args.redis_url.clone(),
             (None, _) => None,
@@ -214,20 +246,23 @@ impl IssuerChoice {
     fn check(&self, args: &Args) -> anyhow::Result<()> {
         let kind = self.kind;
         if kind != IssuerKind::Redis {
-            let tokens = if kind == IssuerKind::Etcd {
-                "revisions"
-            } else {
-                "zxids"
+            let (tokens, instead) = match kind {
+                IssuerKind::Etcd => ("revisions", "--failover-at"),
+                IssuerKind::Postgres => (
+                    "counter rows that commit with the fences",
+                    "--restart-postgres-at or --kill-every-ms",
+                ),
+                _ => ("zxids", "--failover-at"),
             };
             if !args.reset_counter_at.is_empty() {
                 bail!(
                     "--reset-counter-at deletes Redis counter keys: the {kind} issuer has none \
-                     (its tokens are {tokens}, which never go backwards); use --failover-at"
+                     (its tokens are {tokens}, which never go backwards); use {instead}"
                 );
             }
             if args.restart_redis_at.is_some() {
                 bail!(
-                    "--restart-redis-at restarts the throwaway Redis; with --issuer {kind} use --failover-at"
+                    "--restart-redis-at restarts the throwaway Redis; with --issuer {kind} use {instead}"
                 );
             }
             if args.no_floor_source || args.no_recover_from {
@@ -238,6 +273,13 @@ impl IssuerChoice {
             }
         }
         if args.failover_at.is_some() {
+            if kind == IssuerKind::Postgres {
+                bail!(
+                    "--failover-at with --issuer postgres: the issuer lives in the harness's \
+                     database, and a PostgreSQL primary/standby failover is not implemented \
+                     here; use --restart-postgres-at and --kill-every-ms"
+                );
+            }
             if self.url.is_some() {
                 bail!(
                     "--failover-at kills the issuer's leader, so it needs the throwaway \
@@ -281,9 +323,10 @@ async fn main() -> anyhow::Result<()> {
     if args.restart_postgres_at.is_some() && pg.is_none() {
         bail!("--restart-postgres-at needs the throwaway PostgreSQL (no --database-url)");
     }
-    // One deployment for every mode, unless each mode gets a fresh one to fail over.
+    // One deployment for every mode, unless each mode gets a fresh one to fail over (the
+    // postgres issuer has none: it is the database).
     let mut shared = match (&issuer.url, args.failover_at) {
-        (None, None) => Some(
+        (None, None) if issuer.kind != IssuerKind::Postgres => Some(
             Deployment::start(issuer.kind, false)
                 .await
                 .with_context(|| format!("throwaway {} server", issuer.kind))?,
@@ -317,11 +360,15 @@ async fn main() -> anyhow::Result<()> {
             ),
             None => None,
         };
-        let issuer_url = issuer
-            .url
-            .clone()
-            .or_else(|| fresh.as_ref().or(shared.as_ref()).map(Deployment::url))
-            .context("no issuer")?;
+        let issuer_url = if issuer.kind == IssuerKind::Postgres {
+            database_url.clone()
+        } else {
+            issuer
+                .url
+                .clone()
+                .or_else(|| fresh.as_ref().or(shared.as_ref()).map(Deployment::url))
+                .context("no issuer")?
+        };
         let target = Target {
             database: database.clone(),
             issuer_url,

@@ -148,7 +148,7 @@ pub struct Summary {
     pub run: String,
     /// Protection used.
     pub mode: Mode,
-    /// The token issuer (`redis`, `etcd`, `zk`).
+    /// The token issuer (`redis`, `etcd`, `zk`, `postgres`).
     pub issuer: String,
     /// Workers.
     pub workers: usize,
@@ -212,8 +212,14 @@ pub struct Summary {
     pub counter_raises: u64,
     /// Injected stalls.
     pub pauses: u64,
-    /// Backends terminated.
+    /// Backends terminated (the workers' and, with the PostgreSQL issuer, the issuer's).
     pub backend_kills: u64,
+    /// ... of which the PostgreSQL issuer's (0 with the other issuers).
+    pub issuer_backend_kills: u64,
+    /// ... of which were running the issuer's statement (an acquire or release whose reply
+    /// was lost, which the issuer re-sent with the same owner id); the others were idle in
+    /// its pool.
+    pub issuer_kills_mid_statement: u64,
     /// Acquisitions that failed (issuer errors).
     pub acquire_errors: u64,
     /// Acquisitions that gave up waiting for the lock.
@@ -301,11 +307,20 @@ impl fmt::Display for Summary {
             "  reporting:  {} rejections, {} audit rows, {} log events, {} audit failures",
             self.rejected, self.audit_rows, self.log_events, self.audit_failures
         )?;
+        let issuer_kills = if self.issuer_backend_kills > 0 || self.issuer == "postgres" {
+            format!(
+                " ({} of them the issuer's, {} mid-statement)",
+                self.issuer_backend_kills, self.issuer_kills_mid_statement
+            )
+        } else {
+            String::new()
+        };
         writeln!(
             f,
-            "  faults:     {} stalls, {} backends killed, {} acquire errors, {} acquire timeouts, {} counter raises, {} auto-reseeds",
+            "  faults:     {} stalls, {} backends killed{}, {} acquire errors, {} acquire timeouts, {} counter raises, {} auto-reseeds",
             self.pauses,
             self.backend_kills,
+            issuer_kills,
             self.acquire_errors,
             self.acquire_timeouts,
             self.counter_raises,

@@ -11,6 +11,7 @@ use sqlx::{PgPool, Row};
 
 use pgfence::IssuerKind;
 
+use crate::faults::Kills;
 use crate::report::{BatchFigures, ErrorKind, FailoverFigures, FaultRecovery, Report, Summary};
 use crate::schema::{CounterTable, Kind};
 use crate::util::count;
@@ -29,7 +30,7 @@ pub(crate) struct RunOutput {
     /// The issuer failover's details, if one was recorded.
     pub(crate) failover: Option<FailoverEvent>,
     /// Backends terminated.
-    pub(crate) kills: u64,
+    pub(crate) kills: Kills,
     /// Wall-clock duration.
     pub(crate) duration_ms: u64,
     /// Audit events counted during the run.
@@ -166,7 +167,9 @@ pub(crate) async fn verify(
         reseed_events: output.reseeds,
         counter_raises: stats.counter_raises,
         pauses: stats.pauses,
-        backend_kills: output.kills,
+        backend_kills: output.kills.workers + output.kills.issuer,
+        issuer_backend_kills: output.kills.issuer,
+        issuer_kills_mid_statement: output.kills.issuer_mid_statement,
         acquire_errors: stats.acquire_errors,
         acquire_timeouts: stats.acquire_timeouts,
         released_expired: stats.released_expired,

@@ -13,7 +13,7 @@ use crate::util;
     name = "pgfence",
     version,
     // The library's one-line description (this package's describes the package).
-    about = "Fencing tokens for lease-based locks: Redis issues the numbers, Postgres enforces them.",
+    about = "Fencing tokens for lease-based locks: a lock service issues the numbers, Postgres enforces them.",
     propagate_version = true
 )]
 pub struct Cli {
@@ -35,9 +35,10 @@ pub struct Conn {
     /// Redis URL (the issuer when --issuer-url is not given).
     #[arg(long, env = "REDIS_URL", global = true, hide_env_values = true)]
     pub redis_url: Option<String>,
-    /// Token issuer URL: `redis://`, `rediss://`, `redis+sentinel://`, `etcd://host:2379` or
-    /// `zk://host:2181` (etcd and ZooKeeper need the CLI built with the `etcd` / `zk` feature).
-    /// Defaults to the Redis URL.
+    /// Token issuer URL: `redis://`, `rediss://`, `redis+sentinel://`, `etcd://host:2379`,
+    /// `zk://host:2181` (etcd and ZooKeeper need the CLI built with the `etcd` / `zk` feature)
+    /// or `postgres://...` (the PostgreSQL issuer: locks and counters in a migrated database,
+    /// usually the one given by --database-url). Defaults to the Redis URL.
     #[arg(
         long,
         env = "PGFENCE_ISSUER_URL",
@@ -272,4 +273,18 @@ pub struct SimulateArgs {
     /// How long worker A pauses (must exceed the TTL for the race to happen).
     #[arg(long, default_value = "700ms", value_parser = util::parse_duration)]
     pub pause: Duration,
+    /// Which issuer hands out the leases: `redis` (a Redis server), or `postgres` (the
+    /// PostgreSQL issuer on the demo's own database: no Redis needed). `--issuer-url` picks any
+    /// other.
+    #[arg(long, value_enum, default_value_t = SimulateIssuer::Redis)]
+    pub issuer: SimulateIssuer,
+}
+
+/// The issuers `pgfence simulate --issuer` starts by itself.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SimulateIssuer {
+    /// Redis (`--redis-url` / `REDIS_URL`, else a throwaway `redis-server`).
+    Redis,
+    /// The PostgreSQL issuer, on the demo's database.
+    Postgres,
 }

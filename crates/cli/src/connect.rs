@@ -79,8 +79,8 @@ impl Conn {
     /// recovers a lost counter by itself ([`Issuer::with_floor_source`]): a lease taken on a
     /// missing counter gets a token above the resource's high-water mark. Without a
     /// reachable, migrated database it says so on stderr and issues tokens from Redis alone
-    /// (safety does not depend on it: Postgres still rejects old tokens). etcd and ZooKeeper
-    /// need no floor (their revisions and zxids never go backwards).
+    /// (safety does not depend on it: Postgres still rejects old tokens). etcd, ZooKeeper and
+    /// the PostgreSQL issuer need no floor (their counters never go backwards).
     pub async fn lock_issuer(&self) -> Result<Arc<dyn TokenIssuer>> {
         let url = self.issuer_url()?;
         if consensus_store(url).is_some() {
@@ -171,12 +171,14 @@ pub fn is_plain_redis(url: &str) -> bool {
         || !lower.contains("://")
 }
 
-/// The consensus store `url` names (`etcd://` or `zk://`), if it names one.
+/// The issuer other than Redis that `url` names (`etcd://`, `zk://`, `postgres://`), if it
+/// names one: an issuer whose counter never goes backwards, which needs no floor source.
 fn consensus_store(url: &str) -> Option<&'static str> {
     let scheme = url.split_once("://")?.0.to_ascii_lowercase();
     match scheme.as_str() {
         "etcd" => Some("etcd"),
         "zk" => Some("ZooKeeper"),
+        "postgres" | "postgresql" => Some("PostgreSQL"),
         _ => None,
     }
 }

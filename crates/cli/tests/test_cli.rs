@@ -722,6 +722,82 @@ async fn simulate_starts_and_removes_its_own_servers() {
     }
 }
 
+/// With only PostgreSQL installed (the test hides redis-server), the demo says that
+/// `--issuer postgres` works, and with it runs the whole race on one throwaway PostgreSQL: the
+/// PostgreSQL issuer hands out tokens 1 and 2, A's stale write is rejected and audited.
+#[tokio::test]
+async fn simulate_runs_on_postgres_alone() {
+    let run = |args: &[&str]| {
+        Command::new(BIN)
+            .args(args)
+            .env_remove("DATABASE_URL")
+            .env_remove("REDIS_URL")
+            .env_remove("PGFENCE_ISSUER_URL")
+            .env("PGFENCE_REDIS_SERVER", "/nonexistent/redis-server")
+            .output()
+            .unwrap()
+    };
+    let out = run(&["simulate"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("redis-server") && stderr.contains("pgfence simulate --issuer postgres"),
+        "{stderr}"
+    );
+    let out = run(&["simulate", "--issuer", "postgres"]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    line_of(&stdout, "issuer:   the PostgreSQL issuer");
+    line_of(
+        &stdout,
+        "A      acquires the lock (TTL 300ms) -> fence token 1",
+    );
+    line_of(
+        &stdout,
+        "B      acquires the lock (TTL 700ms) -> fence token 2",
+    );
+    line_of(
+        &stdout,
+        "A      step 1: writes status = processing by A with token 1: \
+         REJECTED: stale token (presented 1, current 2)",
+    );
+    assert!(
+        stdout.contains("audit:  1 rejected write(s)") && stdout.contains("fencing works."),
+        "{stdout}"
+    );
+    let dirs: Vec<&str> = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("stopped throwaway server, removed "))
+        .collect();
+    assert_eq!(dirs.len(), 1, "PostgreSQL only: {stdout}");
+    // Unfenced, on the same issuer: A's stale writes land.
+    let out = run(&["simulate", "--issuer", "postgres", "--no-fence"]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("paid_by = A"), "{stdout}");
+    // --issuer postgres with another issuer URL is refused.
+    let out = Command::new(BIN)
+        .args([
+            "simulate",
+            "--issuer",
+            "postgres",
+            "--issuer-url",
+            "redis://127.0.0.1:1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--issuer postgres"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[tokio::test]
 async fn simulate_without_fencing_shows_the_damage_and_leaves_no_demo_table() {
     let db = TestDb::new().await;

@@ -366,3 +366,72 @@ async fn run_status_and_reseed_with_zookeeper() {
     assert!(out.contains("issuer:   zk://"), "{out}");
     assert!(out.contains("fencing works"), "{out}");
 }
+
+/// The PostgreSQL issuer from the CLI: `PGFENCE_ISSUER_URL` = the database itself, no Redis.
+/// lock acquire / status / release, `run` (whose child checks its token with
+/// `pgfence.try_check`), `reseed` (nothing to reseed) and `doctor`.
+#[tokio::test]
+async fn lock_run_reseed_and_doctor_with_the_postgres_issuer() {
+    let db = TestDb::new().await;
+    let db_url = db.url();
+    let env = [
+        ("DATABASE_URL", db_url.as_str()),
+        ("PGFENCE_ISSUER_URL", db_url.as_str()),
+        ("REDIS_URL", "redis://127.0.0.1:1"),
+    ];
+    let res = unique_resource("cli-pg");
+    let r = res.as_str();
+    let a = json(&env, &["lock", "acquire", r, "--ttl", "30s", "--json"]);
+    let token = a["token"].as_i64().unwrap();
+    assert_eq!(token, 1);
+    let status = json(&env, &["lock", "status", r, "--json"]);
+    assert_eq!(status["owner"], a["owner"]);
+    assert_eq!(status["counter"].as_i64(), Some(1));
+    let held: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgfence.issuer_lock WHERE resource = $1")
+            .bind(r)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(held, 1, "the lock is a row of the database");
+    let released = json(
+        &env,
+        &[
+            "lock",
+            "release",
+            r,
+            "--owner",
+            a["owner"].as_str().unwrap(),
+            "--token",
+            &token.to_string(),
+            "--json",
+        ],
+    );
+    assert_eq!(released["result"], "released");
+    let script = format!(
+        "psql -X -q -t -A -d \"$DATABASE_URL\" -c \"SELECT pgfence.try_check('{r}', $PGFENCE_TOKEN)\"; echo token=$PGFENCE_TOKEN"
+    );
+    let out = ok(
+        &env,
+        &[
+            "run",
+            "--resource",
+            r,
+            "--ttl",
+            "5s",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    );
+    assert_eq!(out.trim(), "t\ntoken=2", "{out}");
+    assert!(ok(&env, &["reseed", r, "--floor", "5"]).contains("nothing to reseed"));
+    let out = pgfence(&env, &["doctor"]);
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -127,11 +127,17 @@ trap 'rm -rf "$dir"' EXIT
     }
 
     /// Starts a throwaway Redis with extra `redis-server` arguments (e.g. cluster mode).
+    /// `PGFENCE_REDIS_SERVER` names the `redis-server` binary to run (else it is looked up on
+    /// `PATH`); naming one that does not exist acts as a machine without Redis.
     ///
     /// # Errors
     /// As [`Server::postgres`].
     pub async fn redis_with(extra: &[&str]) -> Result<Self, ServerError> {
-        let bin = find_in_path("redis-server").ok_or(ServerError::NotInstalled {
+        let bin = match std::env::var_os("PGFENCE_REDIS_SERVER").filter(|v| !v.is_empty()) {
+            Some(path) => Some(PathBuf::from(path)).filter(|p| p.is_file()),
+            None => find_in_path("redis-server"),
+        }
+        .ok_or(ServerError::NotInstalled {
             what: "redis-server",
             hint: REDIS_HINT,
         })?;

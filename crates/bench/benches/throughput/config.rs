@@ -33,7 +33,7 @@ pub(crate) struct Config {
 
 /// Every section, in the order they run.
 pub(crate) const SECTIONS: &[&str] = &[
-    "write", "pgbench", "batch", "acquire", "job", "storm", "scaling", "etcd", "zk",
+    "write", "pgbench", "batch", "acquire", "job", "storm", "scaling", "etcd", "zk", "pg",
 ];
 
 /// The environment variable `name`, parsed, or `default` when unset or blank.

@@ -1,21 +1,28 @@
 //! What sections `etcd` and `zk` share: the server of the run (a throwaway local server kept
 //! for every round, or one named by a URL in the environment) with its CPU per operation read
-//! from `/proc/<pid>/stat`, the measurement that records it, the acquire-only load that keeps
-//! its leases, and the unmeasured release of those leases.
+//! from `/proc/<pid>/stat`, and the measurement that records it (features `etcd` / `zk`
+//! only); and what they share with section `pg` too: [`CycleIssuer`] for each issuer, the
+//! acquire-only load that keeps its leases, and the unmeasured release of those leases.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 
+#[cfg(any(feature = "etcd", feature = "zk"))]
 use anyhow::{Context, Result};
 use pgfence::{Lease, Resource};
+#[cfg(any(feature = "etcd", feature = "zk"))]
 use pgfence_testkit::ServerError;
 
 use crate::LEASE_TTL;
-use crate::measure::{Metric, Outcome, Sample, Workload, measure};
+#[cfg(any(feature = "etcd", feature = "zk"))]
+use crate::measure::{Metric, Sample, measure};
+use crate::measure::{Outcome, Workload};
+#[cfg(any(feature = "etcd", feature = "zk"))]
 use crate::servers::Env;
 use crate::workloads::CycleIssuer;
 
 /// A throwaway server a section can start, and what tells it apart.
+#[cfg(any(feature = "etcd", feature = "zk"))]
 pub(crate) trait LocalServer: Sized + Send + Sync + 'static {
     /// The environment variable naming a server to use instead (`PGFENCE_ETCD_URL`...).
     const ENV: &'static str;
@@ -39,6 +46,7 @@ pub(crate) trait LocalServer: Sized + Send + Sync + 'static {
 
 /// The server of a section's run: a throwaway server (kept for every round), or the one
 /// [`LocalServer::ENV`] names.
+#[cfg(any(feature = "etcd", feature = "zk"))]
 pub(crate) struct Server<S> {
     /// Kept alive for the run; `None` for [`LocalServer::ENV`].
     local: Option<S>,
@@ -46,8 +54,10 @@ pub(crate) struct Server<S> {
 }
 
 /// Microseconds per `USER_HZ` tick.
+#[cfg(any(feature = "etcd", feature = "zk"))]
 const TICK_US: f64 = 10_000.0;
 
+#[cfg(any(feature = "etcd", feature = "zk"))]
 impl<S: LocalServer> Server<S> {
     /// [`LocalServer::ENV`], or a throwaway server.
     pub(crate) async fn start() -> Result<Self> {
@@ -126,6 +136,7 @@ macro_rules! cycle_issuer {
 cycle_issuer!(pgfence::EtcdIssuer);
 #[cfg(feature = "zk")]
 cycle_issuer!(pgfence::ZkIssuer);
+cycle_issuer!(pgfence::PgIssuer);
 
 /// Acquire of a fresh resource each time; the leases are kept for a release after the
 /// measurement.

@@ -32,6 +32,12 @@
 //!   (the ceiling), and the Redis issuer's acquire+release in the same round, on a throwaway
 //!   standalone ZooKeeper (or `PGFENCE_ZK_URL`). Without the feature it prints how to enable
 //!   it.
+//! - `pg`: pgfence's `PgIssuer` (leases and tokens in PostgreSQL) acquire+release and
+//!   acquire-only, next to `pg_try_advisory_lock` + `pg_advisory_unlock`, a hand-written
+//!   lease-table upsert (released by `DELETE`, or by expiring the row in place), the issuer's
+//!   functions through prepared statements, `PgIssuer::connect`'s own pool, and the Redis
+//!   issuer's acquire+release in the same round; then the same locks contended (every task
+//!   on one resource). PostgreSQL CPU and WAL per operation (see `pg`).
 //!
 //! Every figure waits for an idle machine first, and records CPU time per operation of the
 //! client, the PostgreSQL server, the Redis server and everything else (see BENCHMARKS.md).
@@ -57,7 +63,8 @@
 //!
 //! Run without `--bench` (as `cargo test --all-targets` does), it only prints how to run it.
 //!
-//! Modules: [`config`] (settings), `coord` (what sections `etcd` and `zk` share), [`servers`] (servers, database, tables), [`measure`] (the
+//! Modules: [`config`] (settings), `coord` (what sections `etcd`, `zk` and `pg` share), `pg`
+//! (section `pg`), [`servers`] (servers, database, tables), [`measure`] (the
 //! measuring loop), [`cpu`] (CPU accounting per process), [`workloads`] (pgfence and sqlx
 //! loads), [`baselines`] (pgbench, redis-benchmark, rslock, a hand-rolled lock),
 //! [`sections`] (what each section measures), [`report`] (tables and JSON).
@@ -73,12 +80,12 @@
 
 mod baselines;
 mod config;
-#[cfg(any(feature = "etcd", feature = "zk"))]
 mod coord;
 mod cpu;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod measure;
+mod pg;
 mod report;
 mod sections;
 mod servers;
@@ -221,6 +228,9 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
         #[cfg(feature = "zk")]
         if let Some(server) = &zk_server {
             zk::zk(env, server, round, &mut out).await?;
+        }
+        if env.cfg.runs("pg") {
+            pg::pg(env, round, &mut out).await?;
         }
         rounds.push(out);
     }

@@ -151,6 +151,9 @@ pub(crate) struct Sample {
     /// CPU time of the ZooKeeper server (its JVM) per operation (local throwaway server only;
     /// warm-up included), for the ZooKeeper rows.
     pub(crate) zk_server_us_per_op: Option<f64>,
+    /// WAL the PostgreSQL server wrote per operation, in bytes (`pg_current_wal_lsn()` before
+    /// and after; warm-up included), for the rows of section `pg`.
+    pub(crate) pg_wal_bytes_per_op: Option<f64>,
     pub(crate) note: Option<String>,
     /// Rows one operation writes (a batch row: its size). The rate and the CPU figures are
     /// then per row; the latencies stay per operation (per batch).

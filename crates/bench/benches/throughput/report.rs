@@ -104,6 +104,30 @@ fn rows(cfg: &Config) -> Vec<(String, String)> {
                 "9c raw zookeeper-client create(eph seq)+delete",
             ),
             ("zk.redis_cycle", "9d Redis Issuer acquire+release (3c)"),
+            ("pg.issuer_cycle", "10a PgIssuer acquire+release"),
+            ("pg.issuer_fresh", "10b PgIssuer::acquire (fresh resource)"),
+            ("pg.redis_cycle", "10c Redis Issuer acquire+release (3c)"),
+            ("pg.advisory_cycle", "10d pg_try_advisory_lock + unlock"),
+            (
+                "pg.lease_delete_cycle",
+                "10e lease table upsert + DELETE (no fence)",
+            ),
+            (
+                "pg.lease_expire_cycle",
+                "10e' lease table upsert + expire in place",
+            ),
+            (
+                "pg.functions_prepared",
+                "10f issuer functions, prepared statements",
+            ),
+            (
+                "pg.issuer_connect_cycle",
+                "10g 10a via PgIssuer::connect (own pool)",
+            ),
+            ("pg.contended_issuer", "10h contended: PgIssuer (cycles/s)"),
+            ("pg.contended_advisory", "10i contended: advisory lock"),
+            ("pg.contended_lease", "10j contended: lease table (DELETE)"),
+            ("pg.contended_redis", "10k contended: Redis Issuer"),
         ]
         .iter()
         .map(|(k, l)| ((*k).to_owned(), (*l).to_owned())),
@@ -332,6 +356,76 @@ const RATIOS: &[RatioDef] = &[
         target: None,
     },
     RatioDef {
+        key: "pg_cycle_vs_advisory",
+        label: "PgIssuer acquire+release / advisory lock+unlock (10a/10d)",
+        num: "pg.issuer_cycle",
+        den: &["pg.advisory_cycle"],
+        target: None,
+    },
+    RatioDef {
+        key: "pg_cycle_vs_lease_delete",
+        label: "PgIssuer acquire+release / lease upsert+DELETE (10a/10e)",
+        num: "pg.issuer_cycle",
+        den: &["pg.lease_delete_cycle"],
+        target: None,
+    },
+    RatioDef {
+        key: "pg_cycle_vs_lease_expire",
+        label: "PgIssuer acquire+release / lease upsert+expire (10a/10e')",
+        num: "pg.issuer_cycle",
+        den: &["pg.lease_expire_cycle"],
+        target: None,
+    },
+    RatioDef {
+        key: "pg_cycle_vs_redis",
+        label: "PgIssuer acquire+release / Redis Issuer (10a/10c)",
+        num: "pg.issuer_cycle",
+        den: &["pg.redis_cycle"],
+        target: None,
+    },
+    RatioDef {
+        key: "pg_fresh_vs_cycle",
+        label: "PgIssuer::acquire fresh / PgIssuer cycle (10b/10a)",
+        num: "pg.issuer_fresh",
+        den: &["pg.issuer_cycle"],
+        target: None,
+    },
+    RatioDef {
+        key: "pg_cycle_vs_prepared",
+        label: "PgIssuer / its functions as prepared statements (10a/10f)",
+        num: "pg.issuer_cycle",
+        den: &["pg.functions_prepared"],
+        target: None,
+    },
+    RatioDef {
+        key: "pg_connect_vs_tuned",
+        label: "PgIssuer::connect's pool / the tuned pool (10g/10a)",
+        num: "pg.issuer_connect_cycle",
+        den: &["pg.issuer_cycle"],
+        target: None,
+    },
+    RatioDef {
+        key: "pg_contended_vs_advisory",
+        label: "contended: PgIssuer / advisory lock (10h/10i)",
+        num: "pg.contended_issuer",
+        den: &["pg.contended_advisory"],
+        target: None,
+    },
+    RatioDef {
+        key: "pg_contended_vs_lease",
+        label: "contended: PgIssuer / lease table (10h/10j)",
+        num: "pg.contended_issuer",
+        den: &["pg.contended_lease"],
+        target: None,
+    },
+    RatioDef {
+        key: "pg_contended_vs_redis",
+        label: "contended: PgIssuer / Redis Issuer (10h/10k)",
+        num: "pg.contended_issuer",
+        den: &["pg.contended_redis"],
+        target: None,
+    },
+    RatioDef {
         key: "job_vs_write",
         label: "job cycle / Repository::update (4/1a)",
         num: "job.cycle",
@@ -393,6 +487,7 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
         let redis = med(|s| s.redis_server_us_per_op);
         let etcd = med(|s| s.etcd_server_us_per_op);
         let zk = med(|s| s.zk_server_us_per_op);
+        let wal = med(|s| s.pg_wal_bytes_per_op);
         let machine = med(|s| s.machine_cpu_us_per_op);
         let other = med(Sample::other_cpu_us_per_op);
         let busy = med(|s| s.busy_cpus);
@@ -407,6 +502,9 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
         }
         if let Some(zk) = zk {
             notes.push(format!("zk server {} us/op", fmt_cpu(Some(zk))));
+        }
+        if let Some(wal) = wal {
+            notes.push(format!("WAL {wal:.0} B/op"));
         }
         if let Some(n) = samples.last().and_then(|s| s.note.clone()) {
             notes.push(n);
@@ -432,7 +530,7 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
                 "client_cpu_us_per_op": client, "machine_cpu_us_per_op": machine,
                 "pg_server_cpu_us_per_op": pg, "other_cpu_us_per_op": other,
                 "redis_server_us_per_op": redis, "etcd_server_us_per_op": etcd,
-                "zk_server_us_per_op": zk,
+                "zk_server_us_per_op": zk, "pg_wal_bytes_per_op": wal,
                 "busy_cpus": busy,
             }),
         );
@@ -441,7 +539,8 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
     println!(
         "CPU microseconds per operation — cli: the client (this process or the tool); pg: the \
          PostgreSQL server; rds: the Redis server (warm-up included); etcd / zk server (notes): its process, \
-         warm-up included; oth: everything else on the \
+         warm-up included; WAL (notes, section pg): PostgreSQL WAL bytes per operation, warm-up \
+         included; oth: everything else on the \
          machine (other work skews a row: check it); all: the whole machine; \
          cpus: busy CPUs in the window (of {}). Batch rows (7a, 7c): ops/s and CPU are per \
          row, p50/p99 per batch",

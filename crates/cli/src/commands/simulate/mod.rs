@@ -21,7 +21,7 @@ use pgfence::AuditFilter;
 
 use self::render::{Narrator, Outcome};
 use self::servers::Servers;
-use crate::cli::{Conn, SimulateArgs};
+use crate::cli::{Conn, SimulateArgs, SimulateIssuer};
 use crate::util::fmt_duration;
 
 /// Sets up the servers and the demo table, runs the race, prints what happened; succeeds if
@@ -37,6 +37,12 @@ pub async fn simulate(conn: &Conn, args: &SimulateArgs) -> Result<ExitCode> {
     }
     if args.pause > Duration::from_secs(60) {
         bail!("--pause is capped at 60s");
+    }
+    let postgres = args.issuer == SimulateIssuer::Postgres;
+    if postgres && conn.issuer_url.as_deref().is_some_and(|u| !u.is_empty()) {
+        bail!(
+            "--issuer postgres runs the PostgreSQL issuer on the demo's database; drop --issuer-url / PGFENCE_ISSUER_URL, or pass the database there instead"
+        );
     }
     let etcd = conn.issuer_url.as_deref().is_some_and(|u| {
         u.get(..7)
@@ -62,7 +68,7 @@ pub async fn simulate(conn: &Conn, args: &SimulateArgs) -> Result<ExitCode> {
     ));
 
     // Servers: the given URLs, or throwaway ones that live as long as `servers`.
-    let servers = Servers::start(conn, &say).await?;
+    let servers = Servers::start(conn, postgres, &say).await?;
     let fenced = !args.no_fence;
     let stage = servers::setup(&servers, fenced, &say).await?;
 

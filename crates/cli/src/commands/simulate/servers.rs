@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use pgfence::{IssuerOptions, Repository, Resource, TableName, TokenIssuer};
-use pgfence_testkit::{Kind, Server, url_or_start};
+use pgfence::{IssuerOptions, PgIssuer, Repository, Resource, TableName, TokenIssuer};
+use pgfence_testkit::{Kind, Server, ServerError, url_or_start};
 use sqlx::AssertSqlSafe;
 
 use super::events::Recorder;
@@ -21,9 +21,11 @@ pub struct Servers {
     pub pg_url: String,
     /// Redis, when the issuer is a plain Redis (the configured one or a throwaway one).
     pub redis_url: Option<String>,
-    /// Any other issuer (`--issuer-url` naming Redis Sentinel, etcd or ZooKeeper): used as
-    /// is, never started.
+    /// Any other issuer (`--issuer-url` naming Redis Sentinel, etcd, ZooKeeper or a
+    /// PostgreSQL): used as is, never started.
     pub issuer_url: Option<String>,
+    /// The PostgreSQL issuer on the demo's own database (`--issuer postgres`).
+    pub pg_issuer: bool,
     /// The issuer's key prefix (`--key-prefix`), if not the default.
     pub key_prefix: Option<String>,
     /// How many servers the demo runs on (PostgreSQL and Redis, or PostgreSQL alone).
@@ -33,7 +35,7 @@ pub struct Servers {
 
 impl Servers {
     /// The given URLs, or throwaway servers where none is given.
-    pub async fn start(conn: &Conn, say: &Narrator) -> Result<Self> {
+    pub async fn start(conn: &Conn, pg_issuer: bool, say: &Narrator) -> Result<Self> {
         let key_prefix = conn.key_prefix()?.map(str::to_owned);
         let issuer_url = conn
             .issuer_url
@@ -52,15 +54,26 @@ impl Servers {
             "postgres",
             "DATABASE_URL",
         )];
-        if issuer_url.is_none() {
+        if issuer_url.is_none() && !pg_issuer {
             wanted.push((Kind::Redis, redis_url.as_deref(), "redis", "REDIS_URL"));
         }
         let mut throwaway: Vec<Server> = Vec::new();
         let mut urls = Vec::new();
         for (kind, configured, label, var) in wanted {
-            let (url, server) = url_or_start(kind, configured).await.with_context(|| {
-                format!("cannot start a throwaway {label} server (or set {var})")
-            })?;
+            let (url, server) = match url_or_start(kind, configured).await {
+                Ok(started) => started,
+                // Without redis-server the race still runs: on the PostgreSQL issuer.
+                Err(e @ ServerError::NotInstalled { .. }) if kind == Kind::Redis => {
+                    return Err(anyhow::Error::from(e).context(
+                        "cannot start a throwaway redis server (or set REDIS_URL);                          `pgfence simulate --issuer postgres` needs only PostgreSQL",
+                    ));
+                }
+                Err(e) => {
+                    return Err(anyhow::Error::from(e).context(format!(
+                        "cannot start a throwaway {label} server (or set {var})"
+                    )));
+                }
+            };
             match server {
                 Some(server) => {
                     say.line(format!(
@@ -86,10 +99,17 @@ impl Servers {
                 util::redact(url)
             ));
         }
+        if pg_issuer {
+            say.line(format!(
+                "  {:<10}the PostgreSQL issuer, on the database above (--issuer postgres)",
+                "issuer:"
+            ));
+        }
         Ok(Self {
             pg_url: urls[0].clone(),
             redis_url: urls.get(1).cloned(),
             issuer_url,
+            pg_issuer,
             key_prefix,
             wanted: urls.len(),
             throwaway,
@@ -118,6 +138,13 @@ pub async fn setup(servers: &Servers, fenced: bool, say: &Narrator) -> Result<Ar
     let table = TableName::new("public", &format!("pgfence_demo_{suffix}"))?;
     let resource = Resource::new(format!("demo:payments:batch-42:{suffix}"))?;
     let (issuer, redis_keys): (Arc<dyn TokenIssuer>, _) = match &servers.redis_url {
+        None if servers.pg_issuer => {
+            let mut issuer = PgIssuer::new(pool.clone());
+            if let Some(prefix) = &servers.key_prefix {
+                issuer = issuer.with_key_prefix(prefix)?;
+            }
+            (Arc::new(issuer), None)
+        }
         Some(url) => {
             let mut issuer = connect_redis(url).await?;
             if let Some(prefix) = &servers.key_prefix {
@@ -193,6 +220,18 @@ pub async fn cleanup(stage: &Stage) {
         .bind(stage.resource.as_str())
         .execute(&stage.pool)
         .await;
+    // The PostgreSQL issuer's rows for the demo's own resource (as for its Redis keys below).
+    if stage.issuer.kind() == pgfence::IssuerKind::Postgres {
+        for sql in [
+            "DELETE FROM pgfence.issuer_lock WHERE resource = $1",
+            "DELETE FROM pgfence.issuer_counter WHERE counter = $1",
+        ] {
+            let _ = sqlx::query(sql)
+                .bind(stage.resource.as_str())
+                .execute(&stage.pool)
+                .await;
+        }
+    }
     // The demo's own resource only: production counters are never deleted. (etcd and
     // ZooKeeper locks are gone once released; their revisions and zxids are not state.)
     if let Some((url, keys)) = &stage.redis_keys
