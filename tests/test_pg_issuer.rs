@@ -497,3 +497,85 @@ async fn start_time(url: &str) -> String {
     pool.close().await;
     t
 }
+
+/// Through Debian's PgBouncer in transaction mode, with 2 server connections shared by the
+/// issuer's 8 client connections: the issuer works (the suite's exclusivity test and the lease
+/// semantics), and leaves no advisory lock or setting on the server connections. The control
+/// shows that the pooler really shares connections: sqlx's named prepared statements, from
+/// three client connections, collide on them. Also in session mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_issuer_works_through_pgbouncer_in_transaction_and_session_mode() {
+    use pgfence_testkit::{PgBouncer, PoolMode, pgbouncer_installed};
+    if !pgbouncer_installed() {
+        eprintln!(
+            "SKIPPED the_issuer_works_through_pgbouncer: PgBouncer is not installed (Debian: apt-get install pgbouncer)"
+        );
+        return;
+    }
+    let server = Server::postgres().await.expect("throwaway PostgreSQL");
+    let direct = sqlx::PgPool::connect(&server.url()).await.unwrap();
+    pgfence::migrate(&direct).await.unwrap();
+    let bouncer = PgBouncer::start(server.port(), PoolMode::Transaction, 2)
+        .await
+        .expect("start PgBouncer");
+    let url = bouncer.url("postgres");
+
+    // Control: named prepared statements do not survive a transaction-mode pooler.
+    let prepared = PgPoolOptions::new()
+        .max_connections(3)
+        .connect(&url)
+        .await
+        .unwrap();
+    let mut conns = Vec::new();
+    for _ in 0..3 {
+        conns.push(prepared.acquire().await.unwrap());
+    }
+    let mut collisions = 0;
+    for conn in &mut conns {
+        if let Err(e) = sqlx::query_scalar::<_, i32>("SELECT $1::int4")
+            .bind(1)
+            .fetch_one(&mut **conn)
+            .await
+        {
+            assert!(e.to_string().contains("prepared statement"), "{e}");
+            collisions += 1;
+        }
+    }
+    assert!(collisions > 0, "the pooler shares server connections");
+    drop(conns);
+    prepared.close().await;
+
+    let issuer = PgIssuer::connect(&url).await.unwrap();
+    issuer_suite::concurrent_acquisitions_are_exclusive_and_strictly_increasing(
+        &PG,
+        issuer.clone(),
+    )
+    .await;
+    let through_trait = connect_issuer(&url).await.unwrap();
+    issuer_suite::lease_semantics(through_trait, Duration::from_millis(300), SEC).await;
+    let leftovers: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'), \
+                (SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%')",
+    )
+    .fetch_one(&direct)
+    .await
+    .unwrap();
+    assert_eq!(leftovers, (0, 0), "no advisory lock, no open transaction");
+    issuer.pool().close().await;
+    drop(bouncer);
+
+    let session = PgBouncer::start(server.port(), PoolMode::Session, 16)
+        .await
+        .expect("start PgBouncer (session mode)");
+    assert_eq!(session.mode(), PoolMode::Session);
+    let issuer = PgIssuer::connect(&session.url("postgres")).await.unwrap();
+    issuer_suite::concurrent_acquisitions_are_exclusive_and_strictly_increasing(
+        &PG,
+        issuer.clone(),
+    )
+    .await;
+    issuer.pool().close().await;
+    direct.close().await;
+    drop(session);
+    server.stop();
+}
