@@ -579,3 +579,88 @@ async fn the_issuer_works_through_pgbouncer_in_transaction_and_session_mode() {
     drop(session);
     server.stop();
 }
+
+#[derive(Clone, sqlx::FromRow)]
+struct Account {
+    id: i32,
+    balance: i64,
+}
+pgfence::fenced_table!(Account { table: "pg_issuer_account", key: id: i32, columns: [balance] });
+
+/// Leases from the PostgreSQL issuer fence rows like any other issuer's: a stale write is
+/// rejected and audited with the lease's resource and holder, and a token handed out twice
+/// (the counter set back by hand, as a lost-commit failover could) is caught as a duplicate.
+#[tokio::test]
+async fn its_leases_fence_rows_audit_rejections_and_catch_duplicate_tokens() {
+    let db = TestDb::new().await;
+    db.exec(
+        "CREATE TABLE pg_issuer_account (id int PRIMARY KEY, balance bigint NOT NULL); \
+         INSERT INTO pg_issuer_account VALUES (1, 0);",
+    )
+    .await;
+    pgfence::guard(
+        &db.pool,
+        &pgfence::TableName::parse("pg_issuer_account").unwrap(),
+    )
+    .await
+    .unwrap();
+    let repo = pgfence::Repository::<Account>::new(db.pool.clone()).unwrap();
+    let issuer = PgIssuer::new(db.pool.clone());
+    let resource = unique_resource("pg-account");
+    let a = issuer.acquire(&resource, SEC).await.unwrap().unwrap();
+    repo.update(&db.pool, &a, &Account { id: 1, balance: 10 })
+        .await
+        .unwrap();
+    issuer.release(&a).await.unwrap();
+    let b = issuer.acquire(&resource, SEC).await.unwrap().unwrap();
+    repo.update(&db.pool, &b, &Account { id: 1, balance: 20 })
+        .await
+        .unwrap();
+    let err = repo
+        .update(&db.pool, &a, &Account { id: 1, balance: 99 })
+        .await
+        .unwrap_err();
+    support::assert_stale(&err, a.token().get(), b.token().get());
+    let (holder, resource_col): (Option<String>, Option<String>) =
+        sqlx::query_as("SELECT holder, resource FROM pgfence.audit WHERE presented = $1")
+            .bind(a.token().get())
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(holder.as_deref(), Some(a.owner()));
+    assert_eq!(resource_col.as_deref(), Some(resource.as_str()));
+    issuer.release(&b).await.unwrap();
+    // The counter set back by hand: the next lease gets b's token again, with another owner.
+    sqlx::query("UPDATE pgfence.issuer_counter SET value = value - 1")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // An owner whose holder tag differs from b's (tags are 8-bit hashes: 1 in 256 collide).
+    let b_tag = pgfence::Fencing::from(&b).tag();
+    let owner = (0..)
+        .map(|i| format!("c-{i}"))
+        .find(|o| {
+            pgfence::Fencing::new(b.token())
+                .resource(resource.clone())
+                .holder(o.clone())
+                .tag()
+                != b_tag
+        })
+        .unwrap();
+    let c = issuer
+        .acquire_as(&resource, &owner, SEC)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(c.token(), b.token());
+    let err = repo
+        .update(&db.pool, &c, &Account { id: 1, balance: 30 })
+        .await
+        .unwrap_err();
+    assert!(err.is_duplicate(), "{err:?}");
+    let balance: i64 = sqlx::query_scalar("SELECT balance FROM pg_issuer_account")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(balance, 20, "only b's write");
+}
