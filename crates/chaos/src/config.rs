@@ -187,31 +187,24 @@ impl Default for Config {
 
 impl Config {
     /// [`Config::default`] with the lease timing suited to `issuer`: a 40 ms TTL and stalls of
-    /// 60–120 ms for Redis and ZooKeeper (whose issuer ends a lock when its TTL runs out, to
-    /// the millisecond); for etcd, whose leases count whole seconds (and whose servers expire
-    /// them on a 500 ms tick), a 1 s TTL, stalls of 1.6–2.4 s (past the lock's real end) and
-    /// a 4 s acquire wait; for PostgreSQL, whose locks end by the database's clock to the
-    /// microsecond but whose every acquire and release is a statement on the server the
-    /// workers load (tens of milliseconds when the machine is busy or the server restarting),
-    /// a 100 ms TTL and stalls of 150–300 ms.
+    /// 60–120 ms for Redis, ZooKeeper and PostgreSQL (whose issuers end a lock when its TTL
+    /// runs out, to the millisecond; PostgreSQL's by the database's clock, from the acquire
+    /// statement, so a lease's local deadline never outlasts it); for etcd, whose leases count
+    /// whole seconds (and whose servers expire them on a 500 ms tick), a 1 s TTL, stalls of
+    /// 1.6–2.4 s (past the lock's real end) and a 4 s acquire wait.
     #[must_use]
     pub fn for_issuer(issuer: IssuerKind) -> Self {
         let default = Self::default();
-        match issuer {
-            IssuerKind::Etcd => Self {
+        if issuer == IssuerKind::Etcd {
+            Self {
                 ttl: Duration::from_secs(1),
                 pause_min: Duration::from_millis(1_600),
                 pause_max: Duration::from_millis(2_400),
                 acquire_wait: Duration::from_secs(4),
                 ..default
-            },
-            IssuerKind::Postgres => Self {
-                ttl: Duration::from_millis(100),
-                pause_min: Duration::from_millis(150),
-                pause_max: Duration::from_millis(300),
-                ..default
-            },
-            _ => default,
+            }
+        } else {
+            default
         }
     }
 

@@ -1,8 +1,8 @@
 //! Race harness: proof under faults.
 //!
 //! N workers repeatedly take the lock of one of K counter rows through a token issuer — Redis,
-//! etcd or ZooKeeper, as a [`pgfence::TokenIssuer`] picked by the URL's scheme (see
-//! [Issuers](#issuers)) — read the row's value, sometimes pause past the lease's TTL (an
+//! etcd, ZooKeeper or PostgreSQL itself, as a [`pgfence::TokenIssuer`] picked by the URL's
+//! scheme (see [Issuers](#issuers)) — read the row's value, sometimes pause past the lease's TTL (an
 //! injected stall, like a GC pause or a frozen VM), then write `value + 1` with their fence
 //! token (in the multi-statement modes: several transactions and writes per lease, see
 //! below). Every try is recorded (row, token, value read, value written, outcome,
@@ -23,7 +23,8 @@
 //!
 //! Faults can be injected while it runs: Redis counter loss (built in: `DEL` of every counter
 //! at chosen points), killed Postgres backends (built in: `pg_terminate_backend` of a busy
-//! worker connection at random intervals), a real issuer failover
+//! worker connection at random intervals, and with the PostgreSQL issuer of one of the
+//! issuer's connections too), a real issuer failover
 //! ([`Deployment::failover_at`]), and anything else the caller does between
 //! [`Control::wait_for_units`] and [`Control::mark_fault`] (restarting Redis or Postgres). For
 //! each fault the report measures recovery: how many leases, rejections and errors it took, and
@@ -32,9 +33,10 @@
 //! # Issuers
 //!
 //! [`Target::issuer_url`] picks the issuer ([`pgfence::connect_issuer_with`]): `redis://`,
-//! `redis+sentinel://host:port,.../master`, `etcd://host:port,...` or `zk://host:port,...`.
-//! The workers only see the [`pgfence::TokenIssuer`] trait; [`Deployment`] starts throwaway
-//! servers for any of them, a single server or a replicated deployment to fail over.
+//! `redis+sentinel://host:port,.../master`, `etcd://host:port,...`, `zk://host:port,...` or
+//! `postgres://`. The workers only see the [`pgfence::TokenIssuer`] trait; [`Deployment`]
+//! starts throwaway servers for the first three, a single server or a replicated deployment
+//! to fail over.
 //!
 //! * **Redis** counts tokens per resource, and its counter can go backwards (counter loss, a
 //!   restart that comes back empty, a replica promoted before it had every `INCR`). Those are
@@ -48,6 +50,13 @@
 //!   leases count whole seconds, so its runs use a 1 s TTL and longer stalls
 //!   ([`Config::for_issuer`]); the ZooKeeper issuer ends a lock when its TTL runs out, to the
 //!   millisecond, like Redis.
+//! * **PostgreSQL** ([`pgfence::PgIssuer`]) runs on the harness's own database
+//!   ([`Target::postgres`]): locks and counters are rows there, expiring by the database's
+//!   clock, and the counter commits in the same WAL as the fences, so it never goes backwards
+//!   either (the Redis-only settings are refused, and there is no failover here). Its faults
+//!   are the database's: a restart takes the issuer down with the workers, and killed backends
+//!   include the issuer's (an acquire or release that loses its reply is re-sent with the same
+//!   owner id; [`Summary::issuer_backend_kills`]).
 //!
 //! A failover's figures ([`FailoverFigures`], in [`Summary::failover`]) compare the tokens on
 //! either side of it — the highest token accepted from a lease granted before the kill, the

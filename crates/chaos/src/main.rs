@@ -81,17 +81,16 @@ struct Args {
     /// harness's own database). Default: the scheme of --issuer-url, else redis.
     #[arg(long, value_parser = parse_issuer)]
     issuer: Option<IssuerKind>,
-    /// Lease TTL in milliseconds [default: 40; etcd: 1000, its leases count whole seconds;
-    /// postgres: 100].
+    /// Lease TTL in milliseconds [default: 40; etcd: 1000, its leases count whole seconds].
     #[arg(long)]
     ttl_ms: Option<u64>,
     /// Probability that a unit stalls once (before its read or between read and write).
     #[arg(long, default_value_t = 0.05)]
     pause_prob: f64,
-    /// Shortest stall, ms [default: 60; etcd: 1600; postgres: 150].
+    /// Shortest stall, ms [default: 60; etcd: 1600].
     #[arg(long)]
     pause_min_ms: Option<u64>,
-    /// Longest stall, ms [default: 120; etcd: 2400; postgres: 300].
+    /// Longest stall, ms [default: 120; etcd: 2400].
     #[arg(long)]
     pause_max_ms: Option<u64>,
     /// fenced (check + read + fenced write in one transaction), fenced-multi (the same in 2–3

@@ -829,6 +829,361 @@ async fn redis_sentinel_failover_mid_run_is_safe_and_recovers() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The PostgreSQL issuer: leases and tokens in the harness's own database, so its faults are the
+// database's — restarts take the issuer down with the workers, and killed backends include the
+// issuer's.
+
+/// Runs the harness on the PostgreSQL issuer and restarts `server` (the harness's database,
+/// the issuer's too) once each of `at` units have started, proving each restart by the
+/// postmaster's start time. Returns the report and the server, which must outlive the run.
+async fn run_pg_issuer_with_restarts(
+    cfg: Config,
+    target: &Target,
+    mut server: Server,
+    at: &'static [u64],
+) -> (Report, Server) {
+    let harness = Harness::new(cfg, target).await.expect("harness setup");
+    assert_eq!(harness.issuer_kind(), IssuerKind::Postgres);
+    let ctl = harness.control();
+    let restarts = tokio::spawn(async move {
+        let mut starts = vec![server_start(&server).await];
+        for &unit in at {
+            if !ctl.wait_for_units(unit).await {
+                break;
+            }
+            ctl.mark_fault("postgres_restart");
+            server.restart().await.expect("the server comes back");
+            starts.push(server_start(&server).await);
+        }
+        (server, starts)
+    });
+    let report = harness.run().await.expect("run");
+    let (server, starts) = restarts.await.unwrap();
+    eprintln!("{}{}", report.summary, report.summary.json());
+    // Proof the restarts happened: each time a new postmaster. (Workers need not see an
+    // error: a restart can fall entirely between their statements.)
+    assert_eq!(
+        starts.len(),
+        at.len() + 1,
+        "the run ended before every restart"
+    );
+    for pair in starts.windows(2) {
+        assert_ne!(pair[0], pair[1], "a restart did not happen: {starts:?}");
+    }
+    (report, server)
+}
+
+/// Per row (group in batch mode), every lease asked for after each fault got a higher token
+/// than every lease granted before it: the issuer's counter survived the restart.
+fn assert_tokens_rise_across_faults(report: &Report) {
+    let s = &report.summary;
+    for fault in &report.faults {
+        let mut before: BTreeMap<i32, i64> = BTreeMap::new();
+        let mut after: BTreeMap<i32, i64> = BTreeMap::new();
+        for l in &report.leases {
+            if l.at_ms < fault.at_ms {
+                let max = before.entry(l.row).or_insert(l.token);
+                *max = (*max).max(l.token);
+            } else if l.asked_at_ms > fault.at_ms {
+                let min = after.entry(l.row).or_insert(l.token);
+                *min = (*min).min(l.token);
+            }
+        }
+        assert!(!before.is_empty() && !after.is_empty(), "{s}");
+        for (row, min_after) in &after {
+            if let Some(max_before) = before.get(row) {
+                assert!(
+                    min_after > max_before,
+                    "row {row}: token {min_after} after the {} at {} ms, {max_before} before: {s}",
+                    fault.name,
+                    fault.at_ms
+                );
+            }
+        }
+    }
+}
+
+/// The issuer's counter rows (`pgfence.issuer_counter`) of the run's resources are at or
+/// above every token a lease of the run was granted.
+async fn assert_issuer_counters_cover_leases(report: &Report, database_url: &str) {
+    let s = &report.summary;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(database_url)
+        .await
+        .unwrap();
+    let prefix = format!("chaos:{}:", s.run);
+    let counters: BTreeMap<String, i64> = sqlx::query_as::<_, (String, i64)>(
+        "SELECT counter, value FROM pgfence.issuer_counter \
+          WHERE prefix = 'pgfence' AND left(counter, length($1)) = $1",
+    )
+    .bind(&prefix)
+    .fetch_all(&pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect();
+    pool.close().await;
+    let resource = |row: i32| match s.mode {
+        Mode::Batch => format!("{prefix}group{row}"),
+        _ => format!("{prefix}{row}"),
+    };
+    for l in &report.leases {
+        let counter = counters.get(&resource(l.row)).copied();
+        assert!(
+            counter >= Some(l.token),
+            "lease {l:?}: the issuer's counter is {counter:?}: {s}"
+        );
+    }
+}
+
+/// The PostgreSQL issuer on the harness's own (throwaway) database, which restarts twice (at
+/// units 400 and 800 of 1,200) while a worker backend and one of the issuer's backends are
+/// killed about every 150 ms, with stalls past the TTL; in fenced and in row-claim mode. No
+/// violation, no lost update; every failure retryable; tokens keep rising across each restart
+/// (the counter is a row in the same database) and the issuer's counter rows cover every
+/// lease; every row writes again after each restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_issuer_survives_restarts_and_killed_backends() {
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let mut pg = Server::postgres().await.expect("throwaway PostgreSQL");
+        let target = Target::postgres(&pg.url()).unwrap();
+        assert_eq!(target.issuer_url, pg.url(), "no other server");
+        let mut mid_statement = 0;
+        for (mode, seed) in [(Mode::Fenced, 59), (Mode::RowClaim, 61)] {
+            let cfg = Config {
+                mode,
+                units: 1_200,
+                kill_every: Some(Duration::from_millis(150)),
+                seed,
+                ..Config::for_issuer(IssuerKind::Postgres)
+            };
+            let report;
+            (report, pg) = run_pg_issuer_with_restarts(cfg, &target, pg, &[400, 800]).await;
+            let s = &report.summary;
+            assert_eq!(s.issuer, "postgres");
+            assert!(!s.timed_out, "{s}");
+            assert_eq!(s.violations, 0, "{s}");
+            assert_eq!(s.lost_updates, 0, "{s}");
+            assert_eq!(s.stale_reads, 0, "{s}");
+            assert!(s.rejected > 0, "the stalls must cause rejections: {s}");
+            assert_failures_retryable(&report);
+            // A rejection whose audit insert met a restart is reported as an audit failure.
+            assert!(s.audit_rows <= s.rejected, "{s}");
+            assert!(s.audit_rows + s.audit_failures >= s.rejected, "{s}");
+            assert_eq!(s.log_events, s.rejected, "{s}");
+            // Nothing to reseed or recover: the counter never went backwards.
+            assert_eq!(s.counter_raises, 0, "{s}");
+            assert_eq!(s.reseed_events, None, "{s}");
+            assert!(s.backend_kills > s.issuer_backend_kills, "{s}");
+            assert!(
+                s.issuer_backend_kills > 0,
+                "the issuer's backends are killed too: {s}"
+            );
+            mid_statement += s.issuer_kills_mid_statement;
+            let restarts: Vec<_> = s
+                .faults
+                .iter()
+                .filter(|f| f.name == "postgres_restart")
+                .collect();
+            assert_eq!(restarts.len(), 2, "{s}");
+            for f in restarts {
+                assert_eq!(f.rows_recovered, f.rows, "writes resume on every row: {s}");
+            }
+            assert_tokens_rise_across_faults(&report);
+            assert_issuer_counters_cover_leases(&report, &pg.url()).await;
+            if mode == Mode::RowClaim {
+                assert_eq!(s.repeated_increments, 0, "{s}");
+                assert_eq!(s.increments, s.units_incremented, "{s}");
+            }
+        }
+        assert!(
+            mid_statement > 0,
+            "some issuer backend was killed running an acquire or release"
+        );
+    })
+    .await
+    .expect("the PostgreSQL issuer runs are bounded to 120 s");
+}
+
+/// The unfenced control on the PostgreSQL issuer, with stalls past the TTL and killed worker
+/// and issuer backends: the harness catches its overwrites and lost updates (so the protected
+/// runs' zeros mean something). Batch mode (48 rows in 2 groups, 300 units of 10–24 rows)
+/// under the same faults: none, every rejected row audited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_issuer_batch_holds_and_the_unfenced_control_loses_updates() {
+    let db = TestDb::new().await;
+    let target = Target::postgres(&db.url()).unwrap();
+    let cfg = Config {
+        workers: 8,
+        rows: 8,
+        units: 2_000,
+        kill_every: Some(Duration::from_millis(150)),
+        ..Config::for_issuer(IssuerKind::Postgres)
+    };
+    let control = Harness::new(
+        Config {
+            mode: Mode::Unfenced,
+            ..cfg.clone()
+        },
+        &target,
+    )
+    .await
+    .expect("harness setup")
+    .run()
+    .await
+    .expect("run");
+    let c = &control.summary;
+    eprintln!("{c}{}", c.json());
+    assert_eq!(c.issuer, "postgres");
+    assert!(!c.timed_out, "{c}");
+    assert!(
+        c.violations > 0,
+        "the harness must detect unfenced overwrites: {c}"
+    );
+    assert!(
+        c.lost_updates > 0,
+        "the harness must detect lost updates: {c}"
+    );
+    assert_eq!(c.rejected, 0, "{c}");
+    assert!(c.issuer_backend_kills > 0, "{c}");
+
+    let timing = Config::for_issuer(IssuerKind::Postgres);
+    let batch = Harness::new(
+        Config {
+            ttl: timing.ttl,
+            pause_min: timing.pause_min,
+            pause_max: timing.pause_max,
+            acquire_wait: timing.acquire_wait,
+            rows: 48,
+            units: 300,
+            reset_counters_at: Vec::new(),
+            seed: 67,
+            ..batch_cfg()
+        },
+        &target,
+    )
+    .await
+    .expect("harness setup")
+    .run()
+    .await
+    .expect("run");
+    eprintln!("{}{}", batch.summary, batch.summary.json());
+    assert_session_run_safe(&batch);
+    assert_batch_rows(&batch, &db.pool).await;
+    let s = &batch.summary;
+    assert_eq!(s.issuer, "postgres");
+    assert_eq!(total(&db, &s.run).await, s.increments, "{s}");
+    assert!(s.issuer_backend_kills > 0, "{s}");
+}
+
+/// The Redis-only faults and settings are refused for the PostgreSQL issuer with a clear error,
+/// not ignored: by the library (counter resets, reseed counting, a throwaway issuer
+/// deployment, a non-PostgreSQL URL for `Target::postgres`) and by the binary (also
+/// `--failover-at`, which is not implemented for PostgreSQL), before any server starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_issuer_refuses_redis_only_faults() {
+    let db = TestDb::new().await;
+    let target = Target::postgres(&db.url()).unwrap();
+    let refused = Harness::new(
+        Config {
+            reset_counters_at: vec![10],
+            ..Config::for_issuer(IssuerKind::Postgres)
+        },
+        &target,
+    )
+    .await
+    .err()
+    .expect("a counter reset with the postgres issuer is refused");
+    assert!(
+        matches!(&refused, ChaosError::Config(m) if m.contains("postgres")),
+        "{refused}"
+    );
+    let harness = Harness::new(Config::for_issuer(IssuerKind::Postgres), &target)
+        .await
+        .unwrap();
+    assert_eq!(harness.issuer_kind(), IssuerKind::Postgres);
+    let refused = harness
+        .with_reseed_counter(ReseedCounter::install_global().unwrap())
+        .err()
+        .expect("the postgres issuer never reseeds");
+    assert!(
+        matches!(&refused, ChaosError::Config(m) if m.contains("postgres")),
+        "{refused}"
+    );
+    let refused = Deployment::start(IssuerKind::Postgres, false)
+        .await
+        .expect_err("no servers of its own");
+    assert!(matches!(refused, ChaosError::Config(_)), "{refused}");
+    assert!(matches!(
+        Target::postgres("redis://127.0.0.1:6379"),
+        Err(ChaosError::Config(_))
+    ));
+
+    // The binary refuses them before it starts anything.
+    let url = db.url();
+    let cases: [(&[&str], &str); 8] = [
+        (
+            &["--reset-counter-at", "10"],
+            "--reset-counter-at deletes Redis counter keys",
+        ),
+        (
+            &["--restart-redis-at", "10"],
+            "--restart-redis-at restarts the throwaway Redis",
+        ),
+        (
+            &["--no-floor-source"],
+            "--no-floor-source and --no-recover-from are Redis settings",
+        ),
+        (
+            &["--no-recover-from"],
+            "--no-floor-source and --no-recover-from are Redis settings",
+        ),
+        (
+            &["--failover-at", "10"],
+            "PostgreSQL primary/standby failover is not implemented",
+        ),
+        (
+            &["--redis-url", "redis://127.0.0.1:1"],
+            "--redis-url is for --issuer redis",
+        ),
+        (
+            &["--issuer-url", "postgres://postgres@127.0.0.1:1/other"],
+            "the postgres issuer runs on the harness's own database",
+        ),
+        (
+            &["--issuer-url", "redis://127.0.0.1:1"],
+            "--issuer postgres, but --issuer-url is a redis URL",
+        ),
+    ];
+    for (extra, expected) in cases {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgfence-chaos"))
+            .args([
+                "--issuer",
+                "postgres",
+                "--database-url",
+                &url,
+                "--attempts",
+                "10",
+            ])
+            .args(extra)
+            .env_remove("DATABASE_URL")
+            .env_remove("PGFENCE_ISSUER_URL")
+            .env_remove("REDIS_URL")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} was accepted: {stderr}");
+        assert!(stderr.contains(expected), "{extra:?}: {stderr}");
+        assert!(
+            out.stdout.is_empty(),
+            "{extra:?} ran: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Why the harness's fenced mode checks in a transaction: the row fence alone keeps tokens in
 // order but cannot make read-modify-write atomic.
 
