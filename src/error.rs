@@ -193,6 +193,11 @@ pub enum Error {
         operation: &'static str,
     },
 
+    /// An effect ([`Effects::begin`](crate::Effects::begin)) was refused before anything was
+    /// sent: an empty or too long work key or step, or no resource to record it under.
+    #[error("invalid effect: {0}")]
+    InvalidEffect(String),
+
     /// A Redis key prefix ([`Issuer::with_key_prefix`](crate::Issuer::with_key_prefix)) was
     /// empty, too long, or contained braces, whitespace or control characters.
     #[error("invalid key prefix: {0}")]

@@ -21,6 +21,11 @@ const APP_FUNCTIONS: &[&str] = &[
     "pgfence.issuer_extend(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
      pg_catalog.int8)",
     "pgfence.issuer_status(pg_catalog.text, pg_catalog.text)",
+    "pgfence.effect_begin(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
+     pg_catalog.int4, pg_catalog.text)",
+    "pgfence.effect_finish(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
+     pg_catalog.int4, pg_catalog.text, pg_catalog.bool, pg_catalog.jsonb)",
+    "pgfence.effect_status(pg_catalog.text, pg_catalog.text, pg_catalog.text)",
 ];
 
 /// The SQL that gives `role` exactly an application's privileges on pgfence's schema — what
@@ -38,10 +43,11 @@ const APP_FUNCTIONS: &[&str] = &[
 /// |---|---|
 /// | schema `pgfence` | `USAGE` |
 /// | `check`, `high_water`, `domain_high_water`, `append_audit` (owner's rights); `try_check`, `next_fence`, `lease_fence`, `record_rejection` (caller's rights) | `EXECUTE` |
+/// | the effect ledger's `effect_begin`, `effect_finish`, `effect_status` (owner's rights: fenced like a row write) | `EXECUTE` |
 /// | the PostgreSQL issuer's `issuer_acquire`, `issuer_release`, `issuer_extend`, `issuer_status` (owner's rights: take a free lock, release or extend one's own, never lower a counter) | `EXECUTE` |
 /// | `pgfence.tombstone` | `SELECT`, `INSERT`, `UPDATE (fence, deleted_at)`: a fenced delete writes its tombstone, an upsert reads it; a trigger refuses any update that lowers a tombstone's fence |
 /// | `pgfence.audit` | `INSERT` on the columns the library writes (not `id`, `at`, `db_user`), for the rows an [`Auditor`](crate::Auditor)'s pool writes; no `SELECT`, `UPDATE` or `DELETE` |
-/// | `pgfence.resource_fence`, `guarded_tables`, `issuer_lock`, `issuer_counter`, the migration history | nothing |
+/// | `pgfence.resource_fence`, `guarded_tables`, `issuer_lock`, `issuer_counter`, `effect`, the migration history | nothing |
 /// | `guard`, `unguard`, `unpoison_resource` | nothing (owner and superusers only) |
 ///
 /// The application role must not own the guarded tables (a table's owner can

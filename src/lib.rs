@@ -3,6 +3,7 @@
 mod audit;
 mod batch;
 mod doctor;
+mod effect;
 mod error;
 mod fence;
 mod grant;
@@ -24,6 +25,9 @@ pub use audit::{
 };
 pub use batch::{BatchOutcome, BatchSummary, Claimed, MAX_BATCH_ROWS, RowOutcome};
 pub use doctor::{DEFAULT_LIMIT_MARGIN, DoctorOptions, Finding, FindingKind, Severity, doctor};
+pub use effect::{
+    EFFECT_TABLE, Effect, EffectOutcome, EffectRecord, Effects, MAX_STEP_LEN, MAX_WORK_KEY_LEN,
+};
 pub use error::{
     Error, Result, SQLSTATE_DUPLICATE, SQLSTATE_EXHAUSTED, SQLSTATE_FENCE_TYPE, SQLSTATE_PROTECTED,
     SQLSTATE_STALE, StaleTarget,

@@ -49,6 +49,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V7__pg_issuer",
         include_str!("../migrations/V7__pg_issuer.sql"),
     ),
+    ("V8__effects", include_str!("../migrations/V8__effects.sql")),
 ];
 
 /// One migration, as reported by [`migrate`] and [`status`].

@@ -12,17 +12,20 @@
 //! `postgres` user (through `runuser`).
 //!
 //! [`PgBouncer`] puts Debian's PgBouncer in front of a PostgreSQL, in transaction or session
-//! mode. [`Proxy`] is a loopback TCP proxy that drops or stalls the connections through it, for
+//! mode. [`Provider`] is a fake payment API that honours `Idempotency-Key`. [`Proxy`] is a
+//! loopback TCP proxy that drops or stalls the connections through it, for
 //! resilience tests.
 
 mod etcd;
 mod pgbouncer;
 mod process;
+pub mod provider;
 mod sentinel;
 mod zk;
 
 pub use etcd::{ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, EtcdCluster, EtcdMember, etcd_installed};
 pub use pgbouncer::{PgBouncer, PoolMode, pgbouncer_installed};
+pub use provider::Provider;
 pub use sentinel::{RedisNode, SentinelConfig, SentinelSet, sentinel_installed};
 pub use zk::{
     ZK_MAX_SESSION_TIMEOUT_MS, ZK_MIN_SESSION_TIMEOUT_MS, ZK_TICK_MS, ZkEnsemble, ZkMember,
