@@ -128,6 +128,12 @@ pub enum Command {
         /// The role, as in SQL: unquoted names fold to lower case; double-quote to keep case.
         role: String,
     },
+    /// The effect ledger, for calls outside PostgreSQL (a payment provider) from jobs under
+    /// `pgfence run`: record a call and get its idempotency key, record its outcome.
+    Effect {
+        #[command(subcommand)]
+        action: EffectAction,
+    },
     /// Reproduce the lock-expiry race with real servers and show the stale write rejected.
     Simulate(SimulateArgs),
     /// Check the setup: schema migrated, guard triggers present and enabled, fence columns,
@@ -222,6 +228,73 @@ pub enum LockAction {
     Status {
         /// The resource.
         resource: String,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// The lease an effect is recorded under: what `pgfence run` exports to its command.
+#[derive(Args, Debug)]
+pub struct EffectLease {
+    /// The lease's resource.
+    #[arg(long, env = "PGFENCE_RESOURCE")]
+    pub resource: String,
+    /// The lease's token.
+    #[arg(long, env = "PGFENCE_TOKEN")]
+    pub token: String,
+    /// The lease's owner id.
+    #[arg(long, env = "PGFENCE_OWNER", hide_env_values = true)]
+    pub owner: String,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum EffectAction {
+    /// Record a call before making it, fenced like a row write, and print its idempotency
+    /// key: the same for every holder of the work item. Exit 0: make the call with the key;
+    /// exit 3: a holder already recorded its outcome (do not call; `--json` shows it); exit 1
+    /// with "stale fence token": a newer lease holds the work item (do not call).
+    Begin {
+        /// The work item (e.g. `invoice:42`).
+        #[arg(long)]
+        work: String,
+        /// The step of the work item (e.g. `charge`).
+        #[arg(long)]
+        step: String,
+        #[command(flatten)]
+        lease: EffectLease,
+        /// JSON output: key, state, outcome, holders.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Record a call's outcome after making it (fenced: an older lease cannot overwrite a
+    /// newer holder's).
+    Finish {
+        /// The work item.
+        #[arg(long)]
+        work: String,
+        /// The step.
+        #[arg(long)]
+        step: String,
+        #[command(flatten)]
+        lease: EffectLease,
+        /// The outcome: JSON (e.g. the provider's answer), or text stored as a JSON string.
+        #[arg(long, allow_hyphen_values = true)]
+        outcome: String,
+        /// The call definitely did not take effect (e.g. a declined card).
+        #[arg(long)]
+        failed: bool,
+    },
+    /// Show an effect as recorded (exit 2 when nothing is recorded).
+    Status {
+        /// The resource (or any resource of its fencing domain).
+        resource: String,
+        /// The work item.
+        #[arg(long)]
+        work: String,
+        /// The step.
+        #[arg(long)]
+        step: String,
         /// JSON output.
         #[arg(long)]
         json: bool,

@@ -2,6 +2,7 @@
 
 mod audit;
 mod doctor;
+mod effect;
 mod grant;
 mod guard;
 mod lock;
@@ -14,7 +15,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 
-use crate::cli::{AuditAction, Cli, Command, LockAction};
+use crate::cli::{AuditAction, Cli, Command, EffectAction, LockAction};
 
 /// Runs the command, returning its exit code. Ctrl-C stops it with exit code 130, except for
 /// `run`, which handles signals itself: it must release the lock after the command exits.
@@ -102,6 +103,27 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
             json,
         } => reseed::reseed(&conn, &resource, floor, json).await,
         Command::Grant { role } => grant::grant(&conn, &role).await,
+        Command::Effect { action } => match action {
+            EffectAction::Begin {
+                work,
+                step,
+                lease,
+                json,
+            } => effect::begin(&conn, &lease, &work, &step, json).await,
+            EffectAction::Finish {
+                work,
+                step,
+                lease,
+                outcome,
+                failed,
+            } => effect::finish(&conn, &lease, &work, &step, &outcome, failed).await,
+            EffectAction::Status {
+                resource,
+                work,
+                step,
+                json,
+            } => effect::status(&conn, &resource, &work, &step, json).await,
+        },
         Command::Simulate(args) => simulate::simulate(&conn, &args).await,
         Command::Doctor(args) => doctor::doctor(&conn, &args).await,
     }
