@@ -649,9 +649,11 @@ fn line_of(out: &str, needle: &str) -> usize {
 }
 
 /// The demo on a machine where the servers are installed but not running: it starts its own,
-/// shows the rejection, and leaves no process or directory behind. The story: B claims the row
-/// and writes twice under one lease; A, the zombie, wakes between B's two writes and is
-/// rejected; B's second write still applies.
+/// shows the rejection, and leaves no process or directory behind. The story: A writes step 1,
+/// records the charge and pauses right before calling the provider; B claims the row, records
+/// the charge (the same idempotency key), calls the provider and writes twice under one lease;
+/// A, the zombie, wakes between B's two writes, calls with the same key (nothing charged) and
+/// its step 2 is rejected; B's second write still applies. One charge at the provider.
 #[tokio::test]
 async fn simulate_starts_and_removes_its_own_servers() {
     let out = Command::new(BIN)
@@ -670,19 +672,50 @@ async fn simulate_starts_and_removes_its_own_servers() {
         &stdout,
         "A      claims batch-42 with token 1: status = pending",
     );
+    let a_first = line_of(
+        &stdout,
+        "A      step 1: writes status = processing by A with token 1: applied",
+    );
+    let a_effect = line_of(
+        &stdout,
+        "A      records the charge in the effect ledger: idempotency key ",
+    );
+    let key = stdout.lines().nth(a_effect).unwrap();
+    let key = &key[key.find("idempotency key ").unwrap() + 16..][..8];
     let b_claim = line_of(
         &stdout,
-        "B      claims batch-42 with token 2: status = pending",
+        "B      claims batch-42 with token 2: status = processing by A",
     );
     let b_first = line_of(
         &stdout,
         "B      step 1: writes status = processing by B with token 2: applied",
     );
+    let b_effect = line_of(
+        &stdout,
+        &format!(
+            "B      records the charge in the effect ledger: idempotency key {key}… (the same"
+        ),
+    );
+    let a_call = line_of(
+        &stdout,
+        &format!("A      calls the payment provider with Idempotency-Key {key}…"),
+    );
+    let a_answer = stdout
+        .lines()
+        .nth(a_call + 1)
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        a_answer.contains("A      provider answers 409 Conflict")
+            || a_answer.contains("replayed for the same key, nothing charged"),
+        "{stdout}"
+    );
     let a_rejected = line_of(
         &stdout,
-        "A      step 1: writes status = processing by A with token 1: \
+        "A      step 2: writes status = paid, paid_by = A with token 1: \
          REJECTED: stale token (presented 1, current 2)",
     );
+    assert!(a_first < a_effect && a_effect < b_claim && b_effect < a_call && a_call < a_rejected);
     let b_second = line_of(
         &stdout,
         "B      step 2: writes status = paid, paid_by = B with token 2: \
@@ -693,7 +726,12 @@ async fn simulate_starts_and_removes_its_own_servers() {
         "A's rejection between B's two writes:\n{stdout}"
     );
     line_of(&stdout, "A      stops: a newer lease owns batch-42");
-    assert!(!stdout.contains("A      step 2"), "A stopped:\n{stdout}");
+    assert!(
+        stdout.contains(
+            "provider: 1 charge(s) for batch-42; A's late call carried B's idempotency key"
+        ),
+        "{stdout}"
+    );
     assert!(
         stdout.contains(
             "result: the row holds B's final write (status = paid, paid_by = B, fence = 2)"
@@ -762,13 +800,14 @@ async fn simulate_runs_on_postgres_alone() {
     );
     line_of(
         &stdout,
-        "A      step 1: writes status = processing by A with token 1: \
+        "A      step 2: writes status = paid, paid_by = A with token 1: \
          REJECTED: stale token (presented 1, current 2)",
     );
     assert!(
         stdout.contains("audit:  1 rejected write(s)") && stdout.contains("fencing works."),
         "{stdout}"
     );
+    assert!(stdout.contains("provider: 1 charge(s)"), "{stdout}");
     let dirs: Vec<&str> = stdout
         .lines()
         .filter_map(|l| l.strip_prefix("stopped throwaway server, removed "))
@@ -803,14 +842,15 @@ async fn simulate_without_fencing_shows_the_damage_and_leaves_no_demo_table() {
     let db = TestDb::new().await;
     let cli = Cli::new(&db).await;
     let out = cli.ok(&["simulate", "--no-fence"]);
-    // The same job without fencing: A's writes land, over each of B's.
-    let b_first = line_of(
-        &out,
-        "B      step 1: writes status = processing by B: applied (no fence to check)",
-    );
+    // The same job without fencing (and without the ledger's key): A's writes land, its
+    // step 2 over B's, and the provider charges twice.
     let a_first = line_of(
         &out,
         "A      step 1: writes status = processing by A: applied (no fence to check)",
+    );
+    let b_first = line_of(
+        &out,
+        "B      step 1: writes status = processing by B: applied (no fence to check)",
     );
     let b_second = line_of(
         &out,
@@ -821,9 +861,16 @@ async fn simulate_without_fencing_shows_the_damage_and_leaves_no_demo_table() {
         "A      step 2: writes status = paid, paid_by = A: applied (no fence to check)",
     );
     assert!(
-        b_first < a_first && a_first < b_second && b_second < a_second,
+        a_first < b_first && b_first < b_second && b_second < a_second,
         "{out}"
     );
+    assert_eq!(
+        out.matches("calls the payment provider without an idempotency key")
+            .count(),
+        2,
+        "{out}"
+    );
+    assert!(out.contains("provider: 2 charge(s) for batch-42"), "{out}");
     assert!(!out.contains("REJECTED"), "{out}");
     assert!(
         out.contains("result: the row says status = paid, paid_by = A"),
@@ -831,7 +878,7 @@ async fn simulate_without_fencing_shows_the_damage_and_leaves_no_demo_table() {
     );
     assert!(
         out.contains(
-            "DAMAGE: A's stale writes (token 1, unfenced) overwrote both of B's newer writes (token 2)"
+            "DAMAGE: A's stale writes (token 1, unfenced) overwrote B's newer writes (token 2)"
         ),
         "{out}"
     );
@@ -854,6 +901,7 @@ async fn simulate_mermaid_is_a_sequence_diagram() {
         "A as Worker A",
         "R as Lock service",
         "P as Postgres",
+        "V as Payment provider",
         "B as Worker B",
     ] {
         assert_eq!(
@@ -871,6 +919,16 @@ async fn simulate_mermaid_is_a_sequence_diagram() {
         .count();
     assert!(arrows >= 12, "{out}");
     assert!(out.contains("P--xA: REJECTED"), "{out}");
+    assert_eq!(
+        out.matches("->>V: ").count(),
+        2,
+        "both call the provider: {out}"
+    );
+    assert_eq!(
+        out.matches("POST /charges Idempotency-Key").count(),
+        2,
+        "{out}"
+    );
     assert!(!out.contains("P--xB"), "{out}");
     assert_eq!(out.matches("P-->>B: applied").count(), 2, "{out}");
     assert!(

@@ -43,8 +43,32 @@ pub enum What {
         /// What Postgres answered.
         detail: String,
     },
-    /// A worker calls the payment provider between its two writes; it takes this long.
-    Provider(Duration),
+    /// A worker recorded the charge in the effect ledger before calling (fenced runs).
+    Effect {
+        /// The idempotency key the ledger gave it.
+        key: String,
+        /// How many leases have recorded the charge (1: this one is the first).
+        holders: i32,
+    },
+    /// A worker calls the payment provider between its two writes (with the ledger's
+    /// idempotency key in fenced runs, without one unfenced).
+    Call {
+        /// The `Idempotency-Key` it sends.
+        key: Option<String>,
+        /// How long the provider takes to charge.
+        took: Duration,
+    },
+    /// The payment provider answered a worker's call.
+    Answer {
+        /// The HTTP status.
+        status: u16,
+        /// The charge id, when it charged or replayed a charge.
+        charge: Option<String>,
+        /// Whether it replayed an earlier answer for the same key (nothing charged).
+        replayed: bool,
+    },
+    /// A worker recorded the call's outcome in the effect ledger (the charge id).
+    Outcome(String),
     /// A worker gave up its job: a newer lease owns the row.
     FencedOut,
     /// A worker released the lock; what Redis answered.

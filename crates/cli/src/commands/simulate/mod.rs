@@ -1,12 +1,15 @@
 //! `pgfence simulate`: the lock-expiry race, replayed with real servers and real timing.
 //!
-//! Two workers run the same job under the lock: claim the row, write step 1 (`processing`),
-//! call the payment provider, write step 2 (`paid`) — several writes under one lease. Worker A
-//! claims the row and pauses past the TTL (a stand-in for a GC pause or VM stall). The lock
-//! expires; worker B takes it with a newer token, claims the row and writes step 1. A wakes,
-//! still believing it holds the lock, and writes its step 1; then B writes step 2. With
-//! fencing, Postgres rejects A's write (A stops) and still applies B's second write under the
-//! same lease; with `--no-fence`, A's stale writes silently overwrite both of B's.
+//! Two workers run the same billing job under the lock: claim the row, write step 1
+//! (`processing`), record the charge in the effect ledger, call the payment provider (a fake
+//! one on loopback honouring `Idempotency-Key`), write step 2 (`paid`) — several writes under
+//! one lease. Worker A writes step 1, records the charge and pauses past the TTL right before
+//! its call (a stand-in for a GC pause or VM stall). The lock expires; worker B takes it with a
+//! newer token, claims the row, writes step 1, records the charge — the same key — and calls
+//! the provider. A wakes, still believing it holds the lock, and makes its call with that key
+//! (the provider charges nothing); then its step 2 is rejected by Postgres (A stops), and B's
+//! step 2 is applied under the same lease. With `--no-fence` (no fencing, no ledger, no key),
+//! A's stale writes silently overwrite B's and the provider charges twice.
 
 mod events;
 mod race;
@@ -94,6 +97,7 @@ pub async fn simulate(conn: &Conn, args: &SimulateArgs) -> Result<ExitCode> {
         row: final_row?,
         audit: audit?,
         events: stage.rec.sorted(),
+        charges: stage.provider.charges("batch-42"),
     };
 
     render::print_events(&outcome.events, fenced, args.mermaid);

@@ -1,15 +1,21 @@
-//! The scenario: two workers run the same two-step job on one row under one lock. A claims the
-//! row and pauses past its lease; B takes the lock, claims the row and writes step 1; A wakes
-//! and writes its step 1; B writes step 2 under the same lease. Fenced, A's write is rejected
-//! and A stops, while B's second write is applied; unfenced, A overwrites both of B's writes.
+//! The scenario: two workers run the same billing job on one row under one lock: claim the
+//! row, write step 1 (`processing`), record the charge in the effect ledger, call the payment
+//! provider, write step 2 (`paid`). A claims the row, writes step 1, records the charge and
+//! pauses — right before its provider call — past its lease; B takes the lock, claims the row,
+//! writes step 1, records the charge (the same idempotency key) and calls the provider; A wakes
+//! and makes its call; B writes step 2 under the same lease. Fenced, A's call carries B's key
+//! (the provider charges once) and A's step 2 is rejected, while B's second write is applied;
+//! unfenced (no ledger, no key), the provider charges twice and A overwrites B's writes.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use pgfence::{
-    Error, FenceToken, Lease, ReleaseOutcome, Repository, Resource, TableName, TokenIssuer,
+    EffectOutcome, Effects, Error, FenceToken, Lease, ReleaseOutcome, Repository, Resource,
+    TableName, TokenIssuer,
 };
+use pgfence_testkit::Provider;
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio::sync::Notify;
 
@@ -54,6 +60,10 @@ pub struct Stage {
     pub repo: Option<Repository<DemoRow>>,
     /// Where the workers record what they do.
     pub rec: Recorder,
+    /// The fake payment provider (honours `Idempotency-Key`), on loopback.
+    pub provider: Provider,
+    /// The effect ledger, when `fenced`.
+    pub effects: Option<Effects>,
 }
 
 /// The points where one worker's step must follow the other's. The timing is real and
@@ -62,10 +72,10 @@ pub struct Stage {
 /// reorder the story.
 #[derive(Default)]
 struct Cues {
-    /// B has written step 1 (A's step 1 comes after it).
-    b_first: Notify,
-    /// A has tried its step 1 (B's step 2 comes after it).
-    a_first: Notify,
+    /// B has called the provider (A's late call comes after it).
+    b_called: Notify,
+    /// A has tried its step 2 (B's step 2 comes after it, fenced).
+    a_second: Notify,
     /// B has written step 2 (an unfenced A's step 2 comes after it).
     b_second: Notify,
 }
@@ -80,6 +90,7 @@ pub async fn race(stage: Arc<Stage>, ttl: Duration, pause: Duration) -> Result<(
     // The provider call between a job's two writes: B's outlasts A's pause, so A wakes
     // between B's two writes.
     let provider = pause.saturating_sub(ttl / 2);
+    stage.provider.set_latency(provider);
     let cues = Arc::new(Cues::default());
     let a = {
         let (stage, cues) = (stage.clone(), cues.clone());
@@ -94,8 +105,9 @@ pub async fn race(stage: Arc<Stage>, ttl: Duration, pause: Duration) -> Result<(
     Ok((a_token, b_token))
 }
 
-/// Takes the lock, claims the row, pauses past the TTL, wakes and carries on with its job
-/// anyway: step 1, and (if that was applied) the provider call and step 2.
+/// Takes the lock, claims the row, writes step 1, records the charge, pauses past the TTL
+/// right before its provider call, wakes and carries on with its job anyway: the call, then
+/// step 2.
 async fn worker_a(
     stage: &Stage,
     cues: &Cues,
@@ -119,18 +131,25 @@ async fn worker_a(
     );
     rec.record_at(acquired_at + ttl, '-', What::Expired);
     let mut row = claim(stage, 'A', &lease).await?;
-    rec.record('A', What::Pause(pause));
-    tokio::time::sleep(pause).await;
-    rec.record('A', What::Wake);
-    after(&cues.b_first).await;
-    let applied = write(stage, 'A', &lease, &mut row, 1).await;
-    cues.a_first.notify_one();
-    if applied? {
-        rec.record('A', What::Provider(provider));
-        tokio::time::sleep(provider).await;
-        after(&cues.b_second).await;
-        write(stage, 'A', &lease, &mut row, 2).await?;
+    let mut fenced_out = !write(stage, 'A', &lease, &mut row, 1).await?;
+    let key = if fenced_out {
+        None
     } else {
+        record_charge(stage, 'A', &lease).await?
+    };
+    if !fenced_out {
+        rec.record('A', What::Pause(pause));
+        tokio::time::sleep(pause).await;
+        rec.record('A', What::Wake);
+        after(&cues.b_called).await;
+        call_provider(stage, 'A', key, provider).await?;
+        if !stage.fenced {
+            after(&cues.b_second).await;
+        }
+        fenced_out = !write(stage, 'A', &lease, &mut row, 2).await?;
+    }
+    cues.a_second.notify_one();
+    if fenced_out {
         rec.record('A', What::FencedOut);
     }
     let state = stage.issuer.release(&lease).await?;
@@ -139,7 +158,8 @@ async fn worker_a(
 }
 
 /// Queues for the lock behind A, gets it once A's lease expires, and runs the job under that
-/// one lease: claim, step 1, the provider call, step 2.
+/// one lease: claim, step 1, record the charge, the provider call, step 2 (with the call's
+/// outcome recorded).
 async fn worker_b(
     stage: &Stage,
     cues: &Cues,
@@ -165,21 +185,112 @@ async fn worker_b(
         },
     );
     let mut row = claim(stage, 'B', &lease).await?;
-    let applied = write(stage, 'B', &lease, &mut row, 1).await;
-    cues.b_first.notify_one();
-    if applied? {
-        rec.record('B', What::Provider(provider));
-        tokio::time::sleep(provider).await;
-        after(&cues.a_first).await;
+    if write(stage, 'B', &lease, &mut row, 1).await? {
+        let key = record_charge(stage, 'B', &lease).await?;
+        let call = {
+            let (url, key) = (stage.provider.url(), key.clone());
+            tokio::task::spawn_blocking(move || charge(&url, key.as_deref()))
+        };
+        rec.record(
+            'B',
+            What::Call {
+                key,
+                took: provider,
+            },
+        );
+        cues.b_called.notify_one();
+        let answer = call.await.context("provider call panicked")??;
+        record_answer(stage, 'B', &answer);
+        if stage.fenced {
+            after(&cues.a_second).await;
+        }
+        if let (Some(effects), Some(charge)) = (&stage.effects, charge_id(&answer)) {
+            effects
+                .finish_step(
+                    &stage.pool,
+                    &lease,
+                    BATCH,
+                    STEP,
+                    EffectOutcome::Succeeded(serde_json::json!({ "charge": charge })),
+                )
+                .await?;
+            rec.record('B', What::Outcome(charge));
+        }
         let applied = write(stage, 'B', &lease, &mut row, 2).await;
         cues.b_second.notify_one();
         applied?;
     } else {
+        cues.b_called.notify_one();
+        cues.b_second.notify_one();
         rec.record('B', What::FencedOut);
     }
     let state = stage.issuer.release(&lease).await?;
     rec.record('B', What::Released(release_word(state)));
     Ok(lease.token().get())
+}
+
+/// The effect ledger's step for the provider call.
+const STEP: &str = "charge";
+
+/// Records the charge in the effect ledger (fenced runs) and returns its idempotency key;
+/// `None` unfenced (no ledger: the call goes out without a key).
+async fn record_charge(stage: &Stage, actor: char, lease: &Lease) -> Result<Option<String>> {
+    let Some(effects) = &stage.effects else {
+        return Ok(None);
+    };
+    let effect = effects.begin(&stage.pool, lease, BATCH, STEP).await?;
+    stage.rec.record(
+        actor,
+        What::Effect {
+            key: effect.idempotency_key().to_owned(),
+            holders: effect.holders(),
+        },
+    );
+    Ok(Some(effect.idempotency_key().to_owned()))
+}
+
+/// Calls the provider (A's late call) and records the call and its answer.
+async fn call_provider(
+    stage: &Stage,
+    actor: char,
+    key: Option<String>,
+    took: Duration,
+) -> Result<pgfence_testkit::provider::Answer> {
+    stage.rec.record(
+        actor,
+        What::Call {
+            key: key.clone(),
+            took,
+        },
+    );
+    let url = stage.provider.url();
+    let answer = tokio::task::spawn_blocking(move || charge(&url, key.as_deref()))
+        .await
+        .context("provider call panicked")??;
+    record_answer(stage, actor, &answer);
+    Ok(answer)
+}
+
+fn charge(url: &str, key: Option<&str>) -> Result<pgfence_testkit::provider::Answer> {
+    pgfence_testkit::provider::charge(url, key, BATCH, 100, Duration::from_secs(30))
+        .context("cannot reach the demo's payment provider")
+}
+
+/// The charge id in a provider's answer (`{"id":"ch_1",...}`).
+fn charge_id(answer: &pgfence_testkit::provider::Answer) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(&answer.body).ok()?;
+    v.get("id")?.as_str().map(str::to_owned)
+}
+
+fn record_answer(stage: &Stage, actor: char, answer: &pgfence_testkit::provider::Answer) {
+    stage.rec.record(
+        actor,
+        What::Answer {
+            status: answer.status,
+            charge: charge_id(answer),
+            replayed: answer.replayed,
+        },
+    );
 }
 
 /// What a release answered, in words.

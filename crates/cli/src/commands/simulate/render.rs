@@ -40,6 +40,8 @@ pub struct Outcome {
     pub audit: Vec<AuditEntry>,
     /// Everything that happened, in time order.
     pub events: Vec<Event>,
+    /// Charges the payment provider made for the batch.
+    pub charges: u64,
 }
 
 /// Prints the events on stdout: a Mermaid diagram, or a timeline and a blank line.
@@ -63,7 +65,14 @@ pub fn verdict(say: &Narrator, outcome: &Outcome, fenced: bool) -> bool {
         row,
         audit,
         events,
+        charges,
     } = outcome;
+    let a_answer = events.iter().find_map(|e| match &e.what {
+        What::Answer {
+            status, replayed, ..
+        } if e.actor == 'A' => Some((*status, *replayed)),
+        _ => None,
+    });
     let writes = |actor: char, applied: bool| {
         events
             .iter()
@@ -91,9 +100,19 @@ pub fn verdict(say: &Narrator, outcome: &Outcome, fenced: bool) -> bool {
                 ))
                 .unwrap_or_default()
         ));
+        say.line(format!(
+            "provider: {charges} charge(s) for batch-42{}",
+            match a_answer {
+                Some((409, _)) => "; A's late call carried B's idempotency key and was refused as a concurrent duplicate (409)",
+                Some((_, true)) => "; A's late call carried B's idempotency key and got B's charge replayed",
+                _ => "",
+            }
+        ));
         let ok = writes('A', false) == 1
-            && writes('A', true) == 0
+            && writes('A', true) == 1
             && writes('B', true) == 2
+            && *charges == 1
+            && a_answer.is_some_and(|(status, replayed)| status == 409 || replayed)
             && row.paid_by == "B"
             && row.status == "paid"
             && row.token == *b_token
@@ -101,7 +120,7 @@ pub fn verdict(say: &Narrator, outcome: &Outcome, fenced: bool) -> bool {
         if ok {
             say.line(format!(
                 "A's stale write (token {a_token}) was REJECTED because B's token {b_token} had already claimed the row; \
-                 B's second write under the same lease was applied after it: fencing works."
+                 B's second write under the same lease was applied after it; the provider charged once: fencing works."
             ));
         } else {
             say.line("unexpected outcome: A's stale write was not rejected as expected".into());
@@ -112,17 +131,37 @@ pub fn verdict(say: &Narrator, outcome: &Outcome, fenced: bool) -> bool {
             "result: the row says status = {}, paid_by = {}",
             row.status, row.paid_by
         ));
-        let damaged = row.paid_by == "A" && writes('A', true) == 2;
+        say.line(format!("provider: {charges} charge(s) for batch-42"));
+        let damaged = row.paid_by == "A" && writes('A', true) == 2 && *charges == 2;
         if damaged {
             say.line(format!(
-                "DAMAGE: A's stale writes (token {a_token}, unfenced) overwrote both of B's newer writes (token {b_token}): \
-                 B's step 1, then B's final paid_by = B. Both workers believed they held the lock, and both paid batch-42. \
-                 Run without --no-fence to see fencing stop it."
+                "DAMAGE: A's stale writes (token {a_token}, unfenced) overwrote B's newer writes (token {b_token}): \
+                 B's final paid_by = B is gone. Both workers believed they held the lock, and both paid batch-42: \
+                 the provider charged {charges} times. Run without --no-fence to see fencing stop it."
             ));
         } else {
             say.line("the race did not reproduce this time (try a longer --pause)".into());
         }
         damaged
+    }
+}
+
+/// The first characters of an idempotency key.
+fn short_key(key: &str) -> String {
+    key.chars().take(8).collect::<String>() + "…"
+}
+
+/// A provider's answer in words.
+fn answer_words(status: u16, charge: Option<&str>, replayed: bool) -> String {
+    match (status, charge) {
+        (200, Some(c)) if replayed => {
+            format!("provider answers 200: charge {c} replayed for the same key, nothing charged")
+        }
+        (200, Some(c)) => format!("provider answers 200: charged, {c}"),
+        (409, _) => {
+            "provider answers 409 Conflict: the same key is in flight, nothing charged".to_owned()
+        }
+        (s, _) => format!("provider answers {s}"),
     }
 }
 
@@ -171,7 +210,31 @@ fn describe(e: &Event) -> String {
                 .map(|t| format!(" with token {t}"))
                 .unwrap_or_default()
         ),
-        What::Provider(d) => format!("calls the payment provider ({})", fmt_duration(*d)),
+        What::Effect { key, holders } => format!(
+            "records the charge in the effect ledger: idempotency key {}{}",
+            short_key(key),
+            if *holders == 1 {
+                " (new)"
+            } else {
+                " (the same: recorded by an earlier lease, no outcome yet)"
+            }
+        ),
+        What::Call { key, took } => format!(
+            "calls the payment provider {} ({})",
+            match key {
+                Some(k) => format!("with Idempotency-Key {}", short_key(k)),
+                None => "without an idempotency key".to_owned(),
+            },
+            fmt_duration(*took)
+        ),
+        What::Answer {
+            status,
+            charge,
+            replayed,
+        } => answer_words(*status, charge.as_deref(), *replayed),
+        What::Outcome(charge) => {
+            format!("records the outcome in the effect ledger: charged, {charge}")
+        }
         What::FencedOut => "stops: a newer lease owns batch-42, so its job is over".into(),
         What::Released(word) => (*word).to_owned(),
     }
@@ -198,7 +261,7 @@ fn timeline(events: &[Event]) -> Vec<String> {
 /// The events as a Mermaid sequence diagram.
 fn mermaid(events: &[Event], fenced: bool) -> String {
     let mut out = String::from("sequenceDiagram\n");
-    out.push_str("    participant A as Worker A\n    participant R as Lock service\n    participant P as Postgres\n    participant B as Worker B\n");
+    out.push_str("    participant A as Worker A\n    participant R as Lock service\n    participant P as Postgres\n    participant V as Payment provider\n    participant B as Worker B\n");
     for e in events {
         let who = e.actor;
         let at = e.at.as_millis();
@@ -241,10 +304,27 @@ fn mermaid(events: &[Event], fenced: bool) -> String {
                 };
                 format!("    {who}->>P: +{at}ms step {step} UPDATE {set}{with}\n    {reply}\n")
             }
-            What::Provider(d) => format!(
-                "    Note over {who}: +{at}ms calls the payment provider {}\n",
-                fmt_duration(*d)
+            What::Effect { key, .. } => format!(
+                "    {who}->>P: +{at}ms record charge in effect ledger\n    P-->>{who}: key {}\n",
+                short_key(key)
             ),
+            What::Call { key, .. } => format!(
+                "    {who}->>V: +{at}ms POST /charges {}\n",
+                key.as_deref()
+                    .map(|k| format!("Idempotency-Key {}", short_key(k)))
+                    .unwrap_or_else(|| "no key".into())
+            ),
+            What::Answer {
+                status,
+                charge,
+                replayed,
+            } => format!(
+                "    V-->>{who}: +{at}ms {}\n",
+                answer_words(*status, charge.as_deref(), *replayed)
+            ),
+            What::Outcome(charge) => {
+                format!("    {who}->>P: +{at}ms record outcome {charge} in effect ledger\n")
+            }
             What::FencedOut => {
                 format!("    Note over {who}: +{at}ms stops, a newer lease owns the row\n")
             }
@@ -258,9 +338,9 @@ fn mermaid(events: &[Event], fenced: bool) -> String {
         out,
         "    Note over P: {}",
         if fenced {
-            "fenced: A's stale write rejected, B's second write applied"
+            "fenced: A's stale write rejected, B's second write applied, one charge"
         } else {
-            "unfenced: A's stale writes overwrote both of B's"
+            "unfenced: A's stale writes overwrote B's, two charges"
         }
     );
     out

@@ -190,9 +190,18 @@ pub async fn setup(servers: &Servers, fenced: bool, say: &Narrator) -> Result<Ar
             " (NOT guarded)"
         }
     ));
+    let provider = pgfence_testkit::Provider::start(std::time::Duration::ZERO)
+        .context("cannot start the demo's payment provider on loopback")?;
+    say.line(format!(
+        "  {:<10}fake payment API on 127.0.0.1:{} (honours Idempotency-Key)",
+        "provider:",
+        provider.port()
+    ));
     say.line(String::new());
 
     Ok(Arc::new(Stage {
+        effects: fenced.then(|| pgfence::Effects::new(pool.clone())),
+        provider,
         repo: fenced
             .then(|| Repository::for_table(pool.clone(), table.clone()))
             .transpose()?,
