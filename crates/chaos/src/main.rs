@@ -19,12 +19,12 @@
 //! cargo run --release -p pgfence-chaos -- --issuer postgres --workers 16 --attempts 10000 \
 //!     --rows 16 --kill-every-ms 200 --restart-postgres-at 5000 --all-modes
 //! ```
-//! Each run prints a
-//! readable summary and one JSON line (`--json` prints only the JSON). The exit status is 1
-//! when a protected run shows a violation or a lost update, when the unfenced control shows
-//! none (the harness would then prove nothing), when a requested failover did not happen or
-//! some row never wrote again after it, or when etcd or ZooKeeper issued a token after a
-//! failover that was not above every token accepted before it.
+//!
+//! Each run prints a readable summary and one JSON line (`--json` prints only the JSON). The
+//! exit status is 1 when a protected run shows a violation or a lost update, when the
+//! unfenced control shows none (the harness would then prove nothing), when a requested
+//! failover did not happen or some row never wrote again after it, or when etcd or ZooKeeper
+//! issued a token after a failover that was not above every token accepted before it.
 //!
 //! `--failover-at N` fails the issuer over for real at unit N: etcd and ZooKeeper run as three
 //! members and the leader is killed (`SIGKILL`); Redis runs as a master, a replica and three

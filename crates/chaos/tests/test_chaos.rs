@@ -1,7 +1,8 @@
 //! Proof under faults: the race harness (`pgfence_chaos`) at CI size against real servers, with
 //! stalls past the TTL, Redis counter loss, killed backends, restarts and real issuer failovers
-//! (Redis Sentinel, etcd, ZooKeeper: each skips when its servers are not installed); plus
-//! deterministic cases for why the transaction-scope check is needed and for error
+//! (Redis Sentinel, etcd, ZooKeeper: each skips when its servers are not installed); the
+//! PostgreSQL issuer on the harness's own database through restarts and killed issuer
+//! backends; plus deterministic cases for why the transaction-scope check is needed and for error
 //! classification.
 //!
 //! Rejections are counted by each harness's own audit sink; reseeds by one global `tracing`
