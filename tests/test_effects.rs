@@ -329,21 +329,9 @@ async fn in_the_callers_transaction_and_across_a_domain() {
 #[tokio::test]
 async fn the_application_role_uses_the_ledger_but_not_its_table() {
     let db = TestDb::new().await;
-    let role = format!("pgfence_fx_{}", rand::random::<u32>());
-    db.exec(&format!("CREATE ROLE {role} LOGIN")).await;
-    db.exec(&format!(
-        "GRANT CONNECT ON DATABASE \"{}\" TO {role}",
-        db.name
-    ))
-    .await;
-    pgfence::grant(&db.pool, &pgfence::Ident::new(&role).unwrap())
-        .await
-        .unwrap();
-    let app = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .connect_with(db.options.clone().username(&role))
-        .await
-        .unwrap();
+    let role = support::Role::create(&db, "pgfence_fx", "").await;
+    pgfence::grant(&db.pool, &role.ident()).await.unwrap();
+    let app = role.pool(&db).await;
     // The PostgreSQL issuer, as the same role: no Redis at all.
     let issuer = PgIssuer::new(app.clone());
     let resource = unique_resource("fx-app");
@@ -378,13 +366,6 @@ async fn the_application_role_uses_the_ledger_but_not_its_table() {
     }
     issuer.release(&lease).await.unwrap();
     app.close().await;
-    db.exec(&format!(
-        "REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgfence FROM {role}; REVOKE ALL ON SCHEMA pgfence FROM {role}; \
-         REVOKE ALL ON ALL TABLES IN SCHEMA pgfence FROM {role}; REVOKE CONNECT ON DATABASE \"{}\" FROM {role}; \
-         DROP ROLE {role}",
-        db.name
-    ))
-    .await;
 }
 
 /// The incident, with a real HTTP provider: zombie A records the charge and pauses before

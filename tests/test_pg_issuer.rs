@@ -320,21 +320,9 @@ async fn a_refused_acquire_at_the_token_limit_changes_nothing() {
 #[tokio::test]
 async fn the_granted_application_role_leases_but_cannot_lower_or_steal() {
     let db = TestDb::new().await;
-    let role = format!("pgfence_app_{}", rand::random::<u32>());
-    db.exec(&format!("CREATE ROLE {role} LOGIN")).await;
-    db.exec(&format!(
-        "GRANT CONNECT ON DATABASE \"{}\" TO {role}",
-        db.name
-    ))
-    .await;
-    pgfence::grant(&db.pool, &pgfence::Ident::new(&role).unwrap())
-        .await
-        .unwrap();
-    let app = PgPoolOptions::new()
-        .max_connections(2)
-        .connect_with(db.options.clone().username(&role))
-        .await
-        .unwrap();
+    let role = support::Role::create(&db, "pgfence_app", "").await;
+    pgfence::grant(&db.pool, &role.ident()).await.unwrap();
+    let app = role.pool(&db).await;
     let issuer = PgIssuer::new(app.clone());
     let resource = unique_resource("pg-app");
     let mut lease = issuer.acquire(&resource, 5 * SEC).await.unwrap().unwrap();
@@ -372,13 +360,6 @@ async fn the_granted_application_role_leases_but_cannot_lower_or_steal() {
     let next = issuer.acquire(&resource, SEC).await.unwrap().unwrap();
     assert_eq!(next.token().get(), lease.token().get() + 1);
     app.close().await;
-    db.exec(&format!(
-        "REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgfence FROM {role}; REVOKE ALL ON SCHEMA pgfence FROM {role}; \
-         REVOKE ALL ON ALL TABLES IN SCHEMA pgfence FROM {role}; REVOKE CONNECT ON DATABASE \"{}\" FROM {role}",
-        db.name
-    ))
-    .await;
-    db.exec(&format!("DROP ROLE {role}")).await;
 }
 
 /// A server of its own, restarted while 4 workers take and release leases and while their

@@ -9,9 +9,8 @@ mod support;
 use std::collections::BTreeSet;
 
 use pgfence::{Error, Fence, Fencing, Ident, Repository, Resource, TableName, Upserted};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
-use support::{TestDb, token};
+use sqlx::{Connection, PgConnection, PgPool};
+use support::{Role, TestDb, token};
 
 #[derive(Debug, Clone)]
 struct Acct {
@@ -23,66 +22,6 @@ pgfence::fenced_table!(Acct { table: "acct", key: id: i32, columns: [balance] })
 
 fn acct(id: i32, balance: i64) -> Acct {
     Acct { id, balance }
-}
-
-/// A login role created for one test; dropped (with everything it owns or was granted in the
-/// test database) when the test ends, even on panic.
-struct Role {
-    name: String,
-    admin: PgConnectOptions,
-}
-
-impl Role {
-    async fn create(db: &TestDb, prefix: &str, attributes: &str) -> Self {
-        let name = format!("{prefix}_{}_{}", std::process::id(), rand::random::<u32>());
-        let quoted = Ident::new(name.as_str()).unwrap().quoted();
-        db.exec(&format!("CREATE ROLE {quoted} LOGIN {attributes}"))
-            .await;
-        Self {
-            name,
-            admin: db.options.clone(),
-        }
-    }
-
-    fn ident(&self) -> Ident {
-        Ident::new(self.name.as_str()).unwrap()
-    }
-
-    fn quoted(&self) -> String {
-        self.ident().quoted()
-    }
-
-    /// A pool of sessions logged in as this role.
-    async fn pool(&self, db: &TestDb) -> PgPool {
-        PgPoolOptions::new()
-            .max_connections(4)
-            .connect_with(db.options.clone().username(&self.name))
-            .await
-            .expect("connect as the test role")
-    }
-}
-
-impl Drop for Role {
-    fn drop(&mut self) {
-        let admin = self.admin.clone();
-        let role = self.quoted();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            rt.block_on(async {
-                let mut conn = PgConnection::connect_with(&admin).await.ok()?;
-                sqlx::raw_sql(AssertSqlSafe(format!(
-                    "REASSIGN OWNED BY {role} TO CURRENT_USER; DROP OWNED BY {role}; DROP ROLE {role}"
-                )))
-                .execute(&mut conn)
-                .await
-                .ok()
-            })
-        })
-        .join();
-    }
 }
 
 /// The SQLSTATE of a failed statement.
@@ -426,7 +365,14 @@ async fn grant_gives_exactly_the_documented_privileges() {
         ("append_audit", true),
         ("check", true),
         ("domain_high_water", true),
+        ("effect_begin", true),
+        ("effect_finish", true),
+        ("effect_status", true),
         ("high_water", true),
+        ("issuer_acquire", true),
+        ("issuer_extend", true),
+        ("issuer_release", true),
+        ("issuer_status", true),
         ("lease_fence", false),
         ("next_fence", false),
         ("record_rejection", false),

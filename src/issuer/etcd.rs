@@ -376,10 +376,7 @@ impl EtcdIssuer {
         let until = Instant::now() + Duration::from_secs(2);
         let (outcome, retried) = retrying(until, || self.release_once(lease)).await;
         let outcome = outcome?;
-        if outcome == ReleaseOutcome::AlreadyExpired && retried && Instant::now() < lease.deadline {
-            return Ok(ReleaseOutcome::Released);
-        }
-        Ok(outcome)
+        Ok(outcome.after_resend(retried, lease))
     }
 
     async fn release_once(&self, lease: &Lease) -> Result<ReleaseOutcome> {

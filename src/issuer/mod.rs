@@ -291,6 +291,17 @@ impl ReleaseOutcome {
         }
     }
 
+    /// What a release reports when it was re-sent after a transport failure: a lock found gone
+    /// before the lease's local deadline cannot have expired, so an earlier attempt released
+    /// it. Every issuer's release goes through here.
+    pub(crate) fn after_resend(self, retried: bool, lease: &Lease) -> Self {
+        if self == ReleaseOutcome::AlreadyExpired && retried && Instant::now() < lease.deadline {
+            ReleaseOutcome::Released
+        } else {
+            self
+        }
+    }
+
     fn from_reply(code: i64) -> Self {
         match code {
             1 => ReleaseOutcome::Released,
@@ -585,14 +596,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
             }
         })
         .await;
-        let outcome = ReleaseOutcome::from_reply(sent.result?);
-        if outcome == ReleaseOutcome::AlreadyExpired
-            && sent.retried
-            && Instant::now() < lease.deadline
-        {
-            return Ok(ReleaseOutcome::Released);
-        }
-        Ok(outcome)
+        Ok(ReleaseOutcome::from_reply(sent.result?).after_resend(sent.retried, lease))
     }
 
     /// Extends the lock to `ttl` from now if `lease` still holds it, and moves the lease's

@@ -237,10 +237,7 @@ impl PgIssuer {
         );
         let (result, retried) = retrying(Instant::now() + RESEND_WINDOW, || self.code(&sql)).await;
         let outcome = ReleaseOutcome::from_reply(result?);
-        if outcome == ReleaseOutcome::AlreadyExpired && retried && Instant::now() < lease.deadline {
-            return Ok(ReleaseOutcome::Released);
-        }
-        Ok(outcome)
+        Ok(outcome.after_resend(retried, lease))
     }
 
     /// Extends the lock to `ttl` from now (the database's now) if `lease` still holds it, and

@@ -604,10 +604,7 @@ impl ZkIssuer {
                 return Err(e);
             }
         };
-        if outcome == ReleaseOutcome::AlreadyExpired && retried && Instant::now() < lease.deadline {
-            return Ok(ReleaseOutcome::Released);
-        }
-        Ok(outcome)
+        Ok(outcome.after_resend(retried, lease))
     }
 
     /// One release. `known` is the lease's node when this issuer took it: its path is unique

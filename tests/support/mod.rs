@@ -262,3 +262,63 @@ pub fn assert_stale(err: &pgfence::Error, presented: i64, current: i64) {
         ),
     }
 }
+
+/// A login role created for one test; dropped (with everything it owns or was granted in the
+/// test database) when the test ends, even on panic.
+pub struct Role {
+    pub name: String,
+    admin: PgConnectOptions,
+}
+
+impl Role {
+    pub async fn create(db: &TestDb, prefix: &str, attributes: &str) -> Self {
+        let name = format!("{prefix}_{}_{}", std::process::id(), rand::random::<u32>());
+        let quoted = pgfence::Ident::new(name.as_str()).unwrap().quoted();
+        db.exec(&format!("CREATE ROLE {quoted} LOGIN {attributes}"))
+            .await;
+        Self {
+            name,
+            admin: db.options.clone(),
+        }
+    }
+
+    pub fn ident(&self) -> pgfence::Ident {
+        pgfence::Ident::new(self.name.as_str()).unwrap()
+    }
+
+    pub fn quoted(&self) -> String {
+        self.ident().quoted()
+    }
+
+    /// A pool of sessions logged in as this role.
+    pub async fn pool(&self, db: &TestDb) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(db.options.clone().username(&self.name))
+            .await
+            .expect("connect as the test role")
+    }
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        let admin = self.admin.clone();
+        let role = self.quoted();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            rt.block_on(async {
+                let mut conn = PgConnection::connect_with(&admin).await.ok()?;
+                sqlx::raw_sql(AssertSqlSafe(format!(
+                    "REASSIGN OWNED BY {role} TO CURRENT_USER; DROP OWNED BY {role}; DROP ROLE {role}"
+                )))
+                .execute(&mut conn)
+                .await
+                .ok()
+            })
+        })
+        .join();
+    }
+}
