@@ -166,6 +166,12 @@ pub struct EffectRecord {
 /// `begin`'s row must be committed **before** the call: in a transaction, commit it first
 /// (otherwise a holder that takes over cannot see the key, draws its own, and the provider
 /// sees two keys). `finish` belongs in the transaction that records the job's result.
+///
+/// "Fenced out" means: a newer lease recorded this effect, or checked the lease's resource
+/// ([`Fence::check`](crate::Fence::check)). A newer lease that only claimed the work item's
+/// row is not seen here; to be refused by that too, claim the row
+/// ([`Repository::claim`](crate::Repository::claim)) and `begin` in one transaction, and
+/// commit it before the call: the claim rejects the zombie.
 #[derive(Clone, Debug)]
 pub struct Effects {
     auditor: Auditor,
