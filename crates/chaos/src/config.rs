@@ -29,21 +29,35 @@ pub enum Mode {
     /// claimed row's value + 1, with one outcome per row: token order and no lost updates per
     /// row, whatever mix of applied and stale rows a batch gets.
     Batch,
+    /// A job with a side effect outside PostgreSQL: claim the row (its next invoice), record
+    /// the charge in the effect ledger ([`pgfence::Effects::begin`]), call a payment provider
+    /// over HTTP with the ledger's idempotency key, then record the outcome
+    /// ([`pgfence::Effects::finish`]) and mark the invoice paid (fenced increment) in one
+    /// transaction: token order and no lost updates in the database, and no invoice charged
+    /// twice at the provider, whatever zombie calls late.
+    Effects,
     /// Read, then a fenced row update: token order per row, but lost updates remain possible.
     RowFence,
     /// Read, then a plain `UPDATE ... SET value = $1` on an unguarded table: the control.
     Unfenced,
+    /// [`Mode::Effects`] with the classic mistake: the provider call's idempotency key is made
+    /// from the item and the lease's token (`<item>-<token>`), not taken from the ledger, so a
+    /// zombie and the holder that took its work over send different keys: the control that
+    /// must show invoices charged twice.
+    EffectsUnkeyed,
 }
 
 impl Mode {
-    /// Every mode, in the order `--all-modes` runs them (the control last).
-    pub const ALL: [Mode; 6] = [
+    /// Every mode, in the order `--all-modes` runs them (the controls last).
+    pub const ALL: [Mode; 8] = [
         Mode::Fenced,
         Mode::FencedMulti,
         Mode::RowClaim,
         Mode::Batch,
+        Mode::Effects,
         Mode::RowFence,
         Mode::Unfenced,
+        Mode::EffectsUnkeyed,
     ];
 
     /// Whether the mode must show no violation *and* no lost update (the row fence alone only
@@ -52,8 +66,31 @@ impl Mode {
     pub fn prevents_lost_updates(self) -> bool {
         matches!(
             self,
-            Mode::Fenced | Mode::FencedMulti | Mode::RowClaim | Mode::Batch
+            Mode::Fenced
+                | Mode::FencedMulti
+                | Mode::RowClaim
+                | Mode::Batch
+                | Mode::Effects
+                | Mode::EffectsUnkeyed
         )
+    }
+
+    /// Whether the mode's job calls the payment provider ([`Mode::Effects`],
+    /// [`Mode::EffectsUnkeyed`]): its report has [`Summary::effects`](crate::Summary::effects).
+    #[must_use]
+    pub fn calls_provider(self) -> bool {
+        matches!(self, Mode::Effects | Mode::EffectsUnkeyed)
+    }
+
+    /// The control run next to this mode (`--control`): [`Mode::EffectsUnkeyed`] for
+    /// [`Mode::Effects`], [`Mode::Unfenced`] for the database modes, `None` for a control.
+    #[must_use]
+    pub fn control(self) -> Option<Mode> {
+        match self {
+            Mode::Unfenced | Mode::EffectsUnkeyed => None,
+            Mode::Effects => Some(Mode::EffectsUnkeyed),
+            _ => Some(Mode::Unfenced),
+        }
     }
 }
 
@@ -67,8 +104,11 @@ impl std::str::FromStr for Mode {
             "batch" => Ok(Mode::Batch),
             "row-fence" | "row_fence" | "row" => Ok(Mode::RowFence),
             "unfenced" | "none" => Ok(Mode::Unfenced),
+            "effects" => Ok(Mode::Effects),
+            "effects-unkeyed" | "effects_unkeyed" | "unkeyed" => Ok(Mode::EffectsUnkeyed),
             other => Err(format!(
-                "unknown mode {other:?} (expected fenced, fenced-multi, row-claim, batch, row-fence or unfenced)"
+                "unknown mode {other:?} (expected fenced, fenced-multi, row-claim, batch, \
+                 effects, row-fence, unfenced or effects-unkeyed)"
             )),
         }
     }
@@ -83,6 +123,8 @@ impl fmt::Display for Mode {
             Mode::Batch => "batch",
             Mode::RowFence => "row-fence",
             Mode::Unfenced => "unfenced",
+            Mode::Effects => "effects",
+            Mode::EffectsUnkeyed => "effects-unkeyed",
         })
     }
 }
@@ -155,6 +197,9 @@ pub struct Config {
     pub batch_min_rows: usize,
     /// Batch mode: most rows a unit writes (at most its group's rows).
     pub batch_max_rows: usize,
+    /// Effects modes: how long the payment provider takes to answer a charge (a call in
+    /// flight that long is what a concurrent duplicate with the same key meets: `409`).
+    pub provider_latency: Duration,
 }
 
 impl Default for Config {
@@ -181,6 +226,7 @@ impl Default for Config {
             batch_groups: 1,
             batch_min_rows: 10,
             batch_max_rows: 100,
+            provider_latency: Duration::from_millis(10),
         }
     }
 }
@@ -233,6 +279,9 @@ impl Config {
             if self.batch_max_rows > pgfence::MAX_BATCH_ROWS {
                 return bad("batch rows: at most pgfence::MAX_BATCH_ROWS per unit");
             }
+        }
+        if self.mode.calls_provider() && self.provider_latency > Duration::from_secs(10) {
+            return bad("provider latency: at most 10 s");
         }
         pgfence::check_ttl(self.ttl)?;
         Ok(())

@@ -5,7 +5,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pgfence::{Auditor, Fence, IssuerKind, IssuerOptions, Repository, Resource, TokenIssuer};
+use pgfence::{
+    Auditor, Effects, Fence, IssuerKind, IssuerOptions, Repository, Resource, TokenIssuer,
+};
+use pgfence_testkit::Provider;
 use redis::aio::ConnectionManager;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -14,7 +17,7 @@ use tokio::time::Instant;
 use crate::faults::{Kills, kill_backends};
 use crate::schema::{self, Cell, ClaimCell};
 use crate::util::{lock, millis};
-use crate::verify::{RunId, RunOutput, verify};
+use crate::verify::{ProviderTally, RunId, RunOutput, verify};
 use crate::worker::{Plan, worker};
 use crate::{
     AuditCounter, ChaosError, Config, FailoverEvent, FaultMark, Mode, Report, ReseedCounter, Target,
@@ -60,7 +63,18 @@ pub(crate) struct Ctx {
     pub(crate) issuer: Arc<dyn TokenIssuer>,
     /// For the counter resets (Redis through a `redis://` URL, only when the run resets).
     pub(crate) redis: Option<ConnectionManager>,
+    /// The effects modes' ledger and payment provider.
+    pub(crate) effects: Option<EffectsCtx>,
     pub(crate) shared: Arc<Shared>,
+}
+
+/// What the effects modes' job needs besides the database: the effect ledger (sharing the
+/// run's auditor) and the run's own payment provider on loopback.
+pub(crate) struct EffectsCtx {
+    pub(crate) ledger: Effects,
+    pub(crate) provider: Provider,
+    /// The provider's base URL.
+    pub(crate) url: String,
 }
 
 /// A handle for injecting faults from outside while a run goes on.
@@ -198,7 +212,18 @@ impl Harness {
         let auditor = Auditor::new(audit_pool).sink(audit.clone());
         let fence = Fence::with_auditor(auditor.clone());
         let repo = Repository::<Cell>::with_auditor(auditor.clone())?;
-        let claim_repo = Repository::<ClaimCell>::with_auditor(auditor)?;
+        let claim_repo = Repository::<ClaimCell>::with_auditor(auditor.clone())?;
+        let effects = if cfg.mode.calls_provider() {
+            let provider = Provider::start(cfg.provider_latency)
+                .map_err(|e| ChaosError::Config(format!("the payment provider: {e}")))?;
+            Some(EffectsCtx {
+                ledger: Effects::with_auditor(auditor),
+                url: provider.url(),
+                provider,
+            })
+        } else {
+            None
+        };
         let shared = Arc::new(Shared {
             started: Mutex::new(Instant::now()),
             units: AtomicU64::new(0),
@@ -218,6 +243,7 @@ impl Harness {
                 claim_repo,
                 issuer,
                 redis,
+                effects,
                 shared,
             }),
             admin,
@@ -319,6 +345,16 @@ impl Harness {
         let duration_ms = millis(started.elapsed());
         // Let audit writes that raced the end of the run land (each is bounded by its timeout).
         tokio::time::sleep(Duration::from_millis(50)).await;
+        // Every call has returned (or timed out) by now: what the provider did.
+        let provider = ctx.effects.as_ref().map(|fx| {
+            let (requests, replays, conflicts) = fx.provider.counts();
+            ProviderTally {
+                requests,
+                replays,
+                conflicts,
+                charges: fx.provider.all_charges(),
+            }
+        });
         let reseeds = self
             .reseeds
             .as_ref()
@@ -332,6 +368,7 @@ impl Harness {
             duration_ms,
             audit: self.audit.tally(&prefix),
             reseeds,
+            provider,
         };
         let id = RunId {
             cfg: &ctx.cfg,

@@ -11,8 +11,15 @@ pub enum Stage {
     Begin,
     /// `Fence::check`.
     Check,
-    /// `Repository::claim` (row-claim mode) or `claim_many` (batch mode).
+    /// `Repository::claim` (row-claim and effects modes) or `claim_many` (batch mode).
     Claim,
+    /// Effects modes: [`pgfence::Effects::begin`], recording the charge before the call.
+    Effect,
+    /// Effects modes: the payment provider's HTTP call (a `409`: the same key in flight
+    /// elsewhere; an I/O error or timeout: unknown whether it charged).
+    Call,
+    /// Effects modes: [`pgfence::Effects::finish`], recording the call's outcome.
+    Finish,
     /// Reading the value.
     Read,
     /// A row update.
@@ -33,7 +40,8 @@ pub enum Outcome {
     Rejected {
         /// The token of the fence (or high-water mark) the write met.
         current: i64,
-        /// `check` or `update`.
+        /// `check`, `claim`, `update`, or in the effects modes `effect` (the ledger's begin)
+        /// or `effect_finish`.
         by: &'static str,
         /// True for [`pgfence::Error::DuplicateToken`]: another lease already presented this
         /// token (the counter went backwards).

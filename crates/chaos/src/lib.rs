@@ -70,7 +70,9 @@
 //! Six [`Mode`]s run a read-modify-write under one lease with different protection. Three do
 //! it in one statement's or one transaction's worth of work per lease; two treat the lease as
 //! a session of work, as pgfence does (one lease writes a row many times and checks a resource
-//! in many transactions); one writes many rows per statement.
+//! in many transactions); one writes many rows per statement. Two more
+//! ([`Mode::Effects`], [`Mode::EffectsUnkeyed`], [below](#side-effects-outside-postgresql))
+//! add a side effect outside PostgreSQL: an HTTP call to a payment provider.
 //!
 //! * [`Mode::Unfenced`] — what an application without pgfence does: read the value, then
 //!   `UPDATE ... SET value = $1` without a token, on a table that is not guarded. A worker
@@ -143,6 +145,44 @@
 //!   rejected row must have its own audit row and audit event, so in this mode the summary's
 //!   `rejected` counts rows ([`Attempt::batch`] has each row's outcomes, [`Summary::batch`]
 //!   the totals and how many batches came out mixed). Rows are sent in ascending order.
+//!
+//! ## Side effects outside PostgreSQL
+//!
+//! Fencing protects what PostgreSQL stores; a payment provider cannot check a token. The
+//! effects modes run the job of [`pgfence::Effects`] against a real HTTP provider on loopback
+//! (`pgfence_testkit::Provider`, one per run, answering after [`Config::provider_latency`]),
+//! which honours `Idempotency-Key` as payment APIs do: the same key again replays the first
+//! answer, the same key while the first request is in flight gets `409`, and each request
+//! without a known key charges. Each counter row has a sequence of invoices — its value is
+//! how many are paid — so a unit's work item is its row's next invoice (`row<r>-inv<n>`), and
+//! every holder of the row meets the same item until one marks it paid.
+//!
+//! * [`Mode::Effects`] — claim the row ([`Repository::claim`](pgfence::Repository::claim),
+//!   committed with its history row: the value read names the invoice); record the charge
+//!   with [`Effects::begin`](pgfence::Effects::begin) on the pool (committed before the call,
+//!   so a holder that takes over sees the key; refused with `StaleToken` once a newer lease
+//!   recorded it); unless a holder recorded it done, call the provider with
+//!   [`Effect::idempotency_key`](pgfence::Effect::idempotency_key); then in one transaction
+//!   [`Effects::finish`](pgfence::Effects::finish) with the answer, the fenced increment
+//!   (invoice paid, `last_unit` set) and its history row. Stalls fall mostly between the begin
+//!   and the call (the dangerous spot: the zombie calls late, after a newer holder took the
+//!   item over and called with the same key: replayed, or `409` if in flight), else before
+//!   the claim, before the begin or before the finish. A `409` or a call without answer fails
+//!   the try, retryable: a retry, or a later holder, calls again with the same key and gets
+//!   the replay. A retry whose claim reads back its own `last_unit` stops there (its
+//!   payment committed; the acknowledgement was lost).
+//! * [`Mode::EffectsUnkeyed`] — the same job, but the call's key is `<item>-<token>` (the
+//!   classic mistake: a key per lease). The database side is fenced the same way and stays
+//!   safe; at the provider, the zombie's late call and the new holder's call carry different
+//!   keys, and the invoice is charged twice. The control: it must show duplicates.
+//!
+//! The database side is checked as in `row-claim`. At the provider
+//! ([`Summary::effects`], [`EffectFigures`]): charges per item as the provider counted them —
+//! an item charged more than once is a **duplicate provider effect** — against the invoices
+//! the rows say are paid (each must have been charged) and the items the ledger has; the
+//! workers' calls by answer, and the *late calls* (made after a newer lease's begin of the same
+//! item had returned) with how many the provider deduplicated; the ledger's takeovers (items
+//! recorded by more than one lease).
 //!
 //! ## What counts as an applied increment
 //!
@@ -218,7 +258,9 @@ pub use harness::{Control, Harness};
 pub use history::{
     Attempt, BatchRows, FailoverEvent, FaultMark, LeaseRecord, Outcome, RowResult, Stage,
 };
-pub use report::{BatchFigures, ErrorKind, FailoverFigures, FaultRecovery, Report, Summary};
+pub use report::{
+    BatchFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery, Report, Summary,
+};
 pub use reseed::{ReseedCounter, ReseedLayer};
 pub use schema::SCHEMA;
 pub use sink::{AuditCounter, AuditTally};

@@ -22,7 +22,9 @@
 //!
 //! Each run prints a readable summary and one JSON line (`--json` prints only the JSON). The
 //! exit status is 1 when a protected run shows a violation or a lost update, when the
-//! unfenced control shows none (the harness would then prove nothing), when a requested
+//! unfenced control shows none (the harness would then prove nothing), when an `effects` run
+//! charged some invoice twice at the provider or `effects-unkeyed` (its control) charged none
+//! twice, when a requested
 //! failover did not happen or some row never wrote again after it, or when etcd or ZooKeeper
 //! issued a token after a failover that was not above every token accepted before it.
 //!
@@ -35,6 +37,19 @@
 //! ```text
 //! cargo run --release -p pgfence-chaos -- --issuer etcd --workers 16 --attempts 4000 \
 //!     --rows 16 --kill-every-ms 200 --failover-at 2000 --restart-postgres-at 3000
+//! ```
+//!
+//! The effects modes run a job with a side effect outside PostgreSQL against a payment
+//! provider on loopback (real HTTP, honouring `Idempotency-Key`): claim the row's next
+//! invoice, record the charge in the effect ledger ([`pgfence::Effects`]), call the provider
+//! with the ledger's key, then record the outcome and mark the invoice paid in one
+//! transaction — with most stalls between the ledger and the call, so zombies call late.
+//! `effects` must charge no invoice twice (counted at the provider); `effects-unkeyed` sends
+//! `<item>-<token>` as the key instead (the classic mistake) and must charge some twice:
+//!
+//! ```text
+//! cargo run --release -p pgfence-chaos -- --mode effects --control --workers 16 \
+//!     --attempts 5000 --rows 16 --kill-every-ms 200 --restart-postgres-at 2500
 //! ```
 //!
 //! Batch mode (`--mode batch`) splits the `--rows` counter rows into `--batch-groups` groups,
@@ -96,15 +111,22 @@ struct Args {
     /// fenced (check + read + fenced write in one transaction), fenced-multi (the same in 2–3
     /// transactions of one lease), row-claim (claim, then 2–4 fenced updates over 1–3
     /// transactions), batch (claim_many, then update_many, of 10–100 rows of a group under
-    /// one lease), row-fence, or unfenced.
+    /// one lease), effects (claim the row's next invoice, record the charge in the effect
+    /// ledger, call an HTTP payment provider with the ledger's idempotency key, record the
+    /// outcome + mark the invoice paid), row-fence, unfenced (the database control) or
+    /// effects-unkeyed (effects with a key per lease: the provider control).
     #[arg(long, default_value = "fenced")]
     mode: Mode,
-    /// Also run the unfenced control with the same settings (and faults).
+    /// Also run the control with the same settings (and faults): unfenced, or for
+    /// --mode effects effects-unkeyed.
     #[arg(long)]
     control: bool,
-    /// Run all six modes in turn.
+    /// Run all eight modes in turn (the controls last).
     #[arg(long)]
     all_modes: bool,
+    /// Effects modes: how long the payment provider takes to answer a charge, ms.
+    #[arg(long, default_value_t = 10)]
+    provider_latency_ms: u64,
     /// Delete every Redis counter when this unit starts (repeatable). Redis only, through a
     /// redis:// URL.
     #[arg(long)]
@@ -341,8 +363,8 @@ async fn main() -> anyhow::Result<()> {
 
     let modes: Vec<Mode> = if args.all_modes {
         Mode::ALL.to_vec()
-    } else if args.control && args.mode != Mode::Unfenced {
-        vec![args.mode, Mode::Unfenced]
+    } else if let Some(control) = args.mode.control().filter(|_| args.control) {
+        vec![args.mode, control]
     } else {
         vec![args.mode]
     };
@@ -406,6 +428,7 @@ async fn main() -> anyhow::Result<()> {
             Mode::Unfenced => !report.summary.is_safe(),
             // The row fence alone guarantees token order, not read-modify-write atomicity.
             Mode::RowFence => report.summary.violations == 0,
+            Mode::Effects | Mode::EffectsUnkeyed => effects_prove(&report.summary),
             _ => report.summary.is_safe(),
         };
         if let Some(at) = args.failover_at {
@@ -452,6 +475,39 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether an effects run proves what it is for: its database writes are fenced (safe) either
+/// way; with the ledger's keys no invoice is charged twice at the provider (and every paid
+/// one was charged); with a key per lease (the control) some invoice must be charged twice,
+/// or the run could not have caught a duplicate.
+fn effects_prove(summary: &Summary) -> bool {
+    let Some(e) = &summary.effects else {
+        eprintln!("{} run without effect figures", summary.mode);
+        return false;
+    };
+    let mut ok = summary.is_safe();
+    if !ok {
+        eprintln!("{}: the fenced database writes are not safe", summary.mode);
+    }
+    if summary.mode == Mode::Effects {
+        if !e.exactly_once() {
+            eprintln!(
+                "effects: {} items charged more than once, {} paid but never charged, {} stray \
+                 charges at the provider",
+                e.duplicate_effects, e.paid_uncharged, e.stray_charges
+            );
+            ok = false;
+        }
+    } else if e.duplicate_effects == 0 {
+        eprintln!(
+            "effects-unkeyed: no item was charged twice ({} late calls): the control proves \
+             nothing (more stalls or units?)",
+            e.late_calls
+        );
+        ok = false;
+    }
+    ok
+}
+
 /// The run's configuration: the issuer's timing ([`Config::for_issuer`]) unless given.
 fn config(args: &Args, issuer: IssuerKind, mode: Mode) -> Config {
     let timing = Config::for_issuer(issuer);
@@ -477,6 +533,7 @@ fn config(args: &Args, issuer: IssuerKind, mode: Mode) -> Config {
         batch_groups: args.batch_groups,
         batch_min_rows: args.batch_min_rows,
         batch_max_rows: args.batch_max_rows,
+        provider_latency: Duration::from_millis(args.provider_latency_ms),
         ..timing
     }
 }

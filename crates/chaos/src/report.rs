@@ -130,6 +130,89 @@ pub struct BatchFigures {
     pub row_claims_committed: u64,
 }
 
+/// Effects modes: the job's side effect — the invoices' charges — as the workers saw their
+/// calls, as the effect ledger recorded them and as the payment provider counted them.
+///
+/// Each counter row has a sequence of invoices (its value is how many are paid), and a unit's
+/// work item is the row's next invoice, so every holder of the row meets the same item until
+/// one marks it paid. The figure that matters is `duplicate_effects`, counted at the provider:
+/// 0 with the ledger's keys ([`Mode::Effects`]), above 0 for the control that sends a key
+/// per lease ([`Mode::EffectsUnkeyed`]).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct EffectFigures {
+    /// Where the call's idempotency key came from: `ledger` (the effect's, the same for every
+    /// holder) or `per-lease` (`<item>-<token>`, the control).
+    pub keys: String,
+    /// How long the provider took to answer a charge, in ms.
+    pub provider_latency_ms: u64,
+    /// Work items (invoices) recorded in the ledger.
+    pub items: u64,
+    /// ... recorded by more than one lease: taken over by a newer holder.
+    pub items_taken_over: u64,
+    /// Takeovers: leases that recorded an item another lease had recorded before (the
+    /// ledger's holders beyond the first, summed).
+    pub takeovers: u64,
+    /// Items whose outcome the ledger has as succeeded.
+    pub items_succeeded: u64,
+    /// Invoices marked paid in the database (the rows' values, summed).
+    pub invoices_paid: u64,
+    /// Stalls placed between the ledger's begin and the call (the dangerous spot).
+    pub stalls_before_call: u64,
+    /// Provider calls the workers made.
+    pub calls: u64,
+    /// ... answered `200` with a new charge.
+    pub calls_charged: u64,
+    /// ... answered `200` replaying an earlier charge's answer (no charge).
+    pub calls_replayed: u64,
+    /// ... answered `409`: the same key was in flight (no charge; the try failed, retryable).
+    pub calls_conflict: u64,
+    /// ... without an answer, or with another status.
+    pub calls_failed: u64,
+    /// Late calls: made by a lease after a newer lease had recorded the same item in the
+    /// ledger (the zombie's call, after the takeover).
+    pub late_calls: u64,
+    /// ... deduplicated by the provider: replayed or refused as in flight.
+    pub late_calls_deduplicated: u64,
+    /// ... that charged: with the ledger's key, only when it reached the provider before the
+    /// newer holder's own call (which then got the replay); with a key per lease, a duplicate.
+    pub late_calls_charged: u64,
+    /// Begins that found the charge recorded as done by a previous holder (call skipped).
+    pub done_skips: u64,
+    /// Requests the provider received.
+    pub provider_requests: u64,
+    /// Charges it made.
+    pub provider_charges: u64,
+    /// Answers it replayed for a known key.
+    pub provider_replays: u64,
+    /// Requests it refused because the same key was in flight.
+    pub provider_conflicts: u64,
+    /// **Duplicate provider effects**: items the provider charged more than once.
+    pub duplicate_effects: u64,
+    /// Charges beyond each item's first.
+    pub extra_charges: u64,
+    /// Invoices marked paid in the database that the provider never charged (must be 0).
+    pub paid_uncharged: u64,
+    /// Items charged whose payment no holder recorded before the run ended (its next holder
+    /// would get the replay): at most one per row.
+    pub charged_unpaid: u64,
+    /// Items recorded in the ledger that the provider never charged (every holder was fenced
+    /// out, or refused as in flight, before its call got through): at most one per row.
+    pub begun_uncharged: u64,
+    /// Charges for items the ledger does not have (must be 0).
+    pub stray_charges: u64,
+    /// Up to 10 items charged more than once, with their charge counts.
+    pub duplicate_items: Vec<(String, u64)>,
+}
+
+impl EffectFigures {
+    /// True when no item was charged twice, every paid invoice was charged, and nothing was
+    /// charged that the ledger does not know: exactly once at the provider.
+    #[must_use]
+    pub fn exactly_once(&self) -> bool {
+        self.duplicate_effects == 0 && self.paid_uncharged == 0 && self.stray_charges == 0
+    }
+}
+
 /// Errors the workers saw, by kind.
 #[derive(Clone, Debug, Serialize)]
 pub struct ErrorKind {
@@ -238,6 +321,8 @@ pub struct Summary {
     pub error_kinds: Vec<ErrorKind>,
     /// Batch mode: the rows' figures; `None` in the other modes.
     pub batch: Option<BatchFigures>,
+    /// Effects modes: the charges' figures; `None` in the other modes.
+    pub effects: Option<EffectFigures>,
     /// The issuer failover, if the run had one.
     pub failover: Option<FailoverFigures>,
 }
@@ -351,6 +436,9 @@ impl fmt::Display for Summary {
                 b.row_claims_committed
             )?;
         }
+        if let Some(e) = &self.effects {
+            fmt_effects(f, e)?;
+        }
         for r in &self.faults {
             writeln!(
                 f,
@@ -388,6 +476,66 @@ impl fmt::Display for Summary {
         }
         Ok(())
     }
+}
+
+/// The effects lines of the summary.
+fn fmt_effects(f: &mut fmt::Formatter<'_>, e: &EffectFigures) -> fmt::Result {
+    writeln!(
+        f,
+        "  effects:    {} items in the ledger ({} taken over, {} takeovers), {} succeeded, {} invoices paid; keys: {}",
+        e.items, e.items_taken_over, e.takeovers, e.items_succeeded, e.invoices_paid, e.keys
+    )?;
+    writeln!(
+        f,
+        "  calls:      {} ({} charged, {} replayed, {} conflict, {} failed), {} late calls after a takeover ({} deduplicated, {} charged), {} stalls before a call, {} skipped as done",
+        e.calls,
+        e.calls_charged,
+        e.calls_replayed,
+        e.calls_conflict,
+        e.calls_failed,
+        e.late_calls,
+        e.late_calls_deduplicated,
+        e.late_calls_charged,
+        e.stalls_before_call,
+        e.done_skips
+    )?;
+    writeln!(
+        f,
+        "  provider:   {} requests, {} charges, {} replays, {} conflicts ({} ms latency)",
+        e.provider_requests,
+        e.provider_charges,
+        e.provider_replays,
+        e.provider_conflicts,
+        e.provider_latency_ms
+    )?;
+    let dups = if e.duplicate_items.is_empty() {
+        String::new()
+    } else {
+        let list: Vec<String> = e
+            .duplicate_items
+            .iter()
+            .map(|(item, n)| format!("{item} x{n}"))
+            .collect();
+        format!(" (e.g. {})", list.join(", "))
+    };
+    writeln!(
+        f,
+        "  charges:    {} duplicate provider effects ({} extra charges){}, {} paid but never charged, {} charged but not recorded paid, {} begun but never charged, {} stray => {}",
+        e.duplicate_effects,
+        e.extra_charges,
+        dups,
+        e.paid_uncharged,
+        e.charged_unpaid,
+        e.begun_uncharged,
+        e.stray_charges,
+        if e.exactly_once() {
+            "EXACTLY ONCE"
+        } else if e.duplicate_effects > 0 {
+            "CHARGED TWICE"
+        } else {
+            "INCONSISTENT"
+        }
+    )
 }
 
 /// The failover lines of the summary.

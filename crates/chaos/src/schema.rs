@@ -143,9 +143,13 @@ impl CounterTable {
     /// The table a mode's workers write.
     pub(crate) fn of(mode: Mode) -> Self {
         match mode {
-            Mode::Fenced | Mode::FencedMulti | Mode::RowFence | Mode::RowClaim | Mode::Batch => {
-                CounterTable::Guarded
-            }
+            Mode::Fenced
+            | Mode::FencedMulti
+            | Mode::RowFence
+            | Mode::RowClaim
+            | Mode::Batch
+            | Mode::Effects
+            | Mode::EffectsUnkeyed => CounterTable::Guarded,
             Mode::Unfenced => CounterTable::Plain,
         }
     }

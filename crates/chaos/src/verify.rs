@@ -12,10 +12,12 @@ use sqlx::{PgPool, Row};
 use pgfence::IssuerKind;
 
 use crate::faults::Kills;
-use crate::report::{BatchFigures, ErrorKind, FailoverFigures, FaultRecovery, Report, Summary};
+use crate::report::{
+    BatchFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery, Report, Summary,
+};
 use crate::schema::{CounterTable, Kind};
 use crate::util::count;
-use crate::worker::{Stats, WorkerOut};
+use crate::worker::{BeginRecord, CallAnswer, CallRecord, Stats, WorkerOut, invoice_item};
 use crate::{
     Attempt, AuditTally, ChaosError, Config, FailoverEvent, FaultMark, LeaseRecord, Mode, Outcome,
     RowResult, Stage,
@@ -37,6 +39,17 @@ pub(crate) struct RunOutput {
     pub(crate) audit: AuditTally,
     /// Reseeds counted during the run, if counted.
     pub(crate) reseeds: Option<u64>,
+    /// Effects modes: what the payment provider did.
+    pub(crate) provider: Option<ProviderTally>,
+}
+
+/// What the effects modes' payment provider counted, once every call had returned.
+pub(crate) struct ProviderTally {
+    pub(crate) requests: u64,
+    pub(crate) replays: u64,
+    pub(crate) conflicts: u64,
+    /// Charges made, per item.
+    pub(crate) charges: HashMap<String, u64>,
 }
 
 /// The run being verified.
@@ -97,11 +110,27 @@ pub(crate) async fn verify(
     let mut attempts = Vec::new();
     let mut leases = Vec::new();
     let mut stats = Stats::default();
+    let mut begins = Vec::new();
+    let mut calls = Vec::new();
     for out in output.workers {
         attempts.extend(out.attempts);
         leases.extend(out.leases);
         stats.add(&out.stats);
+        begins.extend(out.begins);
+        calls.extend(out.calls);
     }
+    let effects = match &output.provider {
+        Some(provider) => {
+            let ledger = ledger_items(admin, id.resource_prefix).await?;
+            let seen = Seen {
+                begins: &begins,
+                calls: &calls,
+                stats: &stats,
+            };
+            Some(effect_figures(cfg, &rows, &ledger, provider, &seen))
+        }
+        None => None,
+    };
     let acks = check_attempts(&attempts, &in_history);
     let mut kinds = acks.kinds;
     for ((kind, retryable), n) in &stats.acquire_error_kinds {
@@ -186,6 +215,7 @@ pub(crate) async fn verify(
             })
             .collect(),
         batch,
+        effects,
         failover,
     };
     Ok(Report {
@@ -194,6 +224,152 @@ pub(crate) async fn verify(
         leases,
         faults: output.faults,
     })
+}
+
+/// Effects modes: one work item as the ledger has it.
+struct LedgerItem {
+    work_key: String,
+    state: String,
+    holders: i32,
+}
+
+/// Effects modes: the ledger's charges for the run's resources.
+async fn ledger_items(
+    admin: &PgPool,
+    resource_prefix: &str,
+) -> Result<Vec<LedgerItem>, ChaosError> {
+    let rows = sqlx::query(
+        "SELECT work_key, state, holders FROM pgfence.effect \
+          WHERE left(resource, length($1)) = $1 AND step = $2",
+    )
+    .bind(resource_prefix)
+    .bind(crate::worker::CHARGE_STEP)
+    .fetch_all(admin)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(LedgerItem {
+                work_key: r.try_get("work_key")?,
+                state: r.try_get("state")?,
+                holders: r.try_get("holders")?,
+            })
+        })
+        .collect()
+}
+
+/// Effects modes: what the workers recorded of the job's side effect.
+struct Seen<'a> {
+    begins: &'a [BeginRecord],
+    calls: &'a [CallRecord],
+    stats: &'a Stats,
+}
+
+/// Effects modes: the charges' figures, from the provider's counts, the ledger, the rows'
+/// final values (invoices paid) and the workers' calls.
+fn effect_figures(
+    cfg: &Config,
+    rows: &[FinalRow],
+    ledger: &[LedgerItem],
+    provider: &ProviderTally,
+    seen: &Seen<'_>,
+) -> EffectFigures {
+    let paid: HashSet<String> = rows
+        .iter()
+        .flat_map(|r| (0..r.value.max(0)).map(move |n| invoice_item(r.id, n)))
+        .collect();
+    let in_ledger: HashSet<&str> = ledger.iter().map(|e| e.work_key.as_str()).collect();
+    let charged = |item: &str| provider.charges.get(item).copied().unwrap_or(0);
+    let mut duplicate_items: Vec<(String, u64)> = provider
+        .charges
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(item, n)| (item.clone(), *n))
+        .collect();
+    duplicate_items.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let duplicate_effects = count(duplicate_items.len());
+    let extra_charges = duplicate_items.iter().map(|(_, n)| n - 1).sum();
+    duplicate_items.truncate(10);
+
+    // A late call: a lease calls for an item after a newer lease's begin of it had returned.
+    let mut begun: HashMap<&str, Vec<(i64, u64)>> = HashMap::new();
+    for b in seen.begins {
+        begun
+            .entry(b.item.as_str())
+            .or_default()
+            .push((b.token, b.at_ms));
+    }
+    let (mut late, mut late_dedup, mut late_charged) = (0u64, 0u64, 0u64);
+    let mut answers: HashMap<CallAnswer, u64> = HashMap::new();
+    for c in seen.calls {
+        *answers.entry(c.answer).or_default() += 1;
+        let is_late = begun.get(c.item.as_str()).is_some_and(|bs| {
+            bs.iter()
+                .any(|&(token, at)| token > c.token && at < c.started_ms)
+        });
+        if is_late {
+            late += 1;
+            match c.answer {
+                CallAnswer::Replayed | CallAnswer::Conflict => late_dedup += 1,
+                CallAnswer::Charged => late_charged += 1,
+                CallAnswer::Status(_) | CallAnswer::NoAnswer => {}
+            }
+        }
+    }
+    let answered = |a: CallAnswer| answers.get(&a).copied().unwrap_or(0);
+    let calls = count(seen.calls.len());
+    let ok = answered(CallAnswer::Charged)
+        + answered(CallAnswer::Replayed)
+        + answered(CallAnswer::Conflict);
+    EffectFigures {
+        keys: if cfg.mode == Mode::Effects {
+            "ledger"
+        } else {
+            "per-lease"
+        }
+        .to_owned(),
+        provider_latency_ms: crate::util::millis(cfg.provider_latency),
+        items: count(ledger.len()),
+        items_taken_over: count(ledger.iter().filter(|e| e.holders > 1).count()),
+        takeovers: ledger
+            .iter()
+            .map(|e| u64::try_from(e.holders - 1).unwrap_or(0))
+            .sum(),
+        items_succeeded: count(ledger.iter().filter(|e| e.state == "succeeded").count()),
+        invoices_paid: count(paid.len()),
+        stalls_before_call: seen.stats.stalls_before_call,
+        calls,
+        calls_charged: answered(CallAnswer::Charged),
+        calls_replayed: answered(CallAnswer::Replayed),
+        calls_conflict: answered(CallAnswer::Conflict),
+        calls_failed: calls - ok,
+        late_calls: late,
+        late_calls_deduplicated: late_dedup,
+        late_calls_charged: late_charged,
+        done_skips: seen.stats.done_skips,
+        provider_requests: provider.requests,
+        provider_charges: provider.charges.values().sum(),
+        provider_replays: provider.replays,
+        provider_conflicts: provider.conflicts,
+        duplicate_effects,
+        extra_charges,
+        paid_uncharged: count(paid.iter().filter(|i| charged(i) == 0).count()),
+        charged_unpaid: count(
+            provider
+                .charges
+                .keys()
+                .filter(|i| !paid.contains(*i))
+                .count(),
+        ),
+        begun_uncharged: count(in_ledger.iter().filter(|i| charged(i) == 0).count()),
+        stray_charges: count(
+            provider
+                .charges
+                .keys()
+                .filter(|i| !in_ledger.contains(i.as_str()))
+                .count(),
+        ),
+        duplicate_items,
+    }
 }
 
 /// Committed writes per row, in commit (version) order.

@@ -14,14 +14,14 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use pgfence::{Claimed, Error, Lease, ReleaseOutcome, Resource, StaleTarget};
+use pgfence::{Claimed, EffectOutcome, Error, Lease, ReleaseOutcome, Resource, StaleTarget};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sqlx::{PgConnection, Postgres, Transaction};
 use tokio::time::Instant;
 
 use crate::faults::reset_counters;
-use crate::harness::Ctx;
+use crate::harness::{Ctx, EffectsCtx};
 use crate::schema::{Cell, ClaimCell, CounterTable, Kind, RECORD_MANY_SQL, WRITE_PLAIN};
 use crate::util::millis;
 use crate::{Attempt, BatchRows, LeaseRecord, Mode, Outcome, RowResult, Stage};
@@ -39,6 +39,20 @@ pub(crate) struct Plan {
     write: WriteKind,
     /// One transaction per try (the plan's other fields apply), or a [`Script`] per unit.
     script: Option<ScriptKind>,
+    /// The effects modes' job (claim, record the effect, call the provider, record the
+    /// outcome and the increment), with the idempotency keys it sends; it replaces the plan's
+    /// other steps.
+    pub(crate) effects: Option<Keys>,
+}
+
+/// Where the effects modes' provider call takes its idempotency key from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Keys {
+    /// [`pgfence::Effect::idempotency_key`]: the same for every holder of the work item.
+    Ledger,
+    /// `<item>-<token>`: the classic mistake, a key per lease (a retry of the same lease
+    /// reuses it; the holder that takes the work over does not).
+    PerLease,
 }
 
 /// The multi-statement modes' unit shapes.
@@ -160,36 +174,53 @@ impl Plan {
                 check_first: true,
                 write: WriteKind::Fenced,
                 script: None,
+                effects: None,
             },
             Mode::FencedMulti => Plan {
                 table,
                 check_first: true,
                 write: WriteKind::Fenced,
                 script: Some(ScriptKind::MultiCheck),
+                effects: None,
             },
             Mode::RowClaim => Plan {
                 table,
                 check_first: false,
                 write: WriteKind::Fenced,
                 script: Some(ScriptKind::RowClaim),
+                effects: None,
             },
             Mode::Batch => Plan {
                 table,
                 check_first: false,
                 write: WriteKind::Fenced,
                 script: Some(ScriptKind::Batch),
+                effects: None,
             },
             Mode::RowFence => Plan {
                 table,
                 check_first: false,
                 write: WriteKind::Fenced,
                 script: None,
+                effects: None,
             },
             Mode::Unfenced => Plan {
                 table,
                 check_first: false,
                 write: WriteKind::Plain,
                 script: None,
+                effects: None,
+            },
+            Mode::Effects | Mode::EffectsUnkeyed => Plan {
+                table,
+                check_first: false,
+                write: WriteKind::Fenced,
+                script: None,
+                effects: Some(if mode == Mode::Effects {
+                    Keys::Ledger
+                } else {
+                    Keys::PerLease
+                }),
             },
         }
     }
@@ -210,6 +241,10 @@ pub(crate) struct Stats {
     pub(crate) acquire_error_at: Vec<u64>,
     /// Failed acquisitions by (classification, retryable).
     pub(crate) acquire_error_kinds: BTreeMap<(String, bool), u64>,
+    /// Effects modes: stalls placed between the ledger's begin and the provider call.
+    pub(crate) stalls_before_call: u64,
+    /// Effects modes: begins that found the charge already recorded as done (call skipped).
+    pub(crate) done_skips: u64,
 }
 
 impl Stats {
@@ -224,6 +259,8 @@ impl Stats {
         self.released_taken += o.released_taken;
         self.timed_out |= o.timed_out;
         self.acquire_error_at.extend(&o.acquire_error_at);
+        self.stalls_before_call += o.stalls_before_call;
+        self.done_skips += o.done_skips;
         for (k, v) in &o.acquire_error_kinds {
             *self.acquire_error_kinds.entry(k.clone()).or_default() += v;
         }
@@ -235,6 +272,43 @@ pub(crate) struct WorkerOut {
     pub(crate) attempts: Vec<Attempt>,
     pub(crate) leases: Vec<LeaseRecord>,
     pub(crate) stats: Stats,
+    /// Effects modes: every ledger begin that went through.
+    pub(crate) begins: Vec<BeginRecord>,
+    /// Effects modes: every provider call.
+    pub(crate) calls: Vec<CallRecord>,
+}
+
+/// Effects modes: a lease recorded the charge of `item` in the ledger ([`pgfence::Effects::begin`]
+/// returned, so it had committed by `at_ms`).
+pub(crate) struct BeginRecord {
+    pub(crate) item: String,
+    pub(crate) token: i64,
+    /// When the begin returned (ms since the run started).
+    pub(crate) at_ms: u64,
+}
+
+/// Effects modes: one provider call.
+pub(crate) struct CallRecord {
+    pub(crate) item: String,
+    pub(crate) token: i64,
+    /// When the request was sent (ms since the run started).
+    pub(crate) started_ms: u64,
+    pub(crate) answer: CallAnswer,
+}
+
+/// What a provider call came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum CallAnswer {
+    /// `200`, a new charge.
+    Charged,
+    /// `200` replayed for a known key: no charge.
+    Replayed,
+    /// `409`: the key's first request was still in flight; no charge.
+    Conflict,
+    /// Another status (`422`: the key came with another body).
+    Status(u16),
+    /// No answer (connection error, timeout): it may have charged.
+    NoAnswer,
 }
 
 /// The stall a unit injects into its first try.
@@ -246,6 +320,23 @@ enum Pause {
     /// Before statement `n` of a multi-statement unit (counted over the whole script): between
     /// two transactions when it starts one, inside one otherwise.
     BeforeOp(usize, Duration),
+    /// Effects modes: before this step of the job.
+    Effect(StallBefore, Duration),
+}
+
+/// Which step of the effects job a stall comes before.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StallBefore {
+    /// Before the claim (a zombie whose claim meets a newer lease's, or goes through).
+    Claim,
+    /// Between the committed claim and the ledger's begin (a zombie refused by the begin).
+    Begin,
+    /// Between the ledger's begin and the provider call: the dangerous spot, where the zombie
+    /// calls late with the work item already taken over.
+    Call,
+    /// Between the provider's answer and the outcome's transaction (a zombie that charged
+    /// and is refused by the finish; the holder that took over gets the replay).
+    Finish,
 }
 
 impl Pause {
@@ -270,30 +361,47 @@ impl Pause {
         }
     }
 
+    fn at(self, point: StallBefore) -> Option<Duration> {
+        match self {
+            Pause::Effect(p, d) if p == point => Some(d),
+            _ => None,
+        }
+    }
+
     fn length(self) -> Duration {
         match self {
             Pause::None => Duration::ZERO,
-            Pause::BeforeRead(d) | Pause::BeforeWrite(d) | Pause::BeforeOp(_, d) => d,
+            Pause::BeforeRead(d)
+            | Pause::BeforeWrite(d)
+            | Pause::BeforeOp(_, d)
+            | Pause::Effect(_, d) => d,
         }
     }
 }
 
 /// Why a try did not commit, and where.
-struct Failure {
-    stage: Stage,
-    error: Error,
+enum Failure {
+    /// pgfence or the database refused or failed.
+    Fence { stage: Stage, error: Error },
+    /// The payment provider's call ([`Stage::Call`]) did not succeed.
+    Provider {
+        /// A short classification (`provider 409 conflict`, `provider io TimedOut`...).
+        error: String,
+        /// Whether calling again (with the same key) is safe and may succeed.
+        retryable: bool,
+    },
 }
 
 type Step<T> = std::result::Result<T, Failure>;
 
 /// Tags an error with the stage it happened in.
 fn at(stage: Stage) -> impl FnOnce(Error) -> Failure {
-    move |error| Failure { stage, error }
+    move |error| Failure::Fence { stage, error }
 }
 
 /// Tags a database error with the stage it happened in.
 fn db_at(stage: Stage) -> impl FnOnce(sqlx::Error) -> Failure {
-    move |error| Failure {
+    move |error| Failure::Fence {
         stage,
         error: error.into(),
     }
@@ -314,6 +422,8 @@ pub(crate) async fn worker(id: usize, ctx: Arc<Ctx>, started: Instant) -> Worker
             attempts: Vec::new(),
             leases: Vec::new(),
             stats: Stats::default(),
+            begins: Vec::new(),
+            calls: Vec::new(),
         },
     };
     let ctx = w.ctx.clone();
@@ -443,11 +553,19 @@ impl Worker {
                     ..BatchRows::default()
                 },
                 claimed: Vec::new(),
+                clock: self.started,
+                begins: Vec::new(),
+                calls: Vec::new(),
+                done_skip: false,
             };
-            let result = match &script {
-                Some(script) => t.run_script(script).await,
-                None => t.run().await,
+            let result = match (&script, ctx.plan.effects) {
+                (_, Some(keys)) => t.run_effects(keys).await,
+                (Some(script), None) => t.run_script(script).await,
+                (None, None) => t.run().await,
             };
+            self.out.begins.append(&mut t.begins);
+            self.out.calls.append(&mut t.calls);
+            self.out.stats.done_skips += u64::from(t.done_skip);
             let (outcome, stale) = outcome(result);
             // A batch try that went on with the rows it got may still have met a lost counter.
             let stale = stale.or_else(|| t.batch_rejection(None));
@@ -532,6 +650,17 @@ impl Worker {
         let hi = millis(cfg.pause_max).max(lo);
         let d = Duration::from_millis(self.rng.random_range(lo..=hi));
         self.out.stats.pauses += 1;
+        if self.ctx.plan.effects.is_some() {
+            // Most stalls at the dangerous spot, between recording the effect and the call.
+            let point = match self.rng.random_range(0..10) {
+                0 => StallBefore::Claim,
+                1 | 2 => StallBefore::Begin,
+                3 | 4 => StallBefore::Finish,
+                _ => StallBefore::Call,
+            };
+            self.out.stats.stalls_before_call += u64::from(point == StallBefore::Call);
+            return Pause::Effect(point, d);
+        }
         if let Some(ops) = ops {
             return Pause::BeforeOp(self.rng.random_range(0..ops.max(1)), d);
         }
@@ -545,8 +674,17 @@ impl Worker {
 
 /// What a try's result comes to, and the rejection to recover from if it was one.
 fn outcome(result: Step<()>) -> (Outcome, Option<Error>) {
-    let Err(Failure { stage, error }) = result else {
-        return (Outcome::Accepted, None);
+    let (stage, error) = match result {
+        Ok(()) => return (Outcome::Accepted, None),
+        Err(Failure::Provider { error, retryable }) => {
+            let failed = Outcome::Failed {
+                stage: Stage::Call,
+                retryable,
+                error,
+            };
+            return (failed, None);
+        }
+        Err(Failure::Fence { stage, error }) => (stage, error),
     };
     // Both rejections are fencing at work (and audited): a newer lease got there first, or
     // the counter went backwards and another lease already presented this token.
@@ -560,6 +698,8 @@ fn outcome(result: Step<()>) -> (Outcome, Option<Error>) {
             let by = match stage {
                 Stage::Check => "check",
                 Stage::Claim => "claim",
+                Stage::Effect => "effect",
+                Stage::Finish => "effect_finish",
                 _ => "update",
             };
             let rejected = Outcome::Rejected {
@@ -608,6 +748,13 @@ struct Try<'a> {
     batch: BatchRows,
     /// Batch mode: the rows this try's claim got, by position in `batch.rows`.
     claimed: Vec<Option<ClaimCell>>,
+    /// The run's clock (for the effect records' times).
+    clock: Instant,
+    /// Effects modes: this try's ledger begins and provider calls.
+    begins: Vec<BeginRecord>,
+    calls: Vec<CallRecord>,
+    /// Effects modes: the begin found the charge recorded as done, and the call was skipped.
+    done_skip: bool,
 }
 
 impl Try<'_> {
@@ -638,6 +785,162 @@ impl Try<'_> {
         tx.commit().await.map_err(db_at(Stage::Commit))?;
         self.commits = 1;
         Ok(())
+    }
+
+    /// The effects modes' job, a try of it: claim the row in its own transaction (the value
+    /// read is the number of the row's invoices paid, so the next one is the work item) —
+    /// or, when the claim reads back that this unit's payment already committed (its
+    /// acknowledgement lost), stop; record the charge in the ledger (committed at once, on the
+    /// pool: a holder that takes over sees the key); unless a holder recorded it done, call
+    /// the provider with the key `keys` says; then, in one transaction, record the outcome,
+    /// mark the invoice paid (fenced increment) and record the history row. Stalls may fall
+    /// at any [`StallBefore`]. A `409` (the key in flight elsewhere) or a call without answer
+    /// fails the try, retryable: a retry (or a later holder) calls again with the same key.
+    async fn run_effects(&mut self, keys: Keys) -> Step<()> {
+        let ctx = self.ctx;
+        let Some(fx) = ctx.effects.as_ref() else {
+            return Err(Failure::Provider {
+                error: "no provider".into(),
+                retryable: false,
+            });
+        };
+        stall(self.pause.at(StallBefore::Claim)).await;
+        let mut tx = self.begin().await?;
+        let key = (ctx.run.clone(), self.row);
+        let claimed: ClaimCell = ctx
+            .claim_repo
+            .claim(&mut *tx, self.lease, &key)
+            .await
+            .map_err(at(Stage::Claim))?;
+        self.read = Some(claimed.value);
+        self.believed = claimed.value;
+        self.applied = claimed.last_unit == self.unit_id();
+        self.record(&mut tx, claimed.value, 0, 0, Kind::Claim)
+            .await?;
+        tx.commit().await.map_err(db_at(Stage::Commit))?;
+        self.commits = 1;
+        if self.applied {
+            // An earlier try's payment committed; only its acknowledgement was lost.
+            return Ok(());
+        }
+        let invoice = claimed.value;
+        let item = invoice_item(self.row, invoice);
+
+        stall(self.pause.at(StallBefore::Begin)).await;
+        let effect = fx
+            .ledger
+            .begin(&ctx.pool, self.lease, &item, CHARGE_STEP)
+            .await
+            .map_err(at(Stage::Effect))?;
+        self.begins.push(BeginRecord {
+            item: item.clone(),
+            token: self.lease.token().get(),
+            at_ms: millis(self.clock.elapsed()),
+        });
+        let outcome = match effect.recorded() {
+            Some(recorded @ EffectOutcome::Succeeded(_)) => {
+                self.done_skip = true;
+                recorded.clone()
+            }
+            _ => {
+                stall(self.pause.at(StallBefore::Call)).await;
+                let key = match keys {
+                    Keys::Ledger => effect.idempotency_key().to_owned(),
+                    Keys::PerLease => format!("{item}-{}", self.lease.token().get()),
+                };
+                self.call(fx, &item, key, invoice).await?
+            }
+        };
+
+        stall(self.pause.at(StallBefore::Finish)).await;
+        let mut tx = self.begin().await?;
+        fx.ledger
+            .finish(&mut *tx, self.lease, &effect, outcome)
+            .await
+            .map_err(at(Stage::Finish))?;
+        let cell = ClaimCell {
+            run: ctx.run.clone(),
+            id: self.row,
+            value: invoice + 1,
+            step: 1,
+            last_unit: self.unit_id(),
+        };
+        ctx.claim_repo
+            .update(&mut *tx, self.lease, &cell)
+            .await
+            .map_err(at(Stage::Write))?;
+        self.written = Some(invoice + 1);
+        self.believed = invoice + 1;
+        self.record(&mut tx, invoice, 1, 1, Kind::Increment).await?;
+        tx.commit().await.map_err(db_at(Stage::Commit))?;
+        self.commits = 2;
+        self.applied = true;
+        Ok(())
+    }
+
+    /// Effects modes: charges `item` (invoice number `invoice` of the row) at the provider with
+    /// idempotency key `key`, and records the call. A `200` (a charge, or the replay of an
+    /// earlier one) is the outcome to record; anything else fails the try.
+    async fn call(
+        &mut self,
+        fx: &EffectsCtx,
+        item: &str,
+        key: String,
+        invoice: i64,
+    ) -> Step<EffectOutcome> {
+        let url = fx.url.clone();
+        let body_item = item.to_owned();
+        let amount = 100 + invoice;
+        let timeout = self.ctx.cfg.provider_latency + Duration::from_secs(2);
+        let started_ms = millis(self.clock.elapsed());
+        let answer = tokio::task::spawn_blocking(move || {
+            pgfence_testkit::provider::charge(&url, Some(&key), &body_item, amount, timeout)
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+        let (kind, result) = match answer {
+            Ok(a) if a.status == 200 => {
+                let detail = serde_json::json!({
+                    "answer": serde_json::from_str::<serde_json::Value>(&a.body)
+                        .unwrap_or(serde_json::Value::String(a.body)),
+                    "replayed": a.replayed,
+                });
+                let kind = if a.replayed {
+                    CallAnswer::Replayed
+                } else {
+                    CallAnswer::Charged
+                };
+                (kind, Ok(EffectOutcome::Succeeded(detail)))
+            }
+            Ok(a) if a.status == 409 => (
+                CallAnswer::Conflict,
+                Err(Failure::Provider {
+                    error: "provider 409 conflict (the key is in flight elsewhere)".into(),
+                    retryable: true,
+                }),
+            ),
+            Ok(a) => (
+                CallAnswer::Status(a.status),
+                Err(Failure::Provider {
+                    error: format!("provider status {}", a.status),
+                    retryable: false,
+                }),
+            ),
+            Err(e) => (
+                CallAnswer::NoAnswer,
+                Err(Failure::Provider {
+                    error: format!("provider io {:?}", e.kind()),
+                    retryable: true,
+                }),
+            ),
+        };
+        self.calls.push(CallRecord {
+            item: item.to_owned(),
+            token: self.lease.token().get(),
+            started_ms,
+            answer: kind,
+        });
+        result
     }
 
     /// Runs a multi-statement unit's script from transaction `first_txn` on: each transaction
@@ -825,7 +1128,7 @@ impl Try<'_> {
                     "update"
                 },
             });
-        Failure { stage, error }
+        Failure::Fence { stage, error }
     }
 
     /// Batch mode: the rejection `rows` (by default every row outcome of this try) met, as the
@@ -987,6 +1290,15 @@ impl Recorded {
         self.reads.push(read);
         self.kinds.push(kind.as_str());
     }
+}
+
+/// The effects modes' ledger step.
+pub(crate) const CHARGE_STEP: &str = "charge";
+
+/// The effects modes' work item: invoice number `invoice` (from 0) of counter row `row`; a
+/// row's value is its number of invoices paid, so its next one is `invoice_item(row, value)`.
+pub(crate) fn invoice_item(row: i32, invoice: i64) -> String {
+    format!("row{row}-inv{invoice}")
 }
 
 /// Sleeps for the injected stall, if any.

@@ -2,8 +2,10 @@
 //! stalls past the TTL, Redis counter loss, killed backends, restarts and real issuer failovers
 //! (Redis Sentinel, etcd, ZooKeeper: each skips when its servers are not installed); the
 //! PostgreSQL issuer on the harness's own database through restarts and killed issuer
-//! backends; plus deterministic cases for why the transaction-scope check is needed and for error
-//! classification.
+//! backends; the effects modes, whose job charges invoices at a real HTTP payment provider
+//! through the effect ledger (no invoice charged twice; the control with a key per lease
+//! charges some twice); plus deterministic cases for why the transaction-scope check is needed
+//! and for error classification.
 //!
 //! Rejections are counted by each harness's own audit sink; reseeds by one global `tracing`
 //! layer keyed by resource, so runs that happen concurrently in this binary do not mix.
@@ -1182,6 +1184,208 @@ async fn postgres_issuer_refuses_redis_only_faults() {
             String::from_utf8_lossy(&out.stdout)
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Side effects outside PostgreSQL: the effects modes charge each row's invoices at a real HTTP
+// payment provider on loopback (one per run), through the effect ledger.
+
+/// A CI-sized effects run: 8 workers on 8 rows (each a sequence of invoices), 1,000 units,
+/// stalls past the TTL (mostly between the ledger's begin and the provider call), a backend
+/// killed about every 150 ms.
+fn effects_cfg(mode: Mode) -> Config {
+    Config {
+        mode,
+        workers: 8,
+        rows: 8,
+        units: 1_000,
+        kill_every: Some(Duration::from_millis(150)),
+        pause_probability: 0.08,
+        ..Config::default()
+    }
+}
+
+/// The database side of an effects run (keyed or not): fenced like `row-claim`, so no
+/// violation and no lost update; each invoice paid once per unit; every rejection audited
+/// (across a database restart, an audit insert may fail instead: it is then reported).
+async fn assert_effects_db_safe(report: &Report, pool: &sqlx::PgPool, restarted: bool) {
+    let s = &report.summary;
+    assert!(!s.timed_out, "time limit hit: {s}");
+    assert_eq!(s.violations, 0, "{s}");
+    assert_eq!(s.lost_updates, 0, "{s}");
+    assert_eq!(s.stale_reads, 0, "{s}");
+    assert!(s.rejected > 0, "the stalls must cause rejections: {s}");
+    assert_eq!(
+        s.log_events, s.rejected,
+        "one audit event per rejection: {s}"
+    );
+    if restarted {
+        assert!(s.audit_rows <= s.rejected, "{s}");
+        assert!(s.audit_rows + s.audit_failures >= s.rejected, "{s}");
+    } else {
+        assert_eq!(s.audit_rows, s.rejected, "one audit row per rejection: {s}");
+        assert_eq!(s.audit_failures, 0, "{s}");
+    }
+    assert_failures_retryable(report);
+    assert_eq!(s.repeated_increments, 0, "{s}");
+    assert_eq!(s.increments, s.units_incremented, "{s}");
+    assert_eq!(total_on(pool, &s.run).await, s.increments, "{s}");
+    assert!(s.backend_kills > 0, "{s}");
+    let e = s.effects.as_ref().expect("effect figures");
+    assert_eq!(
+        e.invoices_paid, s.increments,
+        "one invoice paid per increment: {s}"
+    );
+    assert_eq!(e.items_succeeded, e.invoices_paid, "the ledger agrees: {s}");
+    assert_eq!(e.paid_uncharged, 0, "every paid invoice was charged: {s}");
+    assert_eq!(e.stray_charges, 0, "{s}");
+    assert!(e.stalls_before_call > 0, "{s}");
+    assert!(
+        e.takeovers > 0,
+        "some item must be taken over after a stall: {s}"
+    );
+    // Every answered call was a request the provider counted (one without an answer may
+    // not have reached it).
+    assert!(e.provider_requests <= e.calls, "{s}");
+    assert!(e.calls - e.calls_failed <= e.provider_requests, "{s}");
+}
+
+/// The sum of the run's counter values on `pool`.
+async fn total_on(pool: &sqlx::PgPool, run: &str) -> u64 {
+    let total: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(value), 0)::bigint FROM pgfence_chaos.cell WHERE run = $1",
+    )
+    .bind(run)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    u64::try_from(total).unwrap()
+}
+
+/// Tries refused by the effect ledger (its begin or its finish).
+fn refused_by_ledger(report: &Report) -> usize {
+    report
+        .attempts
+        .iter()
+        .filter(|a| {
+            matches!(&a.outcome, Outcome::Rejected { by, .. } if *by == "effect" || *by == "effect_finish")
+        })
+        .count()
+}
+
+/// The effects job with the ledger's idempotency keys, under stalls past the TTL and killed
+/// backends: no invoice charged twice at the provider (counted there), every paid invoice
+/// charged, items taken over by newer holders, zombies' late calls deduplicated by the key
+/// (replayed, or refused as in flight), zombies refused by the ledger; no violation or lost
+/// update in the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn effects_charge_each_invoice_once_under_stalls_and_killed_backends() {
+    let db = TestDb::new().await;
+    let target = Target {
+        database: db.options.clone(),
+        issuer_url: redis_url().await,
+    };
+    let report = run(effects_cfg(Mode::Effects), &target).await;
+    assert_effects_db_safe(&report, &db.pool, false).await;
+    let s = &report.summary;
+    let e = s.effects.as_ref().unwrap();
+    assert_eq!(e.keys, "ledger");
+    assert_eq!(e.duplicate_effects, 0, "an invoice was charged twice: {s}");
+    assert_eq!(e.extra_charges, 0, "{s}");
+    assert!(e.exactly_once(), "{s}");
+    // Each item charged at most once: the paid ones, and any left charged but unrecorded.
+    assert_eq!(
+        e.provider_charges,
+        e.invoices_paid + e.charged_unpaid,
+        "{s}"
+    );
+    assert!(
+        e.late_calls_deduplicated > 0,
+        "some zombie must call late and be deduplicated: {s}"
+    );
+    assert_eq!(
+        e.late_calls_charged + e.late_calls_deduplicated,
+        e.late_calls,
+        "{s}"
+    );
+    assert!(e.provider_replays + e.provider_conflicts > 0, "{s}");
+    assert_eq!(
+        e.calls_conflict, e.provider_conflicts,
+        "each 409 seen by a worker: {s}"
+    );
+    assert!(
+        refused_by_ledger(&report) > 0,
+        "some zombie must be refused by the ledger: {s}"
+    );
+}
+
+/// The control: the same job with a key per lease (`<item>-<token>`). The database side
+/// stays safe, but the zombies' late calls charge again: invoices charged twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn effects_unkeyed_control_charges_invoices_twice() {
+    let db = TestDb::new().await;
+    let target = Target {
+        database: db.options.clone(),
+        issuer_url: redis_url().await,
+    };
+    let report = run(effects_cfg(Mode::EffectsUnkeyed), &target).await;
+    assert_effects_db_safe(&report, &db.pool, false).await;
+    let s = &report.summary;
+    let e = s.effects.as_ref().unwrap();
+    assert_eq!(e.keys, "per-lease");
+    assert!(
+        e.duplicate_effects > 0,
+        "the harness must catch invoices charged twice: {s}"
+    );
+    assert!(!e.exactly_once(), "{s}");
+    assert!(e.extra_charges >= e.duplicate_effects, "{s}");
+    assert!(e.late_calls_charged > 0, "{s}");
+    assert_eq!(
+        e.late_calls_deduplicated, 0,
+        "no two leases share a key: {s}"
+    );
+    assert!(
+        e.provider_charges > e.invoices_paid + e.charged_unpaid,
+        "{s}"
+    );
+}
+
+/// The effects job on the PostgreSQL issuer, through a restart of the database (the issuer's
+/// too) at unit 400 of 1,000 and killed worker and issuer backends: no invoice charged twice,
+/// no violation or lost update, every row paying invoices again after the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_issuer_effects_charge_once_across_a_restart() {
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let pg = Server::postgres().await.expect("throwaway PostgreSQL");
+        let target = Target::postgres(&pg.url()).unwrap();
+        let cfg = Config {
+            seed: 71,
+            ..effects_cfg(Mode::Effects)
+        };
+        let (report, pg) = run_pg_issuer_with_restarts(cfg, &target, pg, &[400]).await;
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&pg.url())
+            .await
+            .unwrap();
+        assert_effects_db_safe(&report, &pool, true).await;
+        pool.close().await;
+        let s = &report.summary;
+        assert_eq!(s.issuer, "postgres");
+        assert!(s.issuer_backend_kills > 0, "{s}");
+        let e = s.effects.as_ref().unwrap();
+        assert!(e.exactly_once(), "{s}");
+        assert_eq!(e.duplicate_effects, 0, "{s}");
+        assert!(e.provider_replays + e.provider_conflicts > 0, "{s}");
+        let restart = s
+            .faults
+            .iter()
+            .find(|f| f.name == "postgres_restart")
+            .expect("the restart happened");
+        assert_eq!(restart.rows_recovered, restart.rows, "{s}");
+    })
+    .await
+    .expect("the run is bounded to 90 s");
 }
 
 // ---------------------------------------------------------------------------------------------
