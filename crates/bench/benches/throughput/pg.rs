@@ -10,8 +10,11 @@
 //!   ([`PgIssuer::new`]): two simple-protocol statements, `SELECT .. FROM
 //!   pgfence.issuer_acquire(..)` and `SELECT pgfence.issuer_release(..)`.
 //! - 10b [`PgIssuer::acquire`] of a fresh resource each time (fresh lock row and fresh counter
-//!   row); the leases are released after the figure, unmeasured, and their counter rows
-//!   deleted, so that every round starts from the same tables.
+//!   row), on tables that hold only the section's other rows when the figure starts (as on a
+//!   new deployment); the leases are released after the figure, unmeasured, and their
+//!   counter rows deleted, so that every round starts from the same tables.
+//! - 10b' the same with the rows of 10,000 other resources (an expired lock and a counter
+//!   each) in the tables, analyzed, before the figure starts (deleted afterwards).
 //! - 10c the Redis [`Issuer`] acquire + release (3c), measured again in the same round.
 //! - 10d `SELECT pg_try_advisory_lock($1)` + `SELECT pg_advisory_unlock($1)` on one pooled
 //!   connection (sqlx prepared statements): a session-level lock, so it does not survive a
@@ -33,12 +36,19 @@
 //! attempt): 10h the PostgreSQL issuer, 10i advisory locks, 10j the lease table of 10e, 10k
 //! the Redis issuer.
 //!
-//! The PostgreSQL server's CPU per operation comes from the same `/proc` accounting as every
-//! other row (postmaster and backends; a server on another machine is not measured); its WAL
-//! per operation from `pg_current_wal_lsn()` before and after the figure (warm-up included).
+//! Every PostgreSQL figure runs on connections of its own, opened after the tables were
+//! vacuumed and closed after the figure, so that each figure's sessions plan their statements
+//! against the same table state. The PostgreSQL server's CPU per operation comes from the same
+//! `/proc` accounting as every other row (postmaster and backends; a server on another
+//! machine is not measured); its WAL per operation from `pg_current_wal_lsn()` before and
+//! after the figure, and the tuples it read by sequential scans of `pgfence.issuer_lock`,
+//! `pgfence.issuer_counter` and `bench_lease` from `pg_stat_user_tables` (flushed by the
+//! figure's closed sessions); both include the warm-up, and 10b's also the unmeasured
+//! release.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use pgfence::{Issuer, PgIssuer, Resource};
@@ -75,6 +85,9 @@ const LEASE_DELETE_SQL: &str =
 const LEASE_EXPIRE_SQL: &str = "UPDATE bench_lease SET expires_at = '-infinity'
      WHERE resource = $1 AND owner = $2 AND token = $3";
 
+/// Rows of other resources in both issuer tables during 10b'.
+const FILLER_ROWS: i32 = 10_000;
+
 /// The tables the section writes, vacuumed before every figure.
 const VACUUM_SQL: &str =
     "VACUUM (ANALYZE) pgfence.issuer_lock, pgfence.issuer_counter, bench_lease";
@@ -84,6 +97,7 @@ const VACUUM_SQL: &str =
 enum Row {
     IssuerCycle,
     IssuerFresh,
+    IssuerFreshIndexed,
     RedisCycle,
     Advisory,
     LeaseDelete,
@@ -102,6 +116,7 @@ impl Row {
         match self {
             Row::IssuerCycle => "pg.issuer_cycle",
             Row::IssuerFresh => "pg.issuer_fresh",
+            Row::IssuerFreshIndexed => "pg.issuer_fresh_filled",
             Row::RedisCycle => "pg.redis_cycle",
             Row::Advisory => "pg.advisory_cycle",
             Row::LeaseDelete => "pg.lease_delete_cycle",
@@ -128,9 +143,8 @@ pub(crate) async fn pg(env: &Env, round: usize, out: &mut Results) -> Result<()>
         .execute(&env.admin)
         .await
         .context("creating bench_lease")?;
-    let pool = tuned_pool(env, env.cfg.pool).await?;
     let redis = Issuer::connect(&env.redis_url).await?;
-    // Advisory lock keys of this run: high bits from the run, low bits per task.
+    // Advisory lock keys of this run: high bits from the run, low bits per figure and task.
     let advisory_base = i64::from(rand::random::<u32>()) << 20;
 
     // Rotate the uncontended rows (and the contended ones) by round, so that drift (bloat,
@@ -150,68 +164,22 @@ pub(crate) async fn pg(env: &Env, round: usize, out: &mut Results) -> Result<()>
     ];
     let order = rotated(&uncontended, round - 1)
         .into_iter()
-        .chain([Row::FunctionsPrepared, Row::IssuerConnect, Row::IssuerFresh])
+        .chain([
+            Row::FunctionsPrepared,
+            Row::IssuerConnect,
+            Row::IssuerFresh,
+            Row::IssuerFreshIndexed,
+        ])
         .chain(rotated(&contended, round - 1));
     for row in order {
         prep_pg(env).await?;
         let sample = match row {
-            Row::IssuerCycle => {
-                let work = IssuerCycle {
-                    issuer: PgIssuer::new(pool.clone()),
-                    prefix: prefix(env, "pg-cycle"),
-                };
-                measure_pg(env, work).await?
-            }
-            Row::IssuerFresh => issuer_fresh(env, &pool).await?,
             Row::RedisCycle => {
                 let work = IssuerCycle {
                     issuer: redis.clone(),
                     prefix: prefix(env, "pg-vs-redis"),
                 };
                 measure_redis(env, work).await?
-            }
-            Row::Advisory | Row::ContendedAdvisory => {
-                let work = AdvisoryCycle {
-                    pool: pool.clone(),
-                    base: advisory_base
-                        + i64::try_from(NONCE.fetch_add(1, Ordering::Relaxed))? * 1024,
-                    shared: matches!(row, Row::ContendedAdvisory),
-                };
-                measure_pg(env, work).await?
-            }
-            Row::LeaseDelete | Row::LeaseExpire | Row::ContendedLease => {
-                let work = LeaseCycle {
-                    pool: pool.clone(),
-                    prefix: prefix(env, "pg-lease"),
-                    shared: matches!(row, Row::ContendedLease),
-                    expire: matches!(row, Row::LeaseExpire),
-                };
-                measure_pg(env, work).await?
-            }
-            Row::FunctionsPrepared => {
-                let work = PreparedFunctions {
-                    pool: pool.clone(),
-                    key_prefix: PgIssuer::new(pool.clone()).key_prefix().to_owned(),
-                    prefix: prefix(env, "pg-prepared"),
-                };
-                measure_pg(env, work).await?
-            }
-            Row::IssuerConnect => {
-                let issuer = PgIssuer::connect(&env.db_url).await?;
-                let work = IssuerCycle {
-                    issuer: issuer.clone(),
-                    prefix: prefix(env, "pg-connect"),
-                };
-                let sample = measure_pg(env, work).await;
-                issuer.pool().close().await;
-                sample?
-            }
-            Row::ContendedIssuer => {
-                let work = SharedCycle {
-                    issuer: PgIssuer::new(pool.clone()),
-                    resource: Resource::new(prefix(env, "pg-contended"))?,
-                };
-                measure_pg(env, work).await?
             }
             Row::ContendedRedis => {
                 let work = SharedCycle {
@@ -220,6 +188,7 @@ pub(crate) async fn pg(env: &Env, round: usize, out: &mut Results) -> Result<()>
                 };
                 measure_redis(env, work).await?
             }
+            _ => pg_row(env, row, advisory_base).await?,
         };
         let sample = if key_is_contended(row) {
             with_attempts(sample)
@@ -228,7 +197,128 @@ pub(crate) async fn pg(env: &Env, round: usize, out: &mut Results) -> Result<()>
         };
         put(out, round, row.key(), sample);
     }
+    Ok(())
+}
+
+/// One PostgreSQL figure, on connections of its own (opened after the vacuum, closed after
+/// the figure): every figure's sessions plan the statements they run against the same, just
+/// vacuumed, tables, and closing them flushes their table statistics, from which the
+/// sequentially scanned tuples per operation are read.
+async fn pg_row(env: &Env, row: Row, advisory_base: i64) -> Result<Sample> {
+    let fresh = prefix(env, "pg-fresh");
+    if matches!(row, Row::IssuerFreshIndexed) {
+        fill_tables(env, &fresh).await?;
+        prep_pg(env).await?;
+    }
+    let pool = match row {
+        // The issuer's own pool: 8 connections, sqlx's default options.
+        Row::IssuerConnect => PgIssuer::connect(&env.db_url).await?.pool().clone(),
+        _ => tuned_pool(env, env.cfg.pool).await?,
+    };
+    let issuer = PgIssuer::new(pool.clone());
+    let seq_before = seq_tuples(env).await;
+    let sample = match row {
+        Row::IssuerCycle | Row::IssuerConnect => {
+            let work = IssuerCycle {
+                issuer,
+                prefix: prefix(env, "pg-cycle"),
+            };
+            measure_pg(env, work).await
+        }
+        Row::IssuerFresh | Row::IssuerFreshIndexed => {
+            issuer_fresh(env, issuer, fresh.clone()).await
+        }
+        Row::Advisory | Row::ContendedAdvisory => {
+            let work = AdvisoryCycle {
+                pool: pool.clone(),
+                base: advisory_base + i64::try_from(NONCE.fetch_add(1, Ordering::Relaxed))? * 1024,
+                shared: matches!(row, Row::ContendedAdvisory),
+            };
+            measure_pg(env, work).await
+        }
+        Row::LeaseDelete | Row::LeaseExpire | Row::ContendedLease => {
+            let work = LeaseCycle {
+                pool: pool.clone(),
+                prefix: prefix(env, "pg-lease"),
+                shared: matches!(row, Row::ContendedLease),
+                expire: matches!(row, Row::LeaseExpire),
+            };
+            measure_pg(env, work).await
+        }
+        Row::FunctionsPrepared => {
+            let work = PreparedFunctions {
+                pool: pool.clone(),
+                key_prefix: issuer.key_prefix().to_owned(),
+                prefix: prefix(env, "pg-prepared"),
+            };
+            measure_pg(env, work).await
+        }
+        Row::ContendedIssuer => {
+            let work = SharedCycle {
+                issuer,
+                resource: Resource::new(prefix(env, "pg-contended"))?,
+            };
+            measure_pg(env, work).await
+        }
+        Row::RedisCycle | Row::ContendedRedis => unreachable!("measured by measure_redis"),
+    };
+    // Closed backends have flushed their statistics once they are gone.
     pool.close().await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let seq_after = seq_tuples(env).await;
+    if matches!(row, Row::IssuerFresh | Row::IssuerFreshIndexed) {
+        // Unmeasured: the counters 10b / 10b' created, and the filler rows of 10b'.
+        sqlx::query("DELETE FROM pgfence.issuer_counter WHERE starts_with(counter, $1)")
+            .bind(&fresh)
+            .execute(&env.admin)
+            .await?;
+        sqlx::query("DELETE FROM pgfence.issuer_lock WHERE starts_with(resource, $1)")
+            .bind(&fresh)
+            .execute(&env.admin)
+            .await?;
+    }
+    let mut sample = sample?;
+    if let (Some(a), Some(b)) = (seq_before, seq_after)
+        && sample.total_ops > 0
+    {
+        sample.pg_seq_tuples_per_op = Some((b - a).max(0.0) / sample.total_ops as f64);
+    }
+    Ok(sample)
+}
+
+/// Tuples read by sequential scans of the section's tables so far (from the statistics
+/// backends have flushed).
+async fn seq_tuples(env: &Env) -> Option<f64> {
+    sqlx::query_scalar::<_, f64>(
+        "SELECT coalesce(sum(seq_tup_read), 0)::float8 FROM pg_stat_user_tables
+          WHERE relid IN ('pgfence.issuer_lock'::regclass, 'pgfence.issuer_counter'::regclass,
+                          'bench_lease'::regclass)",
+    )
+    .fetch_one(&env.admin)
+    .await
+    .ok()
+}
+
+/// 10b': the rows of [`FILLER_ROWS`] other resources — an expired lock each and a counter
+/// each — under `prefix`, as an issuer that has served that many resources keeps them.
+async fn fill_tables(env: &Env, prefix: &str) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO pgfence.issuer_counter (prefix, counter, value)
+         SELECT 'pgfence', $1 || ':filler:' || g, 1 FROM generate_series(1, $2) g",
+    )
+    .bind(prefix)
+    .bind(FILLER_ROWS)
+    .execute(&env.admin)
+    .await?;
+    sqlx::query(
+        "INSERT INTO pgfence.issuer_lock (prefix, resource, owner, token, expires_at)
+         SELECT 'pgfence', $1 || ':filler:' || g, 'gone', 1, now() - interval '1 hour'
+           FROM generate_series(1, $2) g",
+    )
+    .bind(prefix)
+    .bind(FILLER_ROWS)
+    .execute(&env.admin)
+    .await?;
     Ok(())
 }
 
@@ -253,15 +343,13 @@ fn with_attempts(mut sample: Sample) -> Sample {
     sample
 }
 
-/// 10b: fresh resources; the leases released afterwards and their counter rows deleted
+/// 10b / 10b': fresh resources named under `fresh`; the leases released afterwards
 /// (unmeasured).
-async fn issuer_fresh(env: &Env, pool: &PgPool) -> Result<Sample> {
-    let issuer = PgIssuer::new(pool.clone());
+async fn issuer_fresh(env: &Env, issuer: PgIssuer, fresh: String) -> Result<Sample> {
     let held = Arc::new(Mutex::new(Vec::new()));
-    let fresh = prefix(env, "pg-fresh");
     let work = AcquireHeld {
         issuer: issuer.clone(),
-        prefix: fresh.clone(),
+        prefix: fresh,
         held: Arc::clone(&held),
     };
     let sample = measure_pg(env, work).await;
@@ -272,10 +360,6 @@ async fn issuer_fresh(env: &Env, pool: &PgPool) -> Result<Sample> {
         }
     })
     .await;
-    sqlx::query("DELETE FROM pgfence.issuer_counter WHERE starts_with(counter, $1)")
-        .bind(&fresh)
-        .execute(&env.admin)
-        .await?;
     sample
 }
 

@@ -106,6 +106,10 @@ fn rows(cfg: &Config) -> Vec<(String, String)> {
             ("zk.redis_cycle", "9d Redis Issuer acquire+release (3c)"),
             ("pg.issuer_cycle", "10a PgIssuer acquire+release"),
             ("pg.issuer_fresh", "10b PgIssuer::acquire (fresh resource)"),
+            (
+                "pg.issuer_fresh_filled",
+                "10b' 10b, 10,000 other resources' rows",
+            ),
             ("pg.redis_cycle", "10c Redis Issuer acquire+release (3c)"),
             ("pg.advisory_cycle", "10d pg_try_advisory_lock + unlock"),
             (
@@ -391,6 +395,13 @@ const RATIOS: &[RatioDef] = &[
         target: None,
     },
     RatioDef {
+        key: "pg_fresh_filled_vs_fresh",
+        label: "PgIssuer::acquire fresh, filled / small tables (10b'/10b)",
+        num: "pg.issuer_fresh_filled",
+        den: &["pg.issuer_fresh"],
+        target: None,
+    },
+    RatioDef {
         key: "pg_cycle_vs_prepared",
         label: "PgIssuer / its functions as prepared statements (10a/10f)",
         num: "pg.issuer_cycle",
@@ -488,6 +499,7 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
         let etcd = med(|s| s.etcd_server_us_per_op);
         let zk = med(|s| s.zk_server_us_per_op);
         let wal = med(|s| s.pg_wal_bytes_per_op);
+        let seq = med(|s| s.pg_seq_tuples_per_op);
         let machine = med(|s| s.machine_cpu_us_per_op);
         let other = med(Sample::other_cpu_us_per_op);
         let busy = med(|s| s.busy_cpus);
@@ -505,6 +517,9 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
         }
         if let Some(wal) = wal {
             notes.push(format!("WAL {wal:.0} B/op"));
+        }
+        if let Some(seq) = seq {
+            notes.push(format!("seq-scanned {seq:.0} tuples/op"));
         }
         if let Some(n) = samples.last().and_then(|s| s.note.clone()) {
             notes.push(n);
@@ -531,6 +546,7 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
                 "pg_server_cpu_us_per_op": pg, "other_cpu_us_per_op": other,
                 "redis_server_us_per_op": redis, "etcd_server_us_per_op": etcd,
                 "zk_server_us_per_op": zk, "pg_wal_bytes_per_op": wal,
+                "pg_seq_tuples_per_op": seq,
                 "busy_cpus": busy,
             }),
         );
@@ -539,8 +555,8 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
     println!(
         "CPU microseconds per operation — cli: the client (this process or the tool); pg: the \
          PostgreSQL server; rds: the Redis server (warm-up included); etcd / zk server (notes): its process, \
-         warm-up included; WAL (notes, section pg): PostgreSQL WAL bytes per operation, warm-up \
-         included; oth: everything else on the \
+         warm-up included; WAL, seq-scanned (notes, section pg): PostgreSQL WAL bytes and tuples \
+         read by sequential scans of the section's tables per operation, warm-up included; oth: everything else on the \
          machine (other work skews a row: check it); all: the whole machine; \
          cpus: busy CPUs in the window (of {}). Batch rows (7a, 7c): ops/s and CPU are per \
          row, p50/p99 per batch",
