@@ -154,10 +154,13 @@ pub(crate) struct Sample {
     /// WAL the PostgreSQL server wrote per operation, in bytes (`pg_current_wal_lsn()` before
     /// and after; warm-up included), for the rows of section `pg`.
     pub(crate) pg_wal_bytes_per_op: Option<f64>,
-    /// Tuples the PostgreSQL server read by sequential scans of the section's tables per
-    /// operation (`pg_stat_user_tables.seq_tup_read`, warm-up included), for the PostgreSQL
-    /// rows of section `pg`: 0 when every lookup used an index.
-    pub(crate) pg_seq_tuples_per_op: Option<f64>,
+    /// Sequential scans of the section's tables the PostgreSQL server started per operation
+    /// (`pg_stat_user_tables.seq_scan`, warm-up included), for the PostgreSQL rows of section
+    /// `pg`: 0 when every lookup used an index.
+    pub(crate) pg_seq_scans_per_op: Option<f64>,
+    /// Buffer accesses (heap and index blocks, hit or read, `pg_statio_user_tables`) of the
+    /// section's tables per operation, warm-up included, for the same rows.
+    pub(crate) pg_blocks_per_op: Option<f64>,
     pub(crate) note: Option<String>,
     /// Rows one operation writes (a batch row: its size). The rate and the CPU figures are
     /// then per row; the latencies stay per operation (per batch).

@@ -41,10 +41,10 @@
 //! against the same table state. The PostgreSQL server's CPU per operation comes from the same
 //! `/proc` accounting as every other row (postmaster and backends; a server on another
 //! machine is not measured); its WAL per operation from `pg_current_wal_lsn()` before and
-//! after the figure, and the tuples it read by sequential scans of `pgfence.issuer_lock`,
-//! `pgfence.issuer_counter` and `bench_lease` from `pg_stat_user_tables` (flushed by the
-//! figure's closed sessions); both include the warm-up, and 10b's also the unmeasured
-//! release.
+//! after the figure, and the sequential scans and buffer accesses of `pgfence.issuer_lock`,
+//! `pgfence.issuer_counter` and `bench_lease` from `pg_stat_user_tables` and
+//! `pg_statio_user_tables` (flushed by the figure's closed sessions); all include the
+//! warm-up, and 10b's also the unmeasured release.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -216,7 +216,7 @@ async fn pg_row(env: &Env, row: Row, advisory_base: i64) -> Result<Sample> {
         _ => tuned_pool(env, env.cfg.pool).await?,
     };
     let issuer = PgIssuer::new(pool.clone());
-    let seq_before = seq_tuples(env).await;
+    let stats_before = table_stats(env).await;
     let sample = match row {
         Row::IssuerCycle | Row::IssuerConnect => {
             let work = IssuerCycle {
@@ -265,7 +265,7 @@ async fn pg_row(env: &Env, row: Row, advisory_base: i64) -> Result<Sample> {
     // Closed backends have flushed their statistics once they are gone.
     pool.close().await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let seq_after = seq_tuples(env).await;
+    let stats_after = table_stats(env).await;
     if matches!(row, Row::IssuerFresh | Row::IssuerFreshIndexed) {
         // Unmeasured: the counters 10b / 10b' created, and the filler rows of 10b'.
         sqlx::query("DELETE FROM pgfence.issuer_counter WHERE starts_with(counter, $1)")
@@ -278,19 +278,24 @@ async fn pg_row(env: &Env, row: Row, advisory_base: i64) -> Result<Sample> {
             .await?;
     }
     let mut sample = sample?;
-    if let (Some(a), Some(b)) = (seq_before, seq_after)
+    if let (Some((scans_a, blocks_a)), Some((scans_b, blocks_b))) = (stats_before, stats_after)
         && sample.total_ops > 0
     {
-        sample.pg_seq_tuples_per_op = Some((b - a).max(0.0) / sample.total_ops as f64);
+        let ops = sample.total_ops as f64;
+        sample.pg_seq_scans_per_op = Some((scans_b - scans_a).max(0.0) / ops);
+        sample.pg_blocks_per_op = Some((blocks_b - blocks_a).max(0.0) / ops);
     }
     Ok(sample)
 }
 
-/// Tuples read by sequential scans of the section's tables so far (from the statistics
-/// backends have flushed).
-async fn seq_tuples(env: &Env) -> Option<f64> {
-    sqlx::query_scalar::<_, f64>(
-        "SELECT coalesce(sum(seq_tup_read), 0)::float8 FROM pg_stat_user_tables
+/// Sequential scans started on the section's tables so far, and their buffer accesses (heap
+/// and index blocks, hit or read), from the statistics backends have flushed.
+async fn table_stats(env: &Env) -> Option<(f64, f64)> {
+    sqlx::query_as::<_, (f64, f64)>(
+        "SELECT coalesce(sum(s.seq_scan), 0)::float8,
+                coalesce(sum(coalesce(io.heap_blks_hit, 0) + coalesce(io.heap_blks_read, 0)
+                             + coalesce(io.idx_blks_hit, 0) + coalesce(io.idx_blks_read, 0)), 0)::float8
+           FROM pg_stat_user_tables s JOIN pg_statio_user_tables io USING (relid)
           WHERE relid IN ('pgfence.issuer_lock'::regclass, 'pgfence.issuer_counter'::regclass,
                           'bench_lease'::regclass)",
     )

@@ -499,7 +499,8 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
         let etcd = med(|s| s.etcd_server_us_per_op);
         let zk = med(|s| s.zk_server_us_per_op);
         let wal = med(|s| s.pg_wal_bytes_per_op);
-        let seq = med(|s| s.pg_seq_tuples_per_op);
+        let seq = med(|s| s.pg_seq_scans_per_op);
+        let blocks = med(|s| s.pg_blocks_per_op);
         let machine = med(|s| s.machine_cpu_us_per_op);
         let other = med(Sample::other_cpu_us_per_op);
         let busy = med(|s| s.busy_cpus);
@@ -519,7 +520,10 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
             notes.push(format!("WAL {wal:.0} B/op"));
         }
         if let Some(seq) = seq {
-            notes.push(format!("seq-scanned {seq:.0} tuples/op"));
+            notes.push(format!("{seq:.2} seq scans/op"));
+        }
+        if let Some(blocks) = blocks {
+            notes.push(format!("{blocks:.0} blocks/op"));
         }
         if let Some(n) = samples.last().and_then(|s| s.note.clone()) {
             notes.push(n);
@@ -546,7 +550,7 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
                 "pg_server_cpu_us_per_op": pg, "other_cpu_us_per_op": other,
                 "redis_server_us_per_op": redis, "etcd_server_us_per_op": etcd,
                 "zk_server_us_per_op": zk, "pg_wal_bytes_per_op": wal,
-                "pg_seq_tuples_per_op": seq,
+                "pg_seq_scans_per_op": seq, "pg_blocks_per_op": blocks,
                 "busy_cpus": busy,
             }),
         );
@@ -555,8 +559,9 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
     println!(
         "CPU microseconds per operation — cli: the client (this process or the tool); pg: the \
          PostgreSQL server; rds: the Redis server (warm-up included); etcd / zk server (notes): its process, \
-         warm-up included; WAL, seq-scanned (notes, section pg): PostgreSQL WAL bytes and tuples \
-         read by sequential scans of the section's tables per operation, warm-up included; oth: everything else on the \
+         warm-up included; WAL, seq scans, blocks (notes, section pg): PostgreSQL WAL bytes, \
+         sequential scans and buffer accesses of the section's tables per operation, warm-up \
+         included; oth: everything else on the \
          machine (other work skews a row: check it); all: the whole machine; \
          cpus: busy CPUs in the window (of {}). Batch rows (7a, 7c): ops/s and CPU are per \
          row, p50/p99 per batch",
