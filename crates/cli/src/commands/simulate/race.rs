@@ -187,6 +187,7 @@ async fn worker_b(
     let mut row = claim(stage, 'B', &lease).await?;
     if write(stage, 'B', &lease, &mut row, 1).await? {
         let key = record_charge(stage, 'B', &lease).await?;
+        let requests_before = stage.provider.counts().0;
         let call = {
             let (url, key) = (stage.provider.url(), key.clone());
             tokio::task::spawn_blocking(move || charge(&url, key.as_deref()))
@@ -198,6 +199,14 @@ async fn worker_b(
                 took: provider,
             },
         );
+        // A's late call comes once the provider has B's request (its key is then in flight).
+        let deadline = tokio::time::Instant::now() + CUE_WAIT;
+        while stage.provider.counts().0 == requests_before
+            && !call.is_finished()
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         cues.b_called.notify_one();
         let answer = call.await.context("provider call panicked")??;
         record_answer(stage, 'B', &answer);
