@@ -10,6 +10,10 @@
 --   SQL only). An application role gets EXECUTE on them (pgfence grant) and nothing on the
 --   tables: it can take a free lock and release or extend a lock it holds (owner id and token
 --   both match), never lower a counter or take a live lock from its holder.
+-- * The functions that read or write the tables also set enable_seqscan = off: PL/pgSQL
+--   caches one plan per statement per session, and a session that planned while a table was
+--   small kept a sequential scan as the table grew (measured in the bench: an acquire at
+--   20,000 rows took 4.2 ms instead of 0.3 ms). Every lookup here is by primary key.
 -- * The counter and the fences it protects commit in the same WAL: a token can never be
 --   behind a fence written after it was issued, and a database failover moves both together.
 --   There is nothing to reseed.
@@ -89,6 +93,7 @@ RETURNS TABLE (acquired boolean, token bigint, ttl_ms bigint)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_until timestamptz;
@@ -162,6 +167,7 @@ CREATE FUNCTION pgfence.issuer_not_held(p_prefix text, p_resource text) RETURNS 
 LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
     SELECT CASE WHEN EXISTS (
         SELECT 1 FROM pgfence.issuer_lock l
@@ -179,6 +185,7 @@ CREATE FUNCTION pgfence.issuer_release(p_prefix text, p_resource text, p_owner t
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_expires timestamptz;
@@ -204,6 +211,7 @@ CREATE FUNCTION pgfence.issuer_extend(p_prefix text, p_resource text, p_owner te
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 BEGIN
     IF p_ttl_ms IS NULL THEN
@@ -232,6 +240,7 @@ RETURNS TABLE (owner text, token bigint, ttl_ms bigint, counter bigint)
 LANGUAGE plpgsql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 BEGIN
     PERFORM pgfence.issuer_check_args(p_prefix, p_resource, NULL, NULL);

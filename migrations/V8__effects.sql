@@ -17,7 +17,9 @@
 --
 -- The functions return a status instead of raising, so a refusal does not abort the caller's
 -- transaction; the library audits the refusal through its own connection (it survives the
--- caller's rollback). They run with their owner's rights; the application role gets EXECUTE
+-- caller's rollback). Like the PostgreSQL issuer's functions they set enable_seqscan = off
+-- (every lookup is by primary key; a cached plan must not keep a small table's sequential
+-- scan). They run with their owner's rights; the application role gets EXECUTE
 -- (pgfence grant) and nothing on the table.
 
 CREATE TABLE pgfence.effect (
@@ -68,6 +70,7 @@ RETURNS TABLE (status text, idempotency_key text, state text, outcome jsonb, hol
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_scope text := pgfence.issuer_counter_id(p_resource);
@@ -122,6 +125,7 @@ RETURNS TABLE (status text, current bigint, other_counter boolean)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_scope text := pgfence.issuer_counter_id(p_resource);
@@ -171,6 +175,7 @@ RETURNS TABLE (idempotency_key text, state text, outcome jsonb, holders integer,
 LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
     SELECT e.idempotency_key, e.state, e.outcome, e.holders, e.fence >> 24, e.holder, e.updated_at
       FROM pgfence.effect e
