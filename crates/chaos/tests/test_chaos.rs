@@ -1340,9 +1340,11 @@ async fn effects_unkeyed_control_charges_invoices_twice() {
     assert!(!e.exactly_once(), "{s}");
     assert!(e.extra_charges >= e.duplicate_effects, "{s}");
     assert!(e.late_calls_charged > 0, "{s}");
-    assert_eq!(
-        e.late_calls_deduplicated, 0,
-        "no two leases share a key: {s}"
+    // No two leases share a key; a late call can still be a replay when it is the same
+    // lease's retry (after a killed backend) of a call it had made before the takeover.
+    assert!(
+        e.late_calls_deduplicated * 4 < e.late_calls_charged,
+        "the control's late calls mostly charge again: {s}"
     );
     assert!(
         e.provider_charges > e.invoices_paid + e.charged_unpaid,
