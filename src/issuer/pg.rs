@@ -11,8 +11,8 @@ use sqlx::{AssertSqlSafe, PgPool, Row};
 use tokio::time::Instant;
 
 use super::{
-    DEFAULT_KEY_PREFIX, KeepAlive, Lease, LeaseState, LockStatus, ReleaseOutcome, acquire_waiting,
-    check_key_prefix, check_owner, retrying, ttl_millis,
+    ACQUIRE_ATTEMPTS, DEFAULT_KEY_PREFIX, KeepAlive, Lease, LeaseState, LockStatus, ReleaseOutcome,
+    acquire_waiting, check_key_prefix, check_owner, retrying, ttl_millis,
 };
 use crate::ident::quote_literal;
 use crate::{Error, FenceToken, Resource, Result};
@@ -27,9 +27,6 @@ pub fn is_postgres_url(url: &str) -> bool {
     let head = url.get(..13).unwrap_or(url).to_ascii_lowercase();
     POSTGRES_SCHEMES.iter().any(|s| head.starts_with(s))
 }
-
-/// How many times an acquire is re-sent, with the same owner id, after a transport error.
-const ACQUIRE_ATTEMPTS: u32 = 3;
 
 /// How long a release or a status read is re-sent after transport errors.
 const RESEND_WINDOW: Duration = Duration::from_secs(2);
