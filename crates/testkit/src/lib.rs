@@ -16,6 +16,7 @@
 //! loopback TCP proxy that drops or stalls the connections through it, for
 //! resilience tests.
 
+mod certs;
 mod etcd;
 mod pgbouncer;
 mod process;
@@ -23,6 +24,7 @@ pub mod provider;
 mod sentinel;
 mod zk;
 
+pub use certs::Certs;
 pub use etcd::{ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, EtcdCluster, EtcdMember, etcd_installed};
 pub use pgbouncer::{PgBouncer, PoolMode, pgbouncer_installed};
 pub use provider::Provider;
@@ -85,6 +87,15 @@ pub struct Server {
     kind: Kind,
     port: u16,
     supervisor: Supervisor,
+    /// The CA a TLS-only server's certificate is signed by (`None`: plaintext server).
+    ca: Option<PathBuf>,
+}
+
+/// How a throwaway PostgreSQL is set up.
+#[derive(Debug, Default)]
+struct PgSetup {
+    /// `(server certificate, key, CA)`: `ssl = on`, TCP over TLS only.
+    tls: Option<(PathBuf, PathBuf, PathBuf)>,
 }
 
 impl Server {
@@ -94,7 +105,43 @@ impl Server {
     /// [`ServerError::NotInstalled`] when no PostgreSQL server binaries are found;
     /// [`ServerError::StartFailed`] when it does not come up within 60 s.
     pub async fn postgres() -> Result<Self, ServerError> {
+        Self::postgres_with(&PgSetup::default()).await
+    }
+
+    /// Starts a throwaway PostgreSQL with `ssl = on` and the certificates of `certs`, which
+    /// accepts TCP connections over TLS only (`hostssl` lines, no `host` line): user `certuser`
+    /// must present a client certificate of `certs` (`cert` authentication); every other user
+    /// is trusted once on TLS. [`Server::url`] then has `sslmode=verify-full` and the CA.
+    ///
+    /// # Errors
+    /// As [`Server::postgres`].
+    pub async fn postgres_tls(certs: &Certs) -> Result<Self, ServerError> {
+        let mut server = Self::postgres_with(&PgSetup {
+            tls: Some((certs.server_cert(), certs.server_key(), certs.ca())),
+        })
+        .await?;
+        server.ca = Some(certs.ca());
+        Ok(server)
+    }
+
+    async fn postgres_with(setup: &PgSetup) -> Result<Self, ServerError> {
         let bindir = postgres_bindir()?;
+        let (tls_setup, tls_args) = match &setup.tls {
+            None => (String::new(), String::new()),
+            Some((cert, key, ca)) => (
+                format!(
+                    r#"cp {cert} "$dir/server.crt" && cp {key} "$dir/server.key" && cp {ca} "$dir/ca.crt" && chmod 600 "$dir/server.key" || exit 1
+printf 'local all all trust\nhostssl all certuser 127.0.0.1/32 cert\nhostssl all all 127.0.0.1/32 trust\nhostnossl all all 0.0.0.0/0 reject\n' >"$dir/hba.conf"
+"#,
+                    cert = sh_quote(cert),
+                    key = sh_quote(key),
+                    ca = sh_quote(ca)
+                ),
+                " -c ssl=on -c ssl_cert_file=\"$dir/server.crt\" -c ssl_key_file=\"$dir/server.key\" \
+                 -c ssl_ca_file=\"$dir/ca.crt\" -c hba_file=\"$dir/hba.conf\""
+                    .to_owned(),
+            ),
+        };
         let run_as_postgres = is_root();
         retry_on_port_clash(Kind::Postgres, |port| {
             let script = format!(
@@ -103,11 +150,11 @@ umask 077
 dir=$(mktemp -d /tmp/pgfence-pg.XXXXXX) || exit 1
 trap 'rm -rf "$dir"' EXIT
 {bin}/initdb -D "$dir/data" -U postgres -A trust -E UTF8 --no-sync >"$dir/init.log" 2>&1 || {{ cat "$dir/init.log" >&2; exit 1; }}
-{supervise}"#,
+{tls_setup}{supervise}"#,
                 bin = sh_quote(&bindir),
                 supervise = supervise(&format!(
                     "{bin}/postgres -D \"$dir/data\" -p {port} -k \"$dir\" -c listen_addresses=127.0.0.1 \
-                     -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=400",
+                     -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=400{tls_args}",
                     bin = sh_quote(&bindir)
                 ), "INT"),
             );
@@ -238,12 +285,20 @@ trap 'rm -rf "$dir"' EXIT
         self.supervisor.dir()
     }
 
-    /// A connection URL: `postgres://postgres@127.0.0.1:PORT/postgres` or
+    /// A connection URL: `postgres://postgres@127.0.0.1:PORT/postgres` (with
+    /// `?sslmode=verify-full&sslrootcert=CA` for [`Server::postgres_tls`]) or
     /// `redis://127.0.0.1:PORT`.
     #[must_use]
     pub fn url(&self) -> String {
         match self.kind {
-            Kind::Postgres => format!("postgres://postgres@127.0.0.1:{}/postgres", self.port),
+            Kind::Postgres => match &self.ca {
+                None => format!("postgres://postgres@127.0.0.1:{}/postgres", self.port),
+                Some(ca) => format!(
+                    "postgres://postgres@127.0.0.1:{}/postgres?sslmode=verify-full&sslrootcert={}",
+                    self.port,
+                    ca.display()
+                ),
+            },
             Kind::Redis => format!("redis://127.0.0.1:{}", self.port),
         }
     }
@@ -419,6 +474,7 @@ async fn retry_on_port_clash(
             kind,
             port,
             supervisor,
+            ca: None,
         };
         match server.wait_ready(Duration::from_secs(60)).await {
             Ok(()) => return Ok(server),
