@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
-use sqlx::PgPool;
+use sqlx::{PgExecutor, PgPool};
 use time::OffsetDateTime;
 
 use crate::Result;
@@ -290,7 +290,7 @@ impl Default for AuditFilter {
 ///
 /// # Errors
 /// [`crate::Error::Database`].
-pub async fn list(pool: &PgPool, filter: &AuditFilter) -> Result<Vec<AuditEntry>> {
+pub async fn list<'c, E: PgExecutor<'c>>(exec: E, filter: &AuditFilter) -> Result<Vec<AuditEntry>> {
     let rows = sqlx::query_as!(
         AuditEntry,
         r#"SELECT id AS "id!", at AS "at!", resource, table_name AS "table", row_key AS "key",
@@ -309,7 +309,7 @@ pub async fn list(pool: &PgPool, filter: &AuditFilter) -> Result<Vec<AuditEntry>
         filter.limit.max(0),
         filter.after_id,
     )
-    .fetch_all(pool)
+    .fetch_all(exec)
     .await?;
     Ok(rows)
 }
@@ -318,12 +318,12 @@ pub async fn list(pool: &PgPool, filter: &AuditFilter) -> Result<Vec<AuditEntry>
 ///
 /// # Errors
 /// [`crate::Error::Database`].
-pub async fn prune(pool: &PgPool, older_than: OffsetDateTime) -> Result<u64> {
+pub async fn prune<'c, E: PgExecutor<'c>>(exec: E, older_than: OffsetDateTime) -> Result<u64> {
     let done = sqlx::query!(
         "DELETE FROM pgfence.audit WHERE at OPERATOR(pg_catalog.<) $1",
         older_than
     )
-    .execute(pool)
+    .execute(exec)
     .await?;
     Ok(done.rows_affected())
 }

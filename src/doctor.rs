@@ -20,6 +20,7 @@
 //! | [`RedisUnavailable`](FindingKind::RedisUnavailable) | error | Redis could not be read |
 //! | [`CountersNotChecked`](FindingKind::CountersNotChecked) | info | no issuer was given, or a recorded resource name is not a valid [`Resource`] |
 //! | [`AuditRetention`](FindingKind::AuditRetention) | warning | audit rows older than [`DoctorOptions::audit_retention`] |
+//! | [`NotPermitted`](FindingKind::NotPermitted) | warning | a check doctor could not make: the connected role lacks a privilege it needs (run doctor as the schema's owner for the full report) |
 //!
 //! Counters: for each resource in `pgfence.resource_fence` (resources that ran
 //! `pgfence.check`) and each of [`DoctorOptions::resources`], doctor compares the token of
@@ -33,7 +34,7 @@
 use std::time::Duration;
 
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::{Acquire, AssertSqlSafe, PgConnection, Postgres};
 
 use crate::{MAX_TOKEN, Resource, Result, TableName, TokenIssuer};
 
@@ -91,6 +92,8 @@ pub enum FindingKind {
     CountersNotChecked,
     /// Audit rows older than the retention.
     AuditRetention,
+    /// A check was skipped: the connected role lacks a privilege it needs.
+    NotPermitted,
 }
 
 /// One finding: what, about which object, why, and what to do.
@@ -191,11 +194,15 @@ impl DoctorOptions {
     }
 }
 
-/// Checks the database behind `pool` (and, with `issuer`, its counters: Redis or etcd) and returns
-/// every finding, most serious first. An empty list, or one with only [`Severity::Info`]
-/// findings ([`Finding::is_problem`]), means healthy.
+/// Checks the database behind `conn` (a pool, a connection or a transaction; and, with
+/// `issuer`, its counters) and returns every finding, most serious first. An empty list, or
+/// one with only [`Severity::Info`] findings ([`Finding::is_problem`]), means healthy.
 ///
-/// Read-only. The README ("`pgfence doctor`") lists the checks.
+/// Read-only. The README ("`pgfence doctor`") lists the checks. Each check first asks whether
+/// the connected role may read what it needs; a check it may not make is reported as
+/// [`FindingKind::NotPermitted`] (naming the privilege), never as an error or a failed
+/// migration — so doctor as the application role says what it could check and what needs the
+/// owner.
 ///
 /// # Errors
 /// [`crate::Error::Database`] when PostgreSQL cannot be read. Redis failures are findings
@@ -211,11 +218,16 @@ impl DoctorOptions {
 /// }
 /// # Ok(()) }
 /// ```
-pub async fn doctor(
-    pool: &PgPool,
+pub async fn doctor<'c, A>(
+    conn: A,
     issuer: Option<&dyn TokenIssuer>,
     options: &DoctorOptions,
-) -> Result<Vec<Finding>> {
+) -> Result<Vec<Finding>>
+where
+    A: Acquire<'c, Database = Postgres>,
+{
+    let mut conn = conn.acquire().await?;
+    let pool = &mut *conn;
     let mut findings = Vec::new();
     if schema(pool, &mut findings).await? {
         let highest = tables(pool, options, &mut findings).await?;
@@ -226,13 +238,52 @@ pub async fn doctor(
     Ok(findings)
 }
 
-/// The schema check; `true` when the other checks can run.
-async fn schema(pool: &PgPool, findings: &mut Vec<Finding>) -> Result<bool> {
-    let object = "schema pgfence";
-    let present: bool = sqlx::query_scalar(
-        "SELECT pg_catalog.to_regclass('pgfence.refinery_schema_history') IS NOT NULL",
+/// Whether the connected role holds `privilege` on pgfence's `object` (`USAGE` on the schema
+/// included); `false` for a missing object. Asked through the catalog by OID, so a role
+/// without `USAGE` on the schema gets an answer, not an error.
+async fn may(conn: &mut PgConnection, object: &str, privilege: &str) -> Result<bool> {
+    let allowed: Option<bool> = sqlx::query_scalar(
+        "SELECT CASE WHEN c.oid IS NOT NULL
+                     THEN pg_catalog.has_schema_privilege(c.relnamespace, 'USAGE')
+                          AND pg_catalog.has_table_privilege(c.oid, $2) END
+           FROM (SELECT) AS one
+           LEFT JOIN pg_catalog.pg_class c
+                  ON c.relname OPERATOR(pg_catalog.=) $1
+                 AND c.relnamespace OPERATOR(pg_catalog.=) (SELECT n.oid FROM pg_catalog.pg_namespace n
+                                                            WHERE n.nspname OPERATOR(pg_catalog.=) 'pgfence')",
     )
-    .fetch_one(pool)
+    .bind(object)
+    .bind(privilege)
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(allowed == Some(true))
+}
+
+/// A [`FindingKind::NotPermitted`] finding: `what` was not checked without `privilege`.
+fn not_permitted(object: impl Into<String>, what: &str, privilege: &str) -> Finding {
+    Finding::new(Severity::Warning, FindingKind::NotPermitted, object)
+        .says(format!(
+            "{what} not checked: the connected role lacks {privilege}"
+        ))
+        .fix("run `pgfence doctor` as the owner of schema pgfence (or a role that may read it) for the full report")
+}
+
+/// The schema check; `true` when the other checks can run.
+async fn schema(pool: &mut PgConnection, findings: &mut Vec<Finding>) -> Result<bool> {
+    let object = "schema pgfence";
+    let (present, usage, versioned): (bool, Option<bool>, Option<bool>) = sqlx::query_as(
+        "SELECT n.oid IS NOT NULL AND EXISTS (
+                    SELECT FROM pg_catalog.pg_class c
+                     WHERE c.relnamespace OPERATOR(pg_catalog.=) n.oid
+                       AND c.relname OPERATOR(pg_catalog.=) 'refinery_schema_history'),
+                CASE WHEN n.oid IS NOT NULL THEN pg_catalog.has_schema_privilege(n.oid, 'USAGE') END,
+                CASE WHEN p.oid IS NOT NULL THEN pg_catalog.has_function_privilege(p.oid, 'EXECUTE') END
+           FROM (SELECT) AS one
+           LEFT JOIN pg_catalog.pg_namespace n ON n.nspname OPERATOR(pg_catalog.=) 'pgfence'
+           LEFT JOIN pg_catalog.pg_proc p ON p.pronamespace OPERATOR(pg_catalog.=) n.oid
+                AND p.proname OPERATOR(pg_catalog.=) 'schema_version'",
+    )
+    .fetch_one(&mut *pool)
     .await?;
     if !present {
         findings.push(
@@ -242,7 +293,50 @@ async fn schema(pool: &PgPool, findings: &mut Vec<Finding>) -> Result<bool> {
         );
         return Ok(false);
     }
-    let status = crate::migration_status(pool).await?;
+    if usage != Some(true) {
+        findings.push(not_permitted(
+            object,
+            "the schema and everything in it were",
+            "USAGE on schema pgfence (`pgfence grant ROLE` gives it)",
+        ));
+        return Ok(false);
+    }
+    if !may(pool, "refinery_schema_history", "SELECT").await? {
+        // The application role: the version is readable, the history is not.
+        if versioned != Some(true) {
+            findings.push(not_permitted(
+                object,
+                "which migrations are applied was",
+                "SELECT on pgfence.refinery_schema_history (and the schema has no pgfence.schema_version(), added by V9: it is behind this version)",
+            ));
+            return Ok(false);
+        }
+        let (version, applied): (i32, i32) =
+            sqlx::query_as("SELECT version, applied FROM pgfence.schema_version()")
+                .fetch_one(&mut *pool)
+                .await?;
+        let latest = crate::migrate::latest_version();
+        if version > latest {
+            findings.push(
+                Finding::new(Severity::Warning, FindingKind::SchemaAhead, object)
+                    .says(format!(
+                        "the database has pgfence migration V{version}, newer than this version knows (V{latest})"
+                    ))
+                    .fix("upgrade this pgfence (library or CLI) to the version that migrated the database"),
+            );
+        } else if version < latest || i64::from(applied) < i64::from(latest) {
+            findings.push(
+                Finding::new(Severity::Error, FindingKind::SchemaBehind, object)
+                    .says(format!(
+                        "pgfence's schema is behind: V{version} applied, this version ships V{latest} (other checks skipped)"
+                    ))
+                    .fix("run `pgfence migrate` as the schema's owner"),
+            );
+            return Ok(false);
+        }
+        return Ok(true);
+    }
+    let status = crate::migration_status(&mut *pool).await?;
     let pending: Vec<String> = status
         .iter()
         .filter(|m| m.applied_on.is_none())
@@ -250,8 +344,8 @@ async fn schema(pool: &PgPool, findings: &mut Vec<Finding>) -> Result<bool> {
         .collect();
     let known = status.iter().map(|m| m.version).max().unwrap_or(0);
     let applied: Option<i32> =
-        sqlx::query_scalar("SELECT max(version) FROM pgfence.refinery_schema_history")
-            .fetch_one(pool)
+        sqlx::query_scalar("SELECT pg_catalog.max(version) FROM pgfence.refinery_schema_history")
+            .fetch_one(&mut *pool)
             .await?;
     if let Some(applied) = applied.filter(|v| *v > known) {
         findings.push(
@@ -292,10 +386,19 @@ struct TableRow {
 
 /// Table checks; returns `(table, highest token)` of every scanned table.
 async fn tables(
-    pool: &PgPool,
+    pool: &mut PgConnection,
     options: &DoctorOptions,
     findings: &mut Vec<Finding>,
 ) -> Result<Vec<(String, i64)>> {
+    if !may(pool, "guarded_table", "SELECT").await? {
+        findings.push(not_permitted(
+            "pgfence.guarded_table",
+            "guarded tables (triggers, fence columns, highest tokens) were",
+            "SELECT on pgfence.guarded_table",
+        ));
+        return Ok(Vec::new());
+    }
+    let audit_readable = may(pool, "audit", "SELECT").await?;
     let rows: Vec<TableRow> = sqlx::query_as(
         "SELECT n.nspname::pg_catalog.text AS schema, c.relname::pg_catalog.text AS name,
                 pg_catalog.format('%I.%I', n.nspname, c.relname) AS audit_name,
@@ -314,7 +417,7 @@ async fn tables(
           WHERE t.oid IS NOT NULL OR g.rel IS NOT NULL
           ORDER BY 1, 2",
     )
-    .fetch_all(pool)
+    .fetch_all(&mut *pool)
     .await?;
     let limit = MAX_TOKEN.saturating_sub(options.limit_margin);
     let mut highest = Vec::new();
@@ -337,14 +440,19 @@ async fn tables(
                     )),
             );
         }
-        if row.mode.as_deref() == Some("observe") {
+        if row.mode.as_deref() == Some("observe") && !audit_readable {
+            findings.push(
+                Finding::new(Severity::Info, FindingKind::ObserveMode, &object)
+                    .says("guarded in observe mode (its recorded unfenced updates not counted: no SELECT on pgfence.audit)"),
+            );
+        } else if row.mode.as_deref() == Some("observe") {
             let (count, last): (i64, Option<time::OffsetDateTime>) = sqlx::query_as(
                 "SELECT pg_catalog.count(*), pg_catalog.max(at) FROM pgfence.audit
                   WHERE operation OPERATOR(pg_catalog.=) 'observe'
                     AND table_name OPERATOR(pg_catalog.=) $1",
             )
             .bind(&row.audit_name)
-            .fetch_one(pool)
+            .fetch_one(&mut *pool)
             .await?;
             let last = last
                 .and_then(|t| {
@@ -394,13 +502,32 @@ async fn tables(
         if !options.scan_tables {
             continue;
         }
+        let readable: bool = sqlx::query_scalar(
+            "SELECT pg_catalog.has_schema_privilege(n.oid, 'USAGE')
+                    AND pg_catalog.has_table_privilege(c.oid, 'SELECT')
+               FROM pg_catalog.pg_class c
+               JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
+              WHERE n.nspname OPERATOR(pg_catalog.=) $1 AND c.relname OPERATOR(pg_catalog.=) $2",
+        )
+        .bind(&row.schema)
+        .bind(&row.name)
+        .fetch_one(&mut *pool)
+        .await?;
+        if !readable {
+            findings.push(not_permitted(
+                &object,
+                "the table's fences were",
+                &format!("SELECT on {object}"),
+            ));
+            continue;
+        }
         // The name comes from the catalog and is quoted by TableName.
         let (max, min, nulls): (Option<i64>, Option<i64>, i64) =
             sqlx::query_as(AssertSqlSafe(format!(
                 "SELECT pg_catalog.max(fence), pg_catalog.min(fence), \
                  pg_catalog.count(*) FILTER (WHERE fence IS NULL) FROM {object}"
             )))
-            .fetch_one(pool)
+            .fetch_one(&mut *pool)
             .await?;
         if nulls > 0 {
             findings.push(
@@ -441,18 +568,27 @@ async fn tables(
 
 /// Counter checks.
 async fn counters(
-    pool: &PgPool,
+    pool: &mut PgConnection,
     issuer: Option<&dyn TokenIssuer>,
     options: &DoctorOptions,
     highest: &[(String, i64)],
     findings: &mut Vec<Finding>,
 ) -> Result<()> {
     let limit = MAX_TOKEN.saturating_sub(options.limit_margin);
-    let marks: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT resource, fence OPERATOR(pg_catalog.>>) 24 FROM pgfence.resource_fence ORDER BY 1",
-    )
-    .fetch_all(pool)
-    .await?;
+    let marks: Vec<(String, i64)> = if may(pool, "resource_fence", "SELECT").await? {
+        sqlx::query_as(
+            "SELECT resource, fence OPERATOR(pg_catalog.>>) 24 FROM pgfence.resource_fence ORDER BY 1",
+        )
+        .fetch_all(&mut *pool)
+        .await?
+    } else {
+        findings.push(not_permitted(
+            "pgfence.resource_fence",
+            "the recorded resources' marks and counters were",
+            "SELECT on pgfence.resource_fence (the resources given with --resource are still checked)",
+        ));
+        Vec::new()
+    };
     for (resource, mark) in &marks {
         if *mark > limit {
             findings.push(
@@ -479,7 +615,7 @@ async fn counters(
     }
     for resource in &options.resources {
         if !checks.iter().any(|(r, _)| r == resource) {
-            let mark = crate::high_water(pool, resource).await?;
+            let mark = crate::high_water(&mut *pool, resource).await?;
             checks.push((resource.clone(), mark));
         }
     }
@@ -559,17 +695,29 @@ async fn counters(
 }
 
 /// Audit retention check.
-async fn audit(pool: &PgPool, options: &DoctorOptions, findings: &mut Vec<Finding>) -> Result<()> {
+async fn audit(
+    pool: &mut PgConnection,
+    options: &DoctorOptions,
+    findings: &mut Vec<Finding>,
+) -> Result<()> {
     let Some(retention) = options.audit_retention else {
         return Ok(());
     };
+    if !may(pool, "audit", "SELECT").await? {
+        findings.push(not_permitted(
+            "pgfence.audit",
+            "audit retention was",
+            "SELECT on pgfence.audit",
+        ));
+        return Ok(());
+    }
     let (count, oldest): (i64, Option<time::OffsetDateTime>) = sqlx::query_as(
         "SELECT pg_catalog.count(*), pg_catalog.min(at) FROM pgfence.audit
           WHERE at OPERATOR(pg_catalog.<) (pg_catalog.now()
                 OPERATOR(pg_catalog.-) pg_catalog.make_interval(secs => $1))",
     )
     .bind(retention.as_secs_f64())
-    .fetch_one(pool)
+    .fetch_one(&mut *pool)
     .await?;
     if count > 0 {
         let age = fmt_retention(retention);

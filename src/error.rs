@@ -213,10 +213,73 @@ pub enum Error {
         "{scheme} issuer URLs need pgfence's `{feature}` feature; rebuild with it enabled (cargo: features = [\"{feature}\"], or --features pgfence/{feature})"
     )]
     IssuerNotBuilt {
-        /// The URL scheme, `etcd://` or `zk://`.
+        /// The URL scheme: `etcd://` or `zk://` (features `etcd`, `zk`), or a TLS scheme
+        /// (`rediss://`, `rediss+sentinel://`, `etcd+https://`: feature `tls`).
         scheme: &'static str,
         /// The cargo feature that provides it.
         feature: &'static str,
+    },
+
+    /// The TLS settings of an issuer URL were rejected before anything was sent: `cacert`,
+    /// `cert` or `key` on a URL that is not TLS, `cert` without `key` (or the reverse), a
+    /// parameter given twice.
+    #[error("invalid TLS settings: {0}")]
+    InvalidTls(String),
+
+    /// A file named by a TLS parameter of an issuer URL (`cacert`, `cert`, `key`) could not be
+    /// read, or does not hold what it should (PEM certificates, a PEM private key).
+    #[error("TLS `{param}` file {}: {reason}", path.display())]
+    TlsFile {
+        /// The URL parameter that named the file.
+        param: &'static str,
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why it cannot be used.
+        reason: String,
+    },
+
+    /// The issuer cannot connect over TLS (ZooKeeper): the URL asked for TLS. Reach the
+    /// servers through a TLS tunnel and give the tunnel's local end as a plain URL.
+    #[error(
+        "{issuer} over TLS is not supported by pgfence: connect through a TLS tunnel (stunnel, ghostunnel, a service mesh sidecar) and give its local end as a plain {scheme} URL"
+    )]
+    TlsUnsupported {
+        /// The issuer (`ZooKeeper`).
+        issuer: &'static str,
+        /// The plain scheme to use towards the tunnel (`zk://`).
+        scheme: &'static str,
+    },
+
+    /// Redis refused an issuer command for lack of an ACL permission (`NOPERM`, or a script's
+    /// command or key refused). `rule` is what the ACL user needs
+    /// ([`redis_acl_rule`](crate::redis_acl_rule) for the issuer's key prefix, or
+    /// [`REDIS_SENTINEL_ACL_RULE`](crate::REDIS_SENTINEL_ACL_RULE) on a sentinel). Not
+    /// retryable: fix the user's ACL.
+    #[error(
+        "Redis ACL user lacks a permission the issuer needs ({source}); {what} needs: ACL SETUSER <user> {rule} (README, \"Redis ACL\")"
+    )]
+    RedisPermission {
+        /// Who needs the rule: `the issuer's user` or `the sentinels' user`.
+        what: &'static str,
+        /// The ACL rules the user needs (after `ACL SETUSER <user>`).
+        rule: String,
+        /// Redis's refusal.
+        #[source]
+        source: redis::RedisError,
+    },
+
+    /// pgfence's schema is behind this version and the connected role may not migrate it (no
+    /// `CREATE` on schema `pgfence`): a deploy-time job for the schema's owner.
+    #[error(
+        "pgfence's schema is behind (applied V{applied}, this version ships V{latest}) and role {role:?} may not migrate it: run `pgfence migrate` as the owner of schema pgfence (deploy time), then start the application"
+    )]
+    MigrationNotPermitted {
+        /// The connected role.
+        role: String,
+        /// The newest applied migration this role could see (0 when it could not read it).
+        applied: i32,
+        /// The newest migration this version ships.
+        latest: i32,
     },
 
     /// A migration failed.
@@ -268,6 +331,7 @@ impl Error {
         match self {
             Error::Contended { .. } => true,
             Error::Database(e) => is_transient_sqlx(e),
+            Error::Redis(e) if crate::tls::is_tls_rejection(e) => false,
             Error::Redis(e) => {
                 e.is_io_error()
                     || e.is_connection_dropped()

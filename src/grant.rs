@@ -41,7 +41,7 @@ const APP_FUNCTIONS: &[&str] = &[
 ///
 /// | object | application role |
 /// |---|---|
-/// | schema `pgfence` | `USAGE` |
+/// | schema `pgfence` | `USAGE` (and not `CREATE`: an earlier grant of it is revoked) |
 /// | `check`, `high_water`, `domain_high_water`, `append_audit` (owner's rights); `try_check`, `next_fence`, `lease_fence`, `record_rejection` (caller's rights) | `EXECUTE` |
 /// | the effect ledger's `effect_begin`, `effect_finish`, `effect_status` (owner's rights: fenced like a row write) | `EXECUTE` |
 /// | the PostgreSQL issuer's `issuer_acquire`, `issuer_release`, `issuer_extend`, `issuer_status` (owner's rights: take a free lock, release or extend one's own, never lower a counter) | `EXECUTE` |
@@ -49,6 +49,7 @@ const APP_FUNCTIONS: &[&str] = &[
 /// | `pgfence.audit` | `INSERT` on the columns the library writes (not `id`, `at`, `db_user`), for the rows an [`Auditor`](crate::Auditor)'s pool writes; no `SELECT`, `UPDATE` or `DELETE` |
 /// | `pgfence.resource_fence`, `guarded_tables`, `issuer_lock`, `issuer_counter`, `effect`, the migration history | nothing |
 /// | `guard`, `unguard`, `unpoison_resource` | nothing (owner and superusers only) |
+/// | `schema_version()` | `EXECUTE` (granted to every role: which migrations are applied) |
 ///
 /// The application role must not own the guarded tables (a table's owner can
 /// `ALTER TABLE ... DISABLE TRIGGER pgfence_guard`): give it `SELECT`, `INSERT`, `UPDATE`,
@@ -72,6 +73,7 @@ pub fn grant_sql(role: &Ident) -> String {
          REVOKE ALL ON ALL TABLES IN SCHEMA pgfence FROM {r};\n\
          REVOKE ALL ON ALL SEQUENCES IN SCHEMA pgfence FROM {r};\n\
          REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgfence FROM {r};\n\
+         REVOKE ALL ON SCHEMA pgfence FROM {r};\n\
          GRANT USAGE ON SCHEMA pgfence TO {r};\n\
          GRANT EXECUTE ON FUNCTION\n    {functions}\n    TO {r};\n\
          GRANT SELECT, INSERT ON pgfence.tombstone TO {r};\n\
@@ -83,13 +85,14 @@ pub fn grant_sql(role: &Ident) -> String {
 }
 
 /// Gives `role` exactly an application's privileges on pgfence's schema: runs
-/// [`grant_sql`] (in one transaction when `conn` is a pool or a bare connection). Run it as
+/// [`grant_sql`] in one transaction (a savepoint inside the caller's). Run it as
 /// the owner of the `pgfence` schema or a superuser, after [`migrate`](crate::migrate).
 ///
 /// # Errors
 /// [`Error::InvalidIdentifier`] when `role` owns the `pgfence` schema (it already has every
-/// privilege, and the revocations would take them away); [`Error::Database`] when the role
-/// does not exist, pgfence's schema is missing, or the caller may not grant.
+/// privilege, and the revocations would take them away), or names `PUBLIC` (every role) or a
+/// predefined `pg_*` role; [`Error::Database`] when the role does not exist, pgfence's schema
+/// is missing, or the caller may not grant.
 ///
 /// # Example
 /// ```no_run
@@ -101,13 +104,26 @@ pub async fn grant<'c, A>(conn: A, role: &Ident) -> Result<()>
 where
     A: Acquire<'c, Database = Postgres>,
 {
-    let mut conn = conn.acquire().await?;
+    if role.as_str().eq_ignore_ascii_case("public") {
+        return Err(Error::InvalidIdentifier {
+            name: role.as_str().to_owned(),
+            reason: "is every role (PUBLIC): grant an application's rights to one role, not to all",
+        });
+    }
+    if role.as_str().starts_with("pg_") {
+        return Err(Error::InvalidIdentifier {
+            name: role.as_str().to_owned(),
+            reason: "is a predefined PostgreSQL role (pg_*): grant to the application's own role",
+        });
+    }
+    let mut conn = conn.begin().await?;
     let owns_schema: Option<bool> = sqlx::query_scalar(
         "SELECT n.nspowner OPERATOR(pg_catalog.=) r.oid FROM pg_catalog.pg_roles r \
          JOIN pg_catalog.pg_namespace n ON n.nspname OPERATOR(pg_catalog.=) 'pgfence' \
          WHERE r.rolname OPERATOR(pg_catalog.=) $1::pg_catalog.name",
     )
     .bind(role.as_str())
+    .persistent(false)
     .fetch_optional(&mut *conn)
     .await?;
     if owns_schema == Some(true) {
@@ -120,5 +136,6 @@ where
     sqlx::raw_sql(AssertSqlSafe(grant_sql(role)))
         .execute(&mut *conn)
         .await?;
+    conn.commit().await?;
     Ok(())
 }

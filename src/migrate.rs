@@ -2,12 +2,14 @@
 //!
 //! Everything lives in the `pgfence` schema and the history in
 //! `pgfence.refinery_schema_history`, so a user's own refinery (or other) history is never
-//! touched. Runs are serialised with a session advisory lock, so two processes migrating at
-//! once both succeed and exactly one applies.
+//! touched. A run is one transaction serialised by a transaction-level advisory lock, so two
+//! processes migrating at once both succeed and exactly one applies, and nothing outlives the
+//! transaction on the server connection (a transaction-mode pooler's shared connection keeps
+//! no lock, setting or prepared statement of pgfence's).
 
 use refinery_core::traits::r#async::{AsyncQuery, AsyncTransaction};
 use refinery_core::{AsyncMigrate, Migration, Runner};
-use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Row};
+use sqlx::{Acquire, AssertSqlSafe, Connection, PgConnection, Postgres, Row};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
@@ -19,8 +21,9 @@ pub const HISTORY_TABLE: &str = "pgfence.refinery_schema_history";
 /// Advisory lock key held while migrating ("pgfence" in ASCII).
 const MIGRATION_LOCK_KEY: i64 = 0x0070_6766_656e_6365;
 
-/// Set on the migrating connection before anything else runs.
-const PINNED_SEARCH_PATH: &str = "SET search_path = pg_catalog, pg_temp";
+/// Set in the migrating transaction before anything else runs (`SET LOCAL`: it ends with the
+/// transaction, so a pooled server connection keeps the search path it had).
+const PINNED_SEARCH_PATH: &str = "SET LOCAL search_path = pg_catalog, pg_temp";
 
 /// The migrations shipped with this version, in order: `(refinery name, SQL)`.
 const MIGRATIONS: &[(&str, &str)] = &[
@@ -50,7 +53,16 @@ const MIGRATIONS: &[(&str, &str)] = &[
         include_str!("../migrations/V7__pg_issuer.sql"),
     ),
     ("V8__effects", include_str!("../migrations/V8__effects.sql")),
+    (
+        "V9__schema_version",
+        include_str!("../migrations/V9__schema_version.sql"),
+    ),
 ];
+
+/// The newest migration this version ships.
+pub(crate) fn latest_version() -> i32 {
+    i32::try_from(MIGRATIONS.len()).unwrap_or(i32::MAX)
+}
 
 /// One migration, as reported by [`migrate`] and [`status`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,17 +75,28 @@ pub struct MigrationInfo {
     pub applied_on: Option<OffsetDateTime>,
 }
 
-/// Applies pgfence's pending migrations to the database behind `pool` and returns the ones
-/// this call applied (empty when the schema was already current).
+/// Applies pgfence's pending migrations to the database behind `conn` (a pool, a connection
+/// or a transaction) and returns the ones this call applied (empty when the schema was already
+/// current).
 ///
 /// Safe on an existing, populated database: it only creates objects in the `pgfence` schema.
 /// Safe to run from several processes at once. Runs with `search_path = pg_catalog, pg_temp`
 /// whatever the role's own setting, so no pgfence object can come to depend on an object in
 /// another schema that shadows a catalog name.
 ///
+/// One transaction (a savepoint when `conn` is already in one): a transaction-level advisory
+/// lock serialises concurrent runs, the search path is `SET LOCAL`, and every statement is
+/// sent unnamed — so it works through a transaction-mode pooler (PgBouncer) and leaves
+/// nothing on the server connection.
+///
+/// It checks before it writes: on a current schema it creates nothing and takes no lock, so a
+/// role without `CREATE` privileges (the application role of [`grant`](crate::grant)) may call
+/// it; on a schema that is behind, such a role gets [`Error::MigrationNotPermitted`].
+///
 /// # Errors
 /// [`Error::Migration`] when a migration fails or the applied history diverges from the
-/// embedded migrations; [`Error::Database`] when the database cannot be reached.
+/// embedded migrations; [`Error::MigrationNotPermitted`] when the schema is behind and this
+/// role may not migrate it; [`Error::Database`] when the database cannot be reached.
 ///
 /// # Example
 /// ```no_run
@@ -82,48 +105,156 @@ pub struct MigrationInfo {
 /// println!("applied {} migration(s)", applied.len());
 /// # Ok(()) }
 /// ```
-pub async fn migrate(pool: &PgPool) -> Result<Vec<MigrationInfo>> {
+pub async fn migrate<'c, A>(conn: A) -> Result<Vec<MigrationInfo>>
+where
+    A: Acquire<'c, Database = Postgres>,
+{
     let migrations = embedded()?;
-    // A dedicated connection: if anything fails, closing it releases the advisory lock.
-    let mut conn = PgConnection::connect_with(&pool.connect_options()).await?;
-    let result = async {
-        // Every name the migrations (and refinery's history statements) leave unqualified —
-        // `now()`, `length`, operators, types — resolves in the catalog, whatever the
-        // migrating role's search_path puts first; new objects land nowhere by accident.
-        // Session-level on this dedicated connection, which is closed afterwards.
-        sqlx::raw_sql(PINNED_SEARCH_PATH).execute(&mut conn).await?;
-        sqlx::query("SELECT pg_catalog.pg_advisory_lock($1)")
-            .bind(MIGRATION_LOCK_KEY)
-            .execute(&mut conn)
-            .await?;
-        sqlx::raw_sql("CREATE SCHEMA IF NOT EXISTS pgfence")
-            .execute(&mut conn)
-            .await?;
-        let report = runner(&migrations)
-            .run_async(&mut RefineryConn(&mut conn))
-            .await
-            .map_err(|e| Error::Migration(Box::new(e)))?;
-        Ok(report.applied_migrations().iter().map(info).collect())
+    let mut tx = conn.begin().await?;
+    sqlx::raw_sql(PINNED_SEARCH_PATH).execute(&mut *tx).await?;
+    match applied_state(&mut tx).await? {
+        Applied::Current => {
+            tx.commit().await?;
+            return Ok(Vec::new());
+        }
+        Applied::Behind { version, role } if !may_migrate(&mut tx).await? => {
+            return Err(Error::MigrationNotPermitted {
+                role,
+                applied: version,
+                latest: latest_version(),
+            });
+        }
+        Applied::Behind { .. } | Applied::Missing | Applied::Readable => {}
     }
-    .await;
-    // Closing the connection releases the lock in every case.
-    let _ = conn.close().await;
-    result
+    // The key is a constant: the literal needs no quoting.
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "SELECT pg_catalog.pg_advisory_xact_lock({MIGRATION_LOCK_KEY})"
+    )))
+    .execute(&mut *tx)
+    .await?;
+    let schema_exists = scalar(
+        &mut tx,
+        "SELECT pg_catalog.to_regnamespace('pgfence') IS NOT NULL",
+    )
+    .await?;
+    if !schema_exists {
+        sqlx::raw_sql("CREATE SCHEMA pgfence")
+            .execute(&mut *tx)
+            .await?;
+    }
+    let report = runner(&migrations)
+        .run_async(&mut RefineryConn(&mut tx))
+        .await
+        .map_err(|e| Error::Migration(Box::new(e)))?;
+    tx.commit().await?;
+    Ok(report.applied_migrations().iter().map(info).collect())
+}
+
+/// What [`applied_state`] found.
+enum Applied {
+    /// No `pgfence` schema (or no history in it).
+    Missing,
+    /// This role can read the history: let refinery compare it (divergence included).
+    Readable,
+    /// Every shipped migration is applied (read through `pgfence.schema_version()`).
+    Current,
+    /// Behind (or not readable): `version` is the newest applied one known (0: unknown).
+    Behind { version: i32, role: String },
+}
+
+/// Reads how far the schema is without privileges on the history table when this role has
+/// none: `pgfence.schema_version()` (migration V9, any role with `USAGE` on the schema).
+async fn applied_state(conn: &mut PgConnection) -> Result<Applied> {
+    // From the catalog, which every role reads: `to_regclass` would fail with "permission
+    // denied for schema" for a role without USAGE on it. CASE: privileges are asked of objects
+    // that exist.
+    let row = sqlx::query(
+        "SELECT h.oid IS NOT NULL,
+                CASE WHEN h.oid IS NOT NULL
+                     THEN pg_catalog.has_schema_privilege(h.nsp, 'USAGE')
+                          AND pg_catalog.has_table_privilege(h.oid, 'SELECT') END,
+                CASE WHEN f.oid IS NOT NULL
+                     THEN pg_catalog.has_schema_privilege(f.nsp, 'USAGE')
+                          AND pg_catalog.has_function_privilege(f.oid, 'EXECUTE') END,
+                CURRENT_USER::pg_catalog.text
+           FROM (SELECT) AS one
+           LEFT JOIN (SELECT c.oid, c.relnamespace AS nsp
+                        FROM pg_catalog.pg_class c
+                        JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
+                       WHERE n.nspname OPERATOR(pg_catalog.=) 'pgfence'
+                         AND c.relname OPERATOR(pg_catalog.=) 'refinery_schema_history') AS h ON true
+           LEFT JOIN (SELECT p.oid, p.pronamespace AS nsp
+                        FROM pg_catalog.pg_proc p
+                        JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) p.pronamespace
+                       WHERE n.nspname OPERATOR(pg_catalog.=) 'pgfence'
+                         AND p.proname OPERATOR(pg_catalog.=) 'schema_version') AS f ON true",
+    )
+    .persistent(false)
+    .fetch_one(&mut *conn)
+    .await?;
+    let history: bool = row.try_get(0)?;
+    if !history {
+        return Ok(Applied::Missing);
+    }
+    let readable: Option<bool> = row.try_get(1)?;
+    let versioned: Option<bool> = row.try_get(2)?;
+    let role: String = row.try_get(3)?;
+    if readable == Some(true) {
+        return Ok(Applied::Readable);
+    }
+    if versioned != Some(true) {
+        return Ok(Applied::Behind { version: 0, role });
+    }
+    let row = sqlx::query("SELECT version, applied FROM pgfence.schema_version()")
+        .persistent(false)
+        .fetch_one(&mut *conn)
+        .await?;
+    let version: i32 = row.try_get(0)?;
+    let applied: i32 = row.try_get(1)?;
+    if version == latest_version() && usize::try_from(applied).ok() == Some(MIGRATIONS.len()) {
+        Ok(Applied::Current)
+    } else {
+        Ok(Applied::Behind { version, role })
+    }
+}
+
+/// Whether this role could create pgfence's objects: `CREATE` on the `pgfence` schema.
+async fn may_migrate(conn: &mut PgConnection) -> Result<bool> {
+    scalar(
+        conn,
+        "SELECT pg_catalog.has_schema_privilege('pgfence', 'CREATE')",
+    )
+    .await
+}
+
+/// A boolean from a constant statement, sent unnamed.
+async fn scalar(conn: &mut PgConnection, sql: &'static str) -> Result<bool> {
+    Ok(sqlx::query_scalar(sql)
+        .persistent(false)
+        .fetch_one(&mut *conn)
+        .await?)
 }
 
 /// Lists every embedded migration with its applied time (`None` when pending).
 ///
+/// Reads the history table (the schema owner's); a role without `SELECT` on it gets
+/// [`Error::Database`] (permission denied) — [`migrate`] and [`doctor`](crate::doctor) read
+/// `pgfence.schema_version()` instead.
+///
 /// # Errors
 /// [`Error::Database`] when the database cannot be read.
-pub async fn status(pool: &PgPool) -> Result<Vec<MigrationInfo>> {
+pub async fn status<'c, A>(conn: A) -> Result<Vec<MigrationInfo>>
+where
+    A: Acquire<'c, Database = Postgres>,
+{
     let migrations = embedded()?;
-    let schema_exists: bool = sqlx::query_scalar(
+    let mut conn = conn.acquire().await?;
+    let schema_exists = scalar(
+        &mut conn,
         "SELECT pg_catalog.to_regclass('pgfence.refinery_schema_history') IS NOT NULL",
     )
-    .fetch_one(pool)
     .await?;
     let applied = if schema_exists {
-        let mut conn = pool.acquire().await?;
         runner(&migrations)
             .get_applied_migrations_async(&mut RefineryConn(&mut conn))
             .await
@@ -179,7 +310,7 @@ impl AsyncTransaction for RefineryConn<'_> {
         &'a mut self,
         queries: T,
     ) -> Result<usize, Self::Error> {
-        let mut tx = self.0.begin().await?;
+        let mut tx = Connection::begin(&mut *self.0).await?;
         let mut count = 0;
         for query in queries {
             // Migration SQL is embedded in the crate and refinery's history inserts are built
@@ -197,7 +328,9 @@ impl AsyncTransaction for RefineryConn<'_> {
 impl AsyncQuery<Vec<Migration>> for RefineryConn<'_> {
     async fn query<'a>(&'a mut self, query: &'a str) -> Result<Vec<Migration>, Self::Error> {
         // The history query comes from refinery with only our constant table name in it.
+        // Unnamed: nothing stays prepared on a pooled server connection.
         let rows = sqlx::query(AssertSqlSafe(query))
+            .persistent(false)
             .fetch_all(&mut *self.0)
             .await?;
         rows.iter()

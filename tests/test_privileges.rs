@@ -376,6 +376,8 @@ async fn grant_gives_exactly_the_documented_privileges() {
         ("lease_fence", false),
         ("next_fence", false),
         ("record_rejection", false),
+        // Every role: which migrations are applied (V9).
+        ("schema_version", true),
         ("try_check", false),
     ]
     .iter()

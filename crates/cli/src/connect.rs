@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use pgfence::{Issuer, IssuerOptions, Lease, Resource, TokenIssuer};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
+use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use tokio::time::Instant;
 
 use crate::cli::Conn;
@@ -57,16 +57,30 @@ impl Conn {
         })
     }
 
-    /// A small pool on the configured PostgreSQL.
+    /// A pool of one connection on the configured PostgreSQL: an admin command runs its
+    /// sessions one after the other on it, so behind a pooler in session mode it holds one
+    /// server connection, never two (with a one-connection server pool a second client
+    /// connection would wait for the first forever).
     pub async fn pg(&self) -> Result<PgPool> {
-        connect_pg(self.database_url()?).await
+        connect_pg_with(self.database_url()?, 1).await
     }
 
-    /// A pool on the configured PostgreSQL, which must have pgfence's schema.
+    /// A pool on the configured PostgreSQL, which must have pgfence's schema (checked in a
+    /// [`Session`] of its own).
     pub async fn pg_migrated(&self) -> Result<PgPool> {
         let pool = self.pg().await?;
-        require_schema(&pool).await?;
+        let mut session = Session::begin(&pool).await?;
+        require_schema(session.conn()).await?;
+        session.commit().await?;
         Ok(pool)
+    }
+
+    /// A [`Session`] on the configured PostgreSQL, which must have pgfence's schema.
+    pub async fn session_migrated(&self) -> Result<Session> {
+        let pool = self.pg().await?;
+        let mut session = Session::begin(&pool).await?;
+        require_schema(session.conn()).await?;
+        Ok(session)
     }
 
     /// The configured issuer (Redis, etcd or ZooKeeper, by the URL's scheme), with the key
@@ -83,27 +97,16 @@ impl Conn {
     /// the PostgreSQL issuer need no floor (their counters never go backwards).
     pub async fn lock_issuer(&self) -> Result<Arc<dyn TokenIssuer>> {
         let url = self.issuer_url()?;
-        if consensus_store(url).is_some() {
-            return self.issuer().await;
-        }
-        let prefix = self.key_prefix()?;
-        if !is_plain_redis(url) {
-            // Redis Sentinel: the floor source is given when connecting.
-            let options = self.issuer_options()?;
-            let options = match self.floor().await {
-                Some(pool) => options.floor_source(pool),
-                None => options,
-            };
+        let options = self.issuer_options()?;
+        if IssuerFamily::of(url)? != IssuerFamily::Redis {
             return connect_issuer(url, options).await;
         }
-        let mut issuer = connect_redis(url).await?;
-        if let Some(prefix) = prefix {
-            issuer = issuer.with_key_prefix(prefix)?;
-        }
-        Ok(match self.floor().await {
-            Some(pool) => Arc::new(issuer.with_floor_source(pool)),
-            None => Arc::new(issuer),
-        })
+        // Standalone, TLS or Sentinel: the same options, one parser (the library's).
+        let options = match self.floor().await {
+            Some(pool) => options.floor_source(pool),
+            None => options,
+        };
+        connect_issuer(url, options).await
     }
 
     /// The migrated database to recover a lost Redis counter from, when one is configured;
@@ -112,7 +115,9 @@ impl Conn {
         let url = self.database_url().ok()?;
         let floor = async {
             let pool = connect_pg(url).await?;
-            require_schema(&pool).await?;
+            let mut session = Session::begin(&pool).await?;
+            require_schema(session.conn()).await?;
+            session.commit().await?;
             anyhow::Ok(pool)
         };
         match floor.await {
@@ -128,64 +133,297 @@ impl Conn {
     }
 }
 
-/// A small pool on PostgreSQL at `url`. One connection is made first, directly, so that a
-/// refused or failed connection reports its real cause at once (a pool keeps retrying a
-/// refused connection until its timeout and then only says that it timed out).
+/// A small pool on PostgreSQL at `url` (a `postgres://` URL or a keyword conninfo string,
+/// libpq's `sslmode` values, `prefer` by default). One connection is made first, directly, so
+/// that a refused or failed connection reports its real cause at once (a pool keeps retrying
+/// a refused connection until its timeout and then only says that it timed out).
+///
+/// With `sslmode=prefer` (the default) against a host that is not loopback, a server that
+/// refuses TLS is connected to in plaintext, as libpq does — and said so once on stderr.
 pub async fn connect_pg(url: &str) -> Result<PgPool> {
+    connect_pg_with(url, 4).await
+}
+
+/// [`connect_pg`] with a pool of at most `max` connections.
+pub async fn connect_pg_with(url: &str, max: u32) -> Result<PgPool> {
     let context = || format!("cannot connect to PostgreSQL at {}", redact(url));
-    let options = PgConnectOptions::from_str(url).with_context(context)?;
+    let options = pg_options(url).with_context(context)?;
     let probe = tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(&options))
         .await
         .map_err(|_| anyhow!("timed out after {}", fmt_duration(CONNECT_TIMEOUT)))
         .and_then(|r| r.map_err(anyhow::Error::from))
         .with_context(context)?;
     let _ = probe.close().await;
+    warn_if_plaintext(&options).await;
     PgPoolOptions::new()
-        .max_connections(4)
+        .max_connections(max)
         .acquire_timeout(ACQUIRE_TIMEOUT)
         .connect_with(options)
         .await
         .with_context(context)
 }
 
+/// Connect options from a URL (`postgres://`, `postgresql://`) or a keyword conninfo string
+/// (`host=db.internal port=5432 dbname=app user=app sslmode=verify-full`).
+pub fn pg_options(url: &str) -> Result<PgConnectOptions> {
+    let trimmed = url.trim();
+    let lower = trimmed.get(..13).unwrap_or(trimmed).to_ascii_lowercase();
+    if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
+        return PgConnectOptions::from_str(trimmed)
+            .map_err(|e| anyhow!("{}", crate::util::scrub(&e.to_string())));
+    }
+    if trimmed.contains("://") {
+        bail!(
+            "not a PostgreSQL URL: expected postgres://... or a keyword string (host=... dbname=...)"
+        );
+    }
+    if !trimmed.contains('=') {
+        bail!(
+            "not a PostgreSQL URL: expected postgres://... or a keyword string (host=... dbname=...)"
+        );
+    }
+    conninfo_options(trimmed)
+}
+
+/// Parses libpq's keyword/value form: `key=value` pairs separated by spaces, values in single
+/// quotes when they hold spaces (`\'` and `\\` escape inside). Unknown keywords are refused.
+fn conninfo_options(conninfo: &str) -> Result<PgConnectOptions> {
+    let mut options = PgConnectOptions::new_without_pgpass();
+    let mut password_seen = false;
+    for (key, value) in conninfo_pairs(conninfo)? {
+        options = match key.as_str() {
+            "host" | "hostaddr" => options.host(&value),
+            "port" => options.port(value.parse().map_err(|_| anyhow!("conninfo: port {value:?} is not a port number"))?),
+            "dbname" => options.database(&value),
+            "user" => options.username(&value),
+            "password" => {
+                password_seen = true;
+                options.password(&value)
+            }
+            "sslmode" => options.ssl_mode(
+                value
+                    .parse::<PgSslMode>()
+                    .map_err(|_| anyhow!("conninfo: unknown sslmode {value:?} (disable, allow, prefer, require, verify-ca, verify-full)"))?,
+            ),
+            "sslrootcert" => options.ssl_root_cert(&value),
+            "sslcert" => options.ssl_client_cert(&value),
+            "sslkey" => options.ssl_client_key(&value),
+            "application_name" => options.application_name(&value),
+            "options" => options.options(
+                value
+                    .split_whitespace()
+                    .filter_map(|o| o.strip_prefix("-c").map(str::trim).filter(|o| !o.is_empty()).or(Some(o)))
+                    .filter_map(|o| o.split_once('='))
+                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                    .collect::<Vec<_>>(),
+            ),
+            "connect_timeout" => options,
+            other => bail!(
+                "conninfo: keyword {other:?} is not supported here (host, hostaddr, port, dbname, user, password, sslmode, sslrootcert, sslcert, sslkey, application_name, options, connect_timeout); use a postgres:// URL for anything else"
+            ),
+        };
+    }
+    if !password_seen
+        && let Ok(pw) = std::env::var("PGPASSWORD")
+        && !pw.is_empty()
+    {
+        options = options.password(&pw);
+    }
+    Ok(options)
+}
+
+/// The `key=value` pairs of a conninfo string.
+fn conninfo_pairs(s: &str) -> Result<Vec<(String, String)>> {
+    let mut pairs = Vec::new();
+    let mut chars = s.chars().peekable();
+    loop {
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        if chars.peek().is_none() {
+            return Ok(pairs);
+        }
+        let mut key = String::new();
+        while let Some(c) = chars.next_if(|c| *c != '=' && !c.is_whitespace()) {
+            key.push(c);
+        }
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        if chars.next() != Some('=') {
+            bail!("conninfo: expected key=value after {key:?}");
+        }
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        let mut value = String::new();
+        if chars.next_if_eq(&'\'').is_some() {
+            loop {
+                match chars.next() {
+                    None => bail!("conninfo: unterminated quoted value for {key:?}"),
+                    Some('\'') => break,
+                    Some('\\') => match chars.next() {
+                        Some(c) => value.push(c),
+                        None => bail!("conninfo: unterminated quoted value for {key:?}"),
+                    },
+                    Some(c) => value.push(c),
+                }
+            }
+        } else {
+            while let Some(c) = chars.next_if(|c| !c.is_whitespace()) {
+                if c == '\\' {
+                    if let Some(n) = chars.next() {
+                        value.push(n);
+                    }
+                } else {
+                    value.push(c);
+                }
+            }
+        }
+        pairs.push((key.to_ascii_lowercase(), value));
+    }
+}
+
+/// Says once on stderr when `options` would let a non-loopback server take the connection in
+/// plaintext: `sslmode=prefer` (libpq's and sqlx's default) and the server answers the TLS
+/// request with "no". The probe is the protocol's own first step (an 8-byte SSLRequest and
+/// its one-byte answer), made on a connection of its own.
+async fn warn_if_plaintext(options: &PgConnectOptions) {
+    if !matches!(options.get_ssl_mode(), PgSslMode::Prefer | PgSslMode::Allow) {
+        return;
+    }
+    let host = options.get_host().to_owned();
+    if host.starts_with('/') || host.is_empty() || is_loopback(&host) {
+        return;
+    }
+    let port = options.get_port();
+    let probe = async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect((host.as_str(), port))
+            .await
+            .ok()?;
+        // Length 8, request code 80877103 (1234.5679).
+        stream
+            .write_all(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f])
+            .await
+            .ok()?;
+        let mut answer = [0u8; 1];
+        stream.read_exact(&mut answer).await.ok()?;
+        Some(answer[0])
+    };
+    if let Ok(Some(b'N')) = tokio::time::timeout(CONNECT_TIMEOUT, probe).await {
+        eprintln!(
+            "pgfence: warning: PostgreSQL at {host}:{port} refused TLS; connected in plaintext (sslmode=prefer). Set sslmode=verify-full (or require) in the URL to insist on TLS"
+        );
+    }
+}
+
+/// Whether `host` is this machine: `localhost`, `127.x.x.x`, `::1`.
+fn is_loopback(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// One transaction on one connection of the pool: what every admin command runs in.
+///
+/// Behind a transaction-mode pooler (PgBouncer) a server connection is this client's only
+/// for the length of a transaction, so everything a command sends — its settings
+/// (`set_config(..., true)`), its prepared statements, its locks — is inside this transaction,
+/// and [`Session::commit`] closes the statements it prepared before it commits. Nothing of the
+/// command's is left on the server connection for the pooler's next client.
+pub struct Session {
+    tx: Transaction<'static, Postgres>,
+}
+
+impl Session {
+    /// Begins a transaction on a connection of `pool`.
+    pub async fn begin(pool: &PgPool) -> Result<Self> {
+        Ok(Self {
+            tx: pool.begin().await.context("cannot begin a transaction")?,
+        })
+    }
+
+    /// The transaction's connection.
+    pub fn conn(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+
+    /// Closes every statement the session prepared, then commits.
+    pub async fn commit(mut self) -> Result<()> {
+        self.tx.clear_cached_statements().await?;
+        self.tx.commit().await?;
+        Ok(())
+    }
+}
+
 /// Fails with "run `pgfence migrate`" when the database has no `pgfence` schema.
-pub async fn require_schema(pool: &PgPool) -> Result<()> {
-    let present: bool = sqlx::query_scalar("SELECT to_regnamespace('pgfence') IS NOT NULL")
-        .fetch_one(pool)
-        .await
-        .context("cannot read the catalog")?;
+pub async fn require_schema(conn: &mut PgConnection) -> Result<()> {
+    let present: bool =
+        sqlx::query_scalar("SELECT pg_catalog.to_regnamespace('pgfence') IS NOT NULL")
+            .fetch_one(conn)
+            .await
+            .context("cannot read the catalog")?;
     if !present {
         bail!("this database has no pgfence schema: run `pgfence migrate` first");
     }
     Ok(())
 }
 
-/// Whether `url` names a standalone Redis (`redis://`, `rediss://`, a Unix socket) rather than
-/// etcd or Redis Sentinel: the issuer the CLI builds itself, to give it a floor source.
-pub fn is_plain_redis(url: &str) -> bool {
-    let lower = url.get(..16).unwrap_or(url).to_ascii_lowercase();
-    ["redis://", "rediss://", "redis+unix://", "unix://"]
-        .iter()
-        .any(|s| lower.starts_with(s))
-        // Not a URL the issuer selector understands: let Redis say what is wrong with it.
-        || !lower.contains("://")
+/// Which store an issuer URL names, by its scheme: the one parser every command uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IssuerFamily {
+    /// `redis://`, `rediss://`, `redis+unix://`, `unix://`, `redis+sentinel://`,
+    /// `rediss+sentinel://`: a counter that can go backwards, so the CLI gives it a floor
+    /// source.
+    Redis,
+    /// `etcd://`, `etcd+https://`.
+    Etcd,
+    /// `zk://`.
+    ZooKeeper,
+    /// `postgres://`, `postgresql://`.
+    Postgres,
 }
 
-/// The issuer other than Redis that `url` names (`etcd://`, `zk://`, `postgres://`), if it
-/// names one: an issuer whose counter never goes backwards, which needs no floor source.
-fn consensus_store(url: &str) -> Option<&'static str> {
-    let scheme = url.split_once("://")?.0.to_ascii_lowercase();
-    match scheme.as_str() {
-        "etcd" => Some("etcd"),
-        "zk" => Some("ZooKeeper"),
-        "postgres" | "postgresql" => Some("PostgreSQL"),
-        _ => None,
+impl IssuerFamily {
+    /// The family of `url`; an error (never echoing the URL) when it has no scheme or one no
+    /// issuer handles.
+    pub fn of(url: &str) -> Result<Self> {
+        let Some((scheme, _)) = url.split_once("://") else {
+            bail!(
+                "the issuer URL has no scheme (expected redis://, rediss://, redis+sentinel://, etcd://, etcd+https://, zk:// or postgres://)"
+            );
+        };
+        Ok(match scheme.to_ascii_lowercase().as_str() {
+            "redis" | "rediss" | "redis+unix" | "unix" | "redis+sentinel" | "rediss+sentinel" => {
+                Self::Redis
+            }
+            "etcd" | "etcd+https" => Self::Etcd,
+            "zk" => Self::ZooKeeper,
+            "postgres" | "postgresql" => Self::Postgres,
+            other => bail!(
+                "the issuer URL's scheme {:?} names no issuer (expected redis://, rediss://, redis+sentinel://, etcd://, etcd+https://, zk:// or postgres://)",
+                cell(other)
+            ),
+        })
     }
+
+    /// The store's name, for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Redis => "Redis",
+            Self::Etcd => "etcd",
+            Self::ZooKeeper => "ZooKeeper",
+            Self::Postgres => "PostgreSQL",
+        }
+    }
+}
+
+/// Whether `url` names a standalone Redis (not Sentinel, not another store).
+pub fn is_plain_redis(url: &str) -> bool {
+    IssuerFamily::of(url).is_ok_and(|f| f == IssuerFamily::Redis)
+        && !url.to_ascii_lowercase().contains("+sentinel://")
 }
 
 /// The issuer `url` names ([`pgfence::connect_issuer_with`]), giving up after a few seconds.
 pub async fn connect_issuer(url: &str, options: IssuerOptions) -> Result<Arc<dyn TokenIssuer>> {
-    let what = consensus_store(url).unwrap_or("Redis");
+    let what = IssuerFamily::of(url)?.name();
     match tokio::time::timeout(CONNECT_TIMEOUT, pgfence::connect_issuer_with(url, options)).await {
         Ok(Ok(issuer)) => Ok(issuer),
         // Not a connection problem: say what to do.

@@ -21,6 +21,7 @@ mod etcd;
 mod pgbouncer;
 mod process;
 pub mod provider;
+mod redis_tls;
 mod sentinel;
 mod zk;
 
@@ -28,6 +29,7 @@ pub use certs::Certs;
 pub use etcd::{ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, EtcdCluster, EtcdMember, etcd_installed};
 pub use pgbouncer::{PgBouncer, PoolMode, pgbouncer_installed};
 pub use provider::Provider;
+pub use redis_tls::{ClientAuth, RedisTls, RedisTlsCluster, SentinelTls};
 pub use sentinel::{RedisNode, SentinelConfig, SentinelSet, sentinel_installed};
 pub use zk::{
     ZK_MAX_SESSION_TIMEOUT_MS, ZK_MIN_SESSION_TIMEOUT_MS, ZK_TICK_MS, ZkEnsemble, ZkMember,
@@ -572,8 +574,17 @@ impl Proxy {
     /// # Errors
     /// The listener could not be bound.
     pub fn start(target_port: u16) -> std::io::Result<Self> {
+        Self::start_on(Ipv4Addr::LOCALHOST, target_port)
+    }
+
+    /// [`Proxy::start`], listening on `bind` (e.g. this machine's non-loopback address, for a
+    /// client that must see a remote-looking host) instead of 127.0.0.1.
+    ///
+    /// # Errors
+    /// When it cannot listen.
+    pub fn start_on(bind: Ipv4Addr, target_port: u16) -> std::io::Result<Self> {
         use std::sync::atomic::Ordering;
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+        let listener = TcpListener::bind((bind, 0))?;
         let port = listener.local_addr()?.port();
         listener.set_nonblocking(true)?;
         let shared = std::sync::Arc::new(ProxyShared::default());

@@ -53,12 +53,26 @@ impl PgBouncer {
     /// [`ServerError::NotInstalled`] without `pgbouncer`; [`ServerError::StartFailed`] when it
     /// does not accept connections within 20 s.
     pub async fn start(pg_port: u16, mode: PoolMode, pool_size: u32) -> Result<Self, ServerError> {
+        Self::start_with_users(pg_port, mode, pool_size, &[]).await
+    }
+
+    /// [`PgBouncer::start`], letting `users` log in too (trust authentication, as for
+    /// `postgres`: PgBouncer lets in only the users of its auth file).
+    ///
+    /// # Errors
+    /// As [`PgBouncer::start`].
+    pub async fn start_with_users(
+        pg_port: u16,
+        mode: PoolMode,
+        pool_size: u32,
+        users: &[&str],
+    ) -> Result<Self, ServerError> {
         let bin = find_in_path("pgbouncer").ok_or(ServerError::NotInstalled {
             what: "pgbouncer",
             hint: HINT,
         })?;
         let port = process::free_ports(1)?[0];
-        let script = script(&bin, port, pg_port, mode, pool_size);
+        let script = script(&bin, port, pg_port, mode, pool_size, users);
         let cmd = if is_root() {
             let mut c = Command::new("runuser");
             c.args(["-u", "postgres", "--", "sh", "-c", &script]);
@@ -123,15 +137,27 @@ fn script(
     pg_port: u16,
     mode: PoolMode,
     pool_size: u32,
+    users: &[&str],
 ) -> String {
     let bin = crate::sh_quote(&PathBuf::from(bin));
     let mode = mode.name();
+    // The auth file's lines, `"user" ""` (a `"` in a name doubled), inside printf's single
+    // quotes: `%` and `\` escaped for printf, `'` closed and reopened for the shell.
+    let mut userlist = String::from(r#""postgres" ""\n"#);
+    for user in users {
+        let name = user
+            .replace('"', "\"\"")
+            .replace('\\', "\\\\")
+            .replace('%', "%%")
+            .replace('\'', "'\\''");
+        userlist.push_str(&format!(r#""{name}" ""\n"#));
+    }
     format!(
         r#"set -u
 umask 077
 dir=$(mktemp -d /tmp/pgfence-pgbouncer.XXXXXX) || exit 1
 trap 'rm -rf "$dir"' EXIT
-printf '"postgres" ""\n' >"$dir/userlist.txt"
+printf '{userlist}' >"$dir/userlist.txt"
 cat >"$dir/pgbouncer.ini" <<INI
 [databases]
 * = host=127.0.0.1 port={pg_port}

@@ -12,6 +12,7 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
 use crate::cli::Conn;
+use crate::connect::Session;
 use crate::util::{self, cell, print_table};
 
 /// `older_than` before now, or an error naming `flag` when that is before the year -9999.
@@ -64,7 +65,7 @@ pub async fn list(
         after_id: None,
     };
     let pool = conn.pg_migrated().await?;
-    let mut rows = pgfence::list_audit(&pool, &filter).await?;
+    let mut rows = list_rows(&pool, &filter).await?;
     if follow {
         rows.reverse();
         loop {
@@ -77,7 +78,7 @@ pub async fn list(
                 filter.after_id = Some(0);
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
-            rows = pgfence::list_audit(&pool, &filter).await?;
+            rows = list_rows(&pool, &filter).await?;
         }
     }
     if json {
@@ -148,11 +149,20 @@ fn print_follow_line(r: &pgfence::AuditEntry, json: bool) -> Result<()> {
     Ok(())
 }
 
+/// One read of the audit table, in a [`Session`] of its own (each poll of `--follow` too).
+async fn list_rows(pool: &sqlx::PgPool, filter: &AuditFilter) -> Result<Vec<pgfence::AuditEntry>> {
+    let mut session = Session::begin(pool).await?;
+    let rows = pgfence::list_audit(session.conn(), filter).await?;
+    session.commit().await?;
+    Ok(rows)
+}
+
 /// Deletes audit rows older than `older_than`.
 pub async fn prune(conn: &Conn, older_than: Duration) -> Result<ExitCode> {
     let cutoff = ago("--older-than", older_than)?;
-    let pool = conn.pg_migrated().await?;
-    let n = pgfence::prune_audit(&pool, cutoff).await?;
+    let mut session = conn.session_migrated().await?;
+    let n = pgfence::prune_audit(session.conn(), cutoff).await?;
+    session.commit().await?;
     println!(
         "pruned {n} audit row(s) older than {}",
         cutoff.format(&Rfc3339)?

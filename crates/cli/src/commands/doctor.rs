@@ -11,6 +11,7 @@ use pgfence::{DoctorOptions, Finding, FindingKind, Severity};
 use serde_json::json;
 
 use crate::cli::{Conn, DoctorArgs};
+use crate::connect::Session;
 use crate::util::{self, cell};
 
 /// Exit code when doctor found a problem (a warning or an error).
@@ -51,7 +52,10 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
         },
         _ => None,
     };
-    let mut findings = pgfence::doctor(&pool, issuer.as_deref(), &options).await?;
+    // One read-only transaction: behind a transaction-mode pooler nothing is left behind.
+    let mut session = Session::begin(&pool).await?;
+    let mut findings = pgfence::doctor(session.conn(), issuer.as_deref(), &options).await?;
+    session.commit().await?;
     findings.splice(0..0, early);
     // Without an issuer, doctor reports the counters it could not compare; the Redis error
     // above already says why.

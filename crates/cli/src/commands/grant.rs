@@ -10,11 +10,13 @@ use anyhow::Result;
 use crate::cli::Conn;
 use crate::util::{self, cell};
 
-/// Grants `role` what an application needs on the `pgfence` schema, and prints the grants.
+/// Grants `role` what an application needs on the `pgfence` schema (after revoking everything
+/// else it had there, schema `CREATE` included), and prints the grants. Refuses `PUBLIC`.
 pub async fn grant(conn: &Conn, role: &str) -> Result<ExitCode> {
     let role = util::role(role)?;
-    let pool = conn.pg_migrated().await?;
-    pgfence::grant(&pool, &role).await?;
+    let mut session = conn.session_migrated().await?;
+    pgfence::grant(session.conn(), &role).await?;
+    session.commit().await?;
     println!(
         "granted {} an application's privileges on pgfence (after revoking any others):",
         cell(&role.quoted())

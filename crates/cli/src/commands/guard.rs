@@ -10,14 +10,16 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use pgfence::TableName;
 use serde_json::json;
-use sqlx::PgPool;
 use tokio::time::Instant;
 
 use crate::cli::Conn;
+use crate::connect::{Session, require_schema};
 use crate::util::{self, cell, fmt_duration};
 
 /// SQLSTATE `lock_not_available`: `lock_timeout` expired.
 const LOCK_NOT_AVAILABLE: &str = "55P03";
+/// SQLSTATE `insufficient_privilege`.
+const INSUFFICIENT_PRIVILEGE: &str = "42501";
 /// Attempts within `--lock-timeout`.
 const LOCK_ATTEMPTS: u32 = 3;
 
@@ -28,11 +30,13 @@ enum Op {
     Unguard { drop_column: bool },
 }
 
-/// Runs `op` on one connection with `lock_timeout` set, so that a table held by an open
-/// transaction makes it fail instead of queueing behind it (and every later query on the
-/// table behind it); retries with backoff while the budget `timeout` lasts.
+/// Runs `op` in a transaction with `lock_timeout` set for that transaction only, so that a
+/// table held by an open transaction makes it fail instead of queueing behind it (and every
+/// later query on the table behind it); retries with backoff while the budget `timeout`
+/// lasts. Each attempt is its own [`Session`]: a pooled server connection keeps neither the
+/// setting nor a prepared statement.
 async fn with_lock_timeout(
-    pool: &PgPool,
+    conn: &Conn,
     table: &TableName,
     timeout: Duration,
     op: Op,
@@ -45,19 +49,23 @@ async fn with_lock_timeout(
         .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
     let per_attempt = (timeout / LOCK_ATTEMPTS).max(Duration::from_millis(1));
     let mut backoff = Duration::from_millis(50);
-    let mut conn = pool.acquire().await?;
+    let pool = conn.pg().await?;
     loop {
+        let mut session = Session::begin(&pool).await?;
+        require_schema(session.conn()).await?;
         let left = give_up.saturating_duration_since(Instant::now());
         let this = per_attempt.min(left).max(Duration::from_millis(1));
         // `lock_timeout` is in milliseconds; cap it at its maximum (about 24 days).
         let ms = this.as_millis().clamp(1, i32::MAX as u128).to_string();
-        sqlx::query("SELECT set_config('lock_timeout', $1, false)")
+        sqlx::query("SELECT pg_catalog.set_config('lock_timeout', $1, true)")
             .bind(&ms)
-            .execute(&mut *conn)
+            .execute(session.conn())
             .await?;
         let outcome = match op {
-            Op::Guard(mode) => pgfence::guard_with(&mut *conn, table, mode).await,
-            Op::Unguard { drop_column } => pgfence::unguard(&mut *conn, table, drop_column).await,
+            Op::Guard(mode) => pgfence::guard_with(session.conn(), table, mode).await,
+            Op::Unguard { drop_column } => {
+                pgfence::unguard(session.conn(), table, drop_column).await
+            }
         };
         match outcome {
             Err(pgfence::Error::Database(sqlx::Error::Database(db)))
@@ -75,7 +83,19 @@ async fn with_lock_timeout(
                 tokio::time::sleep(nap).await;
                 backoff = (backoff * 2).min(Duration::from_millis(1000));
             }
-            other => return Ok(other?),
+            Err(pgfence::Error::Database(sqlx::Error::Database(db)))
+                if db.code().as_deref() == Some(INSUFFICIENT_PRIVILEGE) =>
+            {
+                bail!(
+                    "{}: guarding is a deploy-time command; run it as the owner of schema pgfence (the role that ran `pgfence migrate`), not as the application role",
+                    db.message()
+                );
+            }
+            other => {
+                let changed = other?;
+                session.commit().await?;
+                return Ok(changed);
+            }
         }
     }
 }
@@ -94,8 +114,7 @@ pub async fn guard(
         println!("wrote {}", path.display());
         return Ok(ExitCode::SUCCESS);
     }
-    let pool = conn.pg_migrated().await?;
-    let changed = with_lock_timeout(&pool, &table, lock_timeout, Op::Guard(mode)).await?;
+    let changed = with_lock_timeout(conn, &table, lock_timeout, Op::Guard(mode)).await?;
     if changed {
         println!("guarded {} ({mode})", cell(&table.quoted()));
     } else {
@@ -152,9 +171,8 @@ pub async fn unguard(
     lock_timeout: Duration,
 ) -> Result<ExitCode> {
     let table = util::table(table)?;
-    let pool = conn.pg_migrated().await?;
     let changed =
-        with_lock_timeout(&pool, &table, lock_timeout, Op::Unguard { drop_column }).await?;
+        with_lock_timeout(conn, &table, lock_timeout, Op::Unguard { drop_column }).await?;
     if changed {
         println!("unguarded {}", cell(&table.quoted()));
     } else {
@@ -165,8 +183,9 @@ pub async fn unguard(
 
 /// Lists the guarded tables, one per line or as a JSON array.
 pub async fn tables(conn: &Conn, json: bool) -> Result<ExitCode> {
-    let pool = conn.pg_migrated().await?;
-    let tables = pgfence::guarded_tables_with_modes(&pool).await?;
+    let mut session = conn.session_migrated().await?;
+    let tables = pgfence::guarded_tables_with_modes(session.conn()).await?;
+    session.commit().await?;
     if json {
         let list: Vec<_> = tables
             .iter()

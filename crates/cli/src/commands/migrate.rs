@@ -9,22 +9,29 @@ use anyhow::Result;
 use time::format_description::well_known::Rfc3339;
 
 use crate::cli::Conn;
+use crate::connect::Session;
 use crate::util::print_table;
 
 /// Applies pending migrations (printing each), or with `status_only` prints the table of them.
 pub async fn migrate(conn: &Conn, status_only: bool) -> Result<ExitCode> {
     let pool = conn.pg().await?;
+    // One transaction: through a transaction-mode pooler nothing stays on the server
+    // connection (no session lock, no setting, no prepared statement).
+    let mut session = Session::begin(&pool).await?;
     if !status_only {
-        let applied = pgfence::migrate(&pool).await?;
+        let applied = pgfence::migrate(session.conn()).await?;
+        session.commit().await?;
         if applied.is_empty() {
             println!("pgfence schema is up to date");
         }
         for m in &applied {
             println!("applied V{}__{}", m.version, m.name);
         }
+        return Ok(ExitCode::SUCCESS);
     }
-    let rows: Vec<Vec<String>> = pgfence::migration_status(&pool)
-        .await?
+    let status = pgfence::migration_status(session.conn()).await;
+    session.commit().await?;
+    let rows: Vec<Vec<String>> = status?
         .into_iter()
         .map(|m| {
             let when = m
@@ -34,8 +41,6 @@ pub async fn migrate(conn: &Conn, status_only: bool) -> Result<ExitCode> {
             vec![format!("V{}", m.version), m.name, when]
         })
         .collect();
-    if status_only {
-        print_table(&["version", "name", "applied"], &rows);
-    }
+    print_table(&["version", "name", "applied"], &rows);
     Ok(ExitCode::SUCCESS)
 }

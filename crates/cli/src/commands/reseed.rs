@@ -49,10 +49,12 @@ pub async fn reseed(
     }
     let (source, floor) = match floor {
         Some(f) => ("--floor", f),
-        None => (
-            "postgres high-water mark",
-            pgfence::counter_floor(&conn.pg_migrated().await?, &resource).await?,
-        ),
+        None => {
+            let mut session = conn.session_migrated().await?;
+            let floor = pgfence::counter_floor(session.conn(), &resource).await?;
+            session.commit().await?;
+            ("postgres high-water mark", floor)
+        }
     };
     let before = issuer.status(&resource).await?.counter;
     let after = issuer.raise_floor(&resource, floor).await?;
