@@ -16,6 +16,7 @@ mod recovery;
 mod repository;
 mod resource;
 mod sql;
+mod tls;
 mod token;
 mod verify;
 
@@ -40,6 +41,8 @@ pub use guard::{
     unguard,
 };
 pub use ident::{Ident, TableName};
+#[cfg(feature = "etcd")]
+pub use issuer::ETCD_TLS_SCHEME;
 pub use issuer::{
     BoxFuture, DEFAULT_KEY_PREFIX, FloorSource, Issuer, IssuerKind, IssuerOptions, KeepAlive,
     Lease, LeaseLost, LeaseState, LockStatus, MAX_KEY_PREFIX_LEN, MAX_TTL, MIN_TTL,
@@ -53,6 +56,10 @@ pub use issuer::{
 };
 #[cfg(feature = "etcd")]
 pub use issuer::{ETCD_SCHEME, EtcdIssuer, etcd_lock_key, is_etcd_url};
+pub use issuer::{
+    REDIS_ACL_COMMANDS, REDIS_SENTINEL_ACL_RULE, SENTINEL_TLS_SCHEME, redis_acl_key_pattern,
+    redis_acl_rule,
+};
 #[cfg(feature = "zk")]
 pub use issuer::{ZK_SCHEME, ZkIssuer, is_zk_url, zk_lock_dir};
 pub use migrate::{MigrationInfo, migrate, status as migration_status};

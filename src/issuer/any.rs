@@ -406,8 +406,7 @@ impl IssuerOptions {
 }
 
 /// The issuer URL schemes, for error messages.
-const EXPECTED_SCHEMES: &str =
-    "redis://, rediss://, redis+sentinel://, etcd://, zk://, postgres:// or postgresql://";
+const EXPECTED_SCHEMES: &str = "redis://, rediss://, redis+sentinel://, rediss+sentinel://, etcd://, etcd+https://, zk://, postgres:// or postgresql://";
 
 /// The scheme of `url`, lower-cased, with its `://` (`None` without one).
 fn scheme(url: &str) -> Option<String> {
@@ -430,21 +429,29 @@ pub async fn connect_issuer(url: &str) -> Result<Arc<dyn TokenIssuer>> {
 
 /// Connects the issuer `url` names, chosen by its scheme:
 ///
-/// * `redis://`, `rediss://` (TLS, if the `redis` crate was built with TLS), `redis+unix://`,
-///   `unix://`: the Redis [`Issuer`] ([`Issuer::connect`]);
-/// * `redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db]`: the Redis
-///   issuer through Redis Sentinel ([`Issuer::connect_sentinel`]);
-/// * `etcd://host:port[,host:port...]`: the etcd issuer (feature `etcd`);
+/// * `redis://`, `rediss://` (TLS, feature `tls`), `redis+unix://`, `unix://`: the Redis
+///   [`Issuer`] ([`Issuer::connect`]);
+/// * `redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db]`, or
+///   `rediss+sentinel://...` over TLS (feature `tls`): the Redis issuer through Redis Sentinel
+///   ([`Issuer::connect_sentinel`]);
+/// * `etcd://host:port[,host:port...]`, or `etcd+https://...` over TLS (features `etcd` and
+///   `tls`): the etcd issuer;
 /// * `zk://host:port[,host:port...][?session_timeout_ms=N]`: the ZooKeeper issuer (feature
-///   `zk`);
+///   `zk`; no TLS: `zks://` and the like fail with [`Error::TlsUnsupported`]);
 /// * `postgres://...` or `postgresql://...`: the PostgreSQL issuer
 ///   ([`PgIssuer::connect`](crate::PgIssuer::connect)); the database needs pgfence's
 ///   migrations.
 ///
+/// The TLS URLs take the query parameters `cacert=PATH`, `cert=PATH` and `key=PATH` (see
+/// [`Issuer::connect`]).
+///
 /// # Errors
-/// [`Error::IssuerNotBuilt`] for `etcd://` or `zk://` without the feature;
+/// [`Error::IssuerNotBuilt`] for `etcd://` or `zk://` without the feature, and for a TLS
+/// scheme without the `tls` feature; [`Error::TlsUnsupported`] for ZooKeeper over TLS;
 /// [`Error::InvalidIssuerUrl`] for any other scheme; [`Error::InvalidKeyPrefix`];
-/// the issuer's connection error ([`Error::Redis`], `Error::Etcd`, `Error::ZooKeeper`).
+/// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters; the issuer's
+/// connection error ([`Error::Redis`], [`Error::RedisPermission`], `Error::Etcd`,
+/// `Error::ZooKeeper`).
 pub async fn connect_issuer_with(
     url: &str,
     options: IssuerOptions,
@@ -464,7 +471,7 @@ pub async fn connect_issuer_with(
             }
             Ok(Arc::new(issuer))
         }
-        Some("redis+sentinel://") => {
+        Some("redis+sentinel://" | "rediss+sentinel://") => {
             let mut issuer = Issuer::connect_sentinel(url).await?;
             if let Some(prefix) = &options.key_prefix {
                 issuer = issuer.with_key_prefix(prefix)?;
@@ -475,7 +482,7 @@ pub async fn connect_issuer_with(
             Ok(Arc::new(issuer))
         }
         #[cfg(feature = "etcd")]
-        Some(super::ETCD_SCHEME) => {
+        Some(super::ETCD_SCHEME | super::ETCD_TLS_SCHEME) => {
             let mut issuer = super::EtcdIssuer::connect(url).await?;
             if let Some(prefix) = &options.key_prefix {
                 issuer = issuer.with_key_prefix(prefix)?;
@@ -483,10 +490,11 @@ pub async fn connect_issuer_with(
             Ok(Arc::new(issuer))
         }
         #[cfg(not(feature = "etcd"))]
-        Some("etcd://") => Err(Error::IssuerNotBuilt {
+        Some("etcd://" | "etcd+https://") => Err(Error::IssuerNotBuilt {
             scheme: "etcd://",
             feature: "etcd",
         }),
+        Some(zk_tls) if crate::tls::is_zk_tls_url(zk_tls) => Err(crate::tls::zk_tls_unsupported()),
         #[cfg(feature = "zk")]
         Some(super::ZK_SCHEME) => {
             let mut issuer = super::ZkIssuer::connect(url).await?;
@@ -529,6 +537,11 @@ mod tests {
         );
         assert_eq!(scheme("etcd://a,b").as_deref(), Some("etcd://"));
         assert_eq!(scheme("zk://a,b").as_deref(), Some("zk://"));
+        assert_eq!(
+            scheme("Rediss+Sentinel://h").as_deref(),
+            Some("rediss+sentinel://")
+        );
+        assert_eq!(scheme("etcd+https://a").as_deref(), Some("etcd+https://"));
         assert_eq!(scheme("not a url"), None);
         assert_eq!(scheme("a b://x"), None);
     }
@@ -556,6 +569,75 @@ mod tests {
         {
             let err = connect_issuer("zk://127.0.0.1:2181").await.unwrap_err();
             assert!(matches!(err, Error::IssuerNotBuilt { .. }), "{err}");
+        }
+        // With or without the zk feature: ZooKeeper over TLS is refused, saying why.
+        for zk_tls in ["zks://127.0.0.1:2281", "zk+tls://127.0.0.1:2281"] {
+            let err = connect_issuer(zk_tls).await.unwrap_err();
+            assert!(matches!(err, Error::TlsUnsupported { .. }), "{err}");
+        }
+    }
+
+    #[tokio::test]
+    async fn tls_urls_are_routed_and_checked_before_connecting() {
+        // Nothing listens on port 1: each of these fails before any connection is tried.
+        let err = connect_issuer("redis://127.0.0.1:1?cacert=/ca.pem")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidTls(_)), "{err}");
+        let err = connect_issuer("redis+sentinel://127.0.0.1:1/m?cacert=/ca.pem")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidTls(_)), "{err}");
+        assert!(err.to_string().contains("rediss+sentinel://"), "{err}");
+        for url in [
+            "rediss://127.0.0.1:1?cert=/c.pem",
+            "rediss+sentinel://127.0.0.1:1/m?key=/k.pem",
+        ] {
+            let err = connect_issuer(url).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidTls(_)), "{url}: {err}");
+        }
+        #[cfg(feature = "tls")]
+        {
+            let missing = "/nonexistent/pgfence-ca.pem";
+            for url in [
+                format!("rediss://127.0.0.1:1?cacert={missing}"),
+                format!("rediss+sentinel://127.0.0.1:1/m?cacert={missing}"),
+            ] {
+                let err = connect_issuer(&url).await.unwrap_err();
+                assert!(
+                    matches!(
+                        &err,
+                        Error::TlsFile {
+                            param: "cacert",
+                            ..
+                        }
+                    ),
+                    "{url}: {err}"
+                );
+                assert!(err.to_string().contains(missing), "{err}");
+            }
+        }
+        #[cfg(not(feature = "tls"))]
+        for (url, scheme) in [
+            ("rediss://127.0.0.1:1", "rediss://"),
+            ("rediss+sentinel://127.0.0.1:1/m", "rediss+sentinel://"),
+        ] {
+            let err = connect_issuer(url).await.unwrap_err();
+            assert!(
+                matches!(err, Error::IssuerNotBuilt { scheme: s, feature: "tls" } if s == scheme),
+                "{url}: {err}"
+            );
+            assert!(err.to_string().contains("`tls` feature"), "{err}");
+        }
+        #[cfg(all(feature = "etcd", not(feature = "tls")))]
+        {
+            let err = connect_issuer("etcd+https://127.0.0.1:1")
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(err, Error::IssuerNotBuilt { feature: "tls", .. }),
+                "{err}"
+            );
         }
     }
 }

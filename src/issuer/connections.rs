@@ -53,13 +53,14 @@ impl std::fmt::Debug for RedisConnections {
 }
 
 impl RedisConnections {
-    /// Opens `count` connections to the standalone Redis at `url` (`redis://host:port/db`).
+    /// Opens `count` connections to the standalone Redis at `url` (`redis://host:port/db`, or
+    /// `rediss://` with the TLS parameters of [`Issuer::connect`](crate::Issuer::connect)).
     /// Each reconnects by itself, with 5 s connect and response timeouts.
     ///
     /// # Errors
-    /// [`Error::Redis`](crate::Error::Redis) for a malformed URL or an unreachable server.
+    /// As [`Issuer::connect`](crate::Issuer::connect).
     pub async fn open(url: &str, count: NonZeroUsize) -> Result<Self> {
-        let client = redis::Client::open(url)?;
+        let client = crate::tls::redis_client(url)?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(5)))
             .set_response_timeout(Some(Duration::from_secs(5)))

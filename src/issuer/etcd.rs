@@ -15,10 +15,15 @@ use super::{
     ACQUIRE_ATTEMPTS, DEFAULT_KEY_PREFIX, Lease, LeaseState, LockStatus, ReleaseOutcome,
     acquire_waiting, check_key_prefix, check_ttl, host_list, new_owner_id, retrying,
 };
+use crate::tls::{TlsParams, has_scheme};
 use crate::{Error, FenceToken, MAX_TOKEN, Resource, Result};
 
 /// The URL scheme that selects the etcd issuer: `etcd://host:2379[,host2:2379...]`.
 pub const ETCD_SCHEME: &str = "etcd://";
+
+/// The URL scheme that selects the etcd issuer over TLS (feature `tls`):
+/// `etcd+https://host:2379[,host2:2379...][?cacert=PATH&cert=PATH&key=PATH]`.
+pub const ETCD_TLS_SCHEME: &str = "etcd+https://";
 
 /// The port used when an `etcd://` URL names a host without one.
 const DEFAULT_PORT: u16 = 2379;
@@ -35,11 +40,10 @@ fn prefixed_key(prefix: &str, resource: &Resource) -> String {
     format!("{prefix}/lock/{resource}")
 }
 
-/// Whether `url` selects the etcd issuer (`etcd://...`).
+/// Whether `url` selects the etcd issuer (`etcd://...`, or `etcd+https://...` over TLS).
 #[must_use]
 pub fn is_etcd_url(url: &str) -> bool {
-    url.get(..ETCD_SCHEME.len())
-        .is_some_and(|s| s.eq_ignore_ascii_case(ETCD_SCHEME))
+    has_scheme(url, ETCD_SCHEME) || has_scheme(url, ETCD_TLS_SCHEME)
 }
 
 /// Issues leases and fence tokens from an etcd cluster (v3 API; etcd 3.4 or newer; feature
@@ -133,12 +137,31 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 impl EtcdIssuer {
     /// Connects to the cluster named by `url`: `etcd://host[:port][,host[:port]...]`
     /// (port 2379 by default), with optional credentials `etcd://user:password@host,...`.
-    /// Plain HTTP/2 (no TLS). Requests are spread over the endpoints and fail over between them.
+    /// Plain HTTP/2. Requests are spread over the endpoints and fail over between them.
+    ///
+    /// # TLS
+    ///
+    /// `etcd+https://host[:port][,...]` (feature `tls`) speaks HTTP/2 over TLS to every
+    /// endpoint, verifying the members' certificates against the system trust store, or only
+    /// against the CA file of the query parameter `cacert=PATH`. `cert=PATH&key=PATH` present a
+    /// client certificate (for members started with `--client-cert-auth`; etcd then takes the
+    /// certificate's CN as the user when the URL names none). The parameters are named as
+    /// `etcdctl`'s flags, percent-decoded, read when connecting, and refused on `etcd://`:
+    ///
+    /// ```text
+    /// etcd+https://10.0.0.1:2379,10.0.0.2:2379?cacert=/etc/pgfence/etcd-ca.pem&cert=/etc/pgfence/etcd-client.pem&key=/etc/pgfence/etcd-client.key
+    /// ```
     ///
     /// # Errors
-    /// [`Error::Etcd`] for a malformed URL (invalid arguments) or an unreachable cluster.
+    /// [`Error::Etcd`] for a malformed URL (invalid arguments) or an unreachable cluster;
+    /// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters;
+    /// [`Error::IssuerNotBuilt`] for `etcd+https://` without the `tls` feature.
     pub async fn connect(url: &str) -> Result<Self> {
-        let (user, endpoints) = parse_url(url)?;
+        let EtcdUrl {
+            user,
+            endpoints,
+            tls,
+        } = parse_url(url)?;
         let mut options = ConnectOptions::new()
             .with_connect_timeout(CONNECT_TIMEOUT)
             .with_timeout(REQUEST_TIMEOUT)
@@ -146,6 +169,9 @@ impl EtcdIssuer {
             .with_require_leader(true);
         if let Some((name, password)) = user {
             options = options.with_user(name, password);
+        }
+        if let Some(tls) = tls {
+            options = with_tls(options, &tls)?;
         }
         let client = Client::connect(&endpoints, Some(options)).await?;
         Ok(Self {
@@ -190,7 +216,8 @@ impl EtcdIssuer {
         prefixed_key(&self.prefix, resource)
     }
 
-    /// The endpoints this issuer connected to (`http://host:port`; empty for [`EtcdIssuer::new`]).
+    /// The endpoints this issuer connected to (`http://host:port`, or `https://host:port` for
+    /// `etcd+https://`; empty for [`EtcdIssuer::new`]).
     #[must_use]
     pub fn endpoints(&self) -> &[String] {
         &self.endpoints
@@ -640,18 +667,42 @@ fn lease_secs(ttl: Duration) -> Result<i64> {
 
 type Credentials = Option<(String, String)>;
 
-/// `etcd://[user:password@]host[:port][,host[:port]...][/]` → credentials and
-/// `http://host:port` endpoints.
-fn parse_url(url: &str) -> Result<(Credentials, Vec<String>)> {
+/// A parsed etcd issuer URL.
+#[derive(Debug)]
+struct EtcdUrl {
+    user: Credentials,
+    /// `http://host:port` (`https://` over TLS).
+    endpoints: Vec<String>,
+    /// The TLS parameters of an `etcd+https://` URL (`None`: plaintext).
+    tls: Option<TlsParams>,
+}
+
+/// `etcd://[user:password@]host[:port][,host[:port]...][/]`, or `etcd+https://...` with the
+/// TLS parameters `cacert`, `cert` and `key` → credentials, endpoints and TLS parameters.
+fn parse_url(url: &str) -> Result<EtcdUrl> {
     let invalid = |why: &str| {
         Error::Etcd(etcd_client::Error::InvalidArgs(format!(
-            "{why} (expected etcd://host:port[,host:port...])"
+            "{why} (expected etcd://host:port[,host:port...] or etcd+https://host:port[,host:port...][?cacert=PATH&cert=PATH&key=PATH])"
         )))
     };
-    if !is_etcd_url(url) {
-        return Err(invalid("not an etcd:// URL"));
+    let (scheme_len, tls) = if has_scheme(url, ETCD_SCHEME) {
+        (ETCD_SCHEME.len(), false)
+    } else if has_scheme(url, ETCD_TLS_SCHEME) {
+        (ETCD_TLS_SCHEME.len(), true)
+    } else {
+        return Err(invalid("not an etcd:// or etcd+https:// URL"));
+    };
+    let (url, params) = TlsParams::split(url)?;
+    if !tls {
+        params.refuse_on_plain("etcd://", "etcd+https://")?;
     }
-    let rest = url[ETCD_SCHEME.len()..].trim_end_matches('/');
+    let rest = &url[scheme_len..];
+    if rest.contains('?') {
+        return Err(invalid(
+            "unknown query parameter (only cacert, cert and key, with etcd+https://)",
+        ));
+    }
+    let rest = rest.trim_end_matches('/');
     let (user, hosts) = match rest.rsplit_once('@') {
         Some((user, hosts)) => {
             let (name, password) = user.split_once(':').unwrap_or((user, ""));
@@ -662,9 +713,37 @@ fn parse_url(url: &str) -> Result<(Credentials, Vec<String>)> {
     let endpoints = host_list(hosts, DEFAULT_PORT)
         .map_err(invalid)?
         .into_iter()
-        .map(|h| format!("http://{h}"))
+        .map(|h| format!("{}://{h}", if tls { "https" } else { "http" }))
         .collect();
-    Ok((user, endpoints))
+    Ok(EtcdUrl {
+        user,
+        endpoints,
+        tls: tls.then_some(params),
+    })
+}
+
+/// `options` with TLS from `params`: their CA only, or the system trust store, and their
+/// client certificate when given.
+#[cfg(feature = "tls")]
+fn with_tls(options: ConnectOptions, params: &TlsParams) -> Result<ConnectOptions> {
+    use etcd_client::{Certificate, Identity, TlsOptions};
+    crate::tls::ensure_crypto_provider();
+    let files = params.read()?;
+    let mut tls = TlsOptions::new().timeout(CONNECT_TIMEOUT);
+    tls = match files.ca {
+        Some(ca) => tls.ca_certificate(Certificate::from_pem(ca)),
+        None => tls.with_native_roots(),
+    };
+    if let Some((cert, key)) = files.identity {
+        tls = tls.identity(Identity::from_pem(cert, key));
+    }
+    Ok(options.with_tls(tls))
+}
+
+/// Without the `tls` feature: [`Error::IssuerNotBuilt`].
+#[cfg(not(feature = "tls"))]
+fn with_tls(_options: ConnectOptions, _params: &TlsParams) -> Result<ConnectOptions> {
+    Err(crate::tls::not_built(ETCD_TLS_SCHEME))
 }
 
 /// Whether an etcd error is transient: the connection, a missing or changing leader, a
@@ -693,30 +772,57 @@ mod tests {
 
     #[test]
     fn parses_etcd_urls() {
-        let (user, eps) = parse_url("etcd://127.0.0.1:2379,10.0.0.2,[::1]:3000/").unwrap();
-        assert!(user.is_none());
+        let u = parse_url("etcd://127.0.0.1:2379,10.0.0.2,[::1]:3000/").unwrap();
+        assert!(u.user.is_none() && u.tls.is_none());
         assert_eq!(
-            eps,
+            u.endpoints,
             [
                 "http://127.0.0.1:2379",
                 "http://10.0.0.2:2379",
                 "http://[::1]:3000"
             ]
         );
-        let (user, eps) = parse_url("ETCD://root:s3cret@h1:1,h2:2").unwrap();
-        assert_eq!(user, Some(("root".into(), "s3cret".into())));
-        assert_eq!(eps, ["http://h1:1", "http://h2:2"]);
-        assert_eq!(parse_url("etcd://[::1]").unwrap().1, ["http://[::1]:2379"]);
+        let u = parse_url("ETCD://root:s3cret@h1:1,h2:2").unwrap();
+        assert_eq!(u.user, Some(("root".into(), "s3cret".into())));
+        assert_eq!(u.endpoints, ["http://h1:1", "http://h2:2"]);
+        assert_eq!(
+            parse_url("etcd://[::1]").unwrap().endpoints,
+            ["http://[::1]:2379"]
+        );
         for bad in [
             "redis://h",
             "etcd://",
             "etcd://h:x",
             "etcd://a,,b",
             "etcd://h/p",
+            "etcd://h?x=1",
+            "etcd+https://h?x=1",
         ] {
             assert!(parse_url(bad).is_err(), "{bad}");
         }
         assert!(is_etcd_url("etcd://h") && !is_etcd_url("redis://h") && !is_etcd_url("etc"));
+        assert!(is_etcd_url("ETCD+HTTPS://h"));
+    }
+
+    #[test]
+    fn parses_etcd_tls_urls() {
+        let u = parse_url("etcd+https://h1:1,h2/?cacert=/ca%20dir/ca.pem&cert=/c.pem&key=/k.pem")
+            .unwrap();
+        assert_eq!(u.endpoints, ["https://h1:1", "https://h2:2379"]);
+        let tls = u.tls.unwrap();
+        assert_eq!(
+            tls.cacert.as_deref(),
+            Some(std::path::Path::new("/ca dir/ca.pem"))
+        );
+        assert!(tls.cert.is_some() && tls.key.is_some());
+        let u = parse_url("etcd+https://h").unwrap();
+        assert!(u.tls.is_some_and(|t| t.is_empty()));
+
+        let err = parse_url("etcd://h?cacert=/ca.pem").unwrap_err();
+        assert!(matches!(err, Error::InvalidTls(_)), "{err}");
+        assert!(err.to_string().contains("use etcd+https://"), "{err}");
+        let err = parse_url("etcd+https://h?cert=/c.pem").unwrap_err();
+        assert!(matches!(err, Error::InvalidTls(_)), "{err}");
     }
 
     #[test]

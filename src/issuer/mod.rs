@@ -9,6 +9,7 @@
 //! counter that goes backwards costs liveness (rejected writes) until it is reseeded, never
 //! correctness.
 
+mod acl;
 mod any;
 mod connections;
 #[cfg(feature = "etcd")]
@@ -30,6 +31,7 @@ use redis::Value;
 use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 
+pub use acl::{REDIS_ACL_COMMANDS, REDIS_SENTINEL_ACL_RULE, redis_acl_key_pattern, redis_acl_rule};
 pub use any::{
     BoxFuture, IssuerKind, IssuerOptions, TokenIssuer, connect_issuer, connect_issuer_with,
 };
@@ -38,13 +40,13 @@ pub use connections::{RedisConnections, default_connections};
 #[cfg(feature = "etcd")]
 pub(crate) use etcd::is_transient as etcd_is_transient;
 #[cfg(feature = "etcd")]
-pub use etcd::{ETCD_SCHEME, EtcdIssuer, etcd_lock_key, is_etcd_url};
+pub use etcd::{ETCD_SCHEME, ETCD_TLS_SCHEME, EtcdIssuer, etcd_lock_key, is_etcd_url};
 pub use keepalive::{KeepAlive, LeaseLost};
 pub use pg::{POSTGRES_SCHEMES, PgIssuer, is_postgres_url};
 use scripts::{ACQUIRE, EXTEND, RAISE_FLOOR, REISSUE, RELEASE};
 pub use sentinel::{
-    DEFAULT_FAILOVER_WAIT, DEFAULT_SENTINEL_PORT, SENTINEL_SCHEME, SentinelConnections,
-    SentinelUrl, is_sentinel_url,
+    DEFAULT_FAILOVER_WAIT, DEFAULT_SENTINEL_PORT, SENTINEL_SCHEME, SENTINEL_TLS_SCHEME,
+    SentinelConnections, SentinelUrl, is_sentinel_url,
 };
 #[cfg(feature = "zk")]
 pub(crate) use zk::is_transient as zk_is_transient;
@@ -396,14 +398,45 @@ impl<C> Issuer<C> {
     pub fn counter_key(&self, resource: &Resource) -> String {
         prefixed_counter_key(&self.prefix, resource)
     }
+
+    /// The minimal Redis ACL of this issuer's user, for its key prefix (see
+    /// [`redis_acl_rule`]).
+    #[must_use]
+    pub fn acl_rule(&self) -> String {
+        redis_acl_rule(&self.prefix)
+    }
+
+    /// A Redis error as the caller gets it: an ACL refusal names the rule the user needs
+    /// ([`Error::RedisPermission`]).
+    fn redis_error(&self, e: redis::RedisError) -> Error {
+        acl::redis_error(e, &self.prefix)
+    }
 }
 
 impl Issuer<RedisConnections> {
-    /// Connects to a standalone Redis (`redis://host:port/db`) with
+    /// Connects to a standalone Redis (`redis://[user:password@]host:port/db`) with
     /// [`default_connections`] reconnecting connections, used in turn.
     ///
+    /// # TLS
+    ///
+    /// `rediss://host:port/db` connects over TLS (feature `tls`: rustls with the `ring`
+    /// provider), verifying the server's certificate and host name against the system trust
+    /// store, or against the CA file of the query parameter `cacert=PATH`. `cert=PATH&key=PATH`
+    /// present a client certificate (for `tls-auth-clients yes`). The parameters are named as
+    /// `redis-cli`'s flags, percent-decoded, read when connecting, and refused on a `redis://`
+    /// URL:
+    ///
+    /// ```text
+    /// rediss://pgfence-app:PASSWORD@redis.internal:6380/0?cacert=/etc/pgfence/ca.pem&cert=/etc/pgfence/client.pem&key=/etc/pgfence/client.key
+    /// ```
+    ///
+    /// For the user's ACL, see [`redis_acl_rule`].
+    ///
     /// # Errors
-    /// [`Error::Redis`] for a malformed URL or an unreachable server.
+    /// [`Error::Redis`] for a malformed URL or an unreachable server (a certificate refused by
+    /// either side is not [retryable](Error::is_retryable)); [`Error::InvalidTls`] and
+    /// [`Error::TlsFile`] for the TLS parameters; [`Error::IssuerNotBuilt`] for `rediss://`
+    /// without the `tls` feature.
     pub async fn connect(url: &str) -> Result<Self> {
         Self::connect_with(url, default_connections()).await
     }
@@ -411,19 +444,22 @@ impl Issuer<RedisConnections> {
     /// Like [`Issuer::connect`] with `connections` connections.
     ///
     /// # Errors
-    /// [`Error::Redis`] for a malformed URL or an unreachable server.
+    /// As [`Issuer::connect`].
     pub async fn connect_with(url: &str, connections: NonZeroUsize) -> Result<Self> {
         Ok(Self::new(RedisConnections::open(url, connections).await?))
     }
 }
 
 impl Issuer<redis::cluster_async::ClusterConnection> {
-    /// Connects to a Redis Cluster through any of its nodes.
+    /// Connects to a Redis Cluster through any of its nodes: `redis://host:port` URLs, or
+    /// `rediss://host:port` for TLS (feature `tls`) with the optional `cacert`, `cert` and
+    /// `key` parameters of [`Issuer::connect`] on any one node URL (they apply to every node).
     ///
     /// # Errors
-    /// [`Error::Redis`].
+    /// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters;
+    /// [`Error::IssuerNotBuilt`] for `rediss://` without the `tls` feature; [`Error::Redis`].
     pub async fn connect_cluster(nodes: &[String]) -> Result<Self> {
-        let client = redis::cluster::ClusterClient::new(nodes.to_vec())?;
+        let client = crate::tls::redis_cluster_client(nodes)?;
         Ok(Self::new(client.get_async_connection().await?))
     }
 }
@@ -513,7 +549,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
                 Ok(reply) => break (reply, sent_at),
                 // The same owner id makes a re-sent acquire return the token already issued.
                 Err(e) if attempt + 1 < ACQUIRE_ATTEMPTS && transient(&e) => attempt += 1,
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(self.redis_error(e)),
             }
         };
         match reply.as_slice() {
@@ -596,7 +632,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
             }
         })
         .await;
-        Ok(ReleaseOutcome::from_reply(sent.result?).after_resend(sent.retried, lease))
+        let code = sent.result.map_err(|e| self.redis_error(e))?;
+        Ok(ReleaseOutcome::from_reply(code).after_resend(sent.retried, lease))
     }
 
     /// Extends the lock to `ttl` from now if `lease` still holds it, and moves the lease's
@@ -638,7 +675,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
             }
         })
         .await;
-        let state = LeaseState::from_reply(sent.result?);
+        let state = LeaseState::from_reply(sent.result.map_err(|e| self.redis_error(e))?);
         if state == LeaseState::Held {
             // From the attempt that succeeded: an earlier one that arrives later only moves
             // the server's expiry further out.
@@ -667,7 +704,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
             }
         })
         .await;
-        let (held, pttl, count) = sent.result?;
+        let (held, pttl, count) = sent.result.map_err(|e| self.redis_error(e))?;
         let (owner, token) = match held.as_deref().and_then(|v| v.rsplit_once(':')) {
             Some((o, t)) => (Some(o.to_owned()), t.parse().ok()),
             None => (None, None),
@@ -703,7 +740,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
             }
         })
         .await;
-        int(&sent.result?)
+        int(&sent.result.map_err(|e| self.redis_error(e))?)
     }
 
     async fn reseed_fresh(&self, lease: &mut Lease) -> Result<()> {
@@ -722,7 +759,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
             .arg(&lease.owner)
             .arg(mark.to_string())
             .invoke_async(&mut conn)
-            .await?;
+            .await
+            .map_err(|e| self.redis_error(e))?;
         let token = int(&reply)?;
         if token == 0 {
             // The lease lapsed while we were reading Postgres: report what Redis would.

@@ -13,11 +13,16 @@
 //! retries (acquire with the same owner, extend, release, status, raise) re-send on the new
 //! master. A command that was in flight when the master died is never re-sent here.
 //!
+//! `rediss+sentinel://` is the same over TLS, to the sentinels and to the master alike (Redis's
+//! `tls-port` on the sentinels, with `tls-replication yes` so that they reach the master over
+//! TLS too), with one CA and one client certificate for both: see [`SentinelUrl`].
+//!
 //! A failover can lose the last `INCR`s (replication is asynchronous): the promoted replica's
 //! counter may be behind. Postgres still rejects the old tokens; see the README, "After a Redis
 //! failover", for getting liveness back.
 
 use std::num::NonZeroUsize;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -29,12 +34,19 @@ use redis::{
 };
 use tokio::time::Instant;
 
-use super::{Issuer, default_connections};
+use super::acl::{SENTINEL_REFUSED, is_acl_denial};
+use super::{DEFAULT_KEY_PREFIX, Issuer, default_connections};
+use crate::tls::{TlsFiles, TlsParams, percent_decode};
 use crate::{Error, Result};
 
 /// The URL scheme that selects Redis Sentinel:
 /// `redis+sentinel://[user:pass@]host1:port1[,host2:port2...]/<master-name>[/db]`.
 pub const SENTINEL_SCHEME: &str = "redis+sentinel";
+
+/// The URL scheme that selects Redis Sentinel over TLS, to the sentinels and to the master
+/// (feature `tls`):
+/// `rediss+sentinel://[user:pass@]host1:port1[,...]/<master-name>[/db][?cacert=..&cert=..&key=..]`.
+pub const SENTINEL_TLS_SCHEME: &str = "rediss+sentinel";
 
 /// The port a sentinel address without one gets.
 pub const DEFAULT_SENTINEL_PORT: u16 = 26379;
@@ -49,11 +61,22 @@ const POLL: Duration = Duration::from_millis(50);
 /// Response timeout of the connections to the master (as [`super::RedisConnections`]).
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Whether `url` is a `redis+sentinel://` URL.
+/// Whether `url` is a `redis+sentinel://` or `rediss+sentinel://` (TLS) URL.
 #[must_use]
 pub fn is_sentinel_url(url: &str) -> bool {
-    url.get(..SENTINEL_SCHEME.len() + 3)
-        .is_some_and(|s| s.eq_ignore_ascii_case(&format!("{SENTINEL_SCHEME}://")))
+    scheme_len(url).is_some()
+}
+
+/// The length of `url`'s Sentinel scheme with its `://`, and whether it is the TLS one.
+fn scheme_len(url: &str) -> Option<(usize, bool)> {
+    [(SENTINEL_SCHEME, false), (SENTINEL_TLS_SCHEME, true)]
+        .into_iter()
+        .find(|(scheme, _)| {
+            url.get(..scheme.len() + 3).is_some_and(|s| {
+                s[..scheme.len()].eq_ignore_ascii_case(scheme) && &s[scheme.len()..] == "://"
+            })
+        })
+        .map(|(scheme, tls)| (scheme.len() + 3, tls))
 }
 
 /// A parsed `redis+sentinel://` URL.
@@ -63,6 +86,14 @@ pub fn is_sentinel_url(url: &str) -> bool {
 /// master under, and the database number (0 when omitted). The user name and password (percent
 /// encoded) are the master's. Sentinels that require a password of their own take it from the
 /// query parameters `sentinel_username` and `sentinel_password`.
+///
+/// `rediss+sentinel://...` (feature `tls`) connects over TLS to the sentinels and to the
+/// master, verifying their certificates against the system trust store or the CA file of the
+/// query parameter `cacert=PATH`, and presenting the client certificate of `cert=PATH` and
+/// `key=PATH` when given (the same to both). The sentinels must listen on TLS (`tls-port`) and
+/// announce the master they reach over TLS (`tls-replication yes`). A mix (plaintext sentinels,
+/// a TLS master) is not supported. On `redis+sentinel://`, `cacert`, `cert` and `key` are
+/// refused.
 #[derive(Clone, PartialEq, Eq)]
 pub struct SentinelUrl {
     /// The sentinels, in the order they are asked.
@@ -79,6 +110,15 @@ pub struct SentinelUrl {
     pub sentinel_username: Option<String>,
     /// Password on the sentinels.
     pub sentinel_password: Option<String>,
+    /// TLS to the sentinels and to the master (`rediss+sentinel://`).
+    pub tls: bool,
+    /// `cacert=`: the CA certificates (PEM) to verify the sentinels and the master with,
+    /// instead of the system trust store.
+    pub cacert: Option<PathBuf>,
+    /// `cert=`: the client certificate chain (PEM) to present.
+    pub cert: Option<PathBuf>,
+    /// `key=`: the client certificate's private key (PEM).
+    pub key: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for SentinelUrl {
@@ -94,14 +134,23 @@ impl std::fmt::Debug for SentinelUrl {
                 "sentinel_password",
                 &self.sentinel_password.as_ref().map(|_| "***"),
             )
+            .field("tls", &self.tls)
+            .field("cacert", &self.cacert)
+            .field("cert", &self.cert)
+            .field("key", &self.key)
             .finish()
     }
 }
 
 impl std::fmt::Display for SentinelUrl {
-    /// The URL without passwords.
+    /// The URL without passwords (and without the TLS files).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{SENTINEL_SCHEME}://")?;
+        let scheme = if self.tls {
+            SENTINEL_TLS_SCHEME
+        } else {
+            SENTINEL_SCHEME
+        };
+        write!(f, "{scheme}://")?;
         if self.username.is_some() || self.password.is_some() {
             write!(f, "{}", self.username.as_deref().unwrap_or(""))?;
             if self.password.is_some() {
@@ -136,22 +185,30 @@ fn invalid(why: &str) -> Error {
         ErrorKind::InvalidClientConfig,
         "invalid redis+sentinel URL",
         format!(
-            "{why} (expected {SENTINEL_SCHEME}://[user:pass@]host1:port1[,host2:port2...]/<master-name>[/db])"
+            "{why} (expected {SENTINEL_SCHEME}:// or {SENTINEL_TLS_SCHEME}://[user:pass@]host1:port1[,host2:port2...]/<master-name>[/db])"
         ),
     )))
 }
 
 impl SentinelUrl {
-    /// Parses a `redis+sentinel://` URL.
+    /// Parses a `redis+sentinel://` or `rediss+sentinel://` URL.
     ///
     /// # Errors
     /// [`Error::Redis`] (kind `InvalidClientConfig`) for another scheme, no sentinel, a bad
-    /// port, no master name, or a database that is not a non-negative number.
+    /// port, no master name, or a database that is not a non-negative number;
+    /// [`Error::InvalidTls`] for TLS parameters on `redis+sentinel://`, or `cert` without
+    /// `key`.
     pub fn parse(url: &str) -> Result<Self> {
-        if !is_sentinel_url(url) {
-            return Err(invalid("the scheme is not redis+sentinel"));
+        let Some((scheme_len, tls)) = scheme_len(url) else {
+            return Err(invalid(
+                "the scheme is not redis+sentinel or rediss+sentinel",
+            ));
+        };
+        let (url, tls_params) = TlsParams::split(url)?;
+        if !tls {
+            tls_params.refuse_on_plain("redis+sentinel://", "rediss+sentinel://")?;
         }
-        let rest = &url[SENTINEL_SCHEME.len() + 3..];
+        let rest = &url[scheme_len..];
         let (rest, query) = match rest.split_once('?') {
             Some((r, q)) => (r, Some(q)),
             None => (rest, None),
@@ -218,7 +275,24 @@ impl SentinelUrl {
             password,
             sentinel_username,
             sentinel_password,
+            tls,
+            cacert: tls_params.cacert,
+            cert: tls_params.cert,
+            key: tls_params.key,
         })
+    }
+
+    fn addr(&self, host: &str, port: u16) -> ConnectionAddr {
+        if self.tls {
+            ConnectionAddr::TcpTls {
+                host: host.to_owned(),
+                port,
+                insecure: false,
+                tls_params: None,
+            }
+        } else {
+            ConnectionAddr::Tcp(host.to_owned(), port)
+        }
     }
 
     fn sentinel_info(&self, host: &str, port: u16) -> RedisResult<redis::ConnectionInfo> {
@@ -229,7 +303,8 @@ impl SentinelUrl {
         if let Some(pass) = &self.sentinel_password {
             settings = settings.set_password(pass);
         }
-        Ok(ConnectionAddr::Tcp(host.to_owned(), port)
+        Ok(self
+            .addr(host, port)
             .into_connection_info()?
             .set_redis_settings(settings))
     }
@@ -242,7 +317,8 @@ impl SentinelUrl {
         if let Some(pass) = &self.password {
             settings = settings.set_password(pass);
         }
-        Ok(ConnectionAddr::Tcp(host.to_owned(), port)
+        Ok(self
+            .addr(host, port)
             .into_connection_info()?
             .set_redis_settings(settings))
     }
@@ -271,23 +347,6 @@ fn parse_host(host: &str) -> Option<(String, u16)> {
     Some((name.to_owned(), port))
 }
 
-fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
-}
-
 /// Connections to the master a set of Redis Sentinels names, re-resolved after a failover.
 ///
 /// Holds `count` multiplexed connections to the current master and sends each command on the
@@ -311,6 +370,12 @@ pub struct SentinelConnections {
 
 struct Shared {
     url: SentinelUrl,
+    /// The TLS files of a `rediss+sentinel://` URL, read when opening (`None`: plaintext).
+    #[cfg_attr(
+        not(feature = "tls"),
+        allow(dead_code, reason = "no TLS without the feature")
+    )]
+    tls: Option<TlsFiles>,
     count: usize,
     failover_wait: Duration,
     current: Mutex<Current>,
@@ -347,12 +412,15 @@ impl std::fmt::Debug for SentinelConnections {
 }
 
 impl SentinelConnections {
-    /// Parses `url` (`redis+sentinel://...`), asks the sentinels for the master and opens
-    /// [`default_connections`] connections to it.
+    /// Parses `url` (`redis+sentinel://...` or `rediss+sentinel://...`, see [`SentinelUrl`]),
+    /// asks the sentinels for the master and opens [`default_connections`] connections to it.
     ///
     /// # Errors
     /// [`Error::Redis`] for a malformed URL, or when no sentinel names a reachable master
-    /// within [`DEFAULT_FAILOVER_WAIT`].
+    /// within [`DEFAULT_FAILOVER_WAIT`]; [`Error::RedisPermission`] at once when a sentinel or
+    /// the master refuses the issuer's user (the rule it names is for the default key prefix);
+    /// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters;
+    /// [`Error::IssuerNotBuilt`] for `rediss+sentinel://` without the `tls` feature.
     pub async fn open(url: &str) -> Result<Self> {
         Self::open_with(url, default_connections(), DEFAULT_FAILOVER_WAIT).await
     }
@@ -367,9 +435,12 @@ impl SentinelConnections {
         count: NonZeroUsize,
         failover_wait: Duration,
     ) -> Result<Self> {
+        let url = SentinelUrl::parse(url)?;
+        let tls = if url.tls { Some(open_tls(&url)?) } else { None };
         let this = Self {
             shared: Arc::new(Shared {
-                url: SentinelUrl::parse(url)?,
+                url,
+                tls,
                 count: count.get(),
                 failover_wait,
                 current: Mutex::default(),
@@ -378,7 +449,9 @@ impl SentinelConnections {
                 resolutions: AtomicU64::new(0),
             }),
         };
-        this.connection().await?;
+        this.connection()
+            .await
+            .map_err(|e| super::acl::redis_error(e, DEFAULT_KEY_PREFIX))?;
         Ok(this)
     }
 
@@ -472,6 +545,8 @@ impl SentinelConnections {
                     current.master = Some(master);
                     self.shared.resolutions.fetch_add(1, Ordering::Relaxed);
                 }
+                // A refused user stays refused: say so now rather than after the wait.
+                Err(e) if is_acl_denial(&e) => return Err(e),
                 Err(e) => {
                     if Instant::now() + POLL >= give_up {
                         return Err(self.no_master(Some(&e)));
@@ -559,8 +634,19 @@ impl SentinelConnections {
         ))
     }
 
+    /// A client for `info`, over TLS with the URL's files for `rediss+sentinel://`.
+    fn client(&self, info: redis::ConnectionInfo) -> RedisResult<redis::Client> {
+        #[cfg(feature = "tls")]
+        if let Some(files) = &self.shared.tls
+            && (files.ca.is_some() || files.identity.is_some())
+        {
+            return redis::Client::build_with_tls(info, crate::tls::redis_certs(files));
+        }
+        redis::Client::open(info)
+    }
+
     async fn ask(&self, host: &str, port: u16) -> RedisResult<Option<(String, u16)>> {
-        let client = redis::Client::open(self.shared.url.sentinel_info(host, port)?)?;
+        let client = self.client(self.shared.url.sentinel_info(host, port)?)?;
         let mut conn = client
             .get_multiplexed_async_connection_with_config(&config(NODE_TIMEOUT))
             .await?;
@@ -569,10 +655,26 @@ impl SentinelConnections {
             .arg(&self.shared.url.master_name)
             .query_async(&mut conn)
             .await
+            .map_err(|e| {
+                if is_acl_denial(&e) {
+                    // Marked, so that the error quotes the sentinels' rule, not the master's.
+                    RedisError::from((
+                        ErrorKind::Server(ServerErrorKind::NoPerm),
+                        SENTINEL_REFUSED,
+                        format!(
+                            "{} at {}: {e}",
+                            url_kind(&self.shared.url),
+                            host_port(host, port)
+                        ),
+                    ))
+                } else {
+                    e
+                }
+            })
     }
 
     async fn open_master(&self, host: &str, port: u16) -> RedisResult<Master> {
-        let client = redis::Client::open(self.shared.url.master_info(host, port)?)?;
+        let client = self.client(self.shared.url.master_info(host, port)?)?;
         let config = config(RESPONSE_TIMEOUT);
         let mut conns = Vec::with_capacity(self.shared.count);
         for _ in 0..self.shared.count {
@@ -638,6 +740,29 @@ fn not_master(e: &RedisError) -> bool {
     text.contains("READONLY") || text.contains("MASTERDOWN")
 }
 
+/// `sentinel` or `TLS sentinel`, for messages.
+fn url_kind(url: &SentinelUrl) -> &'static str {
+    if url.tls { "TLS sentinel" } else { "sentinel" }
+}
+
+/// Reads the TLS files of a `rediss+sentinel://` URL and readies rustls.
+#[cfg(feature = "tls")]
+fn open_tls(url: &SentinelUrl) -> Result<TlsFiles> {
+    crate::tls::ensure_crypto_provider();
+    TlsParams {
+        cacert: url.cacert.clone(),
+        cert: url.cert.clone(),
+        key: url.key.clone(),
+    }
+    .read()
+}
+
+/// Without the `tls` feature: [`Error::IssuerNotBuilt`].
+#[cfg(not(feature = "tls"))]
+fn open_tls(_url: &SentinelUrl) -> Result<TlsFiles> {
+    Err(crate::tls::not_built("rediss+sentinel://"))
+}
+
 fn timeout_error(what: &str, host: &str, port: u16) -> RedisError {
     RedisError::from(std::io::Error::new(
         std::io::ErrorKind::TimedOut,
@@ -683,12 +808,12 @@ impl ConnectionLike for SentinelConnections {
 
 impl Issuer<SentinelConnections> {
     /// Connects through Redis Sentinel:
-    /// `redis+sentinel://[user:pass@]host1:port1[,host2:port2...]/<master-name>[/db]`. The
-    /// issuer follows the master through a failover ([`SentinelConnections`]); errors during
-    /// one are retryable.
+    /// `redis+sentinel://[user:pass@]host1:port1[,host2:port2...]/<master-name>[/db]`, or
+    /// `rediss+sentinel://...` over TLS ([`SentinelUrl`]). The issuer follows the master
+    /// through a failover ([`SentinelConnections`]); errors during one are retryable.
     ///
     /// # Errors
-    /// [`Error::Redis`] for a malformed URL, or when no sentinel names a reachable master.
+    /// As [`SentinelConnections::open`].
     pub async fn connect_sentinel(url: &str) -> Result<Self> {
         Ok(Self::new(SentinelConnections::open(url).await?))
     }

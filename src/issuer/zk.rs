@@ -15,6 +15,7 @@ use super::{
     ACQUIRE_ATTEMPTS, DEFAULT_KEY_PREFIX, Lease, LeaseState, LockStatus, ReleaseOutcome,
     acquire_waiting, check_key_prefix, check_ttl, host_list, new_owner_id, retrying,
 };
+use crate::tls::zk_tls_unsupported as tls_unsupported;
 use crate::{Error, FenceToken, MAX_TOKEN, Resource, Result};
 
 /// The URL scheme that selects the ZooKeeper issuer: `zk://host:2181[,host2:2181...]`.
@@ -171,6 +172,18 @@ fn is_owners(name: &str, stem: &str) -> bool {
 /// lease can be released from any issuer, but extended only by the one that acquired it
 /// (others get [`Error::InvalidOwner`]). When the session expires, the next call opens a new
 /// one; leases of the old session are gone ([`LeaseState::Expired`]).
+///
+/// # No TLS
+///
+/// This issuer speaks plain TCP only. ZooKeeper's TLS (its secure client port, Netty and
+/// Java keystores on the servers) is not supported: the client's TLS would bring in a second
+/// rustls crypto provider (aws-lc-rs, a C build) next to the `ring` one pgfence uses for
+/// Redis, etcd and PostgreSQL. A URL that asks for TLS — `zks://`, `zk+tls://`, or a `tls`,
+/// `ssl`, `secure`, `cacert`, `cert` or `key` parameter on `zk://` — fails with
+/// [`Error::TlsUnsupported`] instead of silently connecting in the clear. To protect the
+/// traffic, run a TLS tunnel (stunnel, ghostunnel, a service mesh sidecar) next to each
+/// process and give its local end as `zk://127.0.0.1:PORT`; or use the etcd issuer
+/// (`etcd+https://`), which speaks TLS itself.
 #[derive(Clone)]
 pub struct ZkIssuer {
     inner: Arc<Inner>,
@@ -961,6 +974,9 @@ async fn create_lock_node(client: &Client, dir: &str, stem: &str, owner: &str) -
     }
 }
 
+/// Query parameters that ask for TLS, which this issuer does not speak (see [`ZkIssuer`]).
+const TLS_PARAMS: [&str; 6] = ["tls", "ssl", "secure", "cacert", "cert", "key"];
+
 /// `zk://host[:port][,host[:port]...][/][?session_timeout_ms=N]` → the client's host list and
 /// the session timeout.
 fn parse_url(url: &str) -> Result<(String, Duration)> {
@@ -969,6 +985,9 @@ fn parse_url(url: &str) -> Result<(String, Duration)> {
             "{why} (expected zk://host:port[,host:port...][?session_timeout_ms=N])"
         ))
     };
+    if crate::tls::is_zk_tls_url(url) {
+        return Err(tls_unsupported());
+    }
     if !is_zk_url(url) {
         return Err(invalid("not a zk:// URL"));
     }
@@ -986,6 +1005,8 @@ fn parse_url(url: &str) -> Result<(String, Duration)> {
                     .ok_or_else(|| invalid("session_timeout_ms is a positive number"))?;
                 session_timeout = Duration::from_millis(ms);
             }
+            Some((name, _)) if TLS_PARAMS.contains(&name) => return Err(tls_unsupported()),
+            None if TLS_PARAMS.contains(&pair) => return Err(tls_unsupported()),
             _ => return Err(invalid("unknown parameter")),
         }
     }
@@ -1054,6 +1075,17 @@ mod tests {
         ] {
             let err = parse_url(bad).unwrap_err();
             assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{bad}: {err}");
+        }
+        for tls in [
+            "zks://h:2281",
+            "ZK+TLS://h",
+            "zk://h?tls",
+            "zk://h?secure=true",
+            "zk://h?session_timeout_ms=4000&cacert=/ca.pem",
+        ] {
+            let err = parse_url(tls).unwrap_err();
+            assert!(matches!(err, Error::TlsUnsupported { .. }), "{tls}: {err}");
+            assert!(err.to_string().contains("TLS tunnel"), "{tls}: {err}");
         }
         assert!(is_zk_url("zk://h") && !is_zk_url("etcd://h") && !is_zk_url("z"));
     }

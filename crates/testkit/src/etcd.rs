@@ -9,6 +9,10 @@
 //!
 //! Members use a short heartbeat (50 ms) and election timeout (500 ms), so a killed leader is
 //! replaced within about a second; the smallest lease TTL they grant is then 1 s.
+//!
+//! [`EtcdCluster::start_tls`] starts members whose client port speaks TLS only and requires a
+//! client certificate of a [`Certs`] CA (`--client-cert-auth`); peer traffic stays plain, and
+//! health checks go to a plain metrics port.
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
@@ -16,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::process::{self, Member, Supervisor};
-use crate::{ServerError, find_in_path, sh_quote};
+use crate::{Certs, ServerError, find_in_path, sh_quote};
 
 /// The server's name in errors.
 const WHAT: &str = "etcd";
@@ -51,6 +55,11 @@ fn etcd_bin() -> Result<PathBuf, ServerError> {
 pub struct EtcdMember {
     process: Member,
     peer_port: u16,
+    /// Where `/health` answers in plain HTTP: the client port, or the metrics port of a TLS
+    /// member.
+    health_port: u16,
+    /// The client port speaks TLS only.
+    tls: bool,
 }
 
 impl EtcdMember {
@@ -72,10 +81,17 @@ impl EtcdMember {
         self.peer_port
     }
 
-    /// `http://127.0.0.1:PORT`, the member's client endpoint.
+    /// `http://127.0.0.1:PORT` (`https://` for a TLS member), the member's client endpoint.
     #[must_use]
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.process.client_port)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.process.client_port)
+    }
+
+    /// Whether the client port speaks TLS only ([`EtcdCluster::start_tls`]).
+    #[must_use]
+    pub fn is_tls(&self) -> bool {
+        self.tls
     }
 
     /// The member's temporary directory (removed when it stops).
@@ -96,6 +112,7 @@ impl EtcdMember {
         self.process.pid()
     }
 
+    #[allow(clippy::too_many_arguments, reason = "one private constructor")]
     fn spawn(
         bin: &Path,
         base: &Path,
@@ -104,11 +121,27 @@ impl EtcdMember {
         peer_port: u16,
         initial_cluster: &str,
         cluster_token: &str,
+        tls: Option<&TlsSetup>,
     ) -> Result<Self, ServerError> {
+        let (scheme, tls_args, health_port) = match tls {
+            None => ("http", String::new(), client_port),
+            Some(t) => (
+                "https",
+                format!(
+                    "--client-cert-auth --trusted-ca-file {ca} --cert-file {cert} \
+                     --key-file {key} --listen-metrics-urls http://127.0.0.1:{metrics} ",
+                    ca = sh_quote(&t.ca),
+                    cert = sh_quote(&t.cert),
+                    key = sh_quote(&t.key),
+                    metrics = t.metrics_port,
+                ),
+                t.metrics_port,
+            ),
+        };
         let etcd = format!(
             "{bin} --name {name} --data-dir \"$dir/data\" \
-             --listen-client-urls http://127.0.0.1:{client_port} \
-             --advertise-client-urls http://127.0.0.1:{client_port} \
+             --listen-client-urls {scheme}://127.0.0.1:{client_port} \
+             --advertise-client-urls {scheme}://127.0.0.1:{client_port} {tls_args}\
              --listen-peer-urls http://127.0.0.1:{peer_port} \
              --initial-advertise-peer-urls http://127.0.0.1:{peer_port} \
              --initial-cluster {initial_cluster} --initial-cluster-state new \
@@ -125,6 +158,8 @@ impl EtcdMember {
         Ok(Self {
             process: Member::new(name, client_port, 20, supervisor),
             peer_port,
+            health_port,
+            tls: tls.is_some(),
         })
     }
 
@@ -137,13 +172,17 @@ impl EtcdMember {
     /// Whether the member answers `/health` with `"health":"true"` (it has a leader).
     #[must_use]
     pub fn healthy(&self) -> bool {
-        health(self.process.client_port)
+        health(self.health_port)
     }
 
     /// The member's view of the cluster (the v3 gateway's `/v3/maintenance/status`): its own
-    /// member id and the leader's, or `None` when it does not answer.
+    /// member id and the leader's, or `None` when it does not answer (always for a TLS
+    /// member: the gateway is on its TLS client port).
     #[must_use]
     pub fn status(&self) -> Option<(u64, u64)> {
+        if self.tls {
+            return None;
+        }
         let body = http(
             self.process.client_port,
             "POST",
@@ -161,6 +200,15 @@ impl EtcdMember {
 #[derive(Debug)]
 pub struct EtcdCluster {
     members: Vec<EtcdMember>,
+}
+
+/// The certificates of a TLS member, and its plain metrics port.
+#[derive(Clone, Debug)]
+struct TlsSetup {
+    ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
+    metrics_port: u16,
 }
 
 impl EtcdCluster {
@@ -182,16 +230,39 @@ impl EtcdCluster {
     pub async fn start(size: usize) -> Result<Self, ServerError> {
         assert!(size >= 1, "an etcd cluster has at least one member");
         let bin = etcd_bin()?;
-        process::retry(3, || Self::try_start(&bin, size)).await
+        process::retry(3, || Self::try_start(&bin, size, None)).await
     }
 
-    async fn try_start(bin: &Path, size: usize) -> Result<Self, ServerError> {
-        let ports = process::free_ports(size * 2)?;
+    /// Like [`EtcdCluster::start`], with client ports that speak TLS only (the server
+    /// certificate of `certs`) and require a client certificate signed by its CA
+    /// (`--client-cert-auth`). Peer traffic stays plain. [`EtcdCluster::url`] is then
+    /// `etcd+https://...` (add `?cacert=...&cert=...&key=...` to connect).
+    ///
+    /// # Errors
+    /// As [`EtcdCluster::start`].
+    pub async fn start_tls(size: usize, certs: &Certs) -> Result<Self, ServerError> {
+        assert!(size >= 1, "an etcd cluster has at least one member");
+        let bin = etcd_bin()?;
+        let (ca, cert, key) = (certs.ca(), certs.server_cert(), certs.server_key());
+        process::retry(3, || {
+            let tls = (ca.clone(), cert.clone(), key.clone());
+            Self::try_start(&bin, size, Some(tls))
+        })
+        .await
+    }
+
+    async fn try_start(
+        bin: &Path,
+        size: usize,
+        tls: Option<(PathBuf, PathBuf, PathBuf)>,
+    ) -> Result<Self, ServerError> {
+        let per_member = if tls.is_some() { 3 } else { 2 };
+        let ports = process::free_ports(size * per_member)?;
         let base = process::scratch_base();
         let names: Vec<String> = (0..size).map(|i| format!("m{i}")).collect();
         let initial_cluster = names
             .iter()
-            .zip(ports.chunks(2))
+            .zip(ports.chunks(per_member))
             .map(|(name, p)| format!("{name}=http://127.0.0.1:{}", p[1]))
             .collect::<Vec<_>>()
             .join(",");
@@ -200,7 +271,7 @@ impl EtcdCluster {
             .map_or(0, |d| d.as_nanos());
         let token = format!("pgfence-{}-{nanos}-{}", std::process::id(), ports[0]);
         let mut members = Vec::with_capacity(size);
-        for (name, p) in names.into_iter().zip(ports.chunks(2)) {
+        for (name, p) in names.into_iter().zip(ports.chunks(per_member)) {
             let (bin, base, ic, token) = (
                 bin.to_owned(),
                 base.clone(),
@@ -208,8 +279,14 @@ impl EtcdCluster {
                 token.clone(),
             );
             let (client, peer) = (p[0], p[1]);
+            let setup = tls.as_ref().map(|(ca, cert, key)| TlsSetup {
+                ca: ca.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+                metrics_port: p[2],
+            });
             let member = process::blocking(move || {
-                EtcdMember::spawn(&bin, &base, name, client, peer, &ic, &token)
+                EtcdMember::spawn(&bin, &base, name, client, peer, &ic, &token, setup.as_ref())
             })
             .await?;
             members.push(member);
@@ -226,10 +303,31 @@ impl EtcdCluster {
     }
 
     async fn wait_healthy(&mut self, i: usize, deadline: Instant) -> Result<(), ServerError> {
-        self.members[i]
-            .process
-            .wait_ready("healthy", deadline, health)
-            .await
+        let member = &mut self.members[i];
+        if !member.tls {
+            return member.process.wait_ready("healthy", deadline, health).await;
+        }
+        // `/health` is on the plain metrics port, not the (TLS) client port.
+        let port = member.health_port;
+        let process = &mut member.process;
+        let exited = || match process.pid() {
+            Some(pid) if !process::process_alive(pid) => Err(ServerError::StartFailed {
+                what: WHAT,
+                detail: format!("member {} exited: {}", process.name, process.log_tail()),
+            }),
+            _ => Ok(()),
+        };
+        if process::poll_until(deadline, exited, move || health(port)).await? {
+            return Ok(());
+        }
+        Err(ServerError::StartFailed {
+            what: WHAT,
+            detail: format!(
+                "member {} not healthy in time: {}",
+                member.process.name,
+                member.process.log_tail()
+            ),
+        })
     }
 
     /// The members, in start order.
@@ -238,13 +336,14 @@ impl EtcdCluster {
         &self.members
     }
 
-    /// Every member's client endpoint (`http://127.0.0.1:PORT`).
+    /// Every member's client endpoint (`http://127.0.0.1:PORT`, `https://` with TLS).
     #[must_use]
     pub fn endpoints(&self) -> Vec<String> {
         self.members.iter().map(EtcdMember::endpoint).collect()
     }
 
-    /// `etcd://127.0.0.1:P1,127.0.0.1:P2,...`, the URL that selects pgfence's etcd issuer.
+    /// `etcd://127.0.0.1:P1,127.0.0.1:P2,...`, the URL that selects pgfence's etcd issuer
+    /// (`etcd+https://...` for [`EtcdCluster::start_tls`]).
     #[must_use]
     pub fn url(&self) -> String {
         let hosts: Vec<String> = self
@@ -252,7 +351,12 @@ impl EtcdCluster {
             .iter()
             .map(|m| format!("127.0.0.1:{}", m.process.client_port))
             .collect();
-        format!("etcd://{}", hosts.join(","))
+        let scheme = if self.members.iter().any(|m| m.tls) {
+            "etcd+https"
+        } else {
+            "etcd"
+        };
+        format!("{scheme}://{}", hosts.join(","))
     }
 
     /// The index of the member every running member names as leader, if they agree.
