@@ -139,13 +139,17 @@ impl TlsParams {
             .map(|(name, _)| *name)
             .collect();
         Err(Error::InvalidTls(format!(
-            "{} {} TLS settings, but {scheme} connects without TLS: use {tls_scheme}",
+            "{} {}, but {scheme} connects without TLS: use {tls_scheme}",
             given
                 .iter()
                 .map(|n| format!("`{n}`"))
                 .collect::<Vec<_>>()
                 .join(", "),
-            if given.len() == 1 { "is a" } else { "are" },
+            if given.len() == 1 {
+                "is a TLS setting"
+            } else {
+                "are TLS settings"
+            },
         )))
     }
 

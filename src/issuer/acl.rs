@@ -3,6 +3,7 @@
 
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 
+use super::DEFAULT_KEY_PREFIX;
 use crate::Error;
 
 /// The commands the Redis issuer sends (ACL command rules, after `-@all`):
@@ -107,6 +108,23 @@ pub(super) fn redis_error(e: RedisError, prefix: &str) -> Error {
             rule: redis_acl_rule(prefix),
             source: e,
         }
+    }
+}
+
+/// [`redis_error`] for an error met while connecting, before the issuer's key prefix is set:
+/// the rule named is the default prefix's.
+pub(super) fn connect_error(e: RedisError) -> Error {
+    match redis_error(e, DEFAULT_KEY_PREFIX) {
+        Error::RedisPermission {
+            what: "the issuer's user",
+            rule,
+            source,
+        } => Error::RedisPermission {
+            what: "the issuer's user (with the default key prefix; another prefix needs its own key pattern)",
+            rule,
+            source,
+        },
+        other => other,
     }
 }
 

@@ -67,7 +67,10 @@ impl RedisConnections {
             .set_number_of_retries(2);
         let mut conns = Vec::with_capacity(count.get());
         for _ in 0..count.get() {
-            conns.push(ConnectionManager::new_with_config(client.clone(), config.clone()).await?);
+            let conn = ConnectionManager::new_with_config(client.clone(), config.clone())
+                .await
+                .map_err(super::acl::connect_error)?;
+            conns.push(conn);
         }
         Ok(Self {
             conns: conns.into(),

@@ -749,6 +749,10 @@ fn with_tls(_options: ConnectOptions, _params: &TlsParams) -> Result<ConnectOpti
 /// Whether an etcd error is transient: the connection, a missing or changing leader, a
 /// timeout. A lease or transaction that failed for a reason of its own is not.
 pub(crate) fn is_transient(e: &etcd_client::Error) -> bool {
+    if tls_rejected(e) {
+        // A certificate refused by either side: retrying the handshake changes nothing.
+        return false;
+    }
     match e {
         etcd_client::Error::IoError(_) | etcd_client::Error::TransportError(_) => true,
         // gRPC codes: Cancelled 1, Unknown 2 (broken HTTP/2 streams), DeadlineExceeded 4,
@@ -757,6 +761,23 @@ pub(crate) fn is_transient(e: &etcd_client::Error) -> bool {
             matches!(i32::from(status.code()), 1 | 2 | 4 | 10 | 14)
         }
         _ => false,
+    }
+}
+
+/// Whether `e` comes from a failed TLS handshake (a certificate refused by either side).
+fn tls_rejected(e: &etcd_client::Error) -> bool {
+    #[cfg(feature = "tls")]
+    {
+        match e {
+            etcd_client::Error::GRpcStatus(status) => crate::tls::tls_rejection(status).is_some(),
+            etcd_client::Error::TransportError(t) => crate::tls::tls_rejection(t).is_some(),
+            _ => false,
+        }
+    }
+    #[cfg(not(feature = "tls"))]
+    {
+        let _ = e;
+        false
     }
 }
 

@@ -35,7 +35,7 @@ use redis::{
 use tokio::time::Instant;
 
 use super::acl::{SENTINEL_REFUSED, is_acl_denial};
-use super::{DEFAULT_KEY_PREFIX, Issuer, default_connections};
+use super::{Issuer, default_connections};
 use crate::tls::{TlsFiles, TlsParams, percent_decode};
 use crate::{Error, Result};
 
@@ -449,9 +449,7 @@ impl SentinelConnections {
                 resolutions: AtomicU64::new(0),
             }),
         };
-        this.connection()
-            .await
-            .map_err(|e| super::acl::redis_error(e, DEFAULT_KEY_PREFIX))?;
+        this.connection().await.map_err(super::acl::connect_error)?;
         Ok(this)
     }
 
