@@ -884,6 +884,44 @@ mod tests {
     }
 
     #[test]
+    fn parses_tls_sentinel_urls() {
+        let u = SentinelUrl::parse(
+            "Rediss+Sentinel://app:pw@h1:1,h2/m/3?cacert=/etc/ca%20x.pem&sentinel_password=s&cert=/c.pem&key=/k.pem",
+        )
+        .unwrap();
+        assert!(u.tls);
+        assert_eq!(u.sentinels.len(), 2);
+        assert_eq!((u.master_name.as_str(), u.db), ("m", 3));
+        assert_eq!(u.sentinel_password.as_deref(), Some("s"));
+        assert_eq!(
+            u.cacert.as_deref(),
+            Some(std::path::Path::new("/etc/ca x.pem"))
+        );
+        assert!(u.cert.is_some() && u.key.is_some());
+        assert_eq!(u.to_string(), "rediss+sentinel://app:***@h1:1,h2:26379/m/3");
+        assert!(matches!(
+            u.addr("h1", 1),
+            ConnectionAddr::TcpTls {
+                insecure: false,
+                ..
+            }
+        ));
+        let plain = SentinelUrl::parse("redis+sentinel://h/m").unwrap();
+        assert!(!plain.tls && plain.cacert.is_none());
+        assert!(matches!(plain.addr("h", 1), ConnectionAddr::Tcp(..)));
+
+        for bad in [
+            "redis+sentinel://h/m?cacert=/ca.pem",
+            "rediss+sentinel://h/m?cert=/c.pem",
+        ] {
+            let err = SentinelUrl::parse(bad).unwrap_err();
+            assert!(matches!(err, Error::InvalidTls(_)), "{bad}: {err}");
+        }
+        assert!(is_sentinel_url("rediss+sentinel://h/m"));
+        assert!(!is_sentinel_url("rediss+sentinelx://h/m"));
+    }
+
+    #[test]
     fn a_demoted_master_is_told_apart() {
         let readonly = RedisError::from((
             ErrorKind::Server(ServerErrorKind::ReadOnly),
