@@ -34,7 +34,7 @@ async fn fenced_writes(
 ) -> (i64, usize, Option<String>) {
     let pool = PgPoolOptions::new()
         .max_connections(8)
-        .acquire_timeout(Duration::from_secs(10))
+        .acquire_timeout(Duration::from_secs(3))
         .connect_with(options)
         .await
         .expect("pool through PgBouncer");
@@ -46,18 +46,27 @@ async fn fenced_writes(
         let resource = Resource::new(format!("{}:{id}", base.as_str())).unwrap();
         tasks.push(tokio::spawn(async move {
             let lease = issuer
-                .acquire(&resource, Duration::from_secs(30))
+                .acquire(&resource, Duration::from_secs(60))
                 .await
                 .unwrap()
                 .unwrap();
             let repo = Repository::<Counter>::new(db_pool).unwrap();
             let (mut applied, mut errors, mut first) = (0, 0, None);
             for n in 1..=WRITES {
-                match repo.update(&pool, &lease, &Counter { id, n }).await {
-                    Ok(_) => applied += 1,
-                    Err(e) => {
+                // A transaction-mode pooler can leave a client waiting for a reply that went to
+                // another client's statement: each write gets 2 s.
+                let row = Counter { id, n };
+                let write = repo.update(&pool, &lease, &row);
+                match tokio::time::timeout(Duration::from_secs(2), write).await {
+                    Ok(Ok(_)) => applied += 1,
+                    Ok(Err(e)) => {
                         errors += 1;
                         first.get_or_insert(e.to_string());
+                    }
+                    Err(_) => {
+                        errors += 1;
+                        first.get_or_insert("no reply within 2 s".to_owned());
+                        break;
                     }
                 }
             }
@@ -73,7 +82,8 @@ async fn fenced_writes(
             total.2 = f;
         }
     }
-    pool.close().await;
+    // Not `close().await`: a connection stuck mid-protocol would hold it up.
+    drop(pool);
     total
 }
 
@@ -100,7 +110,10 @@ async fn service_pools_need_session_mode_on_pgbouncer_1_18() {
     .into_iter()
     .enumerate()
     {
-        let bouncer = PgBouncer::start(db.options.get_port(), mode, 2)
+        // Session mode holds a server connection per client connection: as many as the
+        // client pool. Transaction mode shares 2 among the 8.
+        let servers = if mode == PoolMode::Session { 8 } else { 2 };
+        let bouncer = PgBouncer::start(db.options.get_port(), mode, servers)
             .await
             .expect("PgBouncer");
         let mut options = db.options.clone().host("127.0.0.1").port(bouncer.port());

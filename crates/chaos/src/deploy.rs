@@ -40,8 +40,10 @@ pub fn parse_issuer(name: &str) -> Result<IssuerKind, String> {
 pub fn issuer_of_url(url: &str) -> Option<IssuerKind> {
     let scheme = url.split_once("://")?.0.to_ascii_lowercase();
     match scheme.as_str() {
-        "redis" | "rediss" | "redis+unix" | "unix" | "redis+sentinel" => Some(IssuerKind::Redis),
-        "etcd" => Some(IssuerKind::Etcd),
+        "redis" | "rediss" | "redis+unix" | "unix" | "redis+sentinel" | "rediss+sentinel" => {
+            Some(IssuerKind::Redis)
+        }
+        "etcd" | "etcd+https" => Some(IssuerKind::Etcd),
         "zk" => Some(IssuerKind::ZooKeeper),
         "postgres" | "postgresql" => Some(IssuerKind::Postgres),
         _ => None,

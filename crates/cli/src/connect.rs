@@ -387,7 +387,7 @@ impl IssuerFamily {
     pub fn of(url: &str) -> Result<Self> {
         let Some((scheme, _)) = url.split_once("://") else {
             bail!(
-                "the issuer URL has no scheme (expected redis://, rediss://, redis+sentinel://, etcd://, etcd+https://, zk:// or postgres://)"
+                "invalid issuer URL: no scheme (expected redis://, rediss://, redis+sentinel://, rediss+sentinel://, etcd://, etcd+https://, zk:// or postgres://)"
             );
         };
         Ok(match scheme.to_ascii_lowercase().as_str() {
@@ -398,7 +398,7 @@ impl IssuerFamily {
             "zk" => Self::ZooKeeper,
             "postgres" | "postgresql" => Self::Postgres,
             other => bail!(
-                "the issuer URL's scheme {:?} names no issuer (expected redis://, rediss://, redis+sentinel://, etcd://, etcd+https://, zk:// or postgres://)",
+                "invalid issuer URL: the scheme {:?} names no issuer (expected redis://, rediss://, redis+sentinel://, rediss+sentinel://, etcd://, etcd+https://, zk:// or postgres://)",
                 cell(other)
             ),
         })

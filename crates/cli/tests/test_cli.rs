@@ -624,8 +624,11 @@ async fn malformed_input_and_unreachable_servers_fail_cleanly() {
         unreachable("", "redis://127.0.0.1:1", &["lock", "status", "r"])
             .contains("cannot connect to Redis")
     );
+    // Not a Redis URL: not called one (issue 19); refused as an issuer URL.
+    let err = unreachable("", "nope://x", &["lock", "status", "r"]);
     assert!(
-        unreachable("", "nope://x", &["lock", "status", "r"]).contains("cannot connect to Redis")
+        err.contains("invalid issuer URL") && !err.contains("Redis"),
+        "{err}"
     );
     assert!(unreachable("postgres://u:hunter2@127.0.0.1:1/x", "", &["migrate"]).contains("u:***@"));
     let out = Command::new(BIN)

@@ -232,7 +232,15 @@ async fn tls_only_postgres_every_admin_command_and_the_lock_commands() {
             ("DATABASE_URL", verify_full.as_str()),
             ("REDIS_URL", &redis),
         ],
-        &["run", "--resource", &format!("{r}-redis"), "--ttl", "5s", "--", "true"],
+        &[
+            "run",
+            "--resource",
+            &format!("{r}-redis"),
+            "--ttl",
+            "5s",
+            "--",
+            "true",
+        ],
     );
     ok(&out, "run with a TLS floor source");
     assert!(
@@ -497,6 +505,9 @@ CREATE OPERATOR evil.= (LEFTARG = oid, RIGHTARG = oid, FUNCTION = evil.eq_oid);
 GRANT USAGE ON SCHEMA evil TO PUBLIC;
 ";
 
+/// A command's environment.
+type Env<'a> = &'a [(&'a str, &'a str)];
+
 #[tokio::test]
 async fn every_command_with_a_hostile_schema_first_on_the_search_path() {
     let db = TestDb::empty().await;
@@ -530,7 +541,7 @@ async fn every_command_with_a_hostile_schema_first_on_the_search_path() {
         ("DATABASE_URL", url.as_str()),
         ("PGFENCE_ISSUER_URL", url.as_str()),
     ];
-    let commands: Vec<(&[(&str, &str)], Vec<&str>)> = vec![
+    let commands: Vec<(Env, Vec<&str>)> = vec![
         (&env, vec!["migrate"]),
         (&env, vec!["migrate", "--status"]),
         (&env, vec!["guard", "acct", "--lock-timeout", "2s"]),
@@ -545,7 +556,10 @@ async fn every_command_with_a_hostile_schema_first_on_the_search_path() {
         (&env, vec!["doctor", "--resource", &r]),
         (&env, vec!["reseed", &r]),
         (&env, vec!["lock", "status", &r]),
-        (&env, vec!["run", "--resource", &r, "--ttl", "5s", "--", "true"]),
+        (
+            &env,
+            vec!["run", "--resource", &r, "--ttl", "5s", "--", "true"],
+        ),
         (&pg_issuer, vec!["lock", "status", &r]),
         (
             &pg_issuer,
@@ -563,15 +577,7 @@ async fn every_command_with_a_hostile_schema_first_on_the_search_path() {
         ),
         (
             &pg_issuer,
-            vec![
-                "effect",
-                "status",
-                &r,
-                "--work",
-                "w1",
-                "--step",
-                "charge",
-            ],
+            vec!["effect", "status", &r, "--work", "w1", "--step", "charge"],
         ),
         (&env, vec!["unguard", "acct"]),
     ];

@@ -438,6 +438,30 @@ where
     Err(last.expect("at least one attempt"))
 }
 
+/// A new, empty directory under `$TMPDIR` (else `/tmp`) named `{prefix}.{pid}.{n}`.
+///
+/// # Errors
+/// When it cannot be created.
+pub(crate) fn temp_dir(prefix: &str) -> std::io::Result<PathBuf> {
+    static DIRS: AtomicU64 = AtomicU64::new(0);
+    let base = std::env::var_os("TMPDIR")
+        .map(PathBuf::from)
+        .filter(|p| p.is_dir())
+        .unwrap_or_else(|| PathBuf::from("/tmp"));
+    loop {
+        let dir = base.join(format!(
+            "{prefix}.{}.{}",
+            std::process::id(),
+            DIRS.fetch_add(1, Ordering::Relaxed)
+        ));
+        match std::fs::create_dir(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, Instant};
@@ -535,29 +559,5 @@ mod tests {
         };
         assert_eq!(what, "test");
         assert!(detail.contains("nonexistent"), "{detail}");
-    }
-}
-
-/// A new, empty directory under `$TMPDIR` (else `/tmp`) named `{prefix}.{pid}.{n}`.
-///
-/// # Errors
-/// When it cannot be created.
-pub(crate) fn temp_dir(prefix: &str) -> std::io::Result<PathBuf> {
-    static DIRS: AtomicU64 = AtomicU64::new(0);
-    let base = std::env::var_os("TMPDIR")
-        .map(PathBuf::from)
-        .filter(|p| p.is_dir())
-        .unwrap_or_else(|| PathBuf::from("/tmp"));
-    loop {
-        let dir = base.join(format!(
-            "{prefix}.{}.{}",
-            std::process::id(),
-            DIRS.fetch_add(1, Ordering::Relaxed)
-        ));
-        match std::fs::create_dir(&dir) {
-            Ok(()) => return Ok(dir),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(e),
-        }
     }
 }
