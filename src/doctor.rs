@@ -382,6 +382,8 @@ struct TableRow {
     mode: Option<String>,
     fence_type: Option<String>,
     fence_not_null: Option<bool>,
+    /// The connected role may read the table (`USAGE` on its schema and `SELECT`).
+    readable: bool,
 }
 
 /// Table checks; returns `(table, highest token)` of every scanned table.
@@ -406,7 +408,9 @@ async fn tables(
                 t.tgenabled::pg_catalog.text AS enabled,
                 CASE WHEN t.oid IS NOT NULL THEN pgfence.trigger_mode(t.tgnargs, t.tgargs) END AS mode,
                 pg_catalog.format_type(a.atttypid, a.atttypmod) AS fence_type,
-                a.attnotnull AS fence_not_null
+                a.attnotnull AS fence_not_null,
+                pg_catalog.has_schema_privilege(n.oid, 'USAGE')
+                    AND pg_catalog.has_table_privilege(c.oid, 'SELECT') AS readable
            FROM pg_catalog.pg_class c
            JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
            LEFT JOIN pg_catalog.pg_trigger t ON t.tgrelid OPERATOR(pg_catalog.=) c.oid
@@ -502,18 +506,7 @@ async fn tables(
         if !options.scan_tables {
             continue;
         }
-        let readable: bool = sqlx::query_scalar(
-            "SELECT pg_catalog.has_schema_privilege(n.oid, 'USAGE')
-                    AND pg_catalog.has_table_privilege(c.oid, 'SELECT')
-               FROM pg_catalog.pg_class c
-               JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
-              WHERE n.nspname OPERATOR(pg_catalog.=) $1 AND c.relname OPERATOR(pg_catalog.=) $2",
-        )
-        .bind(&row.schema)
-        .bind(&row.name)
-        .fetch_one(&mut *pool)
-        .await?;
-        if !readable {
+        if !row.readable {
             findings.push(not_permitted(
                 &object,
                 "the table's fences were",

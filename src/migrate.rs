@@ -111,9 +111,18 @@ where
 {
     let migrations = embedded()?;
     let mut tx = conn.begin().await?;
+    // Inside a caller's transaction this is a savepoint, and a `SET LOCAL` outlives its
+    // release: the caller's search path is put back before returning (a failure rolls back to
+    // the savepoint, which undoes the setting by itself).
+    let callers_path: String =
+        sqlx::query_scalar("SELECT pg_catalog.current_setting('search_path')")
+            .persistent(false)
+            .fetch_one(&mut *tx)
+            .await?;
     sqlx::raw_sql(PINNED_SEARCH_PATH).execute(&mut *tx).await?;
     match applied_state(&mut tx).await? {
         Applied::Current => {
+            restore_search_path(&mut tx, &callers_path).await?;
             tx.commit().await?;
             return Ok(Vec::new());
         }
@@ -146,8 +155,19 @@ where
         .run_async(&mut RefineryConn(&mut tx))
         .await
         .map_err(|e| Error::Migration(Box::new(e)))?;
+    restore_search_path(&mut tx, &callers_path).await?;
     tx.commit().await?;
     Ok(report.applied_migrations().iter().map(info).collect())
+}
+
+/// Sets the transaction's search path back to `path` (what it was before [`migrate`]).
+async fn restore_search_path(conn: &mut PgConnection, path: &str) -> Result<()> {
+    sqlx::query("SELECT pg_catalog.set_config('search_path', $1, true)")
+        .bind(path)
+        .persistent(false)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
 }
 
 /// What [`applied_state`] found.

@@ -91,3 +91,26 @@ async fn existing_database_is_untouched() {
     assert_eq!(columns.len(), before.2.len() + 1);
     assert!(columns.contains(&"orders.fence".to_owned()));
 }
+
+/// Inside the caller's transaction, migrate pins its own search path only while it runs: the
+/// caller's (transaction-local) setting is what the transaction has afterwards, whether the
+/// schema was migrated by this call or already current.
+#[tokio::test]
+async fn migrate_in_a_transaction_gives_the_search_path_back() {
+    let db = TestDb::empty().await;
+    for round in 0..2 {
+        let mut tx = db.pool.begin().await.unwrap();
+        sqlx::raw_sql("SET LOCAL search_path = public, pg_catalog")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let applied = pgfence::migrate(&mut *tx).await.unwrap();
+        assert_eq!(applied.is_empty(), round == 1, "round {round}");
+        let path: String = sqlx::query_scalar("SELECT current_setting('search_path')")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        assert_eq!(path, "public, pg_catalog", "round {round}");
+        tx.commit().await.unwrap();
+    }
+}

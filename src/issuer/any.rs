@@ -57,6 +57,34 @@ impl IssuerKind {
         }
     }
 
+    /// The issuer `url` names, by its scheme (whether or not this build includes it: see
+    /// [`IssuerKind::is_built`]): `redis://`, `rediss://`, `redis+unix://`, `unix://`,
+    /// `redis+sentinel://`, `rediss+sentinel://` → Redis; `etcd://`, `etcd+https://` → etcd;
+    /// `zk://` → ZooKeeper; `postgres://`, `postgresql://` → PostgreSQL. The same table
+    /// [`connect_issuer`] dispatches on, for code that must know the kind before connecting
+    /// (a CLI giving Redis a floor source).
+    ///
+    /// # Errors
+    /// [`Error::InvalidIssuerUrl`] without a scheme or with one no issuer handles; the message
+    /// never repeats the URL (it may hold a password).
+    pub fn of_url(url: &str) -> Result<Self> {
+        match scheme(url).as_deref() {
+            Some(
+                "redis://" | "rediss://" | "redis+unix://" | "unix://" | "redis+sentinel://"
+                | "rediss+sentinel://",
+            ) => Ok(IssuerKind::Redis),
+            Some("etcd://" | "etcd+https://") => Ok(IssuerKind::Etcd),
+            Some("zk://") => Ok(IssuerKind::ZooKeeper),
+            Some("postgres://" | "postgresql://") => Ok(IssuerKind::Postgres),
+            Some(other) => Err(Error::InvalidIssuerUrl(format!(
+                "unknown scheme {other:?}; expected {EXPECTED_SCHEMES}"
+            ))),
+            None => Err(Error::InvalidIssuerUrl(format!(
+                "no scheme; expected {EXPECTED_SCHEMES}"
+            ))),
+        }
+    }
+
     /// Whether this issuer's counter can go backwards (and so can be reseeded from Postgres):
     /// true for Redis, false for etcd, ZooKeeper and PostgreSQL.
     #[must_use]
@@ -544,6 +572,25 @@ mod tests {
         assert_eq!(scheme("etcd+https://a").as_deref(), Some("etcd+https://"));
         assert_eq!(scheme("not a url"), None);
         assert_eq!(scheme("a b://x"), None);
+    }
+
+    #[test]
+    fn kinds_of_urls() {
+        for (url, kind) in [
+            ("REDIS://h:1", IssuerKind::Redis),
+            ("rediss+sentinel://h/m", IssuerKind::Redis),
+            ("unix:///tmp/r.sock", IssuerKind::Redis),
+            ("etcd+https://a,b", IssuerKind::Etcd),
+            ("zk://a", IssuerKind::ZooKeeper),
+            ("postgresql://h/db", IssuerKind::Postgres),
+        ] {
+            assert_eq!(IssuerKind::of_url(url).unwrap(), kind, "{url}");
+        }
+        for bad in [":hunter2@h:6379", "mysql://u:hunter2@h/db", ""] {
+            let err = IssuerKind::of_url(bad).unwrap_err().to_string();
+            assert!(err.contains("invalid issuer URL"), "{err}");
+            assert!(!err.contains("hunter2"), "{err}");
+        }
     }
 
     #[tokio::test]

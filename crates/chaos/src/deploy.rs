@@ -38,16 +38,7 @@ pub fn parse_issuer(name: &str) -> Result<IssuerKind, String> {
 /// for a scheme it does not know).
 #[must_use]
 pub fn issuer_of_url(url: &str) -> Option<IssuerKind> {
-    let scheme = url.split_once("://")?.0.to_ascii_lowercase();
-    match scheme.as_str() {
-        "redis" | "rediss" | "redis+unix" | "unix" | "redis+sentinel" | "rediss+sentinel" => {
-            Some(IssuerKind::Redis)
-        }
-        "etcd" | "etcd+https" => Some(IssuerKind::Etcd),
-        "zk" => Some(IssuerKind::ZooKeeper),
-        "postgres" | "postgresql" => Some(IssuerKind::Postgres),
-        _ => None,
-    }
+    IssuerKind::of_url(url).ok()
 }
 
 /// The issuer's servers for a run, started from the installed binaries (`pgfence-testkit`):

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use pgfence::{Issuer, IssuerOptions, Lease, Resource, TokenIssuer};
+use pgfence::{Issuer, IssuerKind, IssuerOptions, Lease, Resource, TokenIssuer};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use tokio::time::Instant;
@@ -69,16 +69,18 @@ impl Conn {
     /// [`Session`] of its own).
     pub async fn pg_migrated(&self) -> Result<PgPool> {
         let pool = self.pg().await?;
-        let mut session = Session::begin(&pool).await?;
-        require_schema(session.conn()).await?;
-        session.commit().await?;
+        self.session_on(&pool).await?.commit().await?;
         Ok(pool)
     }
 
     /// A [`Session`] on the configured PostgreSQL, which must have pgfence's schema.
     pub async fn session_migrated(&self) -> Result<Session> {
-        let pool = self.pg().await?;
-        let mut session = Session::begin(&pool).await?;
+        self.session_on(&self.pg().await?).await
+    }
+
+    /// A [`Session`] on `pool`, whose database must have pgfence's schema.
+    async fn session_on(&self, pool: &PgPool) -> Result<Session> {
+        let mut session = Session::begin(pool).await?;
         require_schema(session.conn()).await?;
         Ok(session)
     }
@@ -98,7 +100,7 @@ impl Conn {
     pub async fn lock_issuer(&self) -> Result<Arc<dyn TokenIssuer>> {
         let url = self.issuer_url()?;
         let options = self.issuer_options()?;
-        if IssuerFamily::of(url)? != IssuerFamily::Redis {
+        if issuer_kind(url)? != IssuerKind::Redis {
             return connect_issuer(url, options).await;
         }
         // Standalone, TLS or Sentinel: the same options, one parser (the library's).
@@ -115,9 +117,7 @@ impl Conn {
         let url = self.database_url().ok()?;
         let floor = async {
             let pool = connect_pg(url).await?;
-            let mut session = Session::begin(&pool).await?;
-            require_schema(session.conn()).await?;
-            session.commit().await?;
+            self.session_on(&pool).await?.commit().await?;
             anyhow::Ok(pool)
         };
         match floor.await {
@@ -167,17 +167,11 @@ pub async fn connect_pg_with(url: &str, max: u32) -> Result<PgPool> {
 /// (`host=db.internal port=5432 dbname=app user=app sslmode=verify-full`).
 pub fn pg_options(url: &str) -> Result<PgConnectOptions> {
     let trimmed = url.trim();
-    let lower = trimmed.get(..13).unwrap_or(trimmed).to_ascii_lowercase();
-    if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
+    if pgfence::is_postgres_url(trimmed) {
         return PgConnectOptions::from_str(trimmed)
             .map_err(|e| anyhow!("{}", crate::util::scrub(&e.to_string())));
     }
-    if trimmed.contains("://") {
-        bail!(
-            "not a PostgreSQL URL: expected postgres://... or a keyword string (host=... dbname=...)"
-        );
-    }
-    if !trimmed.contains('=') {
+    if trimmed.contains("://") || !trimmed.contains('=') {
         bail!(
             "not a PostgreSQL URL: expected postgres://... or a keyword string (host=... dbname=...)"
         );
@@ -366,64 +360,30 @@ pub async fn require_schema(conn: &mut PgConnection) -> Result<()> {
     Ok(())
 }
 
-/// Which store an issuer URL names, by its scheme: the one parser every command uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IssuerFamily {
-    /// `redis://`, `rediss://`, `redis+unix://`, `unix://`, `redis+sentinel://`,
-    /// `rediss+sentinel://`: a counter that can go backwards, so the CLI gives it a floor
-    /// source.
-    Redis,
-    /// `etcd://`, `etcd+https://`.
-    Etcd,
-    /// `zk://`.
-    ZooKeeper,
-    /// `postgres://`, `postgresql://`.
-    Postgres,
+/// The issuer `url` names ([`pgfence::IssuerKind::of_url`]: the library's table, which
+/// [`pgfence::connect_issuer_with`] dispatches on), for the choices made before connecting.
+pub fn issuer_kind(url: &str) -> Result<IssuerKind> {
+    Ok(IssuerKind::of_url(url)?)
 }
 
-impl IssuerFamily {
-    /// The family of `url`; an error (never echoing the URL) when it has no scheme or one no
-    /// issuer handles.
-    pub fn of(url: &str) -> Result<Self> {
-        let Some((scheme, _)) = url.split_once("://") else {
-            bail!(
-                "invalid issuer URL: no scheme (expected redis://, rediss://, redis+sentinel://, rediss+sentinel://, etcd://, etcd+https://, zk:// or postgres://)"
-            );
-        };
-        Ok(match scheme.to_ascii_lowercase().as_str() {
-            "redis" | "rediss" | "redis+unix" | "unix" | "redis+sentinel" | "rediss+sentinel" => {
-                Self::Redis
-            }
-            "etcd" | "etcd+https" => Self::Etcd,
-            "zk" => Self::ZooKeeper,
-            "postgres" | "postgresql" => Self::Postgres,
-            other => bail!(
-                "invalid issuer URL: the scheme {:?} names no issuer (expected redis://, rediss://, redis+sentinel://, rediss+sentinel://, etcd://, etcd+https://, zk:// or postgres://)",
-                cell(other)
-            ),
-        })
-    }
-
-    /// The store's name, for messages.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Redis => "Redis",
-            Self::Etcd => "etcd",
-            Self::ZooKeeper => "ZooKeeper",
-            Self::Postgres => "PostgreSQL",
-        }
+/// The store an issuer kind runs on, for messages.
+fn store_name(kind: IssuerKind) -> &'static str {
+    match kind {
+        IssuerKind::Etcd => "etcd",
+        IssuerKind::ZooKeeper => "ZooKeeper",
+        IssuerKind::Postgres => "PostgreSQL",
+        _ => "Redis",
     }
 }
 
 /// Whether `url` names a standalone Redis (not Sentinel, not another store).
 pub fn is_plain_redis(url: &str) -> bool {
-    IssuerFamily::of(url).is_ok_and(|f| f == IssuerFamily::Redis)
-        && !url.to_ascii_lowercase().contains("+sentinel://")
+    IssuerKind::of_url(url).is_ok_and(|k| k == IssuerKind::Redis) && !pgfence::is_sentinel_url(url)
 }
 
 /// The issuer `url` names ([`pgfence::connect_issuer_with`]), giving up after a few seconds.
 pub async fn connect_issuer(url: &str, options: IssuerOptions) -> Result<Arc<dyn TokenIssuer>> {
-    let what = IssuerFamily::of(url)?.name();
+    let what = store_name(issuer_kind(url)?);
     match tokio::time::timeout(CONNECT_TIMEOUT, pgfence::connect_issuer_with(url, options)).await {
         Ok(Ok(issuer)) => Ok(issuer),
         // Not a connection problem: say what to do.

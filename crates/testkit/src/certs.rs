@@ -14,6 +14,7 @@ use crate::ServerError;
 #[derive(Debug)]
 pub struct Certs {
     dir: PathBuf,
+    openssl: PathBuf,
 }
 
 impl Certs {
@@ -28,26 +29,8 @@ impl Certs {
             hint: "install OpenSSL's command line tool (Debian: apt-get install openssl)",
         })?;
         let dir = crate::process::temp_dir("pgfence-certs")?;
-        let certs = Self { dir };
-        let run = |args: &[&str]| -> Result<(), ServerError> {
-            let out = Command::new(&openssl)
-                .args(args)
-                .current_dir(&certs.dir)
-                .output()?;
-            if out.status.success() {
-                Ok(())
-            } else {
-                Err(ServerError::StartFailed {
-                    what: "openssl",
-                    detail: format!(
-                        "openssl {}: {}",
-                        args.join(" "),
-                        String::from_utf8_lossy(&out.stderr).trim()
-                    ),
-                })
-            }
-        };
-        run(&[
+        let certs = Self { dir, openssl };
+        certs.openssl(&[
             "req",
             "-x509",
             "-newkey",
@@ -74,7 +57,7 @@ impl Certs {
              extendedKeyUsage=serverAuth,clientAuth\n\
              subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1\n",
         )?;
-        certs.sign(&run, "server", "localhost", "server.ext")?;
+        certs.sign("server", "localhost", "server.ext")?;
         certs.open_up()?;
         Ok(certs)
     }
@@ -98,48 +81,44 @@ impl Certs {
         if cert.is_file() && key.is_file() {
             return Ok((cert, key));
         }
-        let openssl = crate::find_in_path("openssl").ok_or(ServerError::NotInstalled {
-            what: "openssl",
-            hint: "install OpenSSL's command line tool (Debian: apt-get install openssl)",
-        })?;
-        let run = |args: &[&str]| -> Result<(), ServerError> {
-            let out = Command::new(&openssl)
-                .args(args)
-                .current_dir(&self.dir)
-                .output()?;
-            if out.status.success() {
-                Ok(())
-            } else {
-                Err(ServerError::StartFailed {
-                    what: "openssl",
-                    detail: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-                })
-            }
-        };
         std::fs::write(
             self.dir.join("client.ext"),
             "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n\
              extendedKeyUsage=clientAuth\n",
         )?;
-        self.sign(&run, &stem, user, "client.ext")?;
+        self.sign(&stem, user, "client.ext")?;
         self.open_up()?;
         Ok((cert, key))
     }
 
-    fn sign(
-        &self,
-        run: &dyn Fn(&[&str]) -> Result<(), ServerError>,
-        stem: &str,
-        cn: &str,
-        ext: &str,
-    ) -> Result<(), ServerError> {
+    /// Runs `openssl ARGS` in the directory; its stderr on failure.
+    fn openssl(&self, args: &[&str]) -> Result<(), ServerError> {
+        let out = Command::new(&self.openssl)
+            .args(args)
+            .current_dir(&self.dir)
+            .output()?;
+        if out.status.success() {
+            return Ok(());
+        }
+        Err(ServerError::StartFailed {
+            what: "openssl",
+            detail: format!(
+                "openssl {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        })
+    }
+
+    /// A key and a certificate for `cn` signed by the CA: `{stem}.key`, `{stem}.crt`.
+    fn sign(&self, stem: &str, cn: &str, ext: &str) -> Result<(), ServerError> {
         let (key, csr, crt) = (
             format!("{stem}.key"),
             format!("{stem}.csr"),
             format!("{stem}.crt"),
         );
         let subj = format!("/CN={cn}");
-        run(&[
+        self.openssl(&[
             "req",
             "-newkey",
             "ec",
@@ -153,7 +132,7 @@ impl Certs {
             "-subj",
             &subj,
         ])?;
-        run(&[
+        self.openssl(&[
             "x509",
             "-req",
             "-in",
