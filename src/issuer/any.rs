@@ -74,7 +74,8 @@ impl IssuerKind {
                 | "rediss+sentinel://",
             ) => Ok(IssuerKind::Redis),
             Some("etcd://" | "etcd+https://") => Ok(IssuerKind::Etcd),
-            Some("zk://") => Ok(IssuerKind::ZooKeeper),
+            // `zks://` and kin: ZooKeeper, which connecting refuses (`Error::TlsUnsupported`).
+            Some(zk) if zk == "zk://" || crate::tls::is_zk_tls_url(zk) => Ok(IssuerKind::ZooKeeper),
             Some("postgres://" | "postgresql://") => Ok(IssuerKind::Postgres),
             Some(other) => Err(Error::InvalidIssuerUrl(format!(
                 "unknown scheme {other:?}; expected {EXPECTED_SCHEMES}"
@@ -582,6 +583,7 @@ mod tests {
             ("unix:///tmp/r.sock", IssuerKind::Redis),
             ("etcd+https://a,b", IssuerKind::Etcd),
             ("zk://a", IssuerKind::ZooKeeper),
+            ("zks://a", IssuerKind::ZooKeeper),
             ("postgresql://h/db", IssuerKind::Postgres),
         ] {
             assert_eq!(IssuerKind::of_url(url).unwrap(), kind, "{url}");

@@ -670,6 +670,16 @@ async fn issuer_urls_one_parser_and_no_secret_echoed() {
     let err = fails(&out, "unknown scheme");
     assert!(!err.contains("Redis"), "{err}");
     assert!(!err.contains("hunter2"), "{err}");
+    // ZooKeeper over TLS: the library's own refusal reaches the user, not "unknown scheme".
+    let out = run(
+        &[
+            ("DATABASE_URL", &url),
+            ("PGFENCE_ISSUER_URL", "zks://127.0.0.1:1"),
+        ],
+        &["lock", "status", &r],
+    );
+    let err = fails(&out, "zks://");
+    assert!(err.contains("TLS tunnel"), "{err}");
     // A keyword conninfo with a password that cannot connect: the password is hidden.
     let out = run(
         &[(
