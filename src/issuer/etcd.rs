@@ -235,8 +235,8 @@ impl EtcdIssuer {
     /// # Errors
     /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::MIN_TTL)`..=`
     /// [`MAX_TTL`](crate::MAX_TTL) (nothing is sent); [`Error::Etcd`] when etcd fails after
-    /// retries; [`Error::InvalidToken`] when the cluster's revision passed
-    /// [`MAX_TOKEN`](crate::MAX_TOKEN).
+    /// retries; [`Error::InvalidToken`] when the cluster's revision reached
+    /// [`MAX_TOKEN`](crate::MAX_TOKEN) (refused before anything is written).
     pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
         Ok(self.acquire_as(resource, &new_owner_id(), ttl).await?.ok())
     }
@@ -289,10 +289,19 @@ impl EtcdIssuer {
     ) -> Result<Option<std::result::Result<Lease, Duration>>> {
         let sent_at = Instant::now();
         // A read first: a held lock costs no lease grant (a Raft write) to refuse.
-        if let Some(held) = self.get(key).await? {
+        let read = self.client.kv_client().get(key, None).await?;
+        if let Some(held) = read.kvs().first().cloned() {
             return self
                 .held(resource, key, owner, ttl, secs, held, sent_at)
                 .await;
+        }
+        // The key would be created at a revision above the one just read: refuse at the
+        // limit before anything is written.
+        let revision = read
+            .header()
+            .map_or(0, etcd_client::ResponseHeader::revision);
+        if revision >= MAX_TOKEN {
+            return Err(limit_refused(resource, revision, false));
         }
         let mut leases = self.client.lease_client();
         let lease_id = leases.grant(secs, None).await?.id();
@@ -319,11 +328,10 @@ impl EtcdIssuer {
         }
         let created = kv.map_or(0, |kv| kv.create_revision());
         if !(1..=MAX_TOKEN).contains(&created) {
-            // Leave nothing behind: the lock is useless without a valid token.
-            self.revoke(lease_id).await;
-            return Err(Error::InvalidToken(format!(
-                "{created} (etcd revision; tokens end at {MAX_TOKEN})"
-            )));
+            // Other writes passed the limit between the read and the transaction: leave
+            // nothing behind, the lock is useless without a valid token.
+            self.undo(key, created, lease_id).await;
+            return Err(limit_refused(resource, created, true));
         }
         Ok(Some(Ok(Lease {
             resource: resource.clone(),
@@ -346,6 +354,14 @@ impl EtcdIssuer {
         held: KeyValue,
         sent_at: Instant,
     ) -> Result<Option<std::result::Result<Lease, Duration>>> {
+        let created = held.create_revision();
+        if created > MAX_TOKEN {
+            // A lock created past the limit (a refused acquire whose clean-up did not get
+            // through) carries no token anyone can use: remove it, and refuse as that acquire
+            // did, whoever asks.
+            self.undo(key, created, held.lease()).await;
+            return Err(limit_refused(resource, created, true));
+        }
         if held.value() != owner.as_bytes() {
             return Ok(Some(Err(self.remaining(held.lease()).await?)));
         }
@@ -617,12 +633,37 @@ impl EtcdIssuer {
         Ok(Duration::from_secs(u64::try_from(left).unwrap_or(0)))
     }
 
+    /// Deletes the lock `key` if it is still the one created at revision `created`, and revokes
+    /// its etcd lease `lease_id` (best effort: a lease that is not revoked expires by itself,
+    /// and the next acquire that finds the key removes it).
+    async fn undo(&self, key: &str, created: i64, lease_id: i64) {
+        let txn = Txn::new()
+            .when([Compare::create_revision(key, CompareOp::Equal, created)])
+            .and_then([TxnOp::delete(key, None)]);
+        if let Err(e) = self.client.kv_client().txn(txn).await {
+            tracing::debug!(target: "pgfence::issuer", key, error = %e, "could not delete an etcd lock created past the token limit; its lease is revoked");
+        }
+        if lease_id != 0 {
+            self.revoke(lease_id).await;
+        }
+    }
+
     /// Best-effort revoke: a lease that is not revoked expires by itself.
     async fn revoke(&self, id: i64) {
         if let Err(e) = self.client.lease_client().revoke(id).await {
             tracing::debug!(target: "pgfence::issuer", lease = id, error = %e, "etcd lease revoke failed; it will expire");
         }
     }
+}
+
+/// The refusal at the token limit: the cluster's revision is at `revision`.
+fn limit_refused(resource: &Resource, revision: i64, undone: bool) -> Error {
+    super::limit_refused(
+        resource,
+        &format!("the etcd cluster's revision, its token counter (at {revision}),"),
+        "etcd revisions never go backwards, so this cluster can issue no more tokens",
+        undone,
+    )
 }
 
 /// The compare that proves `lease` holds its lock: the key's value is its owner and the key

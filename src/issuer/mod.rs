@@ -4,10 +4,11 @@
 //! Keys for resource `R` are `pgfence:{R}:lock` and `pgfence:{R}:fence`; for resource `NAME`
 //! in fencing domain `D`, `pgfence:{D}:lock:NAME` and the domain's `pgfence:{D}:fence`
 //! (`pgfence` is the default key prefix; [`Issuer::with_key_prefix`] changes it). The
-//! hash tag puts a lock and its counter in one Redis Cluster slot. The counter never expires and nothing here deletes
-//! it. Redis only hands out numbers: safety comes from Postgres rejecting old tokens, so a
-//! counter that goes backwards costs liveness (rejected writes) until it is reseeded, never
-//! correctness.
+//! hash tag puts a lock and its counter in one Redis Cluster slot. The counter never expires,
+//! and nothing here deletes it but an acquire refused at the token limit, which undoes the
+//! counter it had just created. Redis only hands out numbers: safety comes from Postgres
+//! rejecting old tokens, so a counter that goes backwards costs liveness (rejected writes)
+//! until it is reseeded, never correctness.
 
 mod acl;
 mod any;
@@ -53,7 +54,7 @@ pub(crate) use zk::is_transient as zk_is_transient;
 #[cfg(feature = "zk")]
 pub use zk::{ZK_SCHEME, ZkIssuer, is_zk_url, zk_lock_dir};
 
-use crate::{Error, FenceToken, Fencing, Resource, Result, StaleTarget};
+use crate::{Error, FenceToken, Fencing, MAX_TOKEN, Resource, Result, StaleTarget};
 
 /// Where an issuer reads the mark a fresh counter must start above (Postgres's high-water
 /// mark, through [`Issuer::with_floor_source`]): the issuer's only view of the database.
@@ -137,6 +138,27 @@ pub fn lock_key(resource: &Resource) -> String {
 pub fn counter_key(resource: &Resource) -> String {
     prefixed_counter_key(DEFAULT_KEY_PREFIX, resource)
 }
+
+/// The refusal of an acquire whose token would pass [`MAX_TOKEN`]: the lock stays free and the
+/// next acquire is refused the same way until the counter is repaired. Every issuer refuses
+/// before it writes (the counter as it was); `undone` says it wrote and undid it instead (a
+/// race with the limit on etcd and ZooKeeper, whose counters cannot be read before a write
+/// they did not see, or a lost Redis counter whose floor is at the limit). `counter` names
+/// what reached the limit (with its value), `fix` what to do about it.
+/// [`Error::InvalidToken`], the error a token past the limit has always been.
+pub(crate) fn limit_refused(resource: &Resource, counter: &str, fix: &str, undone: bool) -> Error {
+    let outcome = if undone {
+        "left nothing behind (what it had written was removed again)"
+    } else {
+        "changed nothing (no lock taken, the counter as it was)"
+    };
+    Error::InvalidToken(format!(
+        "for resource {resource}: {counter} reached the token limit, so the acquire was refused and {outcome}; {fix}; `pgfence doctor --resource '{resource}'` reports the counters and marks near the limit"
+    ))
+}
+
+/// What to do about a Redis counter at the limit.
+const REDIS_LIMIT_FIX: &str = "if it was raised by mistake (set by hand, a bogus floor), set it back to PostgreSQL's high-water mark (`pgfence reseed` only raises counters)";
 
 /// Validates a lease TTL.
 ///
@@ -479,7 +501,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     ///
     /// # Errors
     /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`]`..=`[`MAX_TTL`] (nothing is
-    /// sent); [`Error::Redis`] when Redis fails after retries.
+    /// sent); [`Error::Redis`] when Redis fails after retries; [`Error::InvalidToken`] when the
+    /// counter is at [`MAX_TOKEN`] (the acquire is refused before anything changes: the lock
+    /// stays free, the counter as it was).
     ///
     /// # Example
     /// ```no_run
@@ -543,6 +567,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
                 .key(counter)
                 .arg(owner)
                 .arg(ttl_ms)
+                .arg(MAX_TOKEN)
                 .invoke_async::<Vec<Value>>(&mut conn)
                 .await
             {
@@ -570,6 +595,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
             [Value::Int(0), pttl] => Ok(Err(Duration::from_millis(
                 u64::try_from(int(pttl)?).unwrap_or(0),
             ))),
+            // The script refused before INCR and SET: nothing changed.
+            [Value::Int(-1), at] => Err(limit_refused(
+                resource,
+                &format!("the fence counter {counter} (at {})", text(at)?),
+                REDIS_LIMIT_FIX,
+                false,
+            )),
             other => Err(unexpected(other)),
         }
     }
@@ -758,10 +790,24 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
             .arg(lease.value())
             .arg(&lease.owner)
             .arg(mark.to_string())
+            .arg(MAX_TOKEN)
+            .arg(lease.token.get())
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.redis_error(e))?;
         let token = int(&reply)?;
+        if token == -1 {
+            // The script undid the acquire: no lock, and the counter it had created is gone.
+            return Err(limit_refused(
+                &lease.resource,
+                &format!(
+                    "PostgreSQL's high-water mark ({mark}), above which the lost fence counter {} must start,",
+                    self.counter_key(&lease.resource)
+                ),
+                "if the mark is bogus (poisoned), lower it with pgfence.unpoison_resource",
+                true,
+            ));
+        }
         if token == 0 {
             // The lease lapsed while we were reading Postgres: report what Redis would.
             return Err(Error::StaleToken {
@@ -827,6 +873,16 @@ fn int(v: &Value) -> Result<i64> {
             .and_then(|s| s.parse().ok())
             .ok_or_else(|| unexpected(std::slice::from_ref(v))),
         Value::SimpleString(s) => s.parse().map_err(|_| unexpected(std::slice::from_ref(v))),
+        other => Err(unexpected(std::slice::from_ref(other))),
+    }
+}
+
+/// A script's reply as text (a counter's exact decimal text, which may not fit an `i64`).
+fn text(v: &Value) -> Result<String> {
+    match v {
+        Value::BulkString(b) => Ok(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Ok(s.clone()),
+        Value::Int(i) => Ok(i.to_string()),
         other => Err(unexpected(std::slice::from_ref(other))),
     }
 }

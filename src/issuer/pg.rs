@@ -194,7 +194,7 @@ impl PgIssuer {
                 Ok(row) => break decode_acquire(&row, resource, owner, ttl, sent_at),
                 // The same owner id makes a re-sent acquire return the token already issued.
                 Err(e) if attempt + 1 < ACQUIRE_ATTEMPTS && e.is_retryable() => attempt += 1,
-                Err(e) => break Err(token_limit(e)),
+                Err(e) => break Err(token_limit(e, resource)),
             }
         };
         crate::metrics::acquisition(match &result {
@@ -361,11 +361,27 @@ fn decode_acquire(
 }
 
 /// The acquire's refusal to pass the token limit (SQLSTATE 22003) as [`Error::InvalidToken`].
-fn token_limit(e: Error) -> Error {
+/// `pgfence.issuer_acquire` raises it after its writes, in the one statement it is, so they
+/// roll back with it: the lock stays free and the counter as it was.
+fn token_limit(e: Error, resource: &Resource) -> Error {
     if let Error::Database(sqlx::Error::Database(db)) = &e
         && db.code().as_deref() == Some("22003")
     {
-        return Error::InvalidToken(db.message().to_owned());
+        // DETAIL: `counter=<counter id> token=<the token it would have issued>`.
+        let detail = db
+            .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+            .and_then(|pg| pg.detail())
+            .unwrap_or_default();
+        let at = detail
+            .rsplit_once("token=")
+            .and_then(|(_, t)| t.trim().parse::<i64>().ok())
+            .map_or_else(String::new, |next| format!(" (at {})", next - 1));
+        return super::limit_refused(
+            resource,
+            &format!("its token counter in pgfence.issuer_counter{at}"),
+            "if it was raised by mistake, the schema's owner sets it back to PostgreSQL's high-water mark (UPDATE pgfence.issuer_counter)",
+            false,
+        );
     }
     e
 }

@@ -383,8 +383,8 @@ impl ZkIssuer {
     /// # Errors
     /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::MIN_TTL)`..=`
     /// [`MAX_TTL`](crate::MAX_TTL) (nothing is sent); [`Error::ZooKeeper`] when ZooKeeper fails
-    /// after retries; [`Error::InvalidToken`] when the ensemble's zxid passed
-    /// [`MAX_TOKEN`](crate::MAX_TOKEN).
+    /// after retries; [`Error::InvalidToken`] when the ensemble's zxid reached
+    /// [`MAX_TOKEN`](crate::MAX_TOKEN) (no lock node is left behind).
     pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
         Ok(self.acquire_as(resource, &new_owner_id(), ttl).await?.ok())
     }
@@ -443,7 +443,8 @@ impl ZkIssuer {
         let client = self.session().await?;
         let stem = owner_stem(owner);
         // A look first: a held lock costs no write to refuse.
-        let nodes = queue(list(&client, dir).await?.0);
+        let (names, dir_stat) = list(&client, dir).await?;
+        let nodes = queue(names);
         if let Some((_, first)) = nodes.first() {
             if !is_owners(first, &stem) {
                 // Another owner holds it. A stray node of ours further back (an earlier
@@ -457,6 +458,15 @@ impl ZkIssuer {
             return self
                 .owned_first(&client, resource, dir, owner, &path, ttl, sent_at)
                 .await;
+        }
+        // Our node would be created at a zxid above every zxid of the lock dir: refuse at the
+        // limit before anything is written. (Without a lock dir there is nothing to read the
+        // zxid from: the node is created, and deleted again when its zxid is past the limit.)
+        if let Some(stat) = dir_stat {
+            let seen = stat.czxid.max(stat.mzxid).max(stat.pzxid);
+            if seen >= MAX_TOKEN {
+                return Err(limit_refused(resource, seen, false));
+            }
         }
         let path = format!("{dir}/{stem}");
         let stat = create_lock_node(&client, dir, &path, owner).await?;
@@ -534,12 +544,16 @@ impl ZkIssuer {
         sent_at: Instant,
     ) -> Result<Lease> {
         if !(1..=MAX_TOKEN).contains(&czxid) {
-            // Leave nothing behind: the lock is useless without a valid token.
-            let _ = delete(client, &path).await;
-            return Err(Error::InvalidToken(format!(
-                "{czxid} (ZooKeeper zxid, epoch {}; tokens end at {MAX_TOKEN})",
-                czxid >> 32
-            )));
+            // Leave nothing behind: the lock is useless without a valid token. A delete that
+            // does not get through is finished in the background (see `Inner::strays`).
+            let until = Instant::now() + Duration::from_secs(2);
+            let (deleted, _) = retrying(until, || delete(client, &path)).await;
+            if deleted.is_err() {
+                let key = (dir.to_owned(), owner.to_owned());
+                self.inner.strays.lock().await.insert(key.clone());
+                tokio::spawn(remove_strays(Arc::downgrade(&self.inner), key));
+            }
+            return Err(limit_refused(resource, czxid, true));
         }
         let lease = lease(resource, owner, czxid, ttl, sent_at)?;
         let held = Arc::new(Held {
@@ -789,6 +803,19 @@ impl ZkIssuer {
     pub fn keep_alive(&self, lease: &Lease) -> crate::KeepAlive {
         crate::KeepAlive::spawn(Arc::new(self.clone()), lease.clone())
     }
+}
+
+/// The refusal at the token limit: the ensemble's zxid is at `zxid`.
+fn limit_refused(resource: &Resource, zxid: i64, undone: bool) -> Error {
+    super::limit_refused(
+        resource,
+        &format!(
+            "the ZooKeeper ensemble's zxid, its token counter (at {zxid}, epoch {}),",
+            zxid >> 32
+        ),
+        "zxids never go backwards (the epoch counts leader elections, and epoch 128 is past the limit), so this ensemble can issue no more tokens",
+        undone,
+    )
 }
 
 enum Found {

@@ -733,9 +733,9 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
     );
     case!(
         cases,
-        "acquire when the counter is at i64::MAX (INCR overflows)",
+        "acquire when the counter is at i64::MAX (past the token limit)",
         async { i.acquire(&at_max, Duration::from_secs(5)).await.map(drop) },
-        Error::Redis(_)
+        Error::InvalidToken(_)
     );
     case!(
         cases,

@@ -1,11 +1,13 @@
 -- Acquire a lock and its fence token in one atomic step.
 -- KEYS[1] = lock key, KEYS[2] = fence counter (same hash tag, so same cluster slot)
--- ARGV[1] = owner id, ARGV[2] = TTL in milliseconds
+-- ARGV[1] = owner id, ARGV[2] = TTL in milliseconds, ARGV[3] = the token limit
+-- (pgfence::MAX_TOKEN in decimal; 549755813887 when not given)
 -- Lock value: "<owner>:<token>".
 -- Returns {1, token, fresh} when granted. `token` is the counter's exact decimal text (Lua
 -- numbers are doubles); `fresh` is 1 when the counter did not exist before (new resource, or
 -- a Redis that lost its data). Returns {0, pttl} when another owner holds the lock: a
--- two-element reply starting with 0 is never a token.
+-- two-element reply starting with 0 is never a token. Returns {-1, counter} when the counter
+-- is already at (or past) the token limit: nothing was changed.
 local held = redis.call('GET', KEYS[1])
 if held then
   local owner, token = string.match(held, '^(.*):(%d+)$')
@@ -23,6 +25,11 @@ if not before then
   fresh = 1
 elseif not string.match(before, '^%d+$') then
   return redis.error_reply('pgfence: fence counter is not a non-negative integer: ' .. string.sub(before, 1, 40))
+elseif tonumber(before) >= tonumber(ARGV[3] or '549755813887') then
+  -- The next token would pass the limit: refuse before INCR and SET. A double holds every
+  -- integer up to 2^53 exactly, so the comparison is exact around the limit (2^39 - 1), and a
+  -- longer counter only compares larger.
+  return {-1, before}
 end
 -- INCR refuses to overflow i64 without changing the value.
 local incr = redis.pcall('INCR', KEYS[2])
