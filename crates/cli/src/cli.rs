@@ -52,6 +52,11 @@ pub struct Conn {
     pub key_prefix: Option<String>,
 }
 
+/// `guard --emit-migration`'s help. clap turns every `{n}` of a help text into a line break
+/// and has no escape for it; an ANSI reset between `{` and `n` (invisible on a terminal,
+/// removed from help written to a pipe or file) keeps the file name intact.
+const EMIT_MIGRATION_HELP: &str = "Write `V{\x1b[0mn}__guard_<table>.sql` into this refinery migrations folder instead of touching the database";
+
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Apply pgfence's schema (the `pgfence` schema and its own migration history).
@@ -65,9 +70,8 @@ pub enum Command {
         /// `table` or `schema.table`, as in SQL: unquoted names fold to lower case; double-quote
         /// a part to keep its case or to contain dots.
         table: String,
-        /// Write `V{n}__guard_<table>.sql` into this refinery migrations folder instead of
-        /// touching the database.
-        #[arg(long, value_name = "DIR")]
+        // The help is not a doc comment: clap renders `{n}` in help text as a line break.
+        #[arg(long, value_name = "DIR", help = EMIT_MIGRATION_HELP)]
         emit_migration: Option<PathBuf>,
         /// Report-only mode: let updates that do not advance the fence through, recording
         /// each in `pgfence audit` (operation `observe`, role, application_name) with a
@@ -107,8 +111,9 @@ pub enum Command {
         #[command(subcommand)]
         action: LockAction,
     },
-    /// Run a command under a lock: acquire, export PGFENCE_TOKEN / PGFENCE_RESOURCE, keep the
-    /// lease alive while it runs, release, exit with its status.
+    /// Run a command under a lock: acquire, give the command the lease in `PGFENCE_*`
+    /// environment variables, keep the lease alive while it runs, release, exit with its status.
+    #[command(after_help = crate::commands::run::env_help())]
     Run(RunArgs),
     /// Raise a resource's Redis counter to Postgres's high-water mark (after a failover; a
     /// no-op with an etcd or ZooKeeper issuer, whose tokens never go backwards).

@@ -94,9 +94,10 @@ impl Conn {
     /// An issuer for taking locks: for Redis, when a PostgreSQL URL is configured, it
     /// recovers a lost counter by itself ([`Issuer::with_floor_source`]): a lease taken on a
     /// missing counter gets a token above the resource's high-water mark. Without a
-    /// reachable, migrated database it says so on stderr and issues tokens from Redis alone
-    /// (safety does not depend on it: Postgres still rejects old tokens). etcd, ZooKeeper and
-    /// the PostgreSQL issuer need no floor (their counters never go backwards).
+    /// reachable, migrated database it says so on stderr (once the command's outcome is known)
+    /// and issues tokens from Redis alone (safety does not depend on it: Postgres still rejects
+    /// old tokens). etcd, ZooKeeper and the PostgreSQL issuer need no floor (their counters
+    /// never go backwards).
     pub async fn lock_issuer(&self) -> Result<Arc<dyn TokenIssuer>> {
         let url = self.issuer_url()?;
         let options = self.issuer_options()?;
@@ -123,10 +124,10 @@ impl Conn {
         match floor.await {
             Ok(pool) => Some(pool),
             Err(e) => {
-                eprintln!(
-                    "pgfence: warning: a lost Redis counter cannot be recovered from PostgreSQL ({})",
+                crate::util::warn_later(format!(
+                    "a lost Redis counter cannot be recovered from PostgreSQL ({})",
                     crate::util::one_line(&e)
-                );
+                ));
                 None
             }
         }
@@ -272,10 +273,10 @@ fn conninfo_pairs(s: &str) -> Result<Vec<(String, String)>> {
     }
 }
 
-/// Says once on stderr when `options` would let a non-loopback server take the connection in
-/// plaintext: `sslmode=prefer` (libpq's and sqlx's default) and the server answers the TLS
-/// request with "no". The probe is the protocol's own first step (an 8-byte SSLRequest and
-/// its one-byte answer), made on a connection of its own.
+/// Says once on stderr ([`crate::util::warn_later`]) when `options` would let a non-loopback
+/// server take the connection in plaintext: `sslmode=prefer` (libpq's and sqlx's default) and
+/// the server answers the TLS request with "no". The probe is the protocol's own first step
+/// (an 8-byte SSLRequest and its one-byte answer), made on a connection of its own.
 async fn warn_if_plaintext(options: &PgConnectOptions) {
     if !matches!(options.get_ssl_mode(), PgSslMode::Prefer | PgSslMode::Allow) {
         return;
@@ -300,9 +301,9 @@ async fn warn_if_plaintext(options: &PgConnectOptions) {
         Some(answer[0])
     };
     if let Ok(Some(b'N')) = tokio::time::timeout(CONNECT_TIMEOUT, probe).await {
-        eprintln!(
-            "pgfence: warning: PostgreSQL at {host}:{port} refused TLS; connected in plaintext (sslmode=prefer). Set sslmode=verify-full (or require) in the URL to insist on TLS"
-        );
+        crate::util::warn_later(format!(
+            "PostgreSQL at {host}:{port} refused TLS; connected in plaintext (sslmode=prefer). Set sslmode=verify-full (or require) in the URL to insist on TLS"
+        ));
     }
 }
 
@@ -428,7 +429,7 @@ pub async fn take_lock(
     let give_up = wait.map(|w| started.checked_add(w).unwrap_or_else(far_future));
     let owner = pgfence::new_owner_id();
     let mut backoff = FIRST_BACKOFF;
-    let mut warned = false;
+    let mut logged = false;
     loop {
         let retry_in = match issuer.acquire_as(resource, &owner, ttl).await? {
             Ok(lease) => return Ok(lease),
@@ -438,13 +439,16 @@ pub async fn take_lock(
         let Some(give_up) = give_up.filter(|g| now < *g) else {
             return Err(held_error(issuer, resource, wait.map(|_| now - started)).await);
         };
-        if retry_in.is_zero() && !warned {
-            warned = true;
+        // No warning line: if the wait ends in failure, the error says the lock has no
+        // expiry (an error is one line, never preceded by a warning); `--verbose` shows it now.
+        if retry_in.is_zero() && !logged {
+            logged = true;
             if let Ok(status) = issuer.status(resource).await
                 && status.ttl_ms == Some(-1)
             {
-                eprintln!(
-                    "pgfence: warning: the lock on {} has no expiry (its key was set outside pgfence?); it will not free itself",
+                tracing::info!(
+                    target: "pgfence::cli",
+                    "the lock on {} has no expiry (its key was set outside pgfence?); it will not free itself",
                     cell(resource.as_str())
                 );
             }
@@ -488,7 +492,7 @@ async fn held_error(
             .unwrap_or_default();
         let until = match status.ttl_ms {
             Some(ms) if ms >= 0 => format!("for another {ms} ms"),
-            _ => "with no expiry (the key was set without a TTL)".to_owned(),
+            _ => "with no expiry (its key was set without a TTL, outside pgfence?); a lock that has no expiry will not free itself".to_owned(),
         };
         msg.push_str(&format!(": held by {}{token}, {until}", cell(owner)));
     }

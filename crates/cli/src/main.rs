@@ -55,9 +55,21 @@ async fn main() -> ExitCode {
     }));
     util::init_logging(cli.verbose);
     match commands::run(cli).await {
-        Ok(code) => code,
+        Ok(code) => {
+            util::flush_warnings();
+            code
+        }
         Err(e) => {
-            eprintln!("pgfence: {}{}", util::one_line(&e), util::hint(&e));
+            // Warnings held back while the command ran end the error's line.
+            let warnings: String = util::take_warnings()
+                .iter()
+                .map(|w| format!("; warning: {}", util::cell(&util::scrub(w))))
+                .collect();
+            eprintln!(
+                "pgfence: {}{}{warnings}",
+                util::one_line(&e),
+                util::hint(&e)
+            );
             ExitCode::FAILURE
         }
     }

@@ -59,6 +59,38 @@ pub fn fmt_duration(d: Duration) -> String {
     }
 }
 
+/// Warnings held back until the command's outcome is known ([`warn_later`]).
+static WARNINGS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Holds a warning back until the command succeeds ([`flush_warnings`] prints it then) or
+/// fails (its error line carries it, [`take_warnings`]): an error is one line on stderr, never
+/// preceded by a warning.
+pub fn warn_later(message: String) {
+    let mut warnings = WARNINGS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if !warnings.contains(&message) {
+        warnings.push(message);
+    }
+}
+
+/// The held-back warnings, removed.
+pub fn take_warnings() -> Vec<String> {
+    std::mem::take(
+        &mut *WARNINGS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    )
+}
+
+/// Prints the held-back warnings, one line each: once the command can no longer fail (or,
+/// for a long-running one, once it is under way).
+pub fn flush_warnings() {
+    for w in take_warnings() {
+        eprintln!("pgfence: warning: {}", cell(&scrub(&w)));
+    }
+}
+
 /// Secrets from the configured URLs (passwords, token-like query values), hidden wherever
 /// they appear in output, even outside a URL.
 static SECRETS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();

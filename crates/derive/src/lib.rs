@@ -19,24 +19,8 @@
 //! }
 //! ```
 //!
-//! Attributes:
-//!
-//! | where | attribute | meaning |
-//! |---|---|---|
-//! | struct | `#[fenced(table = "t")]` | the table (required), as stored in the catalog |
-//! | struct | `#[fenced(schema = "s")]` | its schema (default `public`) |
-//! | struct | `#[fenced(crate = "path")]` | where pgfence is (default `::pgfence`) |
-//! | struct | `#[sqlx(rename_all = "...")]` | honoured as `FromRow` does (for fields without a rename) |
-//! | field | `#[fenced(key)]` | a key column; several make a composite key, `Key` = tuple in field order |
-//! | field | `#[fenced(skip)]` | not a written column (`FromRow` users add `#[sqlx(skip)]` or `#[sqlx(default)]` if the column does not exist) |
-//! | field | `#[fenced(rename = "c")]` or `#[sqlx(rename = "c")]` | the column's name (both may be given if they agree) |
-//! | field | `#[sqlx(skip)]` | not a column at all: also skipped for writes |
-//!
-//! `#[sqlx(flatten)]`, `#[sqlx(json)]` and `#[sqlx(try_from = "...")]` fields must be
-//! `#[fenced(skip)]` (pgfence binds a field's own type). A field whose column is `fence` must be
-//! skipped too: pgfence writes it. Every written field's type must be a sqlx Postgres type
-//! (`Encode + Type`), and for batch writes `Clone` with `Vec<T>` an array type, as for
-//! `fenced_table!`.
+//! The attributes are described on the derive itself, [`FencedTable`](derive@FencedTable), so
+//! that pgfence's documentation of its re-export shows them too.
 
 use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as TokenStream2};
@@ -51,8 +35,27 @@ use syn::{
 /// Postgres truncates identifiers longer than this many bytes.
 const MAX_IDENT_LEN: usize = 63;
 
-/// Implements `pgfence::FencedTable` for a struct with named fields. See the crate docs for
-/// the attributes.
+/// Implements `pgfence::FencedTable` for a struct with named fields (an example is in
+/// [`pgfence_derive`](crate)'s documentation).
+///
+/// Attributes:
+///
+/// | where | attribute | meaning |
+/// |---|---|---|
+/// | struct | `#[fenced(table = "t")]` | the table (required), as stored in the catalog |
+/// | struct | `#[fenced(schema = "s")]` | its schema (default `public`) |
+/// | struct | `#[fenced(crate = "path")]` | where pgfence is (default `::pgfence`) |
+/// | struct | `#[sqlx(rename_all = "...")]` | honoured as `FromRow` does (for fields without a rename) |
+/// | field | `#[fenced(key)]` | a key column; several make a composite key, `Key` = tuple in field order |
+/// | field | `#[fenced(skip)]` | not a written column (`FromRow` users add `#[sqlx(skip)]` or `#[sqlx(default)]` if the column does not exist) |
+/// | field | `#[fenced(rename = "c")]` or `#[sqlx(rename = "c")]` | the column's name (both may be given if they agree) |
+/// | field | `#[sqlx(skip)]` | not a column at all: also skipped for writes |
+///
+/// `#[sqlx(flatten)]`, `#[sqlx(json)]` and `#[sqlx(try_from = "...")]` fields must be
+/// `#[fenced(skip)]` (pgfence binds a field's own type). A field whose column is `fence` must be
+/// skipped too: pgfence writes it. Every written field's type must be a sqlx Postgres type
+/// (`Encode + Type`), and for batch writes `Clone` with `Vec<T>` an array type, as for
+/// `fenced_table!`.
 #[proc_macro_derive(FencedTable, attributes(fenced, sqlx))]
 pub fn derive_fenced_table(input: TokenStream) -> TokenStream {
     let input = parse_macro_input!(input as DeriveInput);

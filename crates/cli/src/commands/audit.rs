@@ -67,6 +67,8 @@ pub async fn list(
     let pool = conn.pg_migrated().await?;
     let mut rows = list_rows(&pool, &filter).await?;
     if follow {
+        // It runs until interrupted: say now what was held back.
+        util::flush_warnings();
         rows.reverse();
         loop {
             for r in &rows {
@@ -90,10 +92,12 @@ pub async fn list(
         return Ok(ExitCode::SUCCESS);
     }
     let opt = |v: &Option<String>| v.as_deref().map(cell).unwrap_or_else(|| "-".into());
+    // The last column only when some row has an application_name or a reason.
+    let with_details = rows.iter().any(|r| !details(r).is_empty());
     let table: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
-            vec![
+            let mut row = vec![
                 r.id.to_string(),
                 r.at.format(&Rfc3339).unwrap_or_default(),
                 r.operation.clone(),
@@ -103,23 +107,28 @@ pub async fn list(
                 r.presented.to_string(),
                 r.current.map_or_else(|| "-".into(), |c| c.to_string()),
                 opt(&r.holder),
-            ]
+            ];
+            if with_details {
+                row.push(details(r));
+            }
+            row
         })
         .collect();
-    print_table(
-        &[
-            "id",
-            "at",
-            "op",
-            "resource",
-            "table",
-            "key",
-            "presented",
-            "current",
-            "holder",
-        ],
-        &table,
-    );
+    let mut headers = vec![
+        "id",
+        "at",
+        "op",
+        "resource",
+        "table",
+        "key",
+        "presented",
+        "current",
+        "holder",
+    ];
+    if with_details {
+        headers.push("details");
+    }
+    print_table(&headers, &table);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -130,8 +139,10 @@ fn print_follow_line(r: &pgfence::AuditEntry, json: bool) -> Result<()> {
         serde_json::to_string(r)?
     } else {
         let opt = |v: &Option<String>| v.as_deref().map(cell).unwrap_or_else(|| "-".into());
+        let details = details(r);
+        let sep = if details.is_empty() { "" } else { " " };
         format!(
-            "{} {} {} resource={} table={} key={} presented={} current={} holder={}",
+            "{} {} {} resource={} table={} key={} presented={} current={} holder={}{sep}{details}",
             r.id,
             r.at.format(&Rfc3339).unwrap_or_default(),
             r.operation,
@@ -147,6 +158,23 @@ fn print_follow_line(r: &pgfence::AuditEntry, json: bool) -> Result<()> {
     writeln!(out, "{line}")?;
     out.flush()?;
     Ok(())
+}
+
+/// A row's `application_name` and `reason`, those that are recorded: `app="psql"
+/// reason="hotfix"`, each quoted with quotes, backslashes and control characters escaped (a
+/// writer chooses its `application_name`: a newline in it cannot start a line of its own, nor
+/// a `reason=` in it pass for the reason). Empty when neither is recorded (or both are empty:
+/// a client that sets no `application_name` records `''`).
+fn details(r: &pgfence::AuditEntry) -> String {
+    [("app", &r.application_name), ("reason", &r.reason)]
+        .into_iter()
+        .filter_map(|(name, v)| {
+            v.as_deref()
+                .filter(|v| !v.is_empty())
+                .map(|v| format!("{name}={v:?}"))
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// One read of the audit table, in a [`Session`] of its own (each poll of `--follow` too).

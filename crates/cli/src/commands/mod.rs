@@ -8,7 +8,7 @@ mod guard;
 mod lock;
 mod migrate;
 mod reseed;
-mod run;
+pub mod run;
 mod simulate;
 
 use std::process::ExitCode;

@@ -10,10 +10,52 @@ use crate::cli::Conn;
 use crate::connect::take_lock;
 use crate::util::{self, cell};
 
-/// Acquires the lock, runs `command` with `PGFENCE_TOKEN`, `PGFENCE_RESOURCE` and
-/// `PGFENCE_OWNER` and `PGFENCE_TAG` (the holder tag SQL callers pass to `pgfence.check` /
-/// `pgfence.next_fence`) in its environment while a keep-alive renews the lease, then releases the
-/// lock and exits with the command's status (128 + signal if it was killed).
+/// One variable `pgfence run` exports to its command: its name, what it holds (for
+/// `--help`), and its value for a lease.
+pub struct ChildVar {
+    pub name: &'static str,
+    pub about: &'static str,
+    value: fn(&pgfence::Lease) -> String,
+}
+
+/// Everything the command gets in its environment from `pgfence run`: the one list that both
+/// builds the environment and is shown by `pgfence run --help`.
+pub const CHILD_ENV: &[ChildVar] = &[
+    ChildVar {
+        name: "PGFENCE_TOKEN",
+        about: "the lease's fencing token (pass it with every fenced write)",
+        value: |l| l.token().to_string(),
+    },
+    ChildVar {
+        name: "PGFENCE_RESOURCE",
+        about: "the locked resource",
+        value: |l| l.resource().as_str().to_owned(),
+    },
+    ChildVar {
+        name: "PGFENCE_OWNER",
+        about: "the lease's owner id",
+        value: |l| l.owner().to_owned(),
+    },
+    ChildVar {
+        name: "PGFENCE_TAG",
+        about: "the holder tag SQL callers pass to pgfence.check / pgfence.next_fence",
+        value: |l| pgfence::Fencing::from(l).tag().to_string(),
+    },
+];
+
+/// The `after_help` of `pgfence run`: the variables of [`CHILD_ENV`].
+pub fn env_help() -> String {
+    let width = CHILD_ENV.iter().map(|v| v.name.len()).max().unwrap_or(0);
+    let mut help = String::from("The command gets these variables in its environment:\n");
+    for v in CHILD_ENV {
+        help.push_str(&format!("  {:<width$}  {}\n", v.name, v.about));
+    }
+    help.trim_end().to_owned()
+}
+
+/// Acquires the lock, runs `command` with the variables of [`CHILD_ENV`] in its environment
+/// while a keep-alive renews the lease, then releases the lock and exits with the command's
+/// status (128 + signal if it was killed).
 ///
 /// SIGTERM and SIGHUP are forwarded to the command. SIGINT is forwarded after one second if
 /// the command is still running (a terminal's Ctrl-C already reaches the whole foreground
@@ -40,13 +82,7 @@ pub async fn run(
     let lease = take_lock(&*issuer, &resource, ttl, wait).await?;
 
     let spawned = child_command(program, &command[1..])
-        .env("PGFENCE_TOKEN", lease.token().to_string())
-        .env("PGFENCE_RESOURCE", resource.as_str())
-        .env("PGFENCE_OWNER", lease.owner())
-        .env(
-            "PGFENCE_TAG",
-            pgfence::Fencing::from(&lease).tag().to_string(),
-        )
+        .envs(CHILD_ENV.iter().map(|v| (v.name, (v.value)(&lease))))
         .spawn();
     let mut child = match spawned {
         Ok(child) => child,
@@ -57,6 +93,8 @@ pub async fn run(
         }
     };
 
+    // The command is under way: say now what was held back (it may run for hours).
+    util::flush_warnings();
     let mut keep = pgfence::KeepAlive::spawn(issuer.clone(), lease.clone());
     let mut term = signal(SignalKind::terminate())?;
     let mut hup = signal(SignalKind::hangup())?;
