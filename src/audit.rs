@@ -266,13 +266,50 @@ pub struct AuditFilter {
     /// Only rows recorded at or after this time.
     pub since: Option<OffsetDateTime>,
     /// Only rows for this resource; a trailing `*` matches every resource with that prefix
-    /// (`billing:*`, `{billing}*` for a fencing domain).
+    /// (`billing:*`, `{billing}*` for a fencing domain). The rows of leases of an issuer with
+    /// a key prefix other than the default carry that prefix's name
+    /// ([`Lease::fencing_resource`](crate::Lease::fencing_resource)): see
+    /// [`AuditFilter::in_key_prefix`].
     pub resource: Option<String>,
     /// At most this many rows (newest first).
     pub limit: i64,
     /// Only rows with an id above this one, and then **oldest first** (to follow the trail:
     /// pass the last id seen).
     pub after_id: Option<i64>,
+}
+
+impl AuditFilter {
+    /// The same filter for the leases of issuers with key prefix `prefix`: the
+    /// [`AuditFilter::resource`] name or pattern becomes that prefix's PostgreSQL name
+    /// ([`Resource::in_key_prefix`](crate::Resource::in_key_prefix): `billing:*` becomes
+    /// `P{billing:*`, `{billing}*` becomes `{P{billing}*`), so rows of another prefix's
+    /// leases on the same resource name are not listed. Unchanged for the default prefix, for
+    /// no resource filter, and for a name that already is a prefix's (one with a `{` past its
+    /// first character).
+    ///
+    /// ```
+    /// let f = pgfence::AuditFilter { resource: Some("billing:*".into()), ..Default::default() };
+    /// let f = f.in_key_prefix("app_a").unwrap();
+    /// assert_eq!(f.resource.as_deref(), Some("app_a{billing:*"));
+    /// ```
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidKeyPrefix`] for an invalid prefix.
+    pub fn in_key_prefix(mut self, prefix: &str) -> Result<Self> {
+        let prefix = crate::check_key_prefix(prefix)?;
+        if prefix == crate::DEFAULT_KEY_PREFIX {
+            return Ok(self);
+        }
+        self.resource = self.resource.map(|pattern| {
+            let named = pattern.char_indices().any(|(i, c)| i > 0 && c == '{');
+            match pattern.strip_prefix('{') {
+                _ if named => pattern,
+                Some(rest) => format!("{{{prefix}{{{rest}"),
+                None => format!("{prefix}{{{pattern}"),
+            }
+        });
+        Ok(self)
+    }
 }
 
 impl Default for AuditFilter {

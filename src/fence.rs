@@ -52,10 +52,18 @@ impl Fence {
     /// or rolled back). Outside an explicit transaction the check protects nothing beyond
     /// itself.
     ///
+    /// A lease of an issuer with a key prefix other than the default checks `resource` under
+    /// that prefix's name ([`Resource::in_key_prefix`]; the prefix is the one of the
+    /// [`Fencing`]'s resource, [`Lease::fencing_resource`](crate::Lease::fencing_resource)),
+    /// so leases of two prefixes never meet at a mark; audit rows carry that name. `resource`
+    /// may also be given as that name.
+    ///
     /// # Errors
     /// [`Error::StaleToken`] (logged and audited) when a newer lease has checked;
-    /// [`Error::DuplicateToken`] (audited) when another lease checked with the same token.
-    /// The transaction is then aborted: roll it back.
+    /// [`Error::DuplicateToken`] (audited) when another lease checked with the same token;
+    /// [`Error::TokenJump`] (audited) for a token absurdly far above the resource's mark.
+    /// The transaction is then aborted: roll it back. [`Error::InvalidResource`] when
+    /// `resource` is another key prefix's name, or too long under the lease's.
     ///
     /// # Example
     /// ```no_run
@@ -75,6 +83,8 @@ impl Fence {
         fencing: impl Into<Fencing>,
     ) -> Result<()> {
         let fencing = fencing.into();
+        let named = fenced_name(resource, &fencing)?;
+        let resource = named.as_ref().unwrap_or(resource);
         let outcome = sqlx::query!(
             "SELECT pgfence.check($1, $2, $3)",
             resource.as_str(),
@@ -94,6 +104,7 @@ impl Fence {
                 ..
             } => (*current, *other_counter),
             Error::DuplicateToken { token, .. } => (*token, false),
+            Error::TokenJump { current, .. } => (*current, false),
             _ => return Err(err),
         };
         let rejection = Rejection {
@@ -119,8 +130,19 @@ impl Fence {
     }
 }
 
+/// The name `fencing`'s lease checks `resource` under: its key prefix's name when the lease's
+/// resource has one (`None`: `resource` as it is).
+fn fenced_name(resource: &Resource, fencing: &Fencing) -> Result<Option<Resource>> {
+    match fencing.resource.as_ref().and_then(Resource::key_prefix) {
+        Some(prefix) => resource.in_key_prefix(prefix).map(Some),
+        None => Ok(None),
+    }
+}
+
 /// The token of the newest lease that checked `resource` (0 when none): the floor its token
-/// counter must stay above.
+/// counter must stay above. For the marks of an issuer with a key prefix other than the
+/// default, pass that prefix's name ([`Resource::in_key_prefix`],
+/// [`Lease::fencing_resource`](crate::Lease::fencing_resource)).
 ///
 /// # Errors
 /// [`Error::Database`].
@@ -135,7 +157,9 @@ pub async fn high_water<'c, E: PgExecutor<'c>>(exec: E, resource: &Resource) -> 
 }
 
 /// The floor of the token counter `resource` draws from: [`high_water`] for a resource of
-/// its own, the highest mark of every resource of its fencing domain otherwise.
+/// its own, the highest mark of every resource of its fencing domain otherwise. As for
+/// [`high_water`], a key prefix's marks are read under its name ([`Resource::in_key_prefix`]:
+/// the domain `D` of prefix `P` is `P{D`).
 ///
 /// # Errors
 /// [`Error::Database`].

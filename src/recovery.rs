@@ -12,7 +12,7 @@ use std::sync::Arc;
 use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 
-use crate::issuer::FloorSource;
+use crate::issuer::{FloorSource, fencing_name};
 use crate::{Error, Issuer, Resource, Result, counter_floor};
 
 /// A database's high-water marks as an issuer's [`FloorSource`].
@@ -47,12 +47,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     /// Reseeds after a failover: raises `resource`'s counter to the high-water mark Postgres
     /// recorded for it ([`crate::Fence::check`]; for a resource in a fencing domain, the
     /// highest mark of the domain), so the next lease is accepted. Returns the counter
-    /// afterwards.
+    /// afterwards. The marks read are those of this issuer's key prefix
+    /// ([`Resource::in_key_prefix`]).
     ///
     /// # Errors
-    /// [`Error::Database`]; [`Error::Redis`].
+    /// [`Error::Database`]; [`Error::Redis`]; [`Error::InvalidResource`] for a name too long
+    /// under the key prefix.
     pub async fn reseed(&self, pool: &PgPool, resource: &Resource) -> Result<i64> {
-        let mark = counter_floor(pool, resource).await?;
+        let mark = counter_floor(pool, &fencing_name(self.key_prefix(), resource)?).await?;
         self.raise_floor(resource, mark).await
     }
 
@@ -61,7 +63,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     /// row write whose [`Fencing`](crate::Fencing) came from a lease), raises that resource's
     /// counter to the token the write met, so the next lease's token is newer than everything
     /// Postgres has seen on that path. Returns whether the counter was raised. Use it when a
-    /// freshly acquired lease is rejected (the counter went backwards).
+    /// freshly acquired lease is rejected (the counter went backwards). An error about a name
+    /// of another key prefix ([`Resource::in_key_prefix`]) is not this issuer's: `Ok(false)`.
     ///
     /// # Errors
     /// [`Error::Redis`]; [`Error::InvalidResource`] if the error names an invalid resource.
@@ -76,7 +79,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         let Some(resource) = target.resource() else {
             return Ok(false);
         };
-        let resource = Resource::new(resource)?;
+        let named = Resource::parse_fenced(resource)?;
+        match named.key_prefix() {
+            // A resource name: a lease of the default prefix, or a Fencing built by hand.
+            None => {}
+            Some(prefix) if prefix == self.key_prefix() => {}
+            Some(_) => return Ok(false),
+        }
+        let resource = named.without_key_prefix();
         let before = self.status(&resource).await?.counter;
         Ok(self.raise_floor(&resource, floor).await? > before)
     }

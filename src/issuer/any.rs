@@ -215,23 +215,45 @@ pub trait TokenIssuer: Send + Sync + std::fmt::Debug + 'static {
     /// whether it was raised. For etcd always `Ok(false)`. See [`Issuer::recover_from`].
     fn recover_from<'a>(&'a self, err: &'a Error) -> BoxFuture<'a, Result<bool>>;
 
-    /// Raises `resource`'s counter to the high-water mark Postgres recorded for it; the
-    /// counter afterwards. See [`Issuer::reseed`].
+    /// Raises `resource`'s counter to the high-water mark Postgres recorded for it (under
+    /// this issuer's key prefix: [`TokenIssuer::fencing_resource`]); the counter afterwards.
+    /// See [`Issuer::reseed`].
     fn reseed<'a>(
         &'a self,
         pool: &'a PgPool,
         resource: &'a Resource,
     ) -> BoxFuture<'a, Result<i64>> {
         Box::pin(async move {
-            let mark = crate::counter_floor(pool, resource).await?;
+            let mark = crate::counter_floor(pool, &self.fencing_resource(resource)?).await?;
             self.raise_floor(resource, mark).await
         })
+    }
+
+    /// The key prefix ([`Issuer::with_key_prefix`]; the default is
+    /// [`DEFAULT_KEY_PREFIX`](crate::DEFAULT_KEY_PREFIX), which this default method returns).
+    fn key_prefix(&self) -> &str {
+        crate::DEFAULT_KEY_PREFIX
+    }
+
+    /// The name PostgreSQL fences `resource` under for this issuer's leases (their
+    /// [`Lease::fencing_resource`]): see [`Resource::in_key_prefix`]. The name whose marks
+    /// [`crate::high_water`] and [`crate::counter_floor`] read for this issuer.
+    ///
+    /// # Errors
+    /// [`Error::InvalidResource`] when the name would be too long, or `resource` is already a
+    /// key prefix's name.
+    fn fencing_resource(&self, resource: &Resource) -> Result<Resource> {
+        super::fencing_name(self.key_prefix(), resource)
     }
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> TokenIssuer for Issuer<C> {
     fn kind(&self) -> IssuerKind {
         IssuerKind::Redis
+    }
+
+    fn key_prefix(&self) -> &str {
+        Issuer::key_prefix(self)
     }
 
     fn acquire<'a>(
@@ -311,6 +333,10 @@ macro_rules! never_backwards_issuer {
         impl TokenIssuer for $ty {
             fn kind(&self) -> IssuerKind {
                 $kind
+            }
+
+            fn key_prefix(&self) -> &str {
+                <$ty>::key_prefix(self)
             }
 
             fn acquire<'a>(

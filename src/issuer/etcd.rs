@@ -257,11 +257,12 @@ impl EtcdIssuer {
     ) -> Result<std::result::Result<Lease, Duration>> {
         let secs = lease_secs(ttl)?;
         super::check_owner(owner)?;
+        let fencing = super::fencing_name(&self.prefix, resource)?;
         let key = self.lock_key(resource);
         let mut attempt = 0;
         loop {
             match self.try_acquire(resource, &key, owner, ttl, secs).await {
-                Ok(Some(outcome)) => return Ok(outcome),
+                Ok(Some(outcome)) => return Ok(outcome.map(|l| l.fenced_as(fencing.clone()))),
                 // The holder's lease ran out between two of our requests: look again.
                 Ok(None) => {}
                 // The same owner id makes a re-sent acquire return the token already issued.
@@ -335,6 +336,7 @@ impl EtcdIssuer {
         }
         Ok(Some(Ok(Lease {
             resource: resource.clone(),
+            fencing: resource.clone(),
             owner: owner.to_owned(),
             token: FenceToken::new(created)?,
             ttl,
@@ -367,6 +369,7 @@ impl EtcdIssuer {
         }
         let mut lease = Lease {
             resource: resource.clone(),
+            fencing: resource.clone(),
             owner: owner.to_owned(),
             token: FenceToken::new(held.create_revision())?,
             ttl,

@@ -59,7 +59,10 @@ use crate::{Error, FenceToken, Fencing, MAX_TOKEN, Resource, Result, StaleTarget
 /// Where an issuer reads the mark a fresh counter must start above (Postgres's high-water
 /// mark, through [`Issuer::with_floor_source`]): the issuer's only view of the database.
 pub trait FloorSource: Send + Sync + std::fmt::Debug + 'static {
-    /// The highest token `resource` has been checked with (0 when none).
+    /// The highest token `resource` has been checked with (0 when none). `resource` is the
+    /// name PostgreSQL fences the lease under ([`Lease::fencing_resource`]: with a key prefix
+    /// other than the default, that prefix's name), so an issuer reads its own prefix's marks
+    /// only.
     fn high_water<'a>(
         &'a self,
         resource: &'a Resource,
@@ -185,10 +188,25 @@ pub fn new_owner_id() -> String {
     format!("{:032x}", rand::random::<u128>())
 }
 
+/// The name PostgreSQL fences `resource` under for leases of key prefix `prefix`
+/// ([`Resource::in_key_prefix`]), checked before an acquire sends anything: a lock is taken on
+/// a resource name, never on a prefix's PostgreSQL name.
+pub(crate) fn fencing_name(prefix: &str, resource: &Resource) -> Result<Resource> {
+    if let Some(other) = resource.key_prefix() {
+        return Err(Error::InvalidResource(format!(
+            "{resource} is the PostgreSQL name of {} under key prefix {other}: lock {} itself (with that key prefix)",
+            resource.without_key_prefix(),
+            resource.without_key_prefix()
+        )));
+    }
+    resource.in_key_prefix(prefix)
+}
+
 /// A granted lock: who holds what, with which token, until when.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Lease {
     resource: Resource,
+    fencing: Resource,
     owner: String,
     token: FenceToken,
     ttl: Duration,
@@ -200,6 +218,18 @@ impl Lease {
     #[must_use]
     pub fn resource(&self) -> &Resource {
         &self.resource
+    }
+
+    /// The name PostgreSQL fences this lease's resource under: [`Lease::resource`] itself for
+    /// an issuer with the default key prefix, its key prefix's name otherwise
+    /// ([`Resource::in_key_prefix`]: `P{R`, `{P{D}NAME`), so that prefixes sharing a database
+    /// share no mark. [`Fencing`] (`&lease`) carries it: checks, audit rows, effects and the
+    /// token tag use it. SQL callers pass it to `pgfence.check` (`pgfence run` exports it as
+    /// `PGFENCE_RESOURCE`); [`high_water`](crate::high_water) and
+    /// [`counter_floor`](crate::counter_floor) read its marks.
+    #[must_use]
+    pub fn fencing_resource(&self) -> &Resource {
+        &self.fencing
     }
 
     /// The owner id (unguessable; only its holder can release or extend the lock).
@@ -237,15 +267,37 @@ impl Lease {
     /// Rebuilds a lease handle from what another process printed (`pgfence lock acquire`),
     /// to release or extend that lock from here. The local deadline is unknown, so it is set
     /// to now: [`Lease::remaining`] is zero until a successful [`Issuer::extend`].
+    ///
+    /// The lease is fenced as one of the default key prefix; [`Lease::with_key_prefix`] puts
+    /// it under another.
     #[must_use]
     pub fn resume(resource: Resource, owner: impl Into<String>, token: FenceToken) -> Self {
         Self {
+            fencing: resource.clone(),
             resource,
             owner: owner.into(),
             token,
             ttl: MIN_TTL,
             deadline: Instant::now(),
         }
+    }
+
+    /// The same lease as one of an issuer with key prefix `prefix`: its
+    /// [`Lease::fencing_resource`] becomes that prefix's name (a resumed lease of a prefixed
+    /// issuer, for its fenced writes).
+    ///
+    /// # Errors
+    /// [`Error::InvalidKeyPrefix`]; [`Error::InvalidResource`] when the name would be too long
+    /// (see [`Resource::in_key_prefix`]).
+    pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
+        self.fencing = fencing_name(prefix, &self.resource)?;
+        Ok(self)
+    }
+
+    /// The lease with its fencing name (set by the issuer that granted it).
+    pub(crate) fn fenced_as(mut self, fencing: Resource) -> Self {
+        self.fencing = fencing;
+        self
     }
 
     fn value(&self) -> String {
@@ -256,7 +308,7 @@ impl Lease {
 impl From<&Lease> for Fencing {
     fn from(lease: &Lease) -> Self {
         Fencing::new(lease.token)
-            .resource(lease.resource.clone())
+            .resource(lease.fencing.clone())
             .holder(lease.owner.clone())
     }
 }
@@ -373,7 +425,9 @@ pub struct LockStatus {
 /// [`Issuer::new`] takes any [`ConnectionLike`] (for example one [`ConnectionManager`](redis::aio::ConnectionManager)).
 ///
 /// Every key starts with the key prefix, `pgfence` unless [`Issuer::with_key_prefix`] sets
-/// another: issuers with different prefixes share no lock and no counter on one Redis.
+/// another: issuers with different prefixes share no lock and no counter on one Redis, and
+/// no mark in one database (their leases are fenced under their prefix's name,
+/// [`Lease::fencing_resource`]).
 #[derive(Clone)]
 pub struct Issuer<C = RedisConnections> {
     conn: C,
@@ -393,7 +447,10 @@ impl<C> std::fmt::Debug for Issuer<C> {
 impl<C> Issuer<C> {
     /// The same issuer with another key prefix: keys become `PREFIX:{R}:lock` and
     /// `PREFIX:{R}:fence` (`PREFIX:{D}:lock:NAME` and `PREFIX:{D}:fence` in a fencing domain).
-    /// Applications that share a Redis but must not share locks use different prefixes.
+    /// Applications that share a Redis but must not share locks use different prefixes. With
+    /// a prefix other than the default, PostgreSQL fences the leases under the prefix's name
+    /// for the resource ([`Resource::in_key_prefix`]): applications that also share a
+    /// database share no mark, check or audit filter.
     ///
     /// # Errors
     /// [`Error::InvalidKeyPrefix`] for a prefix that is empty, longer than
@@ -536,10 +593,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     ) -> Result<std::result::Result<Lease, Duration>> {
         let ttl_ms = ttl_millis(ttl)?;
         check_owner(owner)?;
+        let fencing = fencing_name(&self.prefix, resource)?;
         let (lock, counter) = (self.lock_key(resource), self.counter_key(resource));
         let _timer = crate::metrics::Timer::acquire();
         let result = self
-            .acquire_once(resource, owner, ttl, ttl_ms, &lock, &counter)
+            .acquire_once(resource, &fencing, owner, ttl, ttl_ms, &lock, &counter)
             .await;
         crate::metrics::acquisition(match &result {
             Ok(Ok(_)) => "acquired",
@@ -549,9 +607,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         result
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn acquire_once(
         &self,
         resource: &Resource,
+        fencing: &Resource,
         owner: &str,
         ttl: Duration,
         ttl_ms: u64,
@@ -582,6 +642,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
                 let token = FenceToken::new(int(token)?)?;
                 let mut lease = Lease {
                     resource: resource.clone(),
+                    fencing: fencing.clone(),
                     owner: owner.to_owned(),
                     token,
                     ttl,
@@ -779,7 +840,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         let Some(source) = &self.floor_source else {
             return Ok(());
         };
-        let mark = source.high_water(&lease.resource).await?;
+        // The marks of this issuer's leases: under its key prefix's name.
+        let mark = source.high_water(&lease.fencing).await?;
         if mark < lease.token.get() {
             return Ok(());
         }

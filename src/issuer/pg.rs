@@ -181,6 +181,7 @@ impl PgIssuer {
     ) -> Result<std::result::Result<Lease, Duration>> {
         let ttl_ms = ttl_millis(ttl)?;
         let owner_lit = owner_literal(owner)?;
+        let fencing = super::fencing_name(&self.prefix, resource)?;
         let sql = format!(
             "SELECT acquired, token, ttl_ms FROM pgfence.issuer_acquire({}, {}, {owner_lit}, {ttl_ms})",
             self.prefix_literal()?,
@@ -191,7 +192,10 @@ impl PgIssuer {
         let result = loop {
             let sent_at = Instant::now();
             match self.one_row(&sql).await {
-                Ok(row) => break decode_acquire(&row, resource, owner, ttl, sent_at),
+                Ok(row) => {
+                    break decode_acquire(&row, resource, owner, ttl, sent_at)
+                        .map(|got| got.map(|l| l.fenced_as(fencing)));
+                }
                 // The same owner id makes a re-sent acquire return the token already issued.
                 Err(e) if attempt + 1 < ACQUIRE_ATTEMPTS && e.is_retryable() => attempt += 1,
                 Err(e) => break Err(token_limit(e, resource)),
@@ -353,6 +357,7 @@ fn decode_acquire(
         .ok_or_else(|| Error::InvalidToken("NULL from pgfence.issuer_acquire".into()))?;
     Ok(Ok(Lease {
         resource: resource.clone(),
+        fencing: resource.clone(),
         owner: owner.to_owned(),
         token: FenceToken::new(token)?,
         ttl,

@@ -406,6 +406,7 @@ impl ZkIssuer {
     ) -> Result<std::result::Result<Lease, Duration>> {
         check_ttl(ttl)?;
         super::check_owner(owner)?;
+        let fencing = super::fencing_name(&self.prefix, resource)?;
         let dir = self.lock_dir(resource);
         let key = (dir.clone(), owner.to_owned());
         // A retry of an acquire that failed: this try adopts or removes its node itself.
@@ -413,7 +414,7 @@ impl ZkIssuer {
         let mut attempt = 0;
         loop {
             match self.try_acquire(resource, &dir, owner, ttl).await {
-                Ok(outcome) => return Ok(outcome),
+                Ok(outcome) => return Ok(outcome.map(|l| l.fenced_as(fencing.clone()))),
                 // The same owner id lets the next try find a node this one may have created.
                 Err(e) if attempt + 1 < ACQUIRE_ATTEMPTS && e.is_retryable() => {
                     tokio::time::sleep(Duration::from_millis(25 << attempt)).await;
@@ -833,6 +834,7 @@ fn lease(
 ) -> Result<Lease> {
     Ok(Lease {
         resource: resource.clone(),
+        fencing: resource.clone(),
         owner: owner.to_owned(),
         token: FenceToken::new(token)?,
         ttl,

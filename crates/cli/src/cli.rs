@@ -175,6 +175,8 @@ pub struct AuditArgs {
     #[arg(long)]
     pub since: Option<String>,
     /// Only rejections for this resource; a trailing `*` matches a prefix (`billing:*`).
+    /// With a --key-prefix other than pgfence, that key prefix's rejections (its leases are
+    /// audited as PREFIX{RESOURCE).
     #[arg(long)]
     pub resource: Option<String>,
     /// At most this many rows.
@@ -242,7 +244,8 @@ pub enum LockAction {
 /// The lease an effect is recorded under: what `pgfence run` exports to its command.
 #[derive(Args, Debug)]
 pub struct EffectLease {
-    /// The lease's resource.
+    /// The lease's resource, or its name in PostgreSQL (what `pgfence run` exports: under a
+    /// --key-prefix P, P{RESOURCE).
     #[arg(long, env = "PGFENCE_RESOURCE")]
     pub resource: String,
     /// The lease's token.

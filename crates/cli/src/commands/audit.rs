@@ -64,6 +64,10 @@ pub async fn list(
         limit,
         after_id: None,
     };
+    // A prefix's leases are audited under its names for their resources.
+    if let Some(prefix) = conn.key_prefix()? {
+        filter = filter.in_key_prefix(prefix)?;
+    }
     let pool = conn.pg_migrated().await?;
     let mut rows = list_rows(&pool, &filter).await?;
     if follow {

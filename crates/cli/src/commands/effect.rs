@@ -6,8 +6,8 @@
 
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
-use pgfence::{EffectOutcome, Effects, FenceToken, Lease};
+use anyhow::{Context, Result, bail};
+use pgfence::{EffectOutcome, Effects, FenceToken, Lease, Resource};
 use serde_json::json;
 
 use crate::cli::{Conn, EffectLease};
@@ -16,13 +16,38 @@ use crate::util::{self, cell};
 /// Exit code of `effect begin` when a holder already recorded the call's outcome: do not call.
 pub const ALREADY_RECORDED: u8 = 3;
 
-fn lease(args: &EffectLease) -> Result<Lease> {
-    let resource = util::resource(&args.resource)?;
+/// `name` as `pgfence effect` and `pgfence lock` take it: a resource, or its PostgreSQL name
+/// under a key prefix (`PGFENCE_RESOURCE` of `pgfence run --key-prefix P`: `P{R`); the
+/// resource and the key prefix its leases are fenced under (the name's, else
+/// `--key-prefix`'s, else the default).
+pub fn named_resource(conn: &Conn, name: &str) -> Result<(Resource, String)> {
+    let named = match Resource::parse_fenced(name) {
+        Ok(named) => named,
+        // Not a name at all: the usual message about a bad resource name.
+        Err(_) => util::resource(name)?,
+    };
+    let given = conn.key_prefix()?;
+    match (named.key_prefix(), given) {
+        (Some(own), Some(given)) if own != given => bail!(
+            "{:?} is resource {:?} under key prefix {own:?}, not under --key-prefix / PGFENCE_KEY_PREFIX {given:?}",
+            cell(name),
+            cell(named.without_key_prefix().as_str()),
+        ),
+        (Some(own), _) => Ok((named.without_key_prefix(), own.to_owned())),
+        (None, given) => Ok((
+            named,
+            given.unwrap_or(pgfence::DEFAULT_KEY_PREFIX).to_owned(),
+        )),
+    }
+}
+
+fn lease(conn: &Conn, args: &EffectLease) -> Result<Lease> {
+    let (resource, prefix) = named_resource(conn, &args.resource)?;
     let token: FenceToken = args
         .token
         .parse()
         .with_context(|| format!("bad token {:?}", cell(&args.token)))?;
-    Ok(Lease::resume(resource, args.owner.as_str(), token))
+    Ok(Lease::resume(resource, args.owner.as_str(), token).with_key_prefix(&prefix)?)
 }
 
 /// Records the effect and prints its idempotency key. Exit 0: make the call with the key;
@@ -34,7 +59,7 @@ pub async fn begin(
     step: &str,
     json: bool,
 ) -> Result<ExitCode> {
-    let lease = lease(lease_args)?;
+    let lease = lease(conn, lease_args)?;
     let pool = conn.pg_migrated().await?;
     let effects = Effects::new(pool.clone());
     let effect = effects
@@ -74,7 +99,7 @@ pub async fn finish(
     outcome: &str,
     failed: bool,
 ) -> Result<ExitCode> {
-    let lease = lease(lease_args)?;
+    let lease = lease(conn, lease_args)?;
     let detail = serde_json::from_str(outcome).unwrap_or_else(|_| json!(outcome));
     let outcome = if failed {
         EffectOutcome::Failed(detail)
@@ -96,7 +121,8 @@ pub async fn status(
     step: &str,
     json: bool,
 ) -> Result<ExitCode> {
-    let resource = util::resource(resource)?;
+    let (resource, prefix) = named_resource(conn, resource)?;
+    let resource = resource.in_key_prefix(&prefix)?;
     let pool = conn.pg_migrated().await?;
     let record = Effects::new(pool.clone())
         .status(&pool, &resource, work, step)

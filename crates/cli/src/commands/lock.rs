@@ -12,7 +12,21 @@ use serde_json::json;
 
 use crate::cli::Conn;
 use crate::connect::take_lock;
-use crate::util::{self, cell, fmt_duration};
+use crate::util::{cell, fmt_duration};
+
+/// `name` as a lock's resource: a resource, or its PostgreSQL name under this command's key
+/// prefix (`PGFENCE_RESOURCE` of `pgfence run --key-prefix P`: `P{R`).
+fn lock_resource(conn: &Conn, name: &str) -> Result<pgfence::Resource> {
+    let (resource, prefix) = super::effect::named_resource(conn, name)?;
+    if prefix != conn.key_prefix()?.unwrap_or(pgfence::DEFAULT_KEY_PREFIX) {
+        anyhow::bail!(
+            "{:?} is resource {:?} under key prefix {prefix:?}: pass --key-prefix {prefix}",
+            cell(name),
+            cell(resource.as_str())
+        );
+    }
+    Ok(resource)
+}
 
 /// Takes a lock and prints its token and owner id (and how to release it).
 pub async fn acquire(
@@ -22,7 +36,7 @@ pub async fn acquire(
     wait: Option<Duration>,
     json: bool,
 ) -> Result<ExitCode> {
-    let resource = util::resource(resource)?;
+    let resource = lock_resource(conn, resource)?;
     pgfence::check_ttl(ttl)?;
     let issuer = conn.lock_issuer().await?;
     if issuer.kind() == pgfence::IssuerKind::ZooKeeper {
@@ -63,7 +77,7 @@ pub async fn release(
     token: &str,
     json: bool,
 ) -> Result<ExitCode> {
-    let resource = util::resource(resource)?;
+    let resource = lock_resource(conn, resource)?;
     let token: FenceToken = token
         .parse()
         .with_context(|| format!("bad token {:?}", cell(token)))?;
@@ -93,7 +107,7 @@ pub async fn release(
 
 /// Prints a lock's holder, token, TTL and counter.
 pub async fn status(conn: &Conn, resource: &str, json: bool) -> Result<ExitCode> {
-    let resource = util::resource(resource)?;
+    let resource = lock_resource(conn, resource)?;
     let status = conn.issuer().await?.status(&resource).await?;
     if json {
         println!("{}", serde_json::to_string(&status)?);

@@ -28,8 +28,18 @@ pub const CHILD_ENV: &[ChildVar] = &[
     },
     ChildVar {
         name: "PGFENCE_RESOURCE",
-        about: "the locked resource",
-        value: |l| l.resource().as_str().to_owned(),
+        about: "the resource's name in PostgreSQL, for pgfence.check / pgfence.try_check and `pgfence effect`: the locked resource, or under a --key-prefix P other than pgfence P{RESOURCE ({P{D}NAME in a fencing domain)",
+        value: |l| l.fencing_resource().as_str().to_owned(),
+    },
+    ChildVar {
+        name: "PGFENCE_KEY_PREFIX",
+        about: "the issuer's key prefix, so that pgfence commands run by the command use the run's (`pgfence lock status \"$PGFENCE_RESOURCE\"`)",
+        value: |l| {
+            l.fencing_resource()
+                .key_prefix()
+                .unwrap_or(pgfence::DEFAULT_KEY_PREFIX)
+                .to_owned()
+        },
     },
     ChildVar {
         name: "PGFENCE_OWNER",
