@@ -36,6 +36,16 @@ pub enum Mode {
     /// transaction: token order and no lost updates in the database, and no invoice charged
     /// twice at the provider, whatever zombie calls late.
     Effects,
+    /// [`Mode::RowClaim`]'s leases (claim, then 2–4 fenced updates over 1–3 transactions,
+    /// stalls past the TTL) with lease-less writers on the same rows
+    /// ([`Config::leaseless_writers`]): raw updates that set `fence = fence + 1` (and
+    /// `value = value + 1`), which the guard must refuse every time, and audited bypasses
+    /// (`SELECT pgfence.bypass(reason)`, then `value = value + 1`, as an allowed role), which
+    /// go through and seal the row, so the lease that claimed it before gets
+    /// [`RowSealed`](pgfence::Error::RowSealed) instead of overwriting the bypass: no lost
+    /// update of either kind.
+    #[serde(rename = "leaseless")]
+    LeaselessMix,
     /// Read, then a fenced row update: token order per row, but lost updates remain possible.
     RowFence,
     /// Read, then a plain `UPDATE ... SET value = $1` on an unguarded table: the control.
@@ -49,12 +59,13 @@ pub enum Mode {
 
 impl Mode {
     /// Every mode, in the order `--all-modes` runs them (the controls last).
-    pub const ALL: [Mode; 8] = [
+    pub const ALL: [Mode; 9] = [
         Mode::Fenced,
         Mode::FencedMulti,
         Mode::RowClaim,
         Mode::Batch,
         Mode::Effects,
+        Mode::LeaselessMix,
         Mode::RowFence,
         Mode::Unfenced,
         Mode::EffectsUnkeyed,
@@ -71,6 +82,7 @@ impl Mode {
                 | Mode::RowClaim
                 | Mode::Batch
                 | Mode::Effects
+                | Mode::LeaselessMix
                 | Mode::EffectsUnkeyed
         )
     }
@@ -105,10 +117,11 @@ impl std::str::FromStr for Mode {
             "row-fence" | "row_fence" | "row" => Ok(Mode::RowFence),
             "unfenced" | "none" => Ok(Mode::Unfenced),
             "effects" => Ok(Mode::Effects),
+            "leaseless" | "leaseless-mix" | "leaseless_mix" => Ok(Mode::LeaselessMix),
             "effects-unkeyed" | "effects_unkeyed" | "unkeyed" => Ok(Mode::EffectsUnkeyed),
             other => Err(format!(
                 "unknown mode {other:?} (expected fenced, fenced-multi, row-claim, batch, \
-                 effects, row-fence, unfenced or effects-unkeyed)"
+                 effects, leaseless, row-fence, unfenced or effects-unkeyed)"
             )),
         }
     }
@@ -124,6 +137,7 @@ impl fmt::Display for Mode {
             Mode::RowFence => "row-fence",
             Mode::Unfenced => "unfenced",
             Mode::Effects => "effects",
+            Mode::LeaselessMix => "leaseless",
             Mode::EffectsUnkeyed => "effects-unkeyed",
         })
     }
@@ -200,6 +214,14 @@ pub struct Config {
     /// Effects modes: how long the payment provider takes to answer a charge (a call in
     /// flight that long is what a concurrent duplicate with the same key meets: `409`).
     pub provider_latency: Duration,
+    /// Leaseless mode: lease-less writers running next to the workers, each on random rows.
+    pub leaseless_writers: usize,
+    /// Leaseless mode: the mean pause between two writes of one lease-less writer (drawn
+    /// uniformly from zero to twice this).
+    pub leaseless_every: Duration,
+    /// Leaseless mode: the share of lease-less writes that are audited bypasses (the others
+    /// are raw `fence = fence + 1` updates).
+    pub bypass_share: f64,
 }
 
 impl Default for Config {
@@ -227,6 +249,9 @@ impl Default for Config {
             batch_min_rows: 10,
             batch_max_rows: 100,
             provider_latency: Duration::from_millis(10),
+            leaseless_writers: 2,
+            leaseless_every: Duration::from_millis(4),
+            bypass_share: 0.5,
         }
     }
 }
@@ -278,6 +303,14 @@ impl Config {
             }
             if self.batch_max_rows > pgfence::MAX_BATCH_ROWS {
                 return bad("batch rows: at most pgfence::MAX_BATCH_ROWS per unit");
+            }
+        }
+        if self.mode == Mode::LeaselessMix {
+            if self.leaseless_writers == 0 {
+                return bad("leaseless mode: need at least one lease-less writer");
+            }
+            if !(0.0..=1.0).contains(&self.bypass_share) {
+                return bad("bypass share must be in 0..=1");
             }
         }
         if self.mode.calls_provider() && self.provider_latency > Duration::from_secs(10) {

@@ -15,6 +15,7 @@ use sqlx::postgres::PgPoolOptions;
 use tokio::time::Instant;
 
 use crate::faults::{Kills, kill_backends};
+use crate::leaseless::leaseless_writer;
 use crate::schema::{self, Cell, ClaimCell};
 use crate::util::{lock, millis};
 use crate::verify::{ProviderTally, RunId, RunOutput, verify};
@@ -65,6 +66,9 @@ pub(crate) struct Ctx {
     pub(crate) redis: Option<ConnectionManager>,
     /// The effects modes' ledger and payment provider.
     pub(crate) effects: Option<EffectsCtx>,
+    /// Leaseless mode: the role the bypasses `SET LOCAL ROLE` to (`None`: the connecting role,
+    /// allowed to bypass itself).
+    pub(crate) bypass_role: Option<String>,
     pub(crate) shared: Arc<Shared>,
 }
 
@@ -178,12 +182,23 @@ impl Harness {
         let rows = i32::try_from(cfg.rows).map_err(|_| ChaosError::Config("rows".into()))?;
         let run = format!("{:016x}", rand::random::<u64>());
         let worker_app = format!("pgfence-chaos-worker-{run}");
-        let workers = u32::try_from(cfg.workers).unwrap_or(u32::MAX);
-        let pool = connect(target, &worker_app, workers.saturating_add(2)).await?;
+        let leaseless_writers = if cfg.mode == Mode::LeaselessMix {
+            cfg.leaseless_writers
+        } else {
+            0
+        };
+        let writers =
+            u32::try_from(cfg.workers.saturating_add(leaseless_writers)).unwrap_or(u32::MAX);
+        let pool = connect(target, &worker_app, writers.saturating_add(2)).await?;
         let audit_pool = connect(target, "pgfence-chaos-audit", 4).await?;
         let admin = connect(target, "pgfence-chaos-admin", 2).await?;
 
         schema::setup(&admin, &run, rows).await?;
+        let bypass_role = if cfg.mode == Mode::LeaselessMix {
+            schema::setup_bypass_role(&admin).await?
+        } else {
+            None
+        };
 
         let mut options = IssuerOptions::new();
         if cfg.recovery.floor_source {
@@ -244,6 +259,7 @@ impl Harness {
                 issuer,
                 redis,
                 effects,
+                bypass_role,
                 shared,
             }),
             admin,
@@ -324,6 +340,17 @@ impl Harness {
             let seed = ctx.cfg.seed;
             tokio::spawn(kill_backends(admin, app, issuer_app, shared, every, seed))
         });
+        let leaseless_ids = Arc::new(AtomicU64::new(0));
+        let leaseless: Vec<_> = if ctx.cfg.mode == Mode::LeaselessMix {
+            (0..ctx.cfg.leaseless_writers)
+                .map(|w| {
+                    let ids = leaseless_ids.clone();
+                    tokio::spawn(leaseless_writer(w, ctx.clone(), ids, started))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         let handles: Vec<_> = (0..ctx.cfg.workers)
             .map(|w| tokio::spawn(worker(w, ctx.clone(), started)))
             .collect();
@@ -338,6 +365,13 @@ impl Harness {
             }
         }
         ctx.shared.done.store(true, Ordering::SeqCst);
+        let mut leaseless_attempts = Vec::new();
+        for h in leaseless {
+            match h.await {
+                Ok(out) => leaseless_attempts.extend(out),
+                Err(e) => return Err(ChaosError::Worker(e.to_string())),
+            }
+        }
         let kills = match killer {
             Some(k) => k.await.unwrap_or_default(),
             None => Kills::default(),
@@ -369,6 +403,7 @@ impl Harness {
             audit: self.audit.tally(&prefix),
             reseeds,
             provider,
+            leaseless: leaseless_attempts,
         };
         let id = RunId {
             cfg: &ctx.cfg,

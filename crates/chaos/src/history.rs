@@ -36,7 +36,8 @@ pub enum Stage {
 pub enum Outcome {
     /// Committed and acknowledged.
     Accepted,
-    /// Rejected with [`pgfence::Error::StaleToken`] or [`pgfence::Error::DuplicateToken`].
+    /// Rejected with [`pgfence::Error::StaleToken`], [`pgfence::Error::DuplicateToken`] or
+    /// (the row was bypassed after this lease wrote it) [`pgfence::Error::RowSealed`].
     Rejected {
         /// The token of the fence (or high-water mark) the write met.
         current: i64,
@@ -46,6 +47,10 @@ pub enum Outcome {
         /// True for [`pgfence::Error::DuplicateToken`]: another lease already presented this
         /// token (the counter went backwards).
         duplicate: bool,
+        /// True for [`pgfence::Error::RowSealed`]: a lease-less writer bypassed the guard on
+        /// the row after this lease wrote (claimed) it, so the lease's picture of the row is
+        /// out of date; `current` is then the lease's own token.
+        sealed: bool,
     },
     /// Failed with another error.
     Failed {
@@ -140,8 +145,8 @@ pub enum RowResult {
     Duplicate,
     /// No such row.
     NotFound,
-    /// The lease wrote the row too often.
-    Exhausted,
+    /// The row was sealed (changed outside the protocol) after the lease wrote it.
+    Sealed,
     /// The row changed while the statement ran (not written; not audited).
     Contended,
     /// Not sent: the claim did not get the row.
@@ -163,7 +168,7 @@ impl From<pgfence::RowOutcome> for RowResult {
             O::Stale { current, .. } => RowResult::Stale { current },
             O::DuplicateToken => RowResult::Duplicate,
             O::NotFound => RowResult::NotFound,
-            O::Exhausted => RowResult::Exhausted,
+            O::Sealed => RowResult::Sealed,
             O::Applied | O::Inserted | O::Updated => RowResult::Applied,
             _ => RowResult::Contended,
         }
@@ -220,4 +225,73 @@ pub struct FailoverEvent {
     /// Redis: the unit at which the replica was paused (`SIGSTOP`) and its replication link
     /// cut, so that it missed every `INCR` from there to the kill.
     pub replica_paused_at_unit: Option<u64>,
+}
+
+/// A lease-less writer's kind of write ([`Mode::LeaselessMix`](crate::Mode::LeaselessMix)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LeaselessKind {
+    /// `UPDATE ... SET value = value + 1, fence = fence + 1`: what a hand-written script
+    /// without a lease does. The guard must refuse it every time
+    /// ([`pgfence::Error::LeaselessWrite`], SQLSTATE `PF007`).
+    FencePlusOne,
+    /// `BEGIN; SELECT pgfence.bypass('chaos'); UPDATE ... SET value = value + 1; COMMIT` as a
+    /// role allowed with [`pgfence::allow_bypass`]: goes through (audited) and seals the row
+    /// against the lease that wrote it before.
+    Bypass,
+}
+
+impl LeaselessKind {
+    /// The `kind` of its history row (written only when the write committed).
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeaselessKind::FencePlusOne => "fence_plus_one",
+            LeaselessKind::Bypass => "bypass",
+        }
+    }
+}
+
+/// What a lease-less write came to, as its writer saw it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LeaselessOutcome {
+    /// Committed and acknowledged (for a `fence + 1`: a violation).
+    Applied,
+    /// Refused by the guard trigger: [`pgfence::Error::LeaselessWrite`] (`PF007`),
+    /// [`pgfence::Error::StaleToken`] (`PF001`) or [`pgfence::Error::BypassRefused`]
+    /// (`PF006`); nothing was written.
+    Refused {
+        /// The SQLSTATE.
+        code: String,
+    },
+    /// Failed with another error (a killed backend...).
+    Failed {
+        /// Where: `begin`, `write`, `record` or `commit` (only a failed `commit` may have
+        /// committed: the history says).
+        stage: &'static str,
+        /// [`pgfence::Error::is_retryable`].
+        retryable: bool,
+        /// A short classification of the error.
+        error: String,
+    },
+}
+
+/// One write of a lease-less writer ([`Mode::LeaselessMix`](crate::Mode::LeaselessMix)).
+#[derive(Clone, Debug, Serialize)]
+pub struct LeaselessAttempt {
+    /// Its id: the `unit` of its history row (above every lease's unit).
+    pub id: u64,
+    /// Lease-less writer index.
+    pub writer: usize,
+    /// Counter row.
+    pub row: i32,
+    /// What it sent.
+    pub kind: LeaselessKind,
+    /// When it started (ms since the run started).
+    pub started_ms: u64,
+    /// When it ended.
+    pub finished_ms: u64,
+    /// What it came to.
+    pub outcome: LeaselessOutcome,
 }

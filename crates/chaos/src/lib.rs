@@ -72,7 +72,8 @@
 //! a session of work, as pgfence does (one lease writes a row many times and checks a resource
 //! in many transactions); one writes many rows per statement. Two more
 //! ([`Mode::Effects`], [`Mode::EffectsUnkeyed`], [below](#side-effects-outside-postgresql))
-//! add a side effect outside PostgreSQL: an HTTP call to a payment provider.
+//! add a side effect outside PostgreSQL: an HTTP call to a payment provider. One more
+//! ([`Mode::LeaselessMix`], [below](#lease-less-writers)) adds writers without a lease.
 //!
 //! * [`Mode::Unfenced`] — what an application without pgfence does: read the value, then
 //!   `UPDATE ... SET value = $1` without a token, on a table that is not guarded. A worker
@@ -184,6 +185,39 @@
 //! item had returned) with how many the provider deduplicated; the ledger's takeovers (items
 //! recorded by more than one lease).
 //!
+//! ## Lease-less writers
+//!
+//! People and scripts write guarded tables without a lease too. [`Mode::LeaselessMix`]
+//! (`leaseless`) runs [`Mode::RowClaim`]'s leases with [`Config::leaseless_writers`]
+//! lease-less writers on the same rows (a write every 0–2 × [`Config::leaseless_every`], on a
+//! random row), of two kinds ([`LeaselessKind`]; [`Config::bypass_share`] of them bypasses):
+//!
+//! * `UPDATE ... SET value = value + 1, fence = fence + 1` — the hand-written "bump the fence"
+//!   that 0.2 let through, where the next write of the row's lease (whose fence it looked
+//!   like) overwrote it. The guard must refuse it every time
+//!   ([`pgfence::Error::LeaselessWrite`], `PF007`); one that goes through is a violation.
+//! * `BEGIN; SET LOCAL ROLE pgfence_chaos_bypass; SELECT pgfence.bypass(reason); UPDATE ...
+//!   SET value = value + 1; <history row>; COMMIT` — an audited bypass by a role allowed with
+//!   [`pgfence::allow_bypass`] (created `NOLOGIN` at setup; superusers are not exempt from the
+//!   guard). It goes through, writes an audit row (operation `bypass`) and seals the row: the
+//!   lease that claimed it before gets [`RowSealed`](pgfence::Error::RowSealed) on its next
+//!   write, which the worker treats like a stale rejection (nothing written, the try recorded
+//!   as [`Outcome::Rejected`] with `sealed`), so the lease cannot write back its picture of
+//!   the row from before the bypass; a newer lease claims the sealed row as usual.
+//!
+//! A lease-less write that goes through commits its history row with it (kind `bypass` or
+//! `fence_plus_one`), so it has its place in the row's commit order: each adds one to the
+//! value, has no token to order (token order is checked between the leases' statements, and a
+//! lease statement right after a bypass by the lease that wrote the row before it is a
+//! violation, `sealed_writes`), and the row's final value must equal the leases' committed
+//! increments plus the committed bypasses. [`LeaselessFigures`] splits the lost updates by
+//! kind: a committed bypass increment that the final value does not hold (the row's states
+//! are chained back from its last statement, each statement building on the latest state
+//! whose value it read) is a lost bypass increment. The seal protects what a lease *claimed*
+//! (its claim wrote the row's fence before reading it); a lease that only read the row (as
+//! `fenced` does, behind its resource check) has not written it, so a bypass between its read
+//! and its write would not seal it out — which is why this mode runs row-claim's leases.
+//!
 //! ## What counts as an applied increment
 //!
 //! A unit's increment counts when, and only when, the statement that wrote it committed —
@@ -243,6 +277,7 @@ mod error;
 mod faults;
 mod harness;
 mod history;
+mod leaseless;
 mod report;
 mod reseed;
 mod schema;
@@ -256,10 +291,12 @@ pub use deploy::{Deployment, issuer_of_url, parse_issuer};
 pub use error::ChaosError;
 pub use harness::{Control, Harness};
 pub use history::{
-    Attempt, BatchRows, FailoverEvent, FaultMark, LeaseRecord, Outcome, RowResult, Stage,
+    Attempt, BatchRows, FailoverEvent, FaultMark, LeaseRecord, LeaselessAttempt, LeaselessKind,
+    LeaselessOutcome, Outcome, RowResult, Stage,
 };
 pub use report::{
-    BatchFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery, Report, Summary,
+    BatchFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery, LeaselessFigures,
+    Report, Summary,
 };
 pub use reseed::{ReseedCounter, ReseedLayer};
 pub use schema::SCHEMA;

@@ -24,9 +24,10 @@
 //! exit status is 1 when a protected run shows a violation or a lost update, when the
 //! unfenced control shows none (the harness would then prove nothing), when an `effects` run
 //! charged some invoice twice at the provider or `effects-unkeyed` (its control) charged none
-//! twice, when a requested
-//! failover did not happen or some row never wrote again after it, or when etcd or ZooKeeper
-//! issued a token after a failover that was not above every token accepted before it.
+//! twice, when a `leaseless` run had no `fence = fence + 1` refused or no bypass applied (its
+//! lease-less writers did not interleave), when a requested failover did not happen or some
+//! row never wrote again after it, or when etcd or ZooKeeper issued a token after a failover
+//! that was not above every token accepted before it.
 //!
 //! `--failover-at N` fails the issuer over for real at unit N: etcd and ZooKeeper run as three
 //! members and the leader is killed (`SIGKILL`); Redis runs as a master, a replica and three
@@ -50,6 +51,17 @@
 //! ```text
 //! cargo run --release -p pgfence-chaos -- --mode effects --control --workers 16 \
 //!     --attempts 5000 --rows 16 --kill-every-ms 200 --restart-postgres-at 2500
+//! ```
+//!
+//! Leaseless mode (`--mode leaseless`) runs row-claim's leases with `--leaseless-writers`
+//! lease-less writers on the same rows (a write every 0–2 × `--leaseless-every-ms`;
+//! `--bypass-share` of them audited bypasses, the others `fence = fence + 1`, which must be
+//! refused): no violation and no lost update of either kind:
+//!
+//! ```text
+//! cargo run --release -p pgfence-chaos -- --mode leaseless --workers 16 --attempts 20000 \
+//!     --rows 16 --reset-counter-at 6000 --kill-every-ms 200 --restart-redis-at 10000 \
+//!     --restart-postgres-at 14000
 //! ```
 //!
 //! Batch mode (`--mode batch`) splits the `--rows` counter rows into `--batch-groups` groups,
@@ -113,20 +125,32 @@ struct Args {
     /// transactions), batch (claim_many, then update_many, of 10–100 rows of a group under
     /// one lease), effects (claim the row's next invoice, record the charge in the effect
     /// ledger, call an HTTP payment provider with the ledger's idempotency key, record the
-    /// outcome + mark the invoice paid), row-fence, unfenced (the database control) or
-    /// effects-unkeyed (effects with a key per lease: the provider control).
+    /// outcome + mark the invoice paid), leaseless (row-claim's leases with lease-less writers
+    /// on the same rows: `fence = fence + 1`, which must be refused, and audited bypasses,
+    /// which seal the row), row-fence, unfenced (the database control) or effects-unkeyed
+    /// (effects with a key per lease: the provider control).
     #[arg(long, default_value = "fenced")]
     mode: Mode,
     /// Also run the control with the same settings (and faults): unfenced, or for
     /// --mode effects effects-unkeyed.
     #[arg(long)]
     control: bool,
-    /// Run all eight modes in turn (the controls last).
+    /// Run all nine modes in turn (the controls last).
     #[arg(long)]
     all_modes: bool,
     /// Effects modes: how long the payment provider takes to answer a charge, ms.
     #[arg(long, default_value_t = 10)]
     provider_latency_ms: u64,
+    /// Leaseless mode: lease-less writers next to the workers.
+    #[arg(long, default_value_t = 2)]
+    leaseless_writers: usize,
+    /// Leaseless mode: mean pause between two writes of one lease-less writer, ms.
+    #[arg(long, default_value_t = 4)]
+    leaseless_every_ms: u64,
+    /// Leaseless mode: share of lease-less writes that are bypasses (the others are
+    /// `fence = fence + 1`).
+    #[arg(long, default_value_t = 0.5)]
+    bypass_share: f64,
     /// Delete every Redis counter when this unit starts (repeatable). Redis only, through a
     /// redis:// URL.
     #[arg(long)]
@@ -429,6 +453,7 @@ async fn main() -> anyhow::Result<()> {
             // The row fence alone guarantees token order, not read-modify-write atomicity.
             Mode::RowFence => report.summary.violations == 0,
             Mode::Effects | Mode::EffectsUnkeyed => effects_prove(&report.summary),
+            Mode::LeaselessMix => leaseless_prove(&report.summary),
             _ => report.summary.is_safe(),
         };
         if let Some(at) = args.failover_at {
@@ -508,6 +533,36 @@ fn effects_prove(summary: &Summary) -> bool {
     ok
 }
 
+/// Whether a leaseless run proves what it is for: safe (no violation — no `fence + 1` went
+/// through, no sealed lease wrote — and no lost update of either kind), and the lease-less
+/// writes really interleaved: some `fence + 1` refused, some bypass applied.
+fn leaseless_prove(summary: &Summary) -> bool {
+    let Some(l) = &summary.leaseless else {
+        eprintln!("{} run without lease-less figures", summary.mode);
+        return false;
+    };
+    let mut ok = summary.is_safe();
+    if !ok {
+        eprintln!(
+            "leaseless: not safe ({} fence + 1 accepted, {} writes by sealed leases, {} lease \
+             increments and {} bypass increments lost)",
+            l.fence_plus_one_accepted,
+            l.sealed_writes,
+            l.lost_lease_increments,
+            l.lost_bypass_increments
+        );
+    }
+    if l.fence_plus_one_refused == 0 || l.bypass_applied == 0 {
+        eprintln!(
+            "leaseless: {} fence + 1 refused, {} bypasses applied: the lease-less writers did \
+             not interleave (more writers, or a shorter --leaseless-every-ms?)",
+            l.fence_plus_one_refused, l.bypass_applied
+        );
+        ok = false;
+    }
+    ok
+}
+
 /// The run's configuration: the issuer's timing ([`Config::for_issuer`]) unless given.
 fn config(args: &Args, issuer: IssuerKind, mode: Mode) -> Config {
     let timing = Config::for_issuer(issuer);
@@ -534,6 +589,9 @@ fn config(args: &Args, issuer: IssuerKind, mode: Mode) -> Config {
         batch_min_rows: args.batch_min_rows,
         batch_max_rows: args.batch_max_rows,
         provider_latency: Duration::from_millis(args.provider_latency_ms),
+        leaseless_writers: args.leaseless_writers,
+        leaseless_every: Duration::from_millis(args.leaseless_every_ms),
+        bypass_share: args.bypass_share,
         ..timing
     }
 }

@@ -4,7 +4,7 @@ use std::fmt;
 
 use serde::Serialize;
 
-use crate::{Attempt, FaultMark, LeaseRecord, Mode};
+use crate::{Attempt, FaultMark, LeaseRecord, LeaselessAttempt, Mode};
 
 /// How the run recovered from one fault. Only leases granted after the fault count (for an
 /// issuer failover: leases asked for after it, which the old leader cannot have issued).
@@ -213,6 +213,59 @@ impl EffectFigures {
     }
 }
 
+/// Leaseless mode: the lease-less writes next to the leases, as their writers saw them and
+/// as Postgres committed them, and what they did to the leases.
+///
+/// A `fence = fence + 1` must be refused every time (`PF007`): one that went through
+/// (`fence_plus_one_accepted`) is a violation. A bypass goes through, audited, and seals the
+/// row, so the lease that wrote the row before it is rejected (`RowSealed`, `leases_sealed`)
+/// instead of writing back a value it read before the bypass: `lost_bypass_increments` must be
+/// 0, and so must `sealed_writes`.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct LeaselessFigures {
+    /// Lease-less writers.
+    pub writers: usize,
+    /// `fence = fence + 1` updates sent.
+    pub fence_plus_one_sent: u64,
+    /// ... refused by the guard.
+    pub fence_plus_one_refused: u64,
+    /// ... of which with `PF007` ([`pgfence::Error::LeaselessWrite`]).
+    pub fence_plus_one_refused_pf007: u64,
+    /// ... that went through (acknowledged, or in the history): **violations**.
+    pub fence_plus_one_accepted: u64,
+    /// ... with their history row committed (a subset of the accepted).
+    pub fence_plus_one_committed: u64,
+    /// ... that failed otherwise (killed backends...).
+    pub fence_plus_one_failed: u64,
+    /// Bypasses sent.
+    pub bypass_sent: u64,
+    /// ... acknowledged.
+    pub bypass_applied: u64,
+    /// ... with their history row committed (the acknowledged ones, and any whose `COMMIT`
+    /// lost its acknowledgement): what the rows' values hold besides the leases' increments.
+    pub bypass_committed: u64,
+    /// ... refused by the guard (the role not allowed: must be 0).
+    pub bypass_refused: u64,
+    /// ... that failed otherwise.
+    pub bypass_failed: u64,
+    /// `pgfence.audit` rows of operation `bypass` on the run's rows (one per committed bypass).
+    pub bypass_audit_rows: u64,
+    /// Lease tries rejected with [`pgfence::Error::RowSealed`]: the lease had claimed the row,
+    /// a bypass changed it, and the lease's next write was refused.
+    pub leases_sealed: u64,
+    /// Lost updates (see [`Summary::lost_updates`]) that were the leases' increments.
+    pub lost_lease_increments: u64,
+    /// Lost updates that were bypass increments: committed, then overwritten by a lease that
+    /// had read the row before it.
+    pub lost_bypass_increments: u64,
+    /// Lease writes right after a bypass by the lease that wrote the row before it (the seal
+    /// must stop them): **violations**.
+    pub sealed_writes: u64,
+    /// Lease-less writes acknowledged but not in the history, or refused / failed before
+    /// `COMMIT` but in it (counted in [`Summary::ack_mismatches`]).
+    pub ack_mismatches: u64,
+}
+
 /// Errors the workers saw, by kind.
 #[derive(Clone, Debug, Serialize)]
 pub struct ErrorKind {
@@ -264,7 +317,8 @@ pub struct Summary {
     pub retryable_errors: u64,
     /// Retries made.
     pub retries: u64,
-    /// All safety violations: token order + acknowledgement mismatches + torn writes.
+    /// All safety violations: token order + acknowledgement mismatches + torn writes (in
+    /// leaseless mode also accepted `fence + 1` updates and writes by sealed leases).
     pub violations: u64,
     /// Accepted writes whose token was older than the previous accepted write's on the row, or
     /// the same token from another lease.
@@ -274,7 +328,9 @@ pub struct Summary {
     pub ack_mismatches: u64,
     /// Row updates and history rows that did not commit together (version gaps).
     pub torn_writes: u64,
-    /// Sum over rows of committed increments minus the final value.
+    /// Sum over rows of committed increments minus the final value. In leaseless mode the
+    /// increments are the leases' and the bypasses' ([`LeaselessFigures`] splits the lost ones
+    /// by kind).
     pub lost_updates: u64,
     /// Committed statements that read a value other than the previous one left (or changed it
     /// by other than their kind says).
@@ -323,6 +379,8 @@ pub struct Summary {
     pub batch: Option<BatchFigures>,
     /// Effects modes: the charges' figures; `None` in the other modes.
     pub effects: Option<EffectFigures>,
+    /// Leaseless mode: the lease-less writes' figures; `None` in the other modes.
+    pub leaseless: Option<LeaselessFigures>,
     /// The issuer failover, if the run had one.
     pub failover: Option<FailoverFigures>,
 }
@@ -439,6 +497,9 @@ impl fmt::Display for Summary {
         if let Some(e) = &self.effects {
             fmt_effects(f, e)?;
         }
+        if let Some(l) = &self.leaseless {
+            fmt_leaseless(f, l)?;
+        }
         for r in &self.faults {
             writeln!(
                 f,
@@ -538,6 +599,31 @@ fn fmt_effects(f: &mut fmt::Formatter<'_>, e: &EffectFigures) -> fmt::Result {
     )
 }
 
+/// The leaseless lines of the summary.
+fn fmt_leaseless(f: &mut fmt::Formatter<'_>, l: &LeaselessFigures) -> fmt::Result {
+    writeln!(
+        f,
+        "  lease-less: {} writers; fence + 1: {} sent, {} refused ({} PF007), {} accepted, {} failed; bypass: {} sent, {} applied ({} committed, {} audit rows), {} refused, {} failed",
+        l.writers,
+        l.fence_plus_one_sent,
+        l.fence_plus_one_refused,
+        l.fence_plus_one_refused_pf007,
+        l.fence_plus_one_accepted,
+        l.fence_plus_one_failed,
+        l.bypass_sent,
+        l.bypass_applied,
+        l.bypass_committed,
+        l.bypass_audit_rows,
+        l.bypass_refused,
+        l.bypass_failed
+    )?;
+    writeln!(
+        f,
+        "  sealed:     {} lease tries rejected as sealed (RowSealed); lost: {} lease increments, {} bypass increments; {} writes by sealed leases",
+        l.leases_sealed, l.lost_lease_increments, l.lost_bypass_increments, l.sealed_writes
+    )
+}
+
 /// The failover lines of the summary.
 fn fmt_failover(f: &mut fmt::Formatter<'_>, fo: &FailoverFigures) -> fmt::Result {
     let opt = |v: Option<i64>| v.map_or_else(|| "n/a".to_owned(), |v| v.to_string());
@@ -593,6 +679,8 @@ pub struct Report {
     pub attempts: Vec<Attempt>,
     /// Every granted lease that went on to write.
     pub leases: Vec<LeaseRecord>,
+    /// Leaseless mode: every lease-less write, in no particular order.
+    pub leaseless: Vec<LeaselessAttempt>,
     /// Faults, in order.
     pub faults: Vec<FaultMark>,
 }

@@ -3,7 +3,7 @@
 
 use sqlx::{PgConnection, PgPool};
 
-use crate::{ChaosError, Mode};
+use crate::{ChaosError, LeaselessKind, Mode};
 
 /// The schema the harness creates its tables in.
 pub const SCHEMA: &str = "pgfence_chaos";
@@ -124,10 +124,17 @@ impl Kind {
         }
     }
 
-    /// What the statement adds to the value.
+    /// What the statement adds to the value: one for an increment and for a lease-less write
+    /// (a bypass, or an accepted `fence + 1`), nothing for a claim or a rewrite.
     pub(crate) fn delta(kind: &str) -> i64 {
-        i64::from(kind == "increment")
+        i64::from(kind == "increment" || is_leaseless(kind))
     }
+}
+
+/// Whether a history row's `kind` is a lease-less write's ([`LeaselessKind`]): no lease, no
+/// unit of the workers, no token order to keep.
+pub(crate) fn is_leaseless(kind: &str) -> bool {
+    kind == LeaselessKind::Bypass.as_str() || kind == LeaselessKind::FencePlusOne.as_str()
 }
 
 /// A counter table, with the statements run on it.
@@ -149,6 +156,7 @@ impl CounterTable {
             | Mode::RowClaim
             | Mode::Batch
             | Mode::Effects
+            | Mode::LeaselessMix
             | Mode::EffectsUnkeyed => CounterTable::Guarded,
             Mode::Unfenced => CounterTable::Plain,
         }
@@ -210,6 +218,78 @@ pub(crate) const RECORD_MANY_SQL: &str = "INSERT INTO pgfence_chaos.history \
 /// The unfenced write: `$1` run, `$2` row, `$3` value.
 pub(crate) const WRITE_PLAIN: &str =
     "UPDATE pgfence_chaos.plain_cell SET value = $3 WHERE run = $1 AND id = $2";
+
+/// Leaseless mode: the lease-less `fence + 1` (the guard must refuse it): `$1` run, `$2` row.
+pub(crate) const WRITE_FENCE_PLUS_ONE: &str = "UPDATE pgfence_chaos.cell \
+     SET value = value + 1, fence = fence + 1 WHERE run = $1 AND id = $2";
+
+/// Leaseless mode: the bypass's increment, after `pgfence.bypass(reason)` in its transaction:
+/// `$1` run, `$2` row.
+pub(crate) const WRITE_BYPASS: &str =
+    "UPDATE pgfence_chaos.cell SET value = value + 1 WHERE run = $1 AND id = $2";
+
+/// Leaseless mode: the history row of a lease-less write that went through, in its
+/// transaction (the row is still locked by the write, so the value it read is its value - 1):
+/// `$1` run, `$2` row, `$3` its id (the `unit`), `$4` writer, `$5` [`LeaselessKind`]. Its
+/// token is the row's fence token after the write.
+pub(crate) const RECORD_LEASELESS_SQL: &str = "INSERT INTO pgfence_chaos.history \
+     (run, id, version, token, value_read, value_written, unit, try_no, worker, txn, step, kind) \
+     SELECT run, id, version, fence >> 24, value - 1, value, $3, 0, $4, 0, 0, $5 \
+     FROM pgfence_chaos.cell WHERE run = $1 AND id = $2";
+
+/// Leaseless mode: the role the bypasses run as (`SET LOCAL ROLE` in their transaction).
+pub(crate) const BYPASS_ROLE: &str = "pgfence_chaos_bypass";
+
+/// Leaseless mode: a role that may bypass the guard ([`pgfence::allow_bypass`]) and write the
+/// harness's tables. [`BYPASS_ROLE`] (created `NOLOGIN` if missing) when the connecting role
+/// may create it and `SET ROLE` to it — `Some(role)`, the bypasses then `SET LOCAL ROLE` to
+/// it; otherwise the connecting role itself (`None`). Superusers are not exempt from the
+/// guard: either way the role is allowed explicitly.
+pub(crate) async fn setup_bypass_role(admin: &PgPool) -> Result<Option<String>, ChaosError> {
+    let mut tx = admin.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(SETUP_LOCK_KEY)
+        .execute(&mut *tx)
+        .await?;
+    let can_create: bool = sqlx::query_scalar(
+        "SELECT rolsuper OR rolcreaterole FROM pg_catalog.pg_roles WHERE rolname = current_user",
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    let role = if can_create {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            // Roles are the cluster's, shared by concurrent setups in other databases
+            // (which the advisory lock does not serialise): a lost race is fine.
+            "DO $$ BEGIN
+                 IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = '{BYPASS_ROLE}') THEN
+                     BEGIN
+                         CREATE ROLE {BYPASS_ROLE} NOLOGIN;
+                     EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
+                     END;
+                 END IF;
+                 IF NOT pg_catalog.pg_has_role(current_user, '{BYPASS_ROLE}', 'MEMBER') THEN
+                     BEGIN
+                         GRANT {BYPASS_ROLE} TO CURRENT_USER;
+                     EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
+                     END;
+                 END IF;
+             END $$;
+             GRANT USAGE ON SCHEMA pgfence_chaos TO {BYPASS_ROLE};
+             GRANT SELECT, UPDATE ON pgfence_chaos.cell TO {BYPASS_ROLE};
+             GRANT INSERT ON pgfence_chaos.history TO {BYPASS_ROLE};"
+        )))
+        .execute(&mut *tx)
+        .await?;
+        BYPASS_ROLE.to_owned()
+    } else {
+        sqlx::query_scalar("SELECT current_user::text")
+            .fetch_one(&mut *tx)
+            .await?
+    };
+    pgfence::allow_bypass(&mut *tx, &role).await?;
+    tx.commit().await?;
+    Ok(can_create.then_some(role))
+}
 
 /// Applies pgfence's migrations if needed, creates the harness's tables (the fenced one
 /// guarded) and `rows` fresh counter rows for `run` in both counter tables.

@@ -13,14 +13,15 @@ use pgfence::IssuerKind;
 
 use crate::faults::Kills;
 use crate::report::{
-    BatchFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery, Report, Summary,
+    BatchFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery, LeaselessFigures,
+    Report, Summary,
 };
-use crate::schema::{CounterTable, Kind};
+use crate::schema::{CounterTable, Kind, is_leaseless};
 use crate::util::count;
 use crate::worker::{BeginRecord, CallAnswer, CallRecord, Stats, WorkerOut, invoice_item};
 use crate::{
-    Attempt, AuditTally, ChaosError, Config, FailoverEvent, FaultMark, LeaseRecord, Mode, Outcome,
-    RowResult, Stage,
+    Attempt, AuditTally, ChaosError, Config, FailoverEvent, FaultMark, LeaseRecord,
+    LeaselessAttempt, LeaselessKind, LeaselessOutcome, Mode, Outcome, RowResult, Stage,
 };
 
 /// What the run produced on the client side, handed to [`verify`].
@@ -41,6 +42,8 @@ pub(crate) struct RunOutput {
     pub(crate) reseeds: Option<u64>,
     /// Effects modes: what the payment provider did.
     pub(crate) provider: Option<ProviderTally>,
+    /// Leaseless mode: every lease-less write.
+    pub(crate) leaseless: Vec<LeaselessAttempt>,
 }
 
 /// What the effects modes' payment provider counted, once every call had returned.
@@ -76,6 +79,13 @@ struct Committed {
     kind: String,
 }
 
+impl Committed {
+    /// A lease-less write's (a bypass, or a `fence + 1` the guard let through): no lease.
+    fn is_leaseless(&self) -> bool {
+        is_leaseless(&self.kind)
+    }
+}
+
 /// A counter row's final state.
 struct FinalRow {
     id: i32,
@@ -100,9 +110,11 @@ pub(crate) async fn verify(
     .await?;
 
     let row_checks = check_rows(&committed, &rows, cfg.mode);
+    // The leases' statements (the lease-less writes' rows are checked on their own).
     let in_history: HashSet<(u64, u32, u32)> = committed
         .values()
         .flatten()
+        .filter(|w| !w.is_leaseless())
         .map(|w| (w.unit, w.try_no, w.txn))
         .collect();
     let tries_committed: HashSet<(u64, u32)> = in_history.iter().map(|&(u, t, _)| (u, t)).collect();
@@ -132,6 +144,23 @@ pub(crate) async fn verify(
         None => None,
     };
     let acks = check_attempts(&attempts, &in_history);
+    let leaseless = if cfg.mode == Mode::LeaselessMix {
+        let audit_rows = bypass_audit_rows(admin, id.run).await?;
+        Some(leaseless_figures(
+            cfg,
+            &output.leaseless,
+            &attempts,
+            &committed,
+            &row_checks,
+            audit_rows,
+        ))
+    } else {
+        None
+    };
+    let leaseless_violations = leaseless
+        .as_ref()
+        .map_or(0, |l| l.fence_plus_one_accepted + l.sealed_writes);
+    let ack_mismatches = acks.mismatches + leaseless.as_ref().map_or(0, |l| l.ack_mismatches);
     let mut kinds = acks.kinds;
     for ((kind, retryable), n) in &stats.acquire_error_kinds {
         *kinds
@@ -175,7 +204,13 @@ pub(crate) async fn verify(
         rows: cfg.rows,
         units: count(leases.len()),
         attempts: count(attempts.len()),
-        accepted: count(committed.values().map(Vec::len).sum()),
+        accepted: count(
+            committed
+                .values()
+                .flatten()
+                .filter(|w| !w.is_leaseless())
+                .count(),
+        ),
         increments: row_checks.increments,
         units_incremented: row_checks.units_incremented,
         repeated_increments: row_checks.repeated_increments,
@@ -184,9 +219,12 @@ pub(crate) async fn verify(
         errors: acks.errors,
         retryable_errors: acks.retryable_errors,
         retries: stats.retries,
-        violations: row_checks.token_order + acks.mismatches + row_checks.torn,
+        violations: row_checks.token_order
+            + ack_mismatches
+            + row_checks.torn
+            + leaseless_violations,
         token_order_violations: row_checks.token_order,
-        ack_mismatches: acks.mismatches,
+        ack_mismatches,
         torn_writes: row_checks.torn,
         lost_updates: row_checks.lost,
         stale_reads: row_checks.stale_reads,
@@ -216,14 +254,111 @@ pub(crate) async fn verify(
             .collect(),
         batch,
         effects,
+        leaseless,
         failover,
     };
     Ok(Report {
         summary,
         attempts,
         leases,
+        leaseless: output.leaseless,
         faults: output.faults,
     })
+}
+
+/// Leaseless mode: the audit rows of the run's bypasses (operation `bypass`, on the guarded
+/// counter table, keyed by the run's rows: the trigger writes the key as `["<run>", <id>]`).
+async fn bypass_audit_rows(admin: &PgPool, run: &str) -> Result<u64, ChaosError> {
+    let n: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pgfence.audit \
+          WHERE operation = 'bypass' AND table_name = '\"pgfence_chaos\".\"cell\"' \
+            AND left(row_key, length($1)) = $1",
+    )
+    .bind(format!("[\"{run}\","))
+    .fetch_one(admin)
+    .await?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
+/// Leaseless mode: the lease-less writes as their writers saw them, checked against the
+/// history (each that went through committed its history row with it), and what they did to
+/// the leases.
+fn leaseless_figures(
+    cfg: &Config,
+    writes: &[LeaselessAttempt],
+    attempts: &[Attempt],
+    committed: &BTreeMap<i32, Vec<Committed>>,
+    rows: &RowChecks,
+    bypass_audit_rows: u64,
+) -> LeaselessFigures {
+    let in_history: HashMap<u64, &str> = committed
+        .values()
+        .flatten()
+        .filter(|w| w.is_leaseless())
+        .map(|w| (w.unit, w.kind.as_str()))
+        .collect();
+    let mut f = LeaselessFigures {
+        writers: cfg.leaseless_writers,
+        bypass_audit_rows,
+        ..LeaselessFigures::default()
+    };
+    for kind in in_history.values() {
+        if *kind == LeaselessKind::Bypass.as_str() {
+            f.bypass_committed += 1;
+        } else {
+            f.fence_plus_one_committed += 1;
+        }
+    }
+    let mut fence_plus_one_acked = 0;
+    for w in writes {
+        let bypass = w.kind == LeaselessKind::Bypass;
+        let committed = in_history.contains_key(&w.id);
+        let (sent, refused, applied, failed) = if bypass {
+            (
+                &mut f.bypass_sent,
+                &mut f.bypass_refused,
+                &mut f.bypass_applied,
+                &mut f.bypass_failed,
+            )
+        } else {
+            (
+                &mut f.fence_plus_one_sent,
+                &mut f.fence_plus_one_refused,
+                &mut fence_plus_one_acked,
+                &mut f.fence_plus_one_failed,
+            )
+        };
+        *sent += 1;
+        match &w.outcome {
+            LeaselessOutcome::Applied => {
+                *applied += 1;
+                f.ack_mismatches += u64::from(!committed);
+            }
+            LeaselessOutcome::Refused { code } => {
+                *refused += 1;
+                if !bypass && code == "PF007" {
+                    f.fence_plus_one_refused_pf007 += 1;
+                }
+                f.ack_mismatches += u64::from(committed);
+            }
+            LeaselessOutcome::Failed { stage, .. } => {
+                *failed += 1;
+                // Only a failed COMMIT may have committed.
+                f.ack_mismatches += u64::from(committed && *stage != "commit");
+            }
+        }
+    }
+    f.fence_plus_one_accepted = f.fence_plus_one_committed.max(fence_plus_one_acked);
+    f.leases_sealed = count(
+        attempts
+            .iter()
+            .filter(|a| matches!(a.outcome, Outcome::Rejected { sealed: true, .. }))
+            .count(),
+    );
+    f.lost_bypass_increments = rows.lost_leaseless;
+    f.lost_lease_increments = rows.lost.saturating_sub(rows.lost_leaseless);
+    f.sealed_writes = rows.sealed_writes;
+    f
 }
 
 /// Effects modes: one work item as the ledger has it.
@@ -430,17 +565,22 @@ async fn final_rows(
 /// Per-row verdicts.
 #[derive(Default)]
 struct RowChecks {
-    /// Accepted writes whose token was older than the previous one's, or the same from
-    /// another lease.
+    /// Accepted lease writes whose token was older than the previous lease write's, or the
+    /// same from another lease (lease-less writes have no token to order).
     token_order: u64,
+    /// Lease writes right after a bypass by the lease that wrote the row before it: the seal
+    /// must have stopped them.
+    sealed_writes: u64,
     /// Version gaps, and row versions without their history row.
     torn: u64,
-    /// Committed increments minus final value, summed.
+    /// Committed increments (the leases' and the lease-less writes') minus final value, summed.
     lost: u64,
+    /// Of those, lease-less increments (bypasses): committed, but not in the final value.
+    lost_leaseless: u64,
     /// Recorded statements that did not read the previous one's value, or changed it by other
     /// than their kind says (one for an increment, nothing for a claim or a rewrite).
     stale_reads: u64,
-    /// Committed increments.
+    /// Committed increments of the leases.
     increments: u64,
     /// Units with at least one committed increment.
     units_incremented: u64,
@@ -469,21 +609,32 @@ fn check_rows(
         let mut increments = 0i64;
         // Version gaps or a row version without its history row: not all-or-nothing.
         c.torn += u64::try_from((row.version - n).abs()).unwrap_or(u64::MAX);
-        let mut prev: Option<&Committed> = None;
+        let mut prev_lease: Option<&Committed> = None;
+        let mut bypassed = false;
         let mut prev_value = 0i64;
         for (i, w) in writes.iter().enumerate() {
             if w.version != i64::try_from(i).unwrap_or(i64::MAX) + 1 {
                 c.torn += 1;
             }
-            if prev.is_some_and(|p| out_of_order(p, w)) {
-                c.token_order += 1;
-            }
             let delta = Kind::delta(&w.kind);
             if w.value_read != prev_value || w.value_written != w.value_read + delta {
                 c.stale_reads += 1;
             }
+            increments += delta;
+            prev_value = w.value_written;
+            if w.is_leaseless() {
+                bypassed |= w.kind == LeaselessKind::Bypass.as_str();
+                continue;
+            }
+            if let Some(p) = prev_lease {
+                if out_of_order(p, w) {
+                    c.token_order += 1;
+                } else if bypassed && w.token == p.token {
+                    c.sealed_writes += 1;
+                }
+            }
             if delta > 0 {
-                increments += 1;
+                c.increments += 1;
                 if units.insert(w.unit) {
                     c.units_incremented += 1;
                 }
@@ -496,13 +647,57 @@ fn check_rows(
                     c.repeated_increments += 1;
                 }
             }
-            prev = Some(w);
-            prev_value = w.value_written;
+            prev_lease = Some(w);
+            bypassed = false;
         }
-        c.increments += u64::try_from(increments).unwrap_or(0);
-        c.lost += u64::try_from(increments - row.value).unwrap_or(0);
+        let lost = u64::try_from(increments - row.value).unwrap_or(0);
+        c.lost += lost;
+        c.lost_leaseless += lost_leaseless(writes).min(lost);
     }
     c
+}
+
+/// The lease-less increments of a row (in commit order) that its final value does not hold.
+///
+/// Each committed statement builds on a state of the row: a lease-less write (one `UPDATE
+/// ... SET value = value + 1`) on the one before it; a lease's statement on the latest state
+/// whose value it read (the one before it unless it read stale). Following that chain back
+/// from the last statement gives the increments the final value is made of; a lease-less
+/// increment off the chain was overwritten by a lease that had read the row before it.
+fn lost_leaseless(writes: &[Committed]) -> u64 {
+    // State k is the row after writes[k - 1]; state 0 is the fresh row (value 0).
+    let value = |k: usize| {
+        if k == 0 {
+            0
+        } else {
+            writes[k - 1].value_written
+        }
+    };
+    let mut base = vec![0usize; writes.len() + 1];
+    for (i, w) in writes.iter().enumerate() {
+        let k = i + 1;
+        base[k] = if w.is_leaseless() || value(k - 1) == w.value_read {
+            k - 1
+        } else {
+            (0..k)
+                .rev()
+                .find(|&j| value(j) == w.value_read)
+                .unwrap_or(k - 1)
+        };
+    }
+    let mut kept = vec![false; writes.len() + 1];
+    let mut k = writes.len();
+    while k > 0 {
+        kept[k] = true;
+        k = base[k];
+    }
+    count(
+        writes
+            .iter()
+            .enumerate()
+            .filter(|(i, w)| w.is_leaseless() && Kind::delta(&w.kind) > 0 && !kept[i + 1])
+            .count(),
+    )
 }
 
 /// Whether `w`, committed right after `prev` on the same row, breaks token order: its token
@@ -617,7 +812,7 @@ fn batch_figures(attempts: &[Attempt], committed: &BTreeMap<i32, Vec<Committed>>
             b.rows_other += n(rows, |x| {
                 matches!(
                     x,
-                    RowResult::NotFound | RowResult::Exhausted | RowResult::Contended
+                    RowResult::NotFound | RowResult::Sealed | RowResult::Contended
                 )
             });
         }
@@ -956,5 +1151,108 @@ fn failover_figures(
         rows: around.recovery.rows,
         first_write_ms: around.recovery.first_write_ms,
         recovery_ms: around.recovery.recovery_ms,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A committed statement of row 0: `kind` by `unit` (token `token`), reading `read`.
+    fn stmt(version: i64, unit: u64, token: i64, read: i64, kind: &str) -> Committed {
+        Committed {
+            version,
+            token,
+            value_read: read,
+            value_written: read + Kind::delta(kind),
+            unit,
+            try_no: 0,
+            txn: 0,
+            kind: kind.to_owned(),
+        }
+    }
+
+    fn checks(writes: Vec<Committed>, value: i64) -> RowChecks {
+        let version = i64::try_from(writes.len()).unwrap();
+        let committed = BTreeMap::from([(0, writes)]);
+        let rows = [FinalRow {
+            id: 0,
+            value,
+            version,
+        }];
+        check_rows(&committed, &rows, Mode::LeaselessMix)
+    }
+
+    const BYPASS: u64 = crate::leaseless::LEASELESS_UNIT_BASE;
+
+    /// Lease 1 claims the row and increments it; lease 2 reads it (value 1, no claim); a
+    /// bypass increments it; lease 2 then writes what it read plus one. The bypass's increment
+    /// is lost, and the verifier must say so, by kind.
+    #[test]
+    fn a_bypass_overwritten_by_the_lease_that_read_before_it_is_a_lost_update() {
+        let writes = vec![
+            stmt(1, 0, 1, 0, "claim"),
+            stmt(2, 0, 1, 0, "increment"),
+            stmt(3, BYPASS, 1, 1, "bypass"),
+            // Lease 2, from its picture of the row before the bypass: value 1 + 1.
+            stmt(4, 1, 2, 1, "increment"),
+        ];
+        let c = checks(writes, 2);
+        assert_eq!(c.lost, 1, "3 increments committed, the row holds 2");
+        assert_eq!(
+            c.lost_leaseless, 1,
+            "the bypass's increment is the lost one"
+        );
+        assert_eq!(c.stale_reads, 1);
+        assert_eq!(c.token_order, 0);
+    }
+
+    /// The same lease writing right after a bypass (the seal must have stopped it) is a
+    /// violation even when it read the bypass's value.
+    #[test]
+    fn a_write_by_the_sealed_lease_is_a_violation() {
+        let writes = vec![
+            stmt(1, 0, 1, 0, "claim"),
+            stmt(2, BYPASS, 1, 0, "bypass"),
+            stmt(3, 0, 1, 1, "rewrite"),
+        ];
+        let c = checks(writes, 1);
+        assert_eq!(c.sealed_writes, 1);
+        assert_eq!(c.lost, 0);
+    }
+
+    /// A lease increment overwritten by an older lease's stale write is a lost lease
+    /// increment, not a bypass's; a bypass after it, kept in the final value, is not lost.
+    #[test]
+    fn lost_updates_are_split_by_kind() {
+        let writes = vec![
+            stmt(1, 0, 1, 0, "increment"),
+            stmt(2, 1, 2, 1, "increment"),
+            // A lease that read 1 before lease 2's increment: lease 2's is lost.
+            stmt(3, 2, 3, 1, "increment"),
+            stmt(4, BYPASS, 3, 2, "bypass"),
+            stmt(5, 3, 4, 3, "increment"),
+        ];
+        let c = checks(writes, 4);
+        assert_eq!(c.lost, 1);
+        assert_eq!(c.lost_leaseless, 0);
+        assert_eq!(c.increments, 4);
+    }
+
+    /// The safe interleaving: the bypass lands between two leases; nothing is lost.
+    #[test]
+    fn a_bypass_between_leases_is_kept() {
+        let writes = vec![
+            stmt(1, 0, 1, 0, "claim"),
+            stmt(2, 0, 1, 0, "increment"),
+            stmt(3, BYPASS, 1, 1, "bypass"),
+            stmt(4, 1, 2, 2, "claim"),
+            stmt(5, 1, 2, 2, "increment"),
+        ];
+        let c = checks(writes, 3);
+        assert_eq!(
+            (c.lost, c.lost_leaseless, c.sealed_writes, c.stale_reads),
+            (0, 0, 0, 0)
+        );
     }
 }

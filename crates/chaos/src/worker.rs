@@ -183,7 +183,8 @@ impl Plan {
                 script: Some(ScriptKind::MultiCheck),
                 effects: None,
             },
-            Mode::RowClaim => Plan {
+            // Leaseless mode: row-claim's leases; the lease-less writers run beside them.
+            Mode::RowClaim | Mode::LeaselessMix => Plan {
                 table,
                 check_first: false,
                 write: WriteKind::Fenced,
@@ -686,15 +687,18 @@ fn outcome(result: Step<()>) -> (Outcome, Option<Error>) {
         }
         Err(Failure::Fence { stage, error }) => (stage, error),
     };
-    // Both rejections are fencing at work (and audited): a newer lease got there first, or
-    // the counter went backwards and another lease already presented this token.
+    // The rejections are fencing at work (and audited): a newer lease got there first, or
+    // the counter went backwards and another lease already presented this token, or a
+    // lease-less writer bypassed the guard on the row after this lease wrote it (sealed: it
+    // must not write its stale picture of the row back; nothing to recover).
     let rejected = match &error {
-        Error::StaleToken { current, .. } => Some((*current, false)),
-        Error::DuplicateToken { token, .. } => Some((*token, true)),
+        Error::StaleToken { current, .. } => Some((*current, false, false)),
+        Error::DuplicateToken { token, .. } => Some((*token, true, false)),
+        Error::RowSealed { token, .. } => Some((*token, false, true)),
         _ => None,
     };
     match rejected {
-        Some((current, duplicate)) => {
+        Some((current, duplicate, sealed)) => {
             let by = match stage {
                 Stage::Check => "check",
                 Stage::Claim => "claim",
@@ -706,8 +710,9 @@ fn outcome(result: Step<()>) -> (Outcome, Option<Error>) {
                 current,
                 by,
                 duplicate,
+                sealed,
             };
-            (rejected, Some(error))
+            (rejected, (!sealed).then_some(error))
         }
         None => {
             let failed = Outcome::Failed {

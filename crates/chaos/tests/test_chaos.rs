@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use pgfence::{Error, Fence, Issuer, IssuerKind, Repository, Resource, TableName};
 use pgfence_chaos::{
-    ChaosError, Config, Deployment, FailoverEvent, FailoverFigures, Harness, Mode, Outcome,
-    Recovery, Report, ReseedCounter, Target,
+    ChaosError, Config, Deployment, FailoverEvent, FailoverFigures, Harness, LeaselessOutcome,
+    Mode, Outcome, Recovery, Report, ReseedCounter, Target,
 };
 use pgfence_testkit::{Server, etcd_installed, sentinel_installed, zk_installed};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -383,6 +383,84 @@ async fn fenced_multi_sessions_hold_under_faults() {
         .find(|f| f.name == "counter_reset")
         .expect("the reset happened");
     assert_eq!(reset.rows_recovered, reset.rows, "{s}");
+}
+
+/// Lease-less writers next to the leases: row-claim's leases (stalls past the TTL, killed
+/// backends) on 8 rows, with 2 lease-less writers writing random rows of them every 0–6 ms —
+/// half `fence = fence + 1` (must be refused, `PF007`, every time), half audited bypasses by
+/// an allowed role (applied, audited, the row sealed). No violation, no lost update of either
+/// kind: the rows hold the leases' increments plus the bypasses'; the leases that had claimed
+/// a row before a bypass were rejected as sealed instead of writing it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leaseless_writers_are_refused_or_sealed_and_nothing_is_lost() {
+    let db = TestDb::new().await;
+    let target = Target {
+        database: db.options.clone(),
+        issuer_url: redis_url().await,
+    };
+    let cfg = Config {
+        mode: Mode::LeaselessMix,
+        workers: 8,
+        rows: 8,
+        units: 600,
+        kill_every: Some(Duration::from_millis(150)),
+        pause_probability: 0.08,
+        leaseless_writers: 2,
+        leaseless_every: Duration::from_millis(3),
+        seed: 67,
+        ..Config::default()
+    };
+    let report = run(cfg, &target).await;
+    let s = &report.summary;
+    assert!(!s.timed_out, "time limit hit: {s}");
+    assert_eq!(s.violations, 0, "{s}");
+    assert_eq!(s.lost_updates, 0, "{s}");
+    assert_eq!(s.stale_reads, 0, "{s}");
+    let l = s.leaseless.as_ref().expect("lease-less figures");
+    assert!(l.fence_plus_one_refused > 0, "some fence + 1 refused: {s}");
+    assert_eq!(
+        l.fence_plus_one_refused, l.fence_plus_one_refused_pf007,
+        "every refusal of a fence + 1 is PF007 (LeaselessWrite): {s}"
+    );
+    assert_eq!(l.fence_plus_one_accepted, 0, "{s}");
+    assert!(l.bypass_applied > 0, "some bypass applied: {s}");
+    assert_eq!(l.bypass_refused, 0, "the bypass role is allowed: {s}");
+    assert_eq!(
+        l.bypass_audit_rows, l.bypass_committed,
+        "one audit row per bypass: {s}"
+    );
+    assert!(
+        l.leases_sealed > 0,
+        "some lease must have claimed a row before a bypass and been sealed out: {s}"
+    );
+    assert_eq!(l.lost_lease_increments, 0, "{s}");
+    assert_eq!(l.lost_bypass_increments, 0, "{s}");
+    assert_eq!(l.sealed_writes, 0, "{s}");
+    assert_eq!(l.ack_mismatches, 0, "{s}");
+    // The rows hold every committed increment, the leases' and the bypasses'.
+    assert_eq!(
+        total(&db, &s.run).await,
+        s.increments + l.bypass_committed,
+        "{s}"
+    );
+    assert_eq!(s.repeated_increments, 0, "{s}");
+    // Every lease rejection (sealed ones included) is audited and logged once.
+    assert!(s.rejected >= l.leases_sealed, "{s}");
+    assert_eq!(s.audit_rows, s.rejected, "one audit row per rejection: {s}");
+    assert_eq!(s.log_events, s.rejected, "{s}");
+    assert_eq!(s.audit_failures, 0, "{s}");
+    assert_failures_retryable(&report);
+    for w in &report.leaseless {
+        if let LeaselessOutcome::Failed {
+            retryable, error, ..
+        } = &w.outcome
+        {
+            assert!(
+                retryable,
+                "non-retryable lease-less failure {error} in {w:?}"
+            );
+        }
+    }
 }
 
 /// A CI-sized batch run: 96 rows in 2 groups (one lock and token counter each), 600 units of
@@ -1650,4 +1728,76 @@ async fn killed_connection_is_retryable_stale_is_not_and_work_is_all_or_nothing(
         matches!(err, Error::Redis(_)) && err.is_retryable(),
         "{err:?}"
     );
+}
+
+/// An audited bypass (`UPDATE counter SET value = value + 1` after `pgfence.bypass(reason)`)
+/// in one transaction.
+async fn bypass_increment(db: &TestDb) {
+    let mut tx = db.pool.begin().await.unwrap();
+    pgfence::bypass(&mut tx, "chaos test").await.unwrap();
+    sqlx::query("UPDATE counter SET value = value + 1 WHERE id = 1")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+}
+
+/// What leaseless mode relies on, deterministically: a bypass seals the row against the lease
+/// that *claimed* it before (its claim wrote the fence), which then gets `RowSealed` instead
+/// of writing back what it read before the bypass, and `fence = fence + 1` is refused. A lease
+/// that only *read* the row (no claim: it has not written it) is not sealed out, and its write
+/// overwrites the bypass: the harness's leaseless mode uses claims for that reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bypass_seals_out_the_lease_that_claimed_the_row_not_one_that_only_read_it() {
+    let issuer = support::issuer().await;
+    let ttl = Duration::from_secs(5);
+    let (db, _fence, repo) = counter_db().await;
+    let me: String = sqlx::query_scalar("SELECT current_user::text")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    pgfence::allow_bypass(&db.pool, &me).await.unwrap();
+
+    // The lease-less `fence + 1` is refused.
+    let raw = sqlx::query("UPDATE counter SET value = value + 1, fence = fence + 1 WHERE id = 1")
+        .execute(&db.pool)
+        .await
+        .map_err(Error::from);
+    assert!(matches!(raw, Err(Error::LeaselessWrite { .. })), "{raw:?}");
+
+    // A claims the row (reads 0), a bypass adds 1, A's write of 0 + 1 is refused as sealed.
+    let resource = unique_resource("sealed");
+    let a = issuer.acquire(&resource, ttl).await.unwrap().unwrap();
+    let (_, a_read): (i32, i64) = repo.claim(&db.pool, &a, &1).await.unwrap();
+    bypass_increment(&db).await;
+    let sealed = repo
+        .update(
+            &db.pool,
+            &a,
+            &CounterRow {
+                id: 1,
+                value: a_read + 1,
+            },
+        )
+        .await;
+    assert!(matches!(sealed, Err(Error::RowSealed { .. })), "{sealed:?}");
+    assert_eq!(value(&db).await, 1, "the bypass's increment is kept");
+    issuer.release(&a).await.unwrap();
+
+    // B, a newer lease, only reads the row (1); a bypass adds 1; B's write of 1 + 1 goes
+    // through (B never wrote the row, so the seal does not name it): the bypass is lost.
+    let b = issuer.acquire(&resource, ttl).await.unwrap().unwrap();
+    let b_read = value(&db).await;
+    bypass_increment(&db).await;
+    repo.update(
+        &db.pool,
+        &b,
+        &CounterRow {
+            id: 1,
+            value: b_read + 1,
+        },
+    )
+    .await
+    .expect("a lease that did not write the row before the bypass is not sealed out");
+    assert_eq!(value(&db).await, 2, "three increments committed, two kept");
 }
