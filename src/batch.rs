@@ -51,8 +51,9 @@ pub enum RowOutcome {
     DuplicateToken,
     /// No such row.
     NotFound,
-    /// This lease wrote the row [`MAX_WRITES_PER_ROW`](crate::MAX_WRITES_PER_ROW) times.
-    Exhausted,
+    /// The row was sealed (changed outside the fencing protocol) after this lease wrote it;
+    /// nothing was written to it (audited). Take a new lease and re-read it.
+    Sealed,
     /// The row was replaced while the batch ran; nothing was written to it. Retryable.
     Contended,
 }
@@ -80,8 +81,8 @@ pub struct BatchSummary {
     pub duplicate_token: usize,
     /// Rows that did not exist.
     pub not_found: usize,
-    /// Rows this lease had written too often.
-    pub exhausted: usize,
+    /// Rows sealed since this lease wrote them.
+    pub sealed: usize,
     /// Rows replaced while the batch ran.
     pub contended: usize,
 }
@@ -112,7 +113,7 @@ impl BatchOutcome {
                 RowOutcome::Stale { .. } => s.stale += 1,
                 RowOutcome::DuplicateToken => s.duplicate_token += 1,
                 RowOutcome::NotFound => s.not_found += 1,
-                RowOutcome::Exhausted => s.exhausted += 1,
+                RowOutcome::Sealed => s.sealed += 1,
                 RowOutcome::Contended => s.contended += 1,
             }
         }
@@ -400,7 +401,7 @@ impl<T: FencedTable> Repository<T> {
                 other_counter,
             },
             Relation::Duplicate => RowOutcome::DuplicateToken,
-            Relation::Exhausted => return Ok(RowOutcome::Exhausted),
+            Relation::Sealed => RowOutcome::Sealed,
             Relation::Older | Relation::Own => return Ok(RowOutcome::Contended),
         };
         let audit_row = match audit_error {

@@ -600,16 +600,22 @@ async fn counters(
     }
     let mut checks: Vec<(Resource, i64)> = Vec::new();
     let mut invalid = Vec::new();
+    // Marks are recorded under their key prefix's name (`Resource::in_key_prefix`; the
+    // default prefix's are plain resource names).
     for (name, mark) in marks {
-        match Resource::new(name.clone()) {
+        match Resource::parse_fenced(&name) {
             Ok(r) => checks.push((r, mark)),
             Err(_) => invalid.push(name),
         }
     }
     for resource in &options.resources {
-        if !checks.iter().any(|(r, _)| r == resource) {
-            let mark = crate::high_water(&mut *pool, resource).await?;
-            checks.push((resource.clone(), mark));
+        let named = match issuer {
+            Some(issuer) => issuer.fencing_resource(resource)?,
+            None => resource.clone(),
+        };
+        if !checks.iter().any(|(r, _)| *r == named) {
+            let mark = crate::high_water(&mut *pool, &named).await?;
+            checks.push((named, mark));
         }
     }
     if !invalid.is_empty() {
@@ -635,7 +641,14 @@ async fn counters(
         return Ok(());
     };
     let mut top_counter: Option<i64> = None;
-    for (resource, mark) in &checks {
+    let mut other_prefix = 0;
+    for (named, mark) in &checks {
+        // Only this issuer's key prefix's marks are compared with its counters.
+        if named.key_prefix().unwrap_or(crate::DEFAULT_KEY_PREFIX) != issuer.key_prefix() {
+            other_prefix += 1;
+            continue;
+        }
+        let resource = &named.without_key_prefix();
         let status = match issuer.status(resource).await {
             Ok(s) => s,
             Err(e) => {
@@ -649,7 +662,10 @@ async fn counters(
         };
         let counter = status.counter;
         top_counter = Some(top_counter.map_or(counter, |t| t.max(counter)));
-        let object = format!("resource {resource}");
+        let object = match named.key_prefix() {
+            Some(prefix) => format!("resource {resource} (key prefix {prefix})"),
+            None => format!("resource {resource}"),
+        };
         if counter < *mark {
             findings.push(
                 Finding::new(Severity::Error, FindingKind::CounterBelowMark, &object)
@@ -668,6 +684,16 @@ async fn counters(
                     )),
             );
         }
+    }
+    if other_prefix > 0 {
+        findings.push(
+            Finding::new(Severity::Info, FindingKind::CountersNotChecked, "pgfence.resource_fence")
+                .says(format!(
+                    "{other_prefix} resource mark(s) belong to another key prefix than the issuer's ({}); their counters were not checked",
+                    issuer.key_prefix()
+                ))
+                .fix("run doctor with each prefix's issuer (--key-prefix)"),
+        );
     }
     if let Some(top) = top_counter {
         for (table, token) in highest {

@@ -200,7 +200,7 @@ impl Effects {
     /// # Errors
     /// [`Error::StaleToken`] (logged and audited, operation `effect`) when a newer lease
     /// recorded this effect or checked the resource: do not make the call;
-    /// [`Error::DuplicateToken`], [`Error::LeaseExhausted`] as for row writes;
+    /// [`Error::DuplicateToken`], [`Error::RowSealed`] as for row writes;
     /// [`Error::InvalidEffect`] for an empty or too long work key or step, or a `fencing`
     /// without its resource (pass the [`Lease`](crate::Lease)); [`Error::Database`].
     pub async fn begin<'c, E: PgExecutor<'c>>(
@@ -259,7 +259,7 @@ impl Effects {
     /// [`Error::StaleToken`] (logged and audited, operation `effect_finish`) when a newer
     /// lease recorded or finished the effect, or checked the resource;
     /// [`Error::NotFound`] when no lease began it (nothing is written);
-    /// [`Error::DuplicateToken`], [`Error::LeaseExhausted`], [`Error::InvalidEffect`],
+    /// [`Error::DuplicateToken`], [`Error::RowSealed`], [`Error::InvalidEffect`],
     /// [`Error::Database`] as for [`Effects::begin`].
     pub async fn finish<'c, E: PgExecutor<'c>>(
         &self,
@@ -386,6 +386,7 @@ impl Effects {
             table: EFFECT_TABLE.to_owned(),
             key: key.clone(),
             resource: Some(resource.to_string()),
+            held_by: None,
         };
         let err = match status {
             "duplicate" => Error::DuplicateToken {
@@ -393,7 +394,7 @@ impl Effects {
                 token: presented,
             },
             "exhausted" => {
-                return Error::LeaseExhausted {
+                return Error::RowSealed {
                     target,
                     token: presented,
                 };

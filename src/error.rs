@@ -13,9 +13,18 @@ pub const SQLSTATE_PROTECTED: &str = "PF003";
 /// SQLSTATE raised by `pgfence.check` / `pgfence.next_fence` when another lease already
 /// presented the same token (the token counter went backwards).
 pub const SQLSTATE_DUPLICATE: &str = "PF004";
-/// SQLSTATE raised by `pgfence.next_fence` when one lease wrote a row
-/// [`MAX_WRITES_PER_ROW`](crate::MAX_WRITES_PER_ROW) times.
-pub const SQLSTATE_EXHAUSTED: &str = "PF005";
+/// SQLSTATE raised by `pgfence.next_fence` when the row was sealed (changed outside the
+/// fencing protocol) after this lease wrote it.
+pub const SQLSTATE_SEALED: &str = "PF005";
+/// SQLSTATE raised by the guard trigger for a bypass it refuses: set with a plain `SET` (not
+/// `pgfence.bypass()` in the writing transaction), or by a role that may not bypass.
+pub const SQLSTATE_BYPASS_REFUSED: &str = "PF006";
+/// SQLSTATE raised by the guard trigger for a lease-less UPDATE that changed the fence in a
+/// way no lease's write does (`fence = fence + 1`).
+pub const SQLSTATE_LEASELESS: &str = "PF007";
+/// SQLSTATE raised when a token is more than the poisoning bound (`pgfence.max_token_jump()`,
+/// 2^36 by default) above a resource mark's or row's current token.
+pub const SQLSTATE_TOKEN_JUMP: &str = "PF008";
 
 const OTHER_COUNTER_NOTE: &str = " (the current token came from another resource's counter: resources that write the same rows must share a fencing domain)";
 
@@ -32,6 +41,10 @@ pub enum StaleTarget {
         /// The resource the rejected lease was issued for, when the write said
         /// ([`Fencing::resource`](crate::Fencing::resource); set for writes made with a lease).
         resource: Option<String>,
+        /// Another resource of the same fencing domain whose lease holds the row now: it
+        /// checked that resource ([`Fence::check`](crate::Fence::check)) with the current
+        /// token. `None` when the newer lease was of the same resource, or is not known.
+        held_by: Option<Box<str>>,
     },
     /// A resource's high-water mark (`Fence::check`, `pgfence.check`).
     Resource(String),
@@ -55,6 +68,12 @@ impl StaleTarget {
 impl fmt::Display for StaleTarget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            StaleTarget::Row {
+                table,
+                key,
+                held_by: Some(by),
+                ..
+            } => write!(f, "{table} {key} (taken over by resource {by})"),
             StaleTarget::Row { table, key, .. } => write!(f, "{table} {key}"),
             StaleTarget::Resource(r) | StaleTarget::Table(r) => f.write_str(r),
         }
@@ -105,16 +124,72 @@ pub enum Error {
         token: i64,
     },
 
-    /// This lease wrote the row [`MAX_WRITES_PER_ROW`](crate::MAX_WRITES_PER_ROW) times;
-    /// nothing was applied. Take a new lease to write it again.
+    /// The row was sealed after this lease wrote it: it was changed outside the fencing
+    /// protocol (an audited bypass, or a write let through in observe mode), so this lease's
+    /// picture of it is out of date. Nothing was applied (audited like a stale write); take a
+    /// new lease and re-read the row. (A row a 0.2 lease wrote 4,096 times reads as sealed
+    /// too.)
     #[error(
-        "lease with token {token} wrote {target} the maximum number of times; take a new lease"
+        "{target} was changed outside the fencing protocol after lease {token} wrote it (sealed); nothing was applied: take a new lease and re-read it"
     )]
-    LeaseExhausted {
+    RowSealed {
         /// What the write targeted.
         target: StaleTarget,
         /// The lease's token.
         token: i64,
+    },
+
+    /// The guard trigger refused a bypass of the guard: `pgfence.bypass` was set without
+    /// `pgfence.bypass(reason)` in the writing transaction (a plain `SET` would outlive its
+    /// transaction), or by a role the schema owner did not allow
+    /// ([`allow_bypass`](crate::allow_bypass)). Nothing was written.
+    #[error("bypass of the guard on {table} refused for role {role} (reason {reason:?}): {why}")]
+    BypassRefused {
+        /// The quoted table.
+        table: String,
+        /// The role that tried.
+        role: String,
+        /// The reason it gave.
+        reason: String,
+        /// Why it was refused, as the trigger said.
+        why: String,
+    },
+
+    /// The token is more than `max_jump` above the current token of the row or resource mark
+    /// (`pgfence.max_token_jump()`): a forged or corrupted token, which would lock every real
+    /// lease out if it were stored. Nothing was written; the rejection is audited where the
+    /// refusal allows it ([`Fence::check`](crate::Fence::check), `pgfence.try_check`,
+    /// `pgfence.admits`) and the server log has it. The schema owner can change the bound
+    /// (`SELECT pgfence.set_max_token_jump(n)`).
+    #[error(
+        "token {presented} refused on {target}: more than {max_jump} above its current token {current} (a forged or corrupted token?)"
+    )]
+    TokenJump {
+        /// What the write or check targeted.
+        target: StaleTarget,
+        /// The token presented.
+        presented: i64,
+        /// The current token.
+        current: i64,
+        /// The bound.
+        max_jump: i64,
+    },
+
+    /// The guard trigger refused a lease-less UPDATE that changed a row's fence in a way no
+    /// lease's write does (`fence = fence + 1`): it would have looked like the current
+    /// lease's next write and been overwritten by it. Write under a lease (`pgfence run`,
+    /// `pgfence.next_fence`) or bypass (`pgfence.bypass(reason)`). Not audited: the trigger's
+    /// transaction rolls back; the PostgreSQL server log has it.
+    #[error(
+        "lease-less write refused on {table}: fence {old} -> {new} is not a lease's write; write under a lease (pgfence run) or bypass with pgfence.bypass(reason)"
+    )]
+    LeaselessWrite {
+        /// The quoted table.
+        table: String,
+        /// The row's fence.
+        old: i64,
+        /// The fence the UPDATE tried to store.
+        new: i64,
     },
 
     /// The row the fenced write addressed does not exist (never reported for a stale write).
@@ -373,7 +448,47 @@ impl From<sqlx::Error> for Error {
             && let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
         {
             match pg.code() {
-                SQLSTATE_STALE | SQLSTATE_DUPLICATE | SQLSTATE_EXHAUSTED => {
+                SQLSTATE_BYPASS_REFUSED => {
+                    let detail = pg.detail().unwrap_or("");
+                    let (role, reason) = detail
+                        .strip_prefix("role=")
+                        .and_then(|d| d.split_once(" reason="))
+                        .unwrap_or(("?", ""));
+                    return Error::BypassRefused {
+                        table: guard_table(pg),
+                        role: role.to_owned(),
+                        reason: reason.to_owned(),
+                        why: pg
+                            .message()
+                            .split_once(": ")
+                            .and_then(|(_, m)| m.split_once(": "))
+                            .map_or(pg.message(), |(_, why)| why)
+                            .to_owned(),
+                    };
+                }
+                SQLSTATE_LEASELESS => {
+                    let fences = pg
+                        .detail()
+                        .and_then(|d| d.strip_prefix("old="))
+                        .and_then(|d| d.split_once(" new="))
+                        .and_then(|(old, rest)| {
+                            let new = rest.split(' ').next()?;
+                            Some((old.parse().ok()?, new.parse().ok()?))
+                        });
+                    if let Some((old, new)) = fences {
+                        return Error::LeaselessWrite {
+                            table: guard_table(pg),
+                            old,
+                            new,
+                        };
+                    }
+                }
+                SQLSTATE_TOKEN_JUMP => {
+                    if let Some(e) = parse_jump_detail(pg.detail().unwrap_or("")) {
+                        return e;
+                    }
+                }
+                SQLSTATE_STALE | SQLSTATE_DUPLICATE | SQLSTATE_SEALED => {
                     if let Some(rejected) = parse_fence_detail(pg.code(), pg.detail().unwrap_or(""))
                     {
                         return rejected;
@@ -405,6 +520,38 @@ impl From<redis::RedisError> for Error {
     }
 }
 
+/// Parses the `DETAIL` of a `PF008` error:
+/// `presented=<token> current=<token> max_jump=<n> <kind>=<text>`.
+fn parse_jump_detail(detail: &str) -> Option<Error> {
+    let rest = detail.strip_prefix("presented=")?;
+    let (presented, rest) = rest.split_once(" current=")?;
+    let (current, rest) = rest.split_once(" max_jump=")?;
+    let (max_jump, rest) = rest.split_once(' ')?;
+    let target = if let Some(r) = rest.strip_prefix("resource=") {
+        StaleTarget::Resource(r.to_owned())
+    } else {
+        StaleTarget::Table(rest.strip_prefix("table=")?.to_owned())
+    };
+    Some(Error::TokenJump {
+        target,
+        presented: presented.parse().ok()?,
+        current: current.parse().ok()?,
+        max_jump: max_jump.parse().ok()?,
+    })
+}
+
+/// `"schema"."table"` of an error the guard trigger raised (its SCHEMA and TABLE fields).
+fn guard_table(pg: &sqlx::postgres::PgDatabaseError) -> String {
+    match (pg.schema(), pg.table()) {
+        (Some(schema), Some(table)) => format!(
+            "\"{}\".\"{}\"",
+            schema.replace('"', "\"\""),
+            table.replace('"', "\"\"")
+        ),
+        _ => "?".to_owned(),
+    }
+}
+
 /// The relation a 42P01 error names: the TABLE field (pgfence's own errors set it), else the
 /// name in the server's `relation "..." does not exist`.
 fn missing_relation(pg: &sqlx::postgres::PgDatabaseError) -> String {
@@ -418,7 +565,7 @@ fn missing_relation(pg: &sqlx::postgres::PgDatabaseError) -> String {
         .to_owned()
 }
 
-/// Parses the `DETAIL` of a `PF001`/`PF004`/`PF005` error:
+/// Parses the `DETAIL` of a `PF001`/`PF004`/`PF005` error (README, "SQLSTATEs"):
 /// `presented=<token> current=<token> <kind>=<text>`, kind `resource` or `table`.
 fn parse_fence_detail(code: &str, detail: &str) -> Option<Error> {
     let rest = detail.strip_prefix("presented=")?;
@@ -439,7 +586,7 @@ fn parse_fence_detail(code: &str, detail: &str) -> Option<Error> {
             target,
             token: presented,
         },
-        SQLSTATE_EXHAUSTED => Error::LeaseExhausted {
+        SQLSTATE_SEALED => Error::RowSealed {
             target,
             token: presented,
         },
@@ -455,6 +602,24 @@ fn parse_fence_detail(code: &str, detail: &str) -> Option<Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_token_jump_detail() {
+        let e = parse_jump_detail(
+            "presented=549755813887 current=5 max_jump=68719476736 table=\"public\".\"t\"",
+        )
+        .unwrap();
+        assert!(
+            matches!(e, Error::TokenJump { presented: 549_755_813_887, current: 5, max_jump: 68_719_476_736, target: StaleTarget::Table(ref t) } if t == "\"public\".\"t\""),
+            "{e:?}"
+        );
+        let e = parse_jump_detail("presented=9 current=1 max_jump=2 resource=a:b").unwrap();
+        assert!(
+            matches!(e, Error::TokenJump { target: StaleTarget::Resource(ref r), .. } if r == "a:b")
+        );
+        assert!(parse_jump_detail("presented=x current=1 max_jump=2 resource=a").is_none());
+        assert!(parse_jump_detail("nonsense").is_none());
+    }
 
     #[test]
     fn parses_trigger_detail() {

@@ -9,9 +9,15 @@ const APP_FUNCTIONS: &[&str] = &[
     "pgfence.check(pg_catalog.text, pg_catalog.int8, pg_catalog.int4)",
     "pgfence.try_check(pg_catalog.text, pg_catalog.int8, pg_catalog.int4)",
     "pgfence.next_fence(pg_catalog.int8, pg_catalog.int8, pg_catalog.int4, pg_catalog.text)",
+    "pgfence.admits(pg_catalog.int8, pg_catalog.int8, pg_catalog.int4, pg_catalog.regclass, \
+     pg_catalog.text)",
+    "pgfence.stop_unless(pg_catalog.bool, pg_catalog.text)",
+    // Whether the role may bypass is the guard trigger's decision (allow_bypass), per row.
+    "pgfence.bypass(pg_catalog.text)",
     "pgfence.lease_fence(pg_catalog.int8, pg_catalog.int4)",
     "pgfence.high_water(pg_catalog.text)",
     "pgfence.domain_high_water(pg_catalog.text)",
+    "pgfence.domain_mark_holder(pg_catalog.text, pg_catalog.int8)",
     "pgfence.record_rejection(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
      pg_catalog.int8, pg_catalog.text, pg_catalog.text, pg_catalog.int4, pg_catalog.bool)",
     "pgfence.append_audit(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
@@ -42,7 +48,7 @@ const APP_FUNCTIONS: &[&str] = &[
 /// | object | application role |
 /// |---|---|
 /// | schema `pgfence` | `USAGE` (and not `CREATE`: an earlier grant of it is revoked) |
-/// | `check`, `high_water`, `domain_high_water`, `append_audit` (owner's rights); `try_check`, `next_fence`, `lease_fence`, `record_rejection` (caller's rights) | `EXECUTE` |
+/// | `check`, `high_water`, `domain_high_water`, `domain_mark_holder`, `append_audit` (owner's rights); `try_check`, `admits`, `stop_unless`, `next_fence`, `lease_fence`, `record_rejection`, `bypass` (caller's rights) | `EXECUTE` |
 /// | the effect ledger's `effect_begin`, `effect_finish`, `effect_status` (owner's rights: fenced like a row write) | `EXECUTE` |
 /// | the PostgreSQL issuer's `issuer_acquire`, `issuer_release`, `issuer_extend`, `issuer_status` (owner's rights: take a free lock, release or extend one's own, never lower a counter) | `EXECUTE` |
 /// | `pgfence.tombstone` | `SELECT`, `INSERT`, `UPDATE (fence, deleted_at)`: a fenced delete writes its tombstone, an upsert reads it; a trigger refuses any update that lowers a tombstone's fence |

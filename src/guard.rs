@@ -29,16 +29,24 @@ pub async fn guard<'c, E: PgExecutor<'c>>(exec: E, table: &TableName) -> Result<
     guard_with(exec, table, GuardMode::Enforce).await
 }
 
-/// What the guard trigger does with an UPDATE that does not advance a row's fence.
+/// What the guard trigger does with an UPDATE that is not a lease's write (it leaves the
+/// fence alone, lowers it, or changes it some other way, such as `fence = fence + 1`).
+///
+/// In both modes a token more than `pgfence.max_token_jump()` above the row's is refused
+/// (`PF008`, [`crate::Error::TokenJump`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum GuardMode {
-    /// Reject it with `PF001` (the default), unless the transaction set `pgfence.bypass` and
-    /// its role may bypass (`pgfence.allow_bypass`): then let it through, audited.
+    /// Reject it (the default): `PF001` when the fence did not advance, `PF007`
+    /// ([`crate::Error::LeaselessWrite`]) when it changed some other way — unless the
+    /// transaction called [`bypass`] and its role may bypass ([`allow_bypass`]): then let it
+    /// through, audited, and seal the row.
     Enforce,
     /// Report only: let it through, record it in `pgfence.audit` (operation `observe`, holder
-    /// = the writing role, `application_name`) and raise a PostgreSQL `WARNING`. For rolling
-    /// pgfence out: find every writer that does not fence before enforcing.
+    /// = the writing role, `application_name`), raise a PostgreSQL `WARNING`, and seal the row
+    /// (the lease that wrote it before gets [`crate::Error::RowSealed`], so the write let
+    /// through is not overwritten). For rolling pgfence out: find every writer that does not
+    /// fence before enforcing.
     Observe,
 }
 
@@ -228,16 +236,18 @@ pub fn guard_migration_sql_with(table: &TableName, mode: GuardMode) -> Result<St
     ))
 }
 
-/// Allows `role` (and its members) to bypass the guard of every guarded table with
-/// `SET LOCAL pgfence.bypass = '<reason>'` in a transaction. Each bypassed row is audited
-/// (operation `bypass`, holder = the role, the reason) and raises a PostgreSQL `WARNING`; its
-/// fence is sealed against the lease that last wrote it. Run it as the owner of the `pgfence`
-/// schema. Returns `true` if the role was not allowed before.
+/// Allows the role named `role` (and its members) to bypass the guard of every guarded table
+/// with [`bypass`] (`SELECT pgfence.bypass('<reason>')`) in a transaction, and grants it
+/// what that call needs (`USAGE` on the schema, `EXECUTE` on `pgfence.bypass`). Each
+/// bypassed row is audited (operation `bypass`, holder = the role, the reason) and raises a
+/// PostgreSQL `WARNING`; its fence is sealed against every lease that wrote it before. Run it
+/// as the owner of the `pgfence` schema. Returns `true` if the role was not allowed before.
 ///
 /// # Errors
-/// [`crate::Error::Database`] when the role does not exist (SQLSTATE `42704`) or the caller
-/// is not the schema's owner.
-pub async fn allow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &Ident) -> Result<bool> {
+/// [`crate::Error::InvalidIdentifier`] for a name that is not a role name; [`crate::Error::Database`]
+/// when the role does not exist (SQLSTATE `42704`) or the caller is not the schema's owner.
+pub async fn allow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &str) -> Result<bool> {
+    let role = Ident::new(role)?;
     let changed = sqlx::query_scalar!(
         r#"SELECT pgfence.allow_bypass($1) AS "changed!""#,
         role.as_str()
@@ -247,11 +257,13 @@ pub async fn allow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &Ident) -> Resul
     Ok(changed)
 }
 
-/// Takes back [`allow_bypass`]. Returns `true` if the role was allowed.
+/// Takes back [`allow_bypass`] (and the role's `EXECUTE` on `pgfence.bypass`). Returns `true`
+/// if the role was allowed.
 ///
 /// # Errors
-/// [`crate::Error::Database`].
-pub async fn disallow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &Ident) -> Result<bool> {
+/// [`crate::Error::InvalidIdentifier`]; [`crate::Error::Database`].
+pub async fn disallow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &str) -> Result<bool> {
+    let role = Ident::new(role)?;
     let changed = sqlx::query_scalar!(
         r#"SELECT pgfence.disallow_bypass($1) AS "changed!""#,
         role.as_str()
@@ -259,4 +271,33 @@ pub async fn disallow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &Ident) -> Re
     .fetch_one(exec)
     .await?;
     Ok(changed)
+}
+
+/// Starts an audited bypass of the guard for the transaction `tx` (`SELECT
+/// pgfence.bypass($1)`): its UPDATEs of guarded rows that are not a lease's write go through,
+/// each audited (operation `bypass`, the role, `reason`) and sealed, when the role was allowed
+/// ([`allow_bypass`]). The bypass ends with the transaction; a plain `SET pgfence.bypass` (which
+/// would outlive it on a pooled connection) bypasses nothing ([`crate::Error::BypassRefused`]).
+///
+/// # Errors
+/// [`crate::Error::Database`] for an empty reason or one over 500 characters (SQLSTATE
+/// `22023`), or a role without `EXECUTE` on `pgfence.bypass` (not allowed).
+///
+/// # Example
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool) -> pgfence::Result<()> {
+/// let mut tx = pool.begin().await?;
+/// pgfence::bypass(&mut tx, "refund #123, ticket OPS-7").await?;
+/// sqlx::query("UPDATE accounts SET balance = balance + 100 WHERE id = 14")
+///     .execute(&mut *tx)
+///     .await?;
+/// tx.commit().await?;
+/// # Ok(()) }
+/// ```
+pub async fn bypass(tx: &mut sqlx::PgTransaction<'_>, reason: &str) -> Result<()> {
+    sqlx::query("SELECT pgfence.bypass($1)")
+        .bind(reason)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
 }

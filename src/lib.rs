@@ -30,13 +30,14 @@ pub use effect::{
     EFFECT_TABLE, Effect, EffectOutcome, EffectRecord, Effects, MAX_STEP_LEN, MAX_WORK_KEY_LEN,
 };
 pub use error::{
-    Error, Result, SQLSTATE_DUPLICATE, SQLSTATE_EXHAUSTED, SQLSTATE_FENCE_TYPE, SQLSTATE_PROTECTED,
-    SQLSTATE_STALE, StaleTarget,
+    Error, Result, SQLSTATE_BYPASS_REFUSED, SQLSTATE_DUPLICATE, SQLSTATE_FENCE_TYPE,
+    SQLSTATE_LEASELESS, SQLSTATE_PROTECTED, SQLSTATE_SEALED, SQLSTATE_STALE, SQLSTATE_TOKEN_JUMP,
+    StaleTarget,
 };
 pub use fence::{Fence, counter_floor, high_water};
 pub use grant::{grant, grant_sql};
 pub use guard::{
-    GuardMode, GuardedTable, allow_bypass, disallow_bypass, guard, guard_migration_sql,
+    GuardMode, GuardedTable, allow_bypass, bypass, disallow_bypass, guard, guard_migration_sql,
     guard_migration_sql_with, guard_mode, guard_with, guarded_tables, guarded_tables_with_modes,
     unguard,
 };
@@ -65,12 +66,11 @@ pub use issuer::{ZK_SCHEME, ZkIssuer, is_zk_url, zk_lock_dir};
 pub use migrate::{MigrationInfo, migrate, status as migration_status};
 pub use repository::{FencedTable, KeyArrays, PgQuery, Repository, Upserted, WriteExecutor};
 pub use resource::{MAX_RESOURCE_LEN, Resource};
-pub use token::{FenceToken, Fencing, MAX_TOKEN, MAX_WRITES_PER_ROW, Relation};
+pub use token::{FenceToken, Fencing, MAX_TOKEN, Relation, SEALED_SEQUENCE, next_sequence};
 pub use verify::ColumnType;
 
 /// `#[derive(FencedTable)]`: implements [`FencedTable`](trait@FencedTable) from a struct's
 /// fields and `#[fenced(...)]` / `#[sqlx(...)]` attributes, so the struct that reads rows
-/// (`#[derive(sqlx::FromRow)]`) also declares the table. See [`pgfence_derive`]'s docs for the
-/// attributes.
+/// (`#[derive(sqlx::FromRow)]`) also declares the table. Its attributes follow.
 #[cfg(feature = "derive")]
 pub use pgfence_derive::FencedTable;

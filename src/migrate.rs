@@ -57,6 +57,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V9__schema_version",
         include_str!("../migrations/V9__schema_version.sql"),
     ),
+    (
+        "V10__fences_people_cannot_break",
+        include_str!("../migrations/V10__fences_people_cannot_break.sql"),
+    ),
 ];
 
 /// The newest migration this version ships.

@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::{PgPool, Postgres, Row};
 
+use crate::FenceToken;
 use crate::audit::{AuditRow, Auditor, Rejection};
 use crate::ident::{Ident, TableName};
 use crate::sql::{Source, Statement, Statements};
@@ -444,7 +445,7 @@ impl<T: FencedTable> Repository<T> {
     /// # Errors
     /// [`Error::StaleToken`] when a newer lease wrote or claimed the row (audited and logged);
     /// [`Error::DuplicateToken`] when another lease presented the same token there (audited);
-    /// [`Error::NotFound`] when there is no such row; [`Error::LeaseExhausted`];
+    /// [`Error::NotFound`] when there is no such row; [`Error::RowSealed`];
     /// [`Error::Database`] otherwise.
     ///
     /// # Example
@@ -471,7 +472,11 @@ impl<T: FencedTable> Repository<T> {
         let mut lent = exec.into_target().lend().await?;
         let source = Source::Row(row);
         let write = self.sql.update.bind(source, &fencing, false);
-        if write.execute(lent.conn()).await?.rows_affected() > 0 {
+        let done = match write.execute(lent.conn()).await {
+            Ok(done) => done,
+            Err(e) => return Err(self.write_error(e, &fencing, "update").await),
+        };
+        if done.rows_affected() > 0 {
             return Ok(());
         }
         let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
@@ -483,7 +488,7 @@ impl<T: FencedTable> Repository<T> {
     ///
     /// # Errors
     /// [`Error::StaleToken`] when a newer lease wrote (or deleted) the row;
-    /// [`Error::DuplicateToken`]; [`Error::LeaseExhausted`]; [`Error::Database`] otherwise.
+    /// [`Error::DuplicateToken`]; [`Error::RowSealed`]; [`Error::Database`] otherwise.
     pub async fn upsert<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
@@ -495,7 +500,10 @@ impl<T: FencedTable> Repository<T> {
         let mut lent = exec.into_target().lend().await?;
         let source = Source::Row(row);
         let write = self.sql.upsert.bind(source, &fencing, false);
-        let done = write.fetch_optional(lent.conn()).await?;
+        let done = match write.fetch_optional(lent.conn()).await {
+            Ok(done) => done,
+            Err(e) => return Err(self.write_error(e, &fencing, "upsert").await),
+        };
         if let Some(done) = done {
             return Ok(if done.try_get::<bool, _>(0)? {
                 Upserted::Inserted
@@ -573,10 +581,14 @@ impl<T: FencedTable> Repository<T> {
         let mut lent = exec.into_target().lend().await?;
         let source = Source::<T>::Key(key);
         let write = self.sql.claim.bind(source, &fencing, false);
-        if let Some(row) = write.fetch_optional(lent.conn()).await? {
+        let claimed = match write.fetch_optional(lent.conn()).await {
+            Ok(claimed) => claimed,
+            Err(e) => return Err(self.write_error(e, &fencing, "claim").await),
+        };
+        if let Some(row) = claimed {
             return Ok(R::from_row(&row)?);
         }
-        let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
+        let out = explain_row(&self.sql.explain_claim, source, &fencing, &mut lent).await?;
         self.rejected(&out, &fencing, "claim").await
     }
 
@@ -651,7 +663,11 @@ impl<T: FencedTable> Repository<T> {
             )
         })?;
         let mut lent = exec.into_target().lend().await?;
-        if write.execute(lent.conn()).await?.rows_affected() > 0 {
+        let done = match write.execute(lent.conn()).await {
+            Ok(done) => done,
+            Err(e) => return Err(self.write_error(e, &fencing, "update").await),
+        };
+        if done.rows_affected() > 0 {
             return Ok(());
         }
         let source = Source::Row(row);
@@ -705,6 +721,52 @@ impl<T: FencedTable> Repository<T> {
 
     /// Classifies a write that changed nothing from its explaining row: the row's fence
     /// (`current`, NULL when there is no row) against the lease.
+    /// The other resource of the lease's fencing domain whose lease, with `token`, holds a row
+    /// now: the one whose high-water mark carries that token (`pgfence.domain_mark_holder`,
+    /// through the audit pool: the rejection path only). `None` without a domain, for the
+    /// lease's own resource, or when no mark (or no privilege) says.
+    async fn held_by(&self, fencing: &Fencing, token: i64) -> Option<Box<str>> {
+        let resource = fencing.resource.as_ref()?;
+        let domain = resource.domain()?;
+        let holder: Option<String> =
+            sqlx::query_scalar("SELECT pgfence.domain_mark_holder($1, $2)")
+                .bind(domain)
+                .bind(token)
+                .fetch_one(self.auditor.pool())
+                .await
+                .ok()
+                .flatten();
+        holder
+            .filter(|h| h != resource.as_str())
+            .map(String::into_boxed_str)
+    }
+
+    /// The error of a write statement. A token the guard trigger refused for its jump
+    /// ([`Error::TokenJump`], the poisoning bound) is audited like a rejection: the
+    /// trigger's own audit row would roll back with the statement.
+    async fn write_error(
+        &self,
+        e: sqlx::Error,
+        fencing: &Fencing,
+        operation: &'static str,
+    ) -> Error {
+        let err = Error::from(e);
+        if let Error::TokenJump { current, .. } = &err {
+            let rejection = Rejection {
+                resource: fencing.resource.as_ref().map(|r| r.as_str().to_owned()),
+                table: Some(self.table.quoted()),
+                key: None,
+                presented: fencing.token.get(),
+                current: Some(*current),
+                holder: fencing.holder.clone(),
+                operation,
+                other_counter: false,
+            };
+            self.auditor.record(&rejection, AuditRow::Pending).await;
+        }
+        err
+    }
+
     async fn rejected<R>(
         &self,
         out: &Explained,
@@ -728,13 +790,20 @@ impl<T: FencedTable> Repository<T> {
         fence: i64,
         operation: &'static str,
     ) -> Result<R> {
+        let token = fencing.token.get();
+        let relation = fencing.classify(fence);
+        let held_by = match relation {
+            Relation::Newer {
+                other_counter: false,
+            } => self.held_by(fencing, FenceToken::of_fence(fence)).await,
+            _ => None,
+        };
         let target = StaleTarget::Row {
             table: self.table.quoted(),
             key: key_text(&out.row),
             resource: fencing.resource.as_ref().map(ToString::to_string),
+            held_by,
         };
-        let token = fencing.token.get();
-        let relation = fencing.classify(fence);
         let other_counter = matches!(
             relation,
             Relation::Newer {
@@ -749,7 +818,7 @@ impl<T: FencedTable> Repository<T> {
                 other_counter,
             },
             Relation::Duplicate => Error::DuplicateToken { target, token },
-            Relation::Exhausted => return Err(Error::LeaseExhausted { target, token }),
+            Relation::Sealed => Error::RowSealed { target, token },
             // The row now admits the lease, yet the write did not apply: it was replaced
             // (deleted and inserted again) while the write ran.
             Relation::Older | Relation::Own => {

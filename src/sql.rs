@@ -16,11 +16,11 @@
 //! Each statement binds the lease once, as its lease fence `L` ([`Fencing::lease_fence`]:
 //! token and holder tag, sequence 0). A row's `fence` admits the write when it was written by
 //! an older lease (`fence < L & ~0xFFFFFF`, the lease's token with tag and sequence cleared)
-//! or by this very lease with room for one more write (`L <= fence < L + 4095`). The write
-//! stores `GREATEST(fence + 1, L)`: `L` for a lease's first write to the row, the next
-//! sequence number after that — always strictly more than the row had, which the guard
-//! trigger insists on. A fence with the same token and another tag (a duplicate token) and
-//! every newer lease's fence are not admitted.
+//! or by this very lease and not sealed since (`L <= fence < L + 4095`). The write stores `L`
+//! for a lease's first write to the row, and the next step of the lease's sequence cycle
+//! after that (`L + (fence - L + 2731) % 4095`, [`crate::next_sequence`]): the only changes
+//! the guard trigger lets through. A fence with the same token and another tag (a duplicate
+//! token), a sealed fence (`L + 4095`) and every newer lease's fence are not admitted.
 
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
@@ -30,7 +30,6 @@ use crate::{FencedTable, Fencing, PgQuery, Result};
 /// The catalog's operators, spelled so that `search_path` cannot substitute others.
 const EQ: &str = "OPERATOR(pg_catalog.=)";
 const LT: &str = "OPERATOR(pg_catalog.<)";
-const LE: &str = "OPERATOR(pg_catalog.<=)";
 const GE: &str = "OPERATOR(pg_catalog.>=)";
 const PLUS: &str = "OPERATOR(pg_catalog.+)";
 const AND: &str = "OPERATOR(pg_catalog.&)";
@@ -39,8 +38,12 @@ const GT: &str = "OPERATOR(pg_catalog.>)";
 const NE: &str = "OPERATOR(pg_catalog.<>)";
 /// Clears tag and sequence from a lease fence (`~0xFFFFFF`).
 const TOKEN_MASK: &str = "(-16777216)::pg_catalog.int8";
-/// The last sequence number one lease can store in a row.
+/// The sealed sequence ([`crate::SEALED_SEQUENCE`]), and the cycle's modulus.
 const LAST_SEQ: &str = "4095::pg_catalog.int8";
+/// The step of a lease's sequence cycle (see [`crate::next_sequence`]).
+const SEQ_STEP: &str = "2731::pg_catalog.int8";
+const MINUS: &str = "OPERATOR(pg_catalog.-)";
+const MOD: &str = "OPERATOR(pg_catalog.%)";
 /// The counter bits of a fence (bits 20..23).
 const COUNTER_MASK: &str = "15728640::pg_catalog.int8";
 
@@ -254,6 +257,8 @@ pub(crate) struct Statements {
     pub explain_update: Statement,
     pub explain_upsert: Statement,
     pub explain_delete: Statement,
+    /// As `explain_update`, audited as operation `claim`.
+    pub explain_claim: Statement,
     /// `SELECT * FROM <table> WHERE <key>`: a plain read, no fence.
     pub fetch: Statement,
     pub batch: BatchStatements,
@@ -285,17 +290,22 @@ fn admits(fence: &str, lease: &str) -> String {
     )
 }
 
-/// The fence an admitted write stores.
+/// The fence an admitted write stores: `L` over an older lease's fence, the lease's next
+/// sequence step over its own.
 fn next_fence(fence: &str, lease: &str) -> String {
-    format!("GREATEST({fence} {PLUS} 1::pg_catalog.int8, {lease})")
+    format!(
+        "CASE WHEN {fence} {LT} {lease} THEN {lease} \
+         ELSE {lease} {PLUS} (({fence} {MINUS} {lease} {PLUS} {SEQ_STEP}) {MOD} {LAST_SEQ}) END"
+    )
 }
 
-/// Whether a stored fence means the lease was rejected: a newer lease, or the same token
-/// presented by another holder. (Not: older, or this lease's own, exhausted or not.)
+/// Whether a stored fence means the lease was rejected: a newer lease, the same token
+/// presented by another holder, or this lease's fence sealed. (Not: older, or this lease's
+/// own.)
 fn rejects(fence: &str, lease: &str) -> String {
     format!(
         "{fence} {GE} ({lease} {AND} {TOKEN_MASK}) \
-         AND NOT ({fence} {GE} {lease} AND {fence} {LE} ({lease} {PLUS} {LAST_SEQ}))"
+         AND NOT ({fence} {GE} {lease} AND {fence} {LT} ({lease} {PLUS} {LAST_SEQ}))"
     )
 }
 
@@ -482,6 +492,7 @@ impl Statements {
             explain_update: explain("update", false),
             explain_upsert: explain("upsert", true),
             explain_delete: explain("delete", false),
+            explain_claim: explain("claim", false),
             batch: BatchStatements::build(&t, &table_literal, keys, cols, audit_lock_timeout_ms),
         })
     }
@@ -770,7 +781,9 @@ mod tests {
         assert_eq!(
             s.update.text(),
             "UPDATE \"public\".\"inventory\" SET \"payload\" = $2, \"qty\" = $3, \
-             \"fence\" = GREATEST(\"fence\" OPERATOR(pg_catalog.+) 1::pg_catalog.int8, $4) \
+             \"fence\" = CASE WHEN \"fence\" OPERATOR(pg_catalog.<) $4 THEN $4 ELSE $4 \
+             OPERATOR(pg_catalog.+) ((\"fence\" OPERATOR(pg_catalog.-) $4 OPERATOR(pg_catalog.+) \
+             2731::pg_catalog.int8) OPERATOR(pg_catalog.%) 4095::pg_catalog.int8) END \
              WHERE \"sku\" OPERATOR(pg_catalog.=) $1 AND (\"fence\" OPERATOR(pg_catalog.<) \
              ($4 OPERATOR(pg_catalog.&) (-16777216)::pg_catalog.int8) OR (\"fence\" \
              OPERATOR(pg_catalog.>=) $4 AND \"fence\" OPERATOR(pg_catalog.<) ($4 \
@@ -778,8 +791,10 @@ mod tests {
         );
         assert_eq!(
             s.claim.text(),
-            "UPDATE \"public\".\"inventory\" SET \"fence\" = GREATEST(\"fence\" \
-             OPERATOR(pg_catalog.+) 1::pg_catalog.int8, $2) WHERE \"sku\" \
+            "UPDATE \"public\".\"inventory\" SET \"fence\" = CASE WHEN \"fence\" \
+             OPERATOR(pg_catalog.<) $2 THEN $2 ELSE $2 OPERATOR(pg_catalog.+) ((\"fence\" \
+             OPERATOR(pg_catalog.-) $2 OPERATOR(pg_catalog.+) 2731::pg_catalog.int8) \
+             OPERATOR(pg_catalog.%) 4095::pg_catalog.int8) END WHERE \"sku\" \
              OPERATOR(pg_catalog.=) $1 AND (\"fence\" OPERATOR(pg_catalog.<) ($2 \
              OPERATOR(pg_catalog.&) (-16777216)::pg_catalog.int8) OR (\"fence\" \
              OPERATOR(pg_catalog.>=) $2 AND \"fence\" OPERATOR(pg_catalog.<) ($2 \
@@ -839,7 +854,7 @@ mod tests {
             "WITH i AS (SELECT * FROM ROWS FROM (pg_catalog.unnest($1), pg_catalog.unnest($2), \
              pg_catalog.unnest($3)) WITH ORDINALITY AS i(k0, k1, c0, ord))"
         ));
-        assert!(b.update.text().contains("\"amount\" = i.c0, \"fence\" = GREATEST(tgt.\"fence\" OPERATOR(pg_catalog.+) 1::pg_catalog.int8, $4)"));
+        assert!(b.update.text().contains("\"amount\" = i.c0, \"fence\" = CASE WHEN tgt.\"fence\" OPERATOR(pg_catalog.<) $4 THEN $4"));
         assert_eq!(b.delete.slots, [Slot::KeyArrays, Slot::LeaseFence]);
         assert!(b.delete.text().contains(
             "tgt.\"batch\" OPERATOR(pg_catalog.=) i.k0 AND tgt.\"line\" OPERATOR(pg_catalog.=) i.k1"

@@ -28,13 +28,19 @@
 //!   always differ here, and a write that meets the same token with another holder fails
 //!   with [`Error::DuplicateToken`](crate::Error::DuplicateToken) instead of letting both
 //!   progress.
-//! * **sequence** (12 bits): a row write by the lease that already wrote the row stores
-//!   `fence + 1`, so every applied write strictly advances the fence — which is what lets the
-//!   guard trigger keep rejecting raw SQL that leaves the fence alone. One lease can write one
-//!   row [`MAX_WRITES_PER_ROW`] times.
+//! * **sequence** (12 bits): a lease's first write to a row stores sequence 0
+//!   ([`Fencing::lease_fence`]); each later write by the same lease steps it through a fixed
+//!   cycle of the values `0..=4094`: `next = (sequence + 2731) mod 4095` ([`next_sequence`]).
+//!   Every applied write changes the fence in a way only a lease's write does, so the guard
+//!   trigger can refuse raw SQL that leaves the fence alone *or* bumps it (`fence = fence +
+//!   1` is not a step of the cycle), and the cycle never ends: one lease writes one row any
+//!   number of times. Sequence [`SEALED_SEQUENCE`] (4095) seals the row: it was changed
+//!   outside the protocol (an audited bypass, a write let through in observe mode) after the
+//!   lease that wrote it, whose next write is then rejected
+//!   ([`Error::RowSealed`](crate::Error::RowSealed)).
 //!
-//! A lease's first write to a row stores [`Fencing::lease_fence`] (sequence 0). Resource
-//! checks store the lease fence itself and accept the same lease again without a sequence.
+//! Resource checks store the lease fence itself and accept the same lease again without a
+//! sequence.
 
 use std::fmt;
 
@@ -43,9 +49,20 @@ use crate::{Error, Resource, Result};
 /// The largest token: 39 bits, so that token, tag and sequence fit a positive `BIGINT`.
 pub const MAX_TOKEN: i64 = (1 << 39) - 1;
 
-/// How many times one lease can write one row (the 12-bit sequence). A lease that needs more
-/// gets [`Error::LeaseExhausted`](crate::Error::LeaseExhausted) and takes a new lease.
-pub const MAX_WRITES_PER_ROW: i64 = 1 << SEQ_BITS;
+/// The sequence of a sealed fence: the row was changed outside the fencing protocol after the
+/// lease whose token and tag it carries wrote it, so that lease cannot write it again.
+pub const SEALED_SEQUENCE: i64 = (1 << SEQ_BITS) - 1;
+
+/// The step of a lease's sequence on a row it writes again (coprime with 4095, so the cycle
+/// visits all of `0..=4094`; far from the small numbers a hand-written `fence + n` adds).
+const SEQUENCE_STEP: i64 = 2731;
+
+/// The sequence a lease's next write to a row stores after `sequence` (`0..=4094`): the
+/// cycle the repository's statements, `pgfence.next_fence` and the guard trigger agree on.
+#[must_use]
+pub const fn next_sequence(sequence: i64) -> i64 {
+    (sequence + SEQUENCE_STEP) % SEALED_SEQUENCE
+}
 
 const SEQ_BITS: u32 = 12;
 const HOLDER_BITS: u32 = 8;
@@ -206,15 +223,15 @@ impl Fencing {
     #[must_use]
     pub fn classify(&self, fence: i64) -> Relation {
         let mine = self.lease_fence();
-        let last = mine + (MAX_WRITES_PER_ROW - 1);
+        let sealed = mine + SEALED_SEQUENCE;
         let theirs = FenceToken::of_fence(fence);
         let other_counter = theirs > 0 && counter_bits(fence) != counter_bits(mine);
         match theirs.cmp(&self.token.get()) {
             std::cmp::Ordering::Less => Relation::Older,
             std::cmp::Ordering::Greater => Relation::Newer { other_counter },
             std::cmp::Ordering::Equal if other_counter => Relation::Newer { other_counter },
-            std::cmp::Ordering::Equal if (mine..last).contains(&fence) => Relation::Own,
-            std::cmp::Ordering::Equal if fence == last => Relation::Exhausted,
+            std::cmp::Ordering::Equal if (mine..sealed).contains(&fence) => Relation::Own,
+            std::cmp::Ordering::Equal if fence == sealed => Relation::Sealed,
             std::cmp::Ordering::Equal => Relation::Duplicate,
         }
     }
@@ -247,10 +264,11 @@ fn fold(mut h: u32, bits: u32) -> u16 {
 pub enum Relation {
     /// Written by an older lease (or never by a lease): this lease's write is admitted.
     Older,
-    /// Written by this lease, with room for another write.
+    /// Written by this lease (it may write again).
     Own,
-    /// Written by this lease [`MAX_WRITES_PER_ROW`] times.
-    Exhausted,
+    /// Written by this lease, then sealed: changed outside the fencing protocol (an audited
+    /// bypass, observe mode). This lease is rejected; a newer one writes as usual.
+    Sealed,
     /// Written by another lease that presented the same token from the same counter (the
     /// counter went backwards).
     Duplicate,
@@ -299,15 +317,30 @@ mod tests {
     #[test]
     fn lease_fences_order_by_token_and_fit_a_bigint() {
         let top = Fencing::new(FenceToken::new(MAX_TOKEN).unwrap()).holder("x");
-        assert!(
-            top.lease_fence()
-                .checked_add(MAX_WRITES_PER_ROW - 1)
-                .is_some()
-        );
+        assert!(top.lease_fence().checked_add(SEALED_SEQUENCE).is_some());
         let older = Fencing::new(FenceToken::new(7).unwrap()).holder("zzz");
         let newer = Fencing::new(FenceToken::new(8).unwrap());
-        assert!(older.lease_fence() + MAX_WRITES_PER_ROW < newer.lease_fence());
+        assert!(older.lease_fence() + SEALED_SEQUENCE < newer.lease_fence());
         assert_eq!(FenceToken::of_fence(newer.lease_fence()), 8);
+    }
+
+    #[test]
+    fn the_sequence_cycle_visits_every_unsealed_value_and_never_adds_a_small_number() {
+        let mut seen = vec![false; 4095];
+        let mut s = 0;
+        for _ in 0..4095 {
+            assert!(!seen[usize::try_from(s).unwrap()], "{s} twice");
+            seen[usize::try_from(s).unwrap()] = true;
+            let n = next_sequence(s);
+            assert_ne!(n, SEALED_SEQUENCE);
+            // `fence = fence + d` for a hand-written d is never a lease's step.
+            for d in [1, 2, 3, 5, 10, 100, 1000] {
+                assert_ne!(n, s + d, "sequence {s} + {d}");
+            }
+            s = n;
+        }
+        assert_eq!(s, 0, "the cycle closes after 4095 steps");
+        assert!(seen.iter().all(|v| *v));
     }
 
     #[test]
@@ -320,7 +353,8 @@ mod tests {
         assert_eq!(me.classify(42), Relation::Older);
         assert_eq!(me.classify(f), Relation::Own);
         assert_eq!(me.classify(f + 3), Relation::Own);
-        assert_eq!(me.classify(f + MAX_WRITES_PER_ROW - 1), Relation::Exhausted);
+        assert_eq!(me.classify(f + 4094), Relation::Own);
+        assert_eq!(me.classify(f + SEALED_SEQUENCE), Relation::Sealed);
         assert_eq!(me.classify(twin.lease_fence()), Relation::Duplicate);
         let next = Fencing::new(FenceToken::new(6).unwrap());
         assert_eq!(

@@ -188,10 +188,12 @@ async fn update_columns_writes_only_the_named_columns() {
 
     // The job reads the invoice...
     let mut invoice: Invoice = repo.fetch(&db.pool, &1).await.unwrap().unwrap();
-    // ...someone else changes its amount meanwhile (a token-less writer advancing the fence
-    // as the guard requires; an older lease's fence, so the job's lease is still admitted)...
-    db.exec("UPDATE invoices SET amount = 250, fence = fence + 1 WHERE id = 1")
-        .await;
+    // ...someone else changes its amount meanwhile (an older lease, token 2, so the job's
+    // lease is still admitted)...
+    db.exec(
+        "UPDATE invoices SET amount = 250, fence = pgfence.next_fence(fence, 2, 0) WHERE id = 1",
+    )
+    .await;
     // ...and the job sets the status only: the amount it read (100) is not written back.
     invoice.status = "paid".into();
     repo.update_columns(&db.pool, job.clone(), &invoice, &["status"])

@@ -96,6 +96,7 @@ async fn one_key_per_work_item_fenced_like_a_row_write() {
                     table,
                     key,
                     resource: r,
+                    ..
                 },
             ..
         } => {

@@ -156,6 +156,7 @@ async fn restarted_redis_recovers_automatically_with_a_floor_source() {
             table: "\"public\".\"t\"".into(),
             key: "[1]".into(),
             resource: Some(other.to_string()),
+            held_by: None,
         },
         presented: 1,
         current: 40,

@@ -65,12 +65,13 @@ async fn one_lease_writes_the_same_row_many_times_in_many_transactions() {
         tx.commit().await.unwrap();
     }
     assert_eq!(status(&db, 1).await.as_deref(), Some("step 19"));
-    // Every write advanced the fence by one inside the lease's range.
+    // Every write after the first stepped the lease's sequence once.
     let fence: i64 = sqlx::query_scalar("SELECT fence FROM invoices WHERE id = 1")
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(fence, job.lease_fence() + 19);
+    let seq = (0..19).fold(0, |s, _| pgfence::next_sequence(s));
+    assert_eq!(fence, job.lease_fence() + seq);
     assert_eq!(audit_count(&db.pool).await, 0);
 }
 
@@ -79,7 +80,13 @@ async fn the_old_strict_predicate_rejects_a_lease_s_second_write() {
     // The control: `fence < $token` with the token itself as the fence (the design before
     // leases were sessions) rejects the holder's own second write — what this feature fixes.
     let (db, _) = setup().await;
-    let strict = "UPDATE invoices SET status = $1, fence = $2 WHERE id = 1 AND fence < $2";
+    // On an unguarded copy: the guard trigger refuses plain tokens as fences.
+    db.exec(
+        "CREATE TABLE invoices_plain (LIKE invoices INCLUDING ALL);
+         INSERT INTO invoices_plain SELECT * FROM invoices;",
+    )
+    .await;
+    let strict = "UPDATE invoices_plain SET status = $1, fence = $2 WHERE id = 1 AND fence < $2";
     let first = sqlx::query(strict)
         .bind("processing")
         .bind(5_i64)
@@ -93,7 +100,11 @@ async fn the_old_strict_predicate_rejects_a_lease_s_second_write() {
         .await
         .unwrap();
     assert_eq!((first.rows_affected(), second.rows_affected()), (1, 0));
-    assert_eq!(status(&db, 1).await.as_deref(), Some("processing"));
+    let status: String = sqlx::query_scalar("SELECT status FROM invoices_plain WHERE id = 1")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(status, "processing");
 }
 
 #[tokio::test]
@@ -232,29 +243,39 @@ async fn a_second_lease_with_the_same_token_is_detected_not_let_through() {
 }
 
 #[tokio::test]
-async fn a_lease_that_wrote_a_row_4096_times_must_take_a_new_lease() {
+async fn a_row_sealed_after_a_lease_wrote_it_rejects_that_lease_and_admits_a_newer_one() {
     let (db, repo) = setup().await;
     let job = lease(8, "job");
     repo.update(&db.pool, &job, &invoice(1, "a", 1))
         .await
         .unwrap();
-    // Jump to the lease's last sequence number (advancing: the trigger allows it).
+    // What a bypass or observe mode leaves: the lease's fence, sealed (the owner may write the
+    // fence by hand with the trigger disabled; here, the superuser through a disabled trigger).
+    db.exec("ALTER TABLE invoices DISABLE TRIGGER pgfence_guard")
+        .await;
     sqlx::query("UPDATE invoices SET fence = $1 WHERE id = 1")
-        .bind(job.lease_fence() + pgfence::MAX_WRITES_PER_ROW - 1)
+        .bind(job.lease_fence() + pgfence::SEALED_SEQUENCE)
         .execute(&db.pool)
         .await
         .unwrap();
+    db.exec("ALTER TABLE invoices ENABLE TRIGGER pgfence_guard")
+        .await;
+    let before = audit_count(&db.pool).await;
     let err = repo
         .update(&db.pool, &job, &invoice(1, "b", 1))
         .await
         .unwrap_err();
-    assert!(
-        matches!(err, Error::LeaseExhausted { token: 8, .. }),
-        "{err:?}"
+    assert!(matches!(err, Error::RowSealed { token: 8, .. }), "{err:?}");
+    assert_eq!(
+        audit_count(&db.pool).await,
+        before + 1,
+        "audited like any stale write"
     );
+    assert_eq!(status(&db, 1).await.as_deref(), Some("a"));
     repo.update(&db.pool, &lease(9, "next"), &invoice(1, "c", 1))
         .await
         .unwrap();
+    assert_eq!(status(&db, 1).await.as_deref(), Some("c"));
 }
 
 #[tokio::test]

@@ -3,7 +3,7 @@
 
 mod support;
 
-use pgfence::{Error, GuardMode, Ident, TableName};
+use pgfence::{Error, GuardMode, TableName};
 use sqlx::{Connection, PgConnection};
 use support::TestDb;
 
@@ -30,7 +30,9 @@ impl Role {
     async fn new(db: &TestDb, prefix: &str) -> Self {
         let name = format!("pgfence_{prefix}_{:08x}", rand::random::<u32>());
         db.exec(&format!(
-            "CREATE ROLE {name}; GRANT SELECT, UPDATE ON accounts TO {name};"
+            "CREATE ROLE {name}; GRANT SELECT, UPDATE ON accounts TO {name};
+         GRANT USAGE ON SCHEMA pgfence TO {name};
+         GRANT EXECUTE ON FUNCTION pgfence.bypass(text) TO {name};"
         ))
         .await;
         Self { name }
@@ -103,7 +105,11 @@ async fn observe_lets_an_unfenced_update_through_and_audits_who_wrote() {
         .expect("observe mode lets the write through");
     assert_eq!(done.rows_affected(), 1);
     conn.close().await.unwrap();
-    assert_eq!(balance(&db, 1).await, (100, 0), "fence untouched");
+    assert_eq!(
+        balance(&db, 1).await,
+        (100, pgfence::SEALED_SEQUENCE),
+        "let through and sealed against every earlier lease"
+    );
 
     let rows = audit_rows(&db).await;
     assert_eq!(rows.len(), 1, "{rows:?}");
@@ -113,7 +119,7 @@ async fn observe_lets_an_unfenced_update_through_and_audits_who_wrote() {
             operation: "observe".into(),
             holder: Some(app.name.clone()),
             application_name: Some("refund-tool".into()),
-            table_name: Some("public.accounts".into()),
+            table_name: Some("\"public\".\"accounts\"".into()),
             row_key: Some("[1]".into()),
             reason: None,
             db_user: rows[0].db_user.clone(),
@@ -241,29 +247,19 @@ async fn bypass_by_an_allowed_role_is_audited_and_seals_the_row() {
         .unwrap();
     let admin = Role::new(&db, "admin").await;
     let other = Role::new(&db, "other").await;
-    assert!(
-        pgfence::allow_bypass(&db.pool, &Ident::new(&admin.name).unwrap())
-            .await
-            .unwrap()
-    );
-    assert!(
-        !pgfence::allow_bypass(&db.pool, &Ident::new(&admin.name).unwrap())
-            .await
-            .unwrap()
-    );
+    assert!(pgfence::allow_bypass(&db.pool, &admin.name).await.unwrap());
+    assert!(!pgfence::allow_bypass(&db.pool, &admin.name).await.unwrap());
 
     let mut conn = connect_as(&db, &admin, "admin-console").await;
     let mut tx = conn.begin().await.unwrap();
-    sqlx::query("SET LOCAL pgfence.bypass = 'refund #123'")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    pgfence::bypass(&mut tx, "refund #123").await.unwrap();
     sqlx::query("UPDATE accounts SET balance = balance + 100 WHERE id = 1")
         .execute(&mut *tx)
         .await
         .expect("an allowed role may bypass");
     tx.commit().await.unwrap();
-    // Only inside that transaction: the next plain update is rejected again.
+    // Only inside that transaction: the next plain update is rejected again (a lease-less
+    // write that does not touch the fence).
     let err = sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = 1")
         .execute(&mut conn)
         .await
@@ -303,37 +299,41 @@ async fn bypass_by_an_allowed_role_is_audited_and_seals_the_row() {
         .await
         .unwrap();
 
-    // Another role: rejected like a stale write, saying why; nothing audited or written.
+    // Another role: refused, saying who and why; nothing audited or written.
     let mut conn = connect_as(&db, &other, "sneaky").await;
     let mut tx = conn.begin().await.unwrap();
-    sqlx::query("SET LOCAL pgfence.bypass = 'just because'")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    pgfence::bypass(&mut tx, "just because").await.unwrap();
     let err = sqlx::query("UPDATE accounts SET balance = 0 WHERE id = 2")
         .execute(&mut *tx)
         .await
         .unwrap_err();
     let db_err = err.as_database_error().unwrap();
-    assert_eq!(db_err.code().as_deref(), Some("PF001"));
+    assert_eq!(db_err.code().as_deref(), Some("PF006"));
     assert!(
         db_err.message().contains("may not bypass") && db_err.message().contains(&other.name),
         "{}",
         db_err.message()
     );
-    assert!(
-        matches!(Error::from(err), Error::StaleToken { .. }),
-        "maps to StaleToken like any stale write"
-    );
+    match Error::from(err) {
+        Error::BypassRefused {
+            table,
+            role,
+            reason,
+            why,
+        } => {
+            assert_eq!(table, "\"public\".\"accounts\"");
+            assert_eq!(role, other.name);
+            assert_eq!(reason, "just because");
+            assert!(why.contains("may not bypass"), "{why}");
+        }
+        e => panic!("a refused bypass is its own error, got {e:?}"),
+    }
     drop(tx);
     conn.close().await.unwrap();
 
     // Superusers get no free pass either (the tests run as one).
     let mut tx = db.pool.begin().await.unwrap();
-    sqlx::query("SET LOCAL pgfence.bypass = 'superuser'")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    pgfence::bypass(&mut tx, "superuser").await.unwrap();
     assert!(
         sqlx::query("UPDATE accounts SET balance = 0 WHERE id = 2")
             .execute(&mut *tx)
@@ -344,11 +344,18 @@ async fn bypass_by_an_allowed_role_is_audited_and_seals_the_row() {
 
     // Disallowed again: the admin is rejected too.
     assert!(
-        pgfence::disallow_bypass(&db.pool, &Ident::new(&admin.name).unwrap())
+        pgfence::disallow_bypass(&db.pool, &admin.name)
             .await
             .unwrap()
     );
     let mut conn = connect_as(&db, &admin, "admin-console").await;
+    let mut tx = conn.begin().await.unwrap();
+    let err = pgfence::bypass(&mut tx, "refund #124").await.unwrap_err();
+    assert!(
+        err.to_string().contains("permission denied"),
+        "disallow_bypass took pgfence.bypass back: {err}"
+    );
+    drop(tx);
     let mut tx = conn.begin().await.unwrap();
     sqlx::query("SET LOCAL pgfence.bypass = 'refund #124'")
         .execute(&mut *tx)
@@ -366,7 +373,7 @@ async fn bypass_by_an_allowed_role_is_audited_and_seals_the_row() {
     assert_eq!(balance(&db, 2).await.0, 0);
 
     // Unknown roles are refused.
-    let err = pgfence::allow_bypass(&db.pool, &Ident::new("pgfence_no_such_role_x").unwrap())
+    let err = pgfence::allow_bypass(&db.pool, "pgfence_no_such_role_x")
         .await
         .unwrap_err();
     assert!(err.to_string().contains("does not exist"), "{err}");
@@ -383,10 +390,7 @@ async fn observe_mode_records_a_refused_bypass_but_lets_the_write_through() {
     let other = Role::new(&db, "other").await;
     let mut conn = connect_as(&db, &other, "tool").await;
     let mut tx = conn.begin().await.unwrap();
-    sqlx::query("SET LOCAL pgfence.bypass = 'fix'")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    pgfence::bypass(&mut tx, "fix").await.unwrap();
     sqlx::query("UPDATE accounts SET balance = 5 WHERE id = 2")
         .execute(&mut *tx)
         .await

@@ -267,3 +267,79 @@ async fn default_prefix_names_are_unchanged() {
         &named
     );
 }
+
+/// `doctor` compares each mark with the counter of its own key prefix: a prefix's lost counter
+/// is found with that prefix's issuer, and another prefix's marks are named, not misread.
+#[tokio::test]
+async fn doctor_reads_each_prefix_s_marks_against_its_own_counters() {
+    let db = TestDb::new().await;
+    let fence = Fence::new(db.pool.clone());
+    let a = prefixed("app_a").await;
+    let resource = unique_resource("doc");
+    for _ in 0..3 {
+        let lease = a.acquire(&resource, TTL).await.unwrap().unwrap();
+        let mut tx = db.pool.begin().await.unwrap();
+        fence.check(&mut *tx, &resource, &lease).await.unwrap();
+        tx.commit().await.unwrap();
+        a.release(&lease).await.unwrap();
+    }
+    // app_a's counter is lost (a Redis failover).
+    let mut redis = redis::Client::open(redis_url().await)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis.del(a.counter_key(&resource)).await.unwrap();
+    let options = pgfence::DoctorOptions::default();
+    let findings = pgfence::doctor(&db.pool, Some(&a), &options).await.unwrap();
+    assert!(
+        findings
+            .iter()
+            .any(|f| f.kind == pgfence::FindingKind::CounterBelowMark
+                && f.object == format!("resource {resource} (key prefix app_a)")),
+        "{findings:?}"
+    );
+    // The default prefix's issuer does not compare app_a's mark with its own counter.
+    let default = Issuer::connect(&redis_url().await).await.unwrap();
+    let findings = pgfence::doctor(&db.pool, Some(&default), &options)
+        .await
+        .unwrap();
+    assert!(
+        !findings
+            .iter()
+            .any(|f| f.kind == pgfence::FindingKind::CounterBelowMark),
+        "{findings:?}"
+    );
+    assert!(
+        findings
+            .iter()
+            .any(|f| f.kind == pgfence::FindingKind::CountersNotChecked
+                && f.message.contains("another key prefix")),
+        "{findings:?}"
+    );
+}
+
+/// The PostgreSQL issuer starts a new counter above its own prefix's marks (migration V10).
+#[tokio::test]
+async fn the_postgres_issuer_seeds_a_new_counter_from_its_own_prefix_marks() {
+    let db = TestDb::new().await;
+    let resource = unique_resource("pgseed");
+    let named = resource.in_key_prefix("app_a").unwrap();
+    sqlx::query("SELECT pgfence.check($1, 7, 0)")
+        .bind(named.as_str())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let a = pgfence::PgIssuer::new(db.pool.clone())
+        .with_key_prefix("app_a")
+        .unwrap();
+    let lease = a.acquire(&resource, TTL).await.unwrap().unwrap();
+    assert_eq!(lease.token().get(), 8, "above app_a's mark 7");
+    let default = pgfence::PgIssuer::new(db.pool.clone());
+    let lease = default.acquire(&resource, TTL).await.unwrap().unwrap();
+    assert_eq!(
+        lease.token().get(),
+        1,
+        "the default prefix has no mark for it"
+    );
+}

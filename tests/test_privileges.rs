@@ -362,9 +362,12 @@ async fn grant_gives_exactly_the_documented_privileges() {
     .await
     .unwrap();
     let expected: Vec<(String, bool)> = [
+        ("admits", false),
         ("append_audit", true),
+        ("bypass", false),
         ("check", true),
         ("domain_high_water", true),
+        ("domain_mark_holder", true),
         ("effect_begin", true),
         ("effect_finish", true),
         ("effect_status", true),
@@ -374,10 +377,13 @@ async fn grant_gives_exactly_the_documented_privileges() {
         ("issuer_release", true),
         ("issuer_status", true),
         ("lease_fence", false),
+        ("max_token_jump", false),
         ("next_fence", false),
         ("record_rejection", false),
-        // Every role: which migrations are applied (V9).
+        ("refuse_token_jump", false),
+        // Every role: which migrations are applied (V9), the poisoning bound (V10).
         ("schema_version", true),
+        ("stop_unless", false),
         ("try_check", false),
     ]
     .iter()
@@ -406,10 +412,16 @@ async fn grant_gives_exactly_the_documented_privileges() {
     let mut public = public;
     public.sort();
     // record_rejection runs with the caller's rights; schema_version (V9) tells any role which
-    // migrations are applied.
+    // migrations are applied; the poisoning bound (V10) is read by the guard trigger's WHEN
+    // clause as whoever writes.
     assert_eq!(
         public,
-        vec!["record_rejection".to_owned(), "schema_version".to_owned()]
+        vec![
+            "max_token_jump".to_owned(),
+            "record_rejection".to_owned(),
+            "refuse_token_jump".to_owned(),
+            "schema_version".to_owned()
+        ]
     );
 
     // The schema's owner is refused: the revocations would strip its own privileges.
@@ -661,12 +673,34 @@ async fn the_owner_can_unpoison_a_resource_and_a_row() {
     let fence = Fence::new(pool.clone());
     let res = Resource::new("poison:me").unwrap();
     fence.check(&pool, &res, token(10)).await.unwrap();
-    // The app role poisons the mark with the highest valid token.
-    fence
+    // The app role cannot poison the mark with the highest valid token: too far above the
+    // mark (the poisoning bound), refused and audited.
+    let audited = support::audit_count(&db.pool).await;
+    let err = fence
         .check(&pool, &res, token(pgfence::MAX_TOKEN))
         .await
-        .unwrap();
-    let err = fence.check(&pool, &res, token(11)).await.unwrap_err();
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::TokenJump {
+                current: 10,
+                max_jump: 68_719_476_736,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(support::audit_count(&db.pool).await, audited + 1);
+    fence.check(&pool, &res, token(11)).await.unwrap();
+    // A mark poisoned anyway (by hand, as the owner; or before 0.3) still locks leases out
+    // until the owner unpoisons it.
+    db.exec(&format!(
+        "UPDATE pgfence.resource_fence SET fence = pgfence.lease_fence({}, 0) WHERE resource = 'poison:me'",
+        pgfence::MAX_TOKEN
+    ))
+    .await;
+    let err = fence.check(&pool, &res, token(12)).await.unwrap_err();
     assert!(err.is_stale(), "{err:?}");
     // Beyond the highest token, the check refuses the token itself.
     let state = sqlstate(
@@ -738,12 +772,25 @@ async fn the_owner_can_unpoison_a_resource_and_a_row() {
         ]
     );
 
-    // A row: raw SQL by the app role sets the highest fence; every lease is locked out.
-    sqlx::query("UPDATE acct SET fence = 9223372036854775807 WHERE id = 1")
-        .execute(&pool)
-        .await
-        .unwrap();
+    // A row: the app role's raw SQL cannot store a fence absurdly far above the row's (the
+    // poisoning bound) nor one no lease writes; the owner, with the guard off, can.
     let repo = Repository::<Acct>::new(pool.clone()).unwrap();
+    repo.update(&pool, token(3), &acct(1, 103)).await.unwrap();
+    let state =
+        sqlx::query("UPDATE acct SET fence = pgfence.lease_fence(549755813887, 0) WHERE id = 1")
+            .execute(&pool)
+            .await;
+    assert_eq!(sqlstate(state), "PF008");
+    let state = sqlx::query("UPDATE acct SET fence = fence + 1 WHERE id = 1")
+        .execute(&pool)
+        .await;
+    assert_eq!(sqlstate(state), "PF007");
+    db.exec(
+        "ALTER TABLE acct DISABLE TRIGGER pgfence_guard;
+         UPDATE acct SET fence = 9223372036854775807 WHERE id = 1;
+         ALTER TABLE acct ENABLE TRIGGER pgfence_guard;",
+    )
+    .await;
     let err = repo
         .update(&pool, token(20), &acct(1, 120))
         .await

@@ -247,7 +247,7 @@ async fn raw_sql_that_does_not_advance_the_fence_fails_with_the_documented_sqlst
                 assert!(presented <= 10);
                 assert_eq!(
                     target,
-                    pgfence::StaleTarget::Table("public.inventory_snapshot".into())
+                    pgfence::StaleTarget::Table("\"public\".\"inventory_snapshot\"".into())
                 );
             }
             other => panic!("{sql}: expected StaleToken, got {other:?}"),

@@ -51,7 +51,9 @@ pub async fn reseed(
         Some(f) => ("--floor", f),
         None => {
             let mut session = conn.session_migrated().await?;
-            let floor = pgfence::counter_floor(session.conn(), &resource).await?;
+            // Under the issuer's key prefix's names (the default prefix's are the plain ones).
+            let named = issuer.fencing_resource(&resource)?;
+            let floor = pgfence::counter_floor(session.conn(), &named).await?;
             session.commit().await?;
             ("postgres high-water mark", floor)
         }
