@@ -17,6 +17,10 @@ struct Account {
 
 pgfence::fenced_table!(Account { table: "accounts", key: id: i64, columns: [balance] });
 
+fn acct(id: i64, balance: i64) -> Account {
+    Account { id, balance }
+}
+
 fn accounts() -> TableName {
     TableName::parse("accounts").unwrap()
 }
@@ -60,6 +64,18 @@ async fn raw(db: &TestDb, sql: &str) -> Result<u64, sqlx::Error> {
         .execute(&db.pool)
         .await
         .map(|r| r.rows_affected())
+}
+
+/// The server's DETAIL (`detail`) or HINT (`hint`) of a database error.
+fn pg_field(err: &sqlx::Error, field: &str) -> String {
+    err.as_database_error()
+        .and_then(|e| e.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+        .and_then(|e| match field {
+            "detail" => e.detail(),
+            _ => e.hint(),
+        })
+        .unwrap_or_default()
+        .to_owned()
 }
 
 #[track_caller]
@@ -110,16 +126,7 @@ async fn control_with_0_2_rules_the_refund_vanishes() {
 async fn fence_plus_n_is_refused_and_says_what_to_do() {
     let (db, repo) = setup().await;
     let job = lease(5, "billing-run");
-    repo.update(
-        &db.pool,
-        &job,
-        &Account {
-            id: 14,
-            balance: 100,
-        },
-    )
-    .await
-    .unwrap();
+    repo.update(&db.pool, &job, &acct(14, 100)).await.unwrap();
     let before = fence(&db, 14).await;
     for sql in [
         "UPDATE accounts SET balance = balance + 50, fence = fence + 1 WHERE id = 14",
@@ -138,11 +145,7 @@ async fn fence_plus_n_is_refused_and_says_what_to_do() {
                 || text.contains("recorded only in the PostgreSQL server log"),
             "{sql}: {text}"
         );
-        let hint = err
-            .as_database_error()
-            .and_then(|e| e.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
-            .and_then(|e| e.hint().map(str::to_owned))
-            .unwrap_or_default();
+        let hint = pg_field(&err, "hint");
         assert!(
             hint.contains("pgfence run") && hint.contains("pgfence.bypass"),
             "{sql}: hint {hint}"
@@ -161,16 +164,7 @@ async fn fence_plus_n_is_refused_and_says_what_to_do() {
     assert_eq!(fence(&db, 14).await, before);
     // The lease goes on; nothing of anyone's was lost silently (the refund was refused out
     // loud, to the one who tried it).
-    repo.update(
-        &db.pool,
-        &job,
-        &Account {
-            id: 14,
-            balance: 130,
-        },
-    )
-    .await
-    .unwrap();
+    repo.update(&db.pool, &job, &acct(14, 130)).await.unwrap();
     assert_eq!(balance(&db, 14).await, 130);
 }
 
@@ -179,12 +173,8 @@ async fn a_copied_fence_of_a_newer_lease_fences_out_every_earlier_lease() {
     let (db, repo) = setup().await;
     let old = lease(5, "old");
     let newer = lease(7, "newer");
-    repo.update(&db.pool, &old, &Account { id: 14, balance: 1 })
-        .await
-        .unwrap();
-    repo.update(&db.pool, &newer, &Account { id: 15, balance: 2 })
-        .await
-        .unwrap();
+    repo.update(&db.pool, &old, &acct(14, 1)).await.unwrap();
+    repo.update(&db.pool, &newer, &acct(15, 2)).await.unwrap();
     // Row 15 holds lease 7's first-write fence: copied onto row 14 it is a newer lease's write.
     raw(
         &db,
@@ -193,10 +183,7 @@ async fn a_copied_fence_of_a_newer_lease_fences_out_every_earlier_lease() {
     .await
     .unwrap();
     let audited = audit_count(&db.pool).await;
-    let err = repo
-        .update(&db.pool, &old, &Account { id: 14, balance: 3 })
-        .await
-        .unwrap_err();
+    let err = repo.update(&db.pool, &old, &acct(14, 3)).await.unwrap_err();
     assert_stale(&err, 5, 7);
     assert_eq!(audit_count(&db.pool).await, audited + 1, "audited");
     assert_eq!(balance(&db, 14).await, 99, "the copy's change stands");
@@ -209,16 +196,7 @@ async fn observe_mode_seals_a_lease_less_write_against_the_lease() {
         .await
         .unwrap();
     let job = lease(5, "billing-run");
-    repo.update(
-        &db.pool,
-        &job,
-        &Account {
-            id: 14,
-            balance: 100,
-        },
-    )
-    .await
-    .unwrap();
+    repo.update(&db.pool, &job, &acct(14, 100)).await.unwrap();
     raw(
         &db,
         "UPDATE accounts SET balance = balance + 50, fence = fence + 1 WHERE id = 14",
@@ -228,30 +206,16 @@ async fn observe_mode_seals_a_lease_less_write_against_the_lease() {
     assert_eq!(balance(&db, 14).await, 150);
     let audited = audit_count(&db.pool).await;
     let err = repo
-        .update(
-            &db.pool,
-            &job,
-            &Account {
-                id: 14,
-                balance: 130,
-            },
-        )
+        .update(&db.pool, &job, &acct(14, 130))
         .await
         .unwrap_err();
     assert!(matches!(err, Error::RowSealed { token: 5, .. }), "{err:?}");
     assert_eq!(audit_count(&db.pool).await, audited + 1);
     assert_eq!(balance(&db, 14).await, 150, "the refund stands");
     // A new lease re-reads and writes.
-    repo.update(
-        &db.pool,
-        &lease(6, "next"),
-        &Account {
-            id: 14,
-            balance: 180,
-        },
-    )
-    .await
-    .unwrap();
+    repo.update(&db.pool, &lease(6, "next"), &acct(14, 180))
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -259,9 +223,7 @@ async fn one_lease_writes_one_row_a_million_times() {
     let (db, repo) = setup().await;
     let job = lease(5, "leader");
     let tag = i32::from(job.tag());
-    repo.update(&db.pool, &job, &Account { id: 14, balance: 0 })
-        .await
-        .unwrap();
+    repo.update(&db.pool, &job, &acct(14, 0)).await.unwrap();
     // A million writes through the guard trigger, server-side (one round trip; a commit
     // every thousand, as a long-running job's transactions would, so old row versions are
     // pruned).
@@ -280,30 +242,19 @@ async fn one_lease_writes_one_row_a_million_times() {
     assert_eq!(balance(&db, 14).await, 1_000_000);
     // And through the repository, across the sequence cycle (4,095 values) three times.
     for i in 1..=12_500_i64 {
-        repo.update(
-            &db.pool,
-            &job,
-            &Account {
-                id: 14,
-                balance: 1_000_000 + i,
-            },
-        )
-        .await
-        .unwrap_or_else(|e| panic!("write {i}: {e}"));
+        repo.update(&db.pool, &job, &acct(14, 1_000_000 + i))
+            .await
+            .unwrap_or_else(|e| panic!("write {i}: {e}"));
     }
     assert_eq!(balance(&db, 14).await, 1_012_500);
     // Older leases stay fenced out; the same token from another holder is a duplicate.
     let err = repo
-        .update(
-            &db.pool,
-            &lease(4, "zombie"),
-            &Account { id: 14, balance: 0 },
-        )
+        .update(&db.pool, &lease(4, "zombie"), &acct(14, 0))
         .await
         .unwrap_err();
     assert_stale(&err, 4, 5);
     let err = repo
-        .update(&db.pool, &lease(5, "twin"), &Account { id: 14, balance: 0 })
+        .update(&db.pool, &lease(5, "twin"), &acct(14, 0))
         .await
         .unwrap_err();
     assert!(
@@ -334,16 +285,9 @@ async fn a_leader_lease_renewed_for_hours_keeps_writing_its_state_row() {
                 .unwrap();
             assert_eq!(state, pgfence::LeaseState::Held);
         }
-        repo.update(
-            &db.pool,
-            &fencing,
-            &Account {
-                id: 14,
-                balance: second,
-            },
-        )
-        .await
-        .unwrap_or_else(|e| panic!("second {second}: {e}"));
+        repo.update(&db.pool, &fencing, &acct(14, second))
+            .await
+            .unwrap_or_else(|e| panic!("second {second}: {e}"));
     }
     assert_eq!(balance(&db, 14).await, 14_400);
     issuer.release(&lease).await.unwrap();
@@ -352,11 +296,9 @@ async fn a_leader_lease_renewed_for_hours_keeps_writing_its_state_row() {
         .await
         .unwrap()
         .expect("free");
-    repo.update(&db.pool, &next, &Account { id: 14, balance: 0 })
-        .await
-        .unwrap();
+    repo.update(&db.pool, &next, &acct(14, 0)).await.unwrap();
     let err = repo
-        .update(&db.pool, &fencing, &Account { id: 14, balance: 1 })
+        .update(&db.pool, &fencing, &acct(14, 1))
         .await
         .unwrap_err();
     assert!(err.is_stale(), "{err:?}");
@@ -367,7 +309,7 @@ async fn a_leader_lease_renewed_for_hours_keeps_writing_its_state_row() {
 #[tokio::test]
 async fn a_bypass_lives_only_in_its_transaction() {
     let (db, repo) = setup().await;
-    repo.update(&db.pool, &lease(5, "job"), &Account { id: 14, balance: 1 })
+    repo.update(&db.pool, &lease(5, "job"), &acct(14, 1))
         .await
         .unwrap();
     let admin = support::Role::create(&db, "pgfence_admin", "").await;
@@ -444,7 +386,7 @@ async fn a_bypass_lives_only_in_its_transaction() {
     pool.close().await;
     // The bypass sealed the row against lease 5.
     let err = repo
-        .update(&db.pool, &lease(5, "job"), &Account { id: 14, balance: 9 })
+        .update(&db.pool, &lease(5, "job"), &acct(14, 9))
         .await
         .unwrap_err();
     assert!(matches!(err, Error::RowSealed { .. }), "{err:?}");
@@ -455,13 +397,9 @@ async fn a_bypass_lives_only_in_its_transaction() {
 #[tokio::test]
 async fn audit_rows_name_the_operation_and_the_table_one_way() {
     let (db, repo) = setup().await;
-    repo.update(
-        &db.pool,
-        &lease(7, "newer"),
-        &Account { id: 14, balance: 1 },
-    )
-    .await
-    .unwrap();
+    repo.update(&db.pool, &lease(7, "newer"), &acct(14, 1))
+        .await
+        .unwrap();
     let err = repo
         .claim::<_, Account>(&db.pool, &lease(5, "zombie"), &14)
         .await
@@ -506,24 +444,20 @@ async fn the_readme_documents_the_detail_keys_the_product_writes() {
     )
     .await
     .unwrap_err();
-    let detail = err
-        .as_database_error()
-        .and_then(|e| e.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
-        .and_then(|e| e.detail().map(str::to_owned))
-        .unwrap();
-    assert_eq!(detail, "presented=1 current=9 table=accounts");
+    assert_eq!(
+        pg_field(&err, "detail"),
+        "presented=1 current=9 table=accounts"
+    );
     let check = raw(
         &db,
         "SELECT pgfence.check('r', 9, 0); SELECT pgfence.check('r', 2, 0)",
     )
     .await
     .unwrap_err();
-    let detail = check
-        .as_database_error()
-        .and_then(|e| e.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
-        .and_then(|e| e.detail().map(str::to_owned))
-        .unwrap();
-    assert_eq!(detail, "presented=2 current=9 resource=r");
+    assert_eq!(
+        pg_field(&check, "detail"),
+        "presented=2 current=9 resource=r"
+    );
     for documented in [
         "`DETAIL: presented=<n> current=<n> table=<table>`",
         "`DETAIL: presented=<n> current=<n> resource=<resource>`",
@@ -593,26 +527,17 @@ async fn a_0_2_database_upgrades_in_place() {
     conn.close().await.unwrap();
     let repo = Repository::<Account>::new(db.pool.clone()).unwrap();
     // The same lease goes on writing row 14 where 0.2 left it.
-    repo.update(&db.pool, &job, &Account { id: 14, balance: 7 })
-        .await
-        .unwrap();
+    repo.update(&db.pool, &job, &acct(14, 7)).await.unwrap();
     assert_eq!(balance(&db, 14).await, 7);
     // Row 15 reads as sealed for lease 5; lease 6 writes it.
-    let err = repo
-        .update(&db.pool, &job, &Account { id: 15, balance: 7 })
-        .await
-        .unwrap_err();
+    let err = repo.update(&db.pool, &job, &acct(15, 7)).await.unwrap_err();
     assert!(matches!(err, Error::RowSealed { token: 5, .. }), "{err:?}");
-    repo.update(&db.pool, &lease(6, "next"), &Account { id: 15, balance: 8 })
+    repo.update(&db.pool, &lease(6, "next"), &acct(15, 8))
         .await
         .unwrap();
     // Older leases stay out.
     let err = repo
-        .update(
-            &db.pool,
-            &lease(4, "zombie"),
-            &Account { id: 14, balance: 0 },
-        )
+        .update(&db.pool, &lease(4, "zombie"), &acct(14, 0))
         .await
         .unwrap_err();
     assert_stale(&err, 4, 5);
@@ -692,17 +617,13 @@ async fn apply_0_2_migrations(conn: &mut PgConnection) {
 async fn a_token_absurdly_far_ahead_is_refused_and_audited() {
     let (db, repo) = setup().await;
     let max = pgfence::MAX_TOKEN;
-    repo.update(&db.pool, &lease(5, "job"), &Account { id: 14, balance: 1 })
+    repo.update(&db.pool, &lease(5, "job"), &acct(14, 1))
         .await
         .unwrap();
     // Through the repository (a forged Fencing).
     let before = audit_count(&db.pool).await;
     let err = repo
-        .update(
-            &db.pool,
-            &lease(max, "forged"),
-            &Account { id: 14, balance: 0 },
-        )
+        .update(&db.pool, &lease(max, "forged"), &acct(14, 0))
         .await
         .unwrap_err();
     match &err {
@@ -738,7 +659,7 @@ async fn a_token_absurdly_far_ahead_is_refused_and_audited() {
     assert!(!held);
     assert_eq!(audit_count(&db.pool).await, before + 2);
     // The real leases go on.
-    repo.update(&db.pool, &lease(6, "next"), &Account { id: 14, balance: 2 })
+    repo.update(&db.pool, &lease(6, "next"), &acct(14, 2))
         .await
         .unwrap();
     raw(&db, "SELECT pgfence.check('billing:run', 4, 0)")
@@ -751,32 +672,20 @@ async fn a_token_absurdly_far_ahead_is_refused_and_audited() {
         .unwrap();
     assert_eq!(old, 1 << 36);
     let err = repo
-        .update(
-            &db.pool,
-            &lease(107, "far"),
-            &Account { id: 14, balance: 3 },
-        )
+        .update(&db.pool, &lease(107, "far"), &acct(14, 3))
         .await
         .unwrap_err();
     assert!(
         matches!(err, Error::TokenJump { max_jump: 100, .. }),
         "{err:?}"
     );
-    repo.update(
-        &db.pool,
-        &lease(106, "near"),
-        &Account { id: 14, balance: 3 },
-    )
-    .await
-    .unwrap();
+    repo.update(&db.pool, &lease(106, "near"), &acct(14, 3))
+        .await
+        .unwrap();
     // A fresh row has no reference: its first token is not bounded.
-    repo.update(
-        &db.pool,
-        &lease(5_000, "fresh"),
-        &Account { id: 15, balance: 1 },
-    )
-    .await
-    .unwrap();
+    repo.update(&db.pool, &lease(5_000, "fresh"), &acct(15, 1))
+        .await
+        .unwrap();
 }
 
 /// A row taken over by another resource of the same fencing domain: the rejection says which
@@ -796,19 +705,12 @@ async fn a_row_taken_over_by_another_resource_of_the_domain_says_which() {
     let run = Fencing::new(token(2))
         .holder("nightly")
         .resource(nightly.clone());
-    repo.update(&db.pool, &old, &Account { id: 14, balance: 1 })
-        .await
-        .unwrap();
+    repo.update(&db.pool, &old, &acct(14, 1)).await.unwrap();
     let mut tx = db.pool.begin().await.unwrap();
     fence.check(&mut *tx, &nightly, &run).await.unwrap();
-    repo.update(&mut *tx, &run, &Account { id: 14, balance: 2 })
-        .await
-        .unwrap();
+    repo.update(&mut *tx, &run, &acct(14, 2)).await.unwrap();
     tx.commit().await.unwrap();
-    let err = repo
-        .update(&db.pool, &old, &Account { id: 14, balance: 3 })
-        .await
-        .unwrap_err();
+    let err = repo.update(&db.pool, &old, &acct(14, 3)).await.unwrap_err();
     match &err {
         Error::StaleToken {
             target: pgfence::StaleTarget::Row { held_by, .. },
@@ -829,23 +731,15 @@ async fn a_row_taken_over_by_another_resource_of_the_domain_says_which() {
         .resource(account.clone());
     let mut tx = db.pool.begin().await.unwrap();
     fence.check(&mut *tx, &account, &newer).await.unwrap();
-    repo.update(&mut *tx, &newer, &Account { id: 14, balance: 4 })
-        .await
-        .unwrap();
+    repo.update(&mut *tx, &newer, &acct(14, 4)).await.unwrap();
     tx.commit().await.unwrap();
-    let err = repo
-        .update(&db.pool, &run, &Account { id: 14, balance: 5 })
-        .await
-        .unwrap_err();
+    let err = repo.update(&db.pool, &run, &acct(14, 5)).await.unwrap_err();
     assert!(
         err.to_string()
             .contains(&format!("taken over by resource {account}")),
         "{err}"
     );
-    let err = repo
-        .update(&db.pool, &old, &Account { id: 14, balance: 5 })
-        .await
-        .unwrap_err();
+    let err = repo.update(&db.pool, &old, &acct(14, 5)).await.unwrap_err();
     assert!(
         !err.to_string().contains("taken over"),
         "its own resource: {err}"
