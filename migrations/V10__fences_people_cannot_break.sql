@@ -26,6 +26,9 @@
 -- library), instead of locking every real lease out. A fresh mark or row (token 0) has no
 -- reference and is not bounded.
 --
+-- Every function here is CREATE OR REPLACE and every statement is idempotent, so the
+-- migration applies again cleanly over itself (an owner repairing a history row).
+--
 -- Also: the bypass is bound to the transaction that set it (pgfence.bypass(reason)); a
 -- refused bypass is PF006 with the role and the reason; the guard trigger writes table names
 -- the way the library does ("schema"."table", always quoted) and existing audit rows are
@@ -34,7 +37,7 @@
 
 -- "schema"."table", always quoted: the one spelling of a table in pgfence.audit (the
 -- library's TableName::quoted writes the same).
-CREATE FUNCTION pgfence.quoted_table(p_schema text, p_table text) RETURNS text
+CREATE OR REPLACE FUNCTION pgfence.quoted_table(p_schema text, p_table text) RETURNS text
 LANGUAGE sql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -46,12 +49,19 @@ $$;
 -- a constant (the guard trigger's WHEN clause costs a lease's write no function call); its
 -- body names nothing a search_path could resolve (`bigint` is a keyword for pg_catalog.int8).
 -- set_max_token_jump replaces the function, which invalidates cached plans that used it.
-CREATE FUNCTION pgfence.max_token_jump() RETURNS bigint
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
-AS $$ SELECT 68719476736::bigint $$;
+-- (Created only when missing: applying the migration again keeps a bound the owner set.)
+DO $do$
+BEGIN
+    IF to_regprocedure('pgfence.max_token_jump()') IS NULL THEN
+        CREATE FUNCTION pgfence.max_token_jump() RETURNS bigint
+        LANGUAGE sql IMMUTABLE PARALLEL SAFE
+        AS $$ SELECT 68719476736::bigint $$;
+    END IF;
+END
+$do$;
 
 -- Owner-only: sets the bound (1 .. 549755813887). Returns the previous one.
-CREATE FUNCTION pgfence.set_max_token_jump(p_jump bigint) RETURNS bigint
+CREATE OR REPLACE FUNCTION pgfence.set_max_token_jump(p_jump bigint) RETURNS bigint
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -74,7 +84,7 @@ END
 $$;
 
 -- Raises PF008 when p_token is more than the bound above p_current_token (> 0).
-CREATE FUNCTION pgfence.refuse_token_jump(p_current_token bigint, p_token bigint, p_target text)
+CREATE OR REPLACE FUNCTION pgfence.refuse_token_jump(p_current_token bigint, p_token bigint, p_target text)
 RETURNS void
 LANGUAGE plpgsql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
@@ -146,7 +156,7 @@ $$;
 -- calling role), raises a WARNING with the reason and returns false: the UPDATE changes
 -- nothing and the statement succeeds, so the audit row commits with it (autocommit) and the
 -- script tests ROW_COUNT to stop (README, "Shell jobs"). Invalid arguments raise 22023.
-CREATE FUNCTION pgfence.admits(p_current bigint, p_token bigint, p_tag integer, p_table regclass,
+CREATE OR REPLACE FUNCTION pgfence.admits(p_current bigint, p_token bigint, p_tag integer, p_table regclass,
                                p_key text DEFAULT NULL)
 RETURNS boolean
 LANGUAGE plpgsql
@@ -269,7 +279,7 @@ $$;
 -- Raises PF001 naming the rejection try_check / admits recorded in this session (and forgets
 -- it), or P0002 (no_data_found) when there was none: the row does not exist. Stale and not
 -- found are never confused.
-CREATE FUNCTION pgfence.stop_unless(p_ok boolean, p_what text DEFAULT NULL) RETURNS void
+CREATE OR REPLACE FUNCTION pgfence.stop_unless(p_ok boolean, p_what text DEFAULT NULL) RETURNS void
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -297,7 +307,7 @@ $$;
 -- carries: a plain `SET pgfence.bypass` (session level, which would outlive its transaction
 -- and bypass every later update on a pooled connection) bypasses nothing. Whether the role
 -- may bypass is the trigger's decision (pgfence.allow_bypass), made per row.
-CREATE FUNCTION pgfence.bypass(p_reason text) RETURNS void
+CREATE OR REPLACE FUNCTION pgfence.bypass(p_reason text) RETURNS void
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -442,7 +452,7 @@ $$;
 -- Everything else reaches pgfence.reject_stale_update, which applies the full rule (a newer
 -- token's first write has sequence 0, a sealed fence takes no step, a fresh row's first
 -- token is not bounded) and lets a lease's write through or rejects it.
-CREATE FUNCTION pgfence.guard_trigger_ddl(p_rel regclass, p_mode text) RETURNS text
+CREATE OR REPLACE FUNCTION pgfence.guard_trigger_ddl(p_rel regclass, p_mode text) RETURNS text
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -458,7 +468,7 @@ $$;
 
 -- Installs (or replaces) the guard trigger of p_rel in mode p_mode, keeping a disabled
 -- trigger disabled. Returns nothing; guard() and this migration call it.
-CREATE FUNCTION pgfence.install_guard_trigger(p_rel regclass, p_mode text) RETURNS void
+CREATE OR REPLACE FUNCTION pgfence.install_guard_trigger(p_rel regclass, p_mode text) RETURNS void
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -642,7 +652,7 @@ $$;
 -- Which resource of fencing domain p_domain checked with token p_token: its mark carries the
 -- token (tokens of one domain come from one counter, so at most one resource has it). For
 -- a rejection's diagnosis only ("taken over by resource ..."); NULL when none.
-CREATE FUNCTION pgfence.domain_mark_holder(p_domain text, p_token bigint) RETURNS text
+CREATE OR REPLACE FUNCTION pgfence.domain_mark_holder(p_domain text, p_token bigint) RETURNS text
 LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp

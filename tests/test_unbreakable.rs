@@ -686,6 +686,32 @@ async fn a_token_absurdly_far_ahead_is_refused_and_audited() {
     repo.update(&db.pool, &lease(5_000, "fresh"), &acct(15, 1))
         .await
         .unwrap();
+    // What is poisoned already (by hand as the owner, or before 0.3) doctor still finds.
+    db.exec(&format!(
+        "UPDATE pgfence.resource_fence SET fence = pgfence.lease_fence({max}, 0)
+          WHERE resource = 'billing:run'"
+    ))
+    .await;
+    let findings = pgfence::doctor(&db.pool, None, &pgfence::DoctorOptions::default())
+        .await
+        .unwrap();
+    assert!(
+        findings
+            .iter()
+            .any(|f| f.kind == pgfence::FindingKind::FenceNearLimit
+                && f.object.contains("billing:run")),
+        "{findings:?}"
+    );
+    // V10 applies again over itself (a repaired history) and keeps the owner's bound.
+    db.exec("DELETE FROM pgfence.refinery_schema_history WHERE version = 10")
+        .await;
+    let applied = pgfence::migrate(&db.pool).await.unwrap();
+    assert_eq!(applied.len(), 1);
+    let bound: i64 = sqlx::query_scalar("SELECT pgfence.max_token_jump()")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(bound, 100);
 }
 
 /// A row taken over by another resource of the same fencing domain: the rejection says which

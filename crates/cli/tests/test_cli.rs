@@ -104,11 +104,11 @@ async fn migrate_guard_and_raw_sql() {
             .contains(r#""schema":"public","table":"accounts"}"#)
     );
 
-    sqlx::query("UPDATE accounts SET balance = 5, fence = 3")
+    sqlx::query("UPDATE accounts SET balance = 5, fence = pgfence.lease_fence(3, 0)")
         .execute(&db.pool)
         .await
         .unwrap();
-    let err = sqlx::query("UPDATE accounts SET balance = 0, fence = 2")
+    let err = sqlx::query("UPDATE accounts SET balance = 0, fence = pgfence.lease_fence(2, 0)")
         .execute(&db.pool)
         .await
         .unwrap_err();

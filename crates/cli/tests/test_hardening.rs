@@ -390,7 +390,7 @@ async fn guard_and_unguard_give_up_on_a_busy_table() {
     let out = pgfence(&db.url(), &redis, &["guard", "victim"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
 
-    sqlx::raw_sql("BEGIN; UPDATE victim SET v = 'c', fence = 1")
+    sqlx::raw_sql("BEGIN; UPDATE victim SET v = 'c', fence = pgfence.lease_fence(1, 0)")
         .execute(&mut holder)
         .await
         .unwrap();

@@ -42,7 +42,7 @@ const JOB: &str = r#"
     [ "$i" -gt 400 ] && exit 11
     sleep 0.05
   done
-  q "SELECT pgfence.try_check('$PGFENCE_RESOURCE', $PGFENCE_TOKEN, $PGFENCE_TAG)" >"$dir/try_check" 2>&1 || exit 12
+  q "SELECT pgfence.try_check('$PGFENCE_RESOURCE', $PGFENCE_TOKEN, $PGFENCE_TAG)" >"$dir/try_check" 2>"$dir/try_check.err" || exit 12
   if q "UPDATE invoices SET status = 'zombie', fence = pgfence.next_fence(fence, $PGFENCE_TOKEN, $PGFENCE_TAG) WHERE id = 42" >/dev/null 2>"$dir/second.err"; then
     exit 0
   fi
@@ -350,6 +350,11 @@ async fn a_paused_zookeeper_holder_loses_the_lock_and_its_late_write_is_fenced()
         read(&dir.join("try_check")).trim(),
         "f",
         "the resource check refuses the old token"
+    );
+    assert!(
+        read(&dir.join("try_check.err")).contains("recorded in pgfence.audit"),
+        "try_check's refusal says where it is recorded: {}",
+        read(&dir.join("try_check.err"))
     );
     assert!(
         second_err.contains("PF001")
