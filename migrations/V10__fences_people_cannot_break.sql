@@ -11,11 +11,11 @@
 --   audited bypass, or a write let through in observe mode) after the lease that wrote it.
 --   That lease's next write is rejected (PF005, audited), so the maintenance change is not
 --   overwritten by a holder that read the row before it; a newer lease writes as usual.
--- * The guard trigger now lets an UPDATE through only when it is a lease's write: the first
---   write of a newer token (sequence 0) or the same lease's next step. `fence = fence + 1`,
---   `fence = fence + 100` or a copied fence that is neither is refused with a message that
---   points at `pgfence run` and `pgfence.bypass`; a copy that is a newer lease's first write
---   fences out every lease that wrote the row before it.
+-- * The guard trigger now lets an UPDATE through only when it is a lease's write: a newer
+--   token's write (within the poisoning bound) or the fence's next step in its lease's cycle.
+--   `fence = fence + 1`, `fence = fence + 100` or a copied fence that is neither is refused
+--   with a message that points at `pgfence run` and `pgfence.bypass`; a copied fence of a
+--   newer token fences out every lease that wrote the row before it.
 --
 -- Fences written by 0.2 stay valid as they are (no rewrite): sequences 0..4094 continue on
 -- the cycle, and 4095 (a 0.2 seal, or a lease that wrote the row 4,096 times) is sealed.
@@ -449,9 +449,12 @@ $$;
 --     poisoning bound (baked in from pgfence.max_token_jump() when the trigger is installed;
 --     pgfence.set_max_token_jump re-installs every guard trigger), and
 --   * the same fence's next step in the lease's sequence cycle (NEW - OLD = 2731 or -1364).
--- Everything else reaches pgfence.reject_stale_update, which applies the full rule (a newer
--- token's first write has sequence 0, a sealed fence takes no step, a fresh row's first
--- token is not bounded) and lets a lease's write through or rejects it.
+-- Everything else reaches pgfence.reject_stale_update, which lets a lease's write the filter
+-- did not recognise through (a fresh row's first token beyond the bound) and rejects the
+-- rest. What the filter lets through that a lease never writes: a newer token's fence with a
+-- sequence other than 0 (a hand-copied fence: it fences out every older lease, as a newer
+-- lease's write would), and `fence - 1364` on a sealed fence (unseals it; no accident
+-- produces that number).
 CREATE OR REPLACE FUNCTION pgfence.guard_trigger_ddl(p_rel regclass, p_mode text) RETURNS text
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
