@@ -472,10 +472,9 @@ impl<T: FencedTable> Repository<T> {
         let mut lent = exec.into_target().lend().await?;
         let source = Source::Row(row);
         let write = self.sql.update.bind(source, &fencing, false);
-        let done = match write.execute(lent.conn()).await {
-            Ok(done) => done,
-            Err(e) => return Err(self.write_error(e, &fencing, "update").await),
-        };
+        let done = self
+            .written(write.execute(lent.conn()).await, &fencing, "update")
+            .await?;
         if done.rows_affected() > 0 {
             return Ok(());
         }
@@ -500,10 +499,9 @@ impl<T: FencedTable> Repository<T> {
         let mut lent = exec.into_target().lend().await?;
         let source = Source::Row(row);
         let write = self.sql.upsert.bind(source, &fencing, false);
-        let done = match write.fetch_optional(lent.conn()).await {
-            Ok(done) => done,
-            Err(e) => return Err(self.write_error(e, &fencing, "upsert").await),
-        };
+        let done = self
+            .written(write.fetch_optional(lent.conn()).await, &fencing, "upsert")
+            .await?;
         if let Some(done) = done {
             return Ok(if done.try_get::<bool, _>(0)? {
                 Upserted::Inserted
@@ -581,10 +579,9 @@ impl<T: FencedTable> Repository<T> {
         let mut lent = exec.into_target().lend().await?;
         let source = Source::<T>::Key(key);
         let write = self.sql.claim.bind(source, &fencing, false);
-        let claimed = match write.fetch_optional(lent.conn()).await {
-            Ok(claimed) => claimed,
-            Err(e) => return Err(self.write_error(e, &fencing, "claim").await),
-        };
+        let claimed = self
+            .written(write.fetch_optional(lent.conn()).await, &fencing, "claim")
+            .await?;
         if let Some(row) = claimed {
             return Ok(R::from_row(&row)?);
         }
@@ -663,10 +660,9 @@ impl<T: FencedTable> Repository<T> {
             )
         })?;
         let mut lent = exec.into_target().lend().await?;
-        let done = match write.execute(lent.conn()).await {
-            Ok(done) => done,
-            Err(e) => return Err(self.write_error(e, &fencing, "update").await),
-        };
+        let done = self
+            .written(write.execute(lent.conn()).await, &fencing, "update")
+            .await?;
         if done.rows_affected() > 0 {
             return Ok(());
         }
@@ -719,8 +715,6 @@ impl<T: FencedTable> Repository<T> {
         }
     }
 
-    /// Classifies a write that changed nothing from its explaining row: the row's fence
-    /// (`current`, NULL when there is no row) against the lease.
     /// The other resource of the lease's fencing domain whose lease, with `token`, holds a row
     /// now: the one whose high-water mark carries that token (`pgfence.domain_mark_holder`,
     /// through the audit pool: the rejection path only). `None` without a domain, for the
@@ -741,16 +735,19 @@ impl<T: FencedTable> Repository<T> {
             .map(String::into_boxed_str)
     }
 
-    /// The error of a write statement. A token the guard trigger refused for its jump
+    /// A write statement's result. A token the guard trigger refused for its jump
     /// ([`Error::TokenJump`], the poisoning bound) is audited like a rejection: the
     /// trigger's own audit row would roll back with the statement.
-    async fn write_error(
+    async fn written<R>(
         &self,
-        e: sqlx::Error,
+        result: sqlx::Result<R>,
         fencing: &Fencing,
         operation: &'static str,
-    ) -> Error {
-        let err = Error::from(e);
+    ) -> Result<R> {
+        let err = match result {
+            Ok(done) => return Ok(done),
+            Err(e) => Error::from(e),
+        };
         if let Error::TokenJump { current, .. } = &err {
             let rejection = Rejection {
                 resource: fencing.resource.as_ref().map(|r| r.as_str().to_owned()),
@@ -764,9 +761,11 @@ impl<T: FencedTable> Repository<T> {
             };
             self.auditor.record(&rejection, AuditRow::Pending).await;
         }
-        err
+        Err(err)
     }
 
+    /// Classifies a write that changed nothing from its explaining row: the row's fence
+    /// (`current`, NULL when there is no row) against the lease.
     async fn rejected<R>(
         &self,
         out: &Explained,
