@@ -542,14 +542,10 @@ fn parse_jump_detail(detail: &str) -> Option<Error> {
 
 /// `"schema"."table"` of an error the guard trigger raised (its SCHEMA and TABLE fields).
 fn guard_table(pg: &sqlx::postgres::PgDatabaseError) -> String {
-    match (pg.schema(), pg.table()) {
-        (Some(schema), Some(table)) => format!(
-            "\"{}\".\"{}\"",
-            schema.replace('"', "\"\""),
-            table.replace('"', "\"\"")
-        ),
-        _ => "?".to_owned(),
-    }
+    pg.schema()
+        .zip(pg.table())
+        .and_then(|(schema, table)| crate::TableName::new(schema, table).ok())
+        .map_or_else(|| "?".to_owned(), |t| t.quoted())
 }
 
 /// The relation a 42P01 error names: the TABLE field (pgfence's own errors set it), else the
