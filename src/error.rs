@@ -25,6 +25,10 @@ pub const SQLSTATE_LEASELESS: &str = "PF007";
 /// SQLSTATE raised when a token is more than the poisoning bound (`pgfence.max_token_jump()`,
 /// 2^36 by default) above a resource mark's or row's current token.
 pub const SQLSTATE_TOKEN_JUMP: &str = "PF008";
+/// SQLSTATE raised when a lease that first wrote or checked on an earlier PostgreSQL timeline
+/// presents itself after the database was promoted to a new one (a failover that may have lost
+/// commits): the lease is fenced out.
+pub const SQLSTATE_FAILED_OVER: &str = "PF009";
 
 const OTHER_COUNTER_NOTE: &str = " (the current token came from another resource's counter: resources that write the same rows must share a fencing domain)";
 
@@ -190,6 +194,26 @@ pub enum Error {
         old: i64,
         /// The fence the UPDATE tried to store.
         new: i64,
+    },
+
+    /// The database failed over after this lease first wrote or checked through it: the lease
+    /// is bound to the PostgreSQL timeline it first wrote on, and the database is now on a
+    /// later one (a standby was promoted; with asynchronous replication the promotion may
+    /// have lost commits the lease saw acknowledged, so its picture of the data may be gone).
+    /// Nothing was applied; the rejection is logged and audited. Take a new lease: leases
+    /// acquired after the promotion write as usual.
+    #[error(
+        "lease {presented} fenced out on {target} by a database failover: it first wrote on PostgreSQL timeline {lease_timeline}, the database is now on timeline {timeline} (a promotion that may have lost commits); take a new lease"
+    )]
+    FencedByFailover {
+        /// What the write or check targeted.
+        target: StaleTarget,
+        /// The lease's token.
+        presented: i64,
+        /// The timeline the lease is bound to (its first fenced statement ran on it).
+        lease_timeline: i64,
+        /// The database's timeline now.
+        timeline: i64,
     },
 
     /// The row the fenced write addressed does not exist (never reported for a stale write).
