@@ -16,6 +16,7 @@ mod recovery;
 mod repository;
 mod resource;
 mod sql;
+mod timeline;
 mod tls;
 mod token;
 mod verify;
