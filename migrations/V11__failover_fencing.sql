@@ -20,8 +20,11 @@
 -- * pgfence.require_timeline(), and timeline-taking forms of check, try_check and admits.
 -- * pgfence.append_audit(..., reason): the audit row of a failover refusal says why.
 -- * pgfence.acknowledge_failover(by): the owner marks the failover as handled.
+--
+-- Every statement is idempotent (CREATE OR REPLACE, IF NOT EXISTS), so the migration applies
+-- again over itself, like V10.
 
-CREATE FUNCTION pgfence.timeline() RETURNS bigint
+CREATE OR REPLACE FUNCTION pgfence.timeline() RETURNS bigint
 LANGUAGE sql
 VOLATILE PARALLEL SAFE
 AS $$
@@ -30,7 +33,7 @@ AS $$
             ::pg_catalog.bit(32))::pg_catalog.int4::pg_catalog.int8
 $$;
 
-CREATE TABLE pgfence.timeline_history (
+CREATE TABLE IF NOT EXISTS pgfence.timeline_history (
     timeline        bigint      PRIMARY KEY,
     first_seen      timestamptz NOT NULL DEFAULT now(),
     acknowledged_at timestamptz,
@@ -42,7 +45,7 @@ INSERT INTO pgfence.timeline_history (timeline, acknowledged_at, acknowledged_by
 VALUES (pgfence.timeline(), now(), 'installed')
 ON CONFLICT (timeline) DO NOTHING;
 
-CREATE FUNCTION pgfence.note_timeline(OUT current_timeline bigint, OUT previous_timeline bigint,
+CREATE OR REPLACE FUNCTION pgfence.note_timeline(OUT current_timeline bigint, OUT previous_timeline bigint,
                                       OUT is_new boolean, OUT unacknowledged boolean)
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -73,7 +76,7 @@ $$;
 
 -- Refuses (PF009) a lease bound to another timeline than the database's; returns the
 -- database's timeline. p_target is `resource=<name>` or `table=<quoted table>`.
-CREATE FUNCTION pgfence.require_timeline(p_timeline bigint, p_token bigint, p_target text)
+CREATE OR REPLACE FUNCTION pgfence.require_timeline(p_timeline bigint, p_token bigint, p_target text)
 RETURNS bigint
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
@@ -93,7 +96,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION pgfence.check(p_resource text, p_token bigint, p_tag integer, p_timeline bigint)
+CREATE OR REPLACE FUNCTION pgfence.check(p_resource text, p_token bigint, p_tag integer, p_timeline bigint)
 RETURNS void
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -105,7 +108,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION pgfence.append_audit(
+CREATE OR REPLACE FUNCTION pgfence.append_audit(
     p_resource text,
     p_table text,
     p_key text,
@@ -128,7 +131,7 @@ $$;
 
 -- The shell path's timeline forms: a failover refusal is audited, warned and remembered for
 -- pgfence.stop_unless like every other rejection of try_check and admits.
-CREATE FUNCTION pgfence.failover_refusal(p_timeline bigint, p_token bigint, p_resource text,
+CREATE OR REPLACE FUNCTION pgfence.failover_refusal(p_timeline bigint, p_token bigint, p_resource text,
                                          p_table text, p_key text, p_operation text)
 RETURNS boolean
 LANGUAGE plpgsql
@@ -157,7 +160,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION pgfence.try_check(p_resource text, p_token bigint, p_tag integer, p_timeline bigint)
+CREATE OR REPLACE FUNCTION pgfence.try_check(p_resource text, p_token bigint, p_tag integer, p_timeline bigint)
 RETURNS boolean
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
@@ -170,7 +173,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION pgfence.admits(p_current bigint, p_token bigint, p_tag integer, p_table regclass,
+CREATE OR REPLACE FUNCTION pgfence.admits(p_current bigint, p_token bigint, p_tag integer, p_table regclass,
                                p_key text, p_timeline bigint)
 RETURNS boolean
 LANGUAGE plpgsql
@@ -191,7 +194,7 @@ $$;
 
 -- The owner marks every unacknowledged timeline as handled (doctor stops reporting it).
 -- Returns how many it acknowledged.
-CREATE FUNCTION pgfence.acknowledge_failover(p_by text) RETURNS integer
+CREATE OR REPLACE FUNCTION pgfence.acknowledge_failover(p_by text) RETURNS integer
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$

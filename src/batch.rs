@@ -228,6 +228,7 @@ impl<T: FencedTable> Repository<T> {
         }
         self.check_size(keys.len())?;
         let mut lent = exec.into_target().lend().await?;
+        self.seen.bind(&fencing.timeline, lent.conn()).await?;
         let query = self.bound(&self.sql.batch.claim, &source, &[], &fencing, false)?;
         let mut outcomes = vec![None; keys.len()];
         for row in query.fetch_all(lent.conn()).await? {
@@ -283,6 +284,7 @@ impl<T: FencedTable> Repository<T> {
             Op::Delete | Op::Claim => &self.sql.batch.delete,
         };
         let mut lent = exec.into_target().lend().await?;
+        self.seen.bind(&fencing.timeline, lent.conn()).await?;
         let query = self.bound(statement, &source, &[], fencing, false)?;
         let mut outcomes = vec![None; n];
         let mut dups = Vec::new();
@@ -363,6 +365,10 @@ impl<T: FencedTable> Repository<T> {
                     None => return Err(e.into()),
                 },
             };
+            // A lease fenced out by a failover is refused as a whole, once.
+            if let Some(first) = explained.first() {
+                self.on_timeline(first, fencing, op.name()).await?;
+            }
             for row in &explained {
                 let i = index(row.try_get("ord")?, outcomes.len())?;
                 outcomes[i] = Some(self.classify_row(row, fencing, op, &audit_error).await?);
@@ -424,6 +430,7 @@ impl<T: FencedTable> Repository<T> {
                     ..
                 }
             ),
+            reason: None,
         };
         self.auditor().record(&rejection, audit_row).await;
         Ok(outcome)

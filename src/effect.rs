@@ -14,7 +14,8 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, PgPool, Row};
 
 use crate::audit::{AuditRow, Auditor, Rejection};
-use crate::{Error, Fencing, Resource, Result, StaleTarget};
+use crate::timeline::Seen;
+use crate::{Error, Fencing, Resource, Result, StaleTarget, WriteExecutor};
 
 /// The table the ledger lives in, as named in errors and audit rows.
 pub const EFFECT_TABLE: &str = "pgfence.effect";
@@ -175,6 +176,8 @@ pub struct EffectRecord {
 #[derive(Clone, Debug)]
 pub struct Effects {
     auditor: Auditor,
+    /// The PostgreSQL timeline this handle last saw (what leases bind to).
+    seen: Seen,
 }
 
 impl Effects {
@@ -183,13 +186,17 @@ impl Effects {
     pub fn new(pool: PgPool) -> Self {
         Self {
             auditor: Auditor::new(pool),
+            seen: Seen::default(),
         }
     }
 
     /// A ledger handle with a custom [`Auditor`].
     #[must_use]
     pub fn with_auditor(auditor: Auditor) -> Self {
-        Self { auditor }
+        Self {
+            auditor,
+            seen: Seen::default(),
+        }
     }
 
     /// Records the effect `step` of work item `work_key` under the lease, before its call, and
@@ -203,7 +210,7 @@ impl Effects {
     /// [`Error::DuplicateToken`], [`Error::RowSealed`] as for row writes;
     /// [`Error::InvalidEffect`] for an empty or too long work key or step, or a `fencing`
     /// without its resource (pass the [`Lease`](crate::Lease)); [`Error::Database`].
-    pub async fn begin<'c, E: PgExecutor<'c>>(
+    pub async fn begin<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
         fencing: impl Into<Fencing>,
@@ -212,9 +219,13 @@ impl Effects {
     ) -> Result<Effect> {
         let fencing = fencing.into();
         let resource = effect_resource(&fencing, work_key, step)?;
+        let mut lent = exec.into_target().lend().await?;
+        let timeline = self.seen.bind(&fencing.timeline, lent.conn()).await?;
+        // The timeline check runs first: a lease fenced out by a failover records nothing.
         let row = sqlx::query(
-            "SELECT status, idempotency_key, state, outcome::text AS outcome, holders, current, \
-             other_counter FROM pgfence.effect_begin($1, $2, $3, $4, $5, $6)",
+            "SELECT e.status, e.idempotency_key, e.state, e.outcome::text AS outcome, e.holders, \
+             e.current, e.other_counter FROM pgfence.require_timeline($7, $4, 'resource=' || $1) t, \
+             LATERAL pgfence.effect_begin($1, $2, $3, $4, $5, $6) e",
         )
         .bind(resource.as_str())
         .bind(work_key)
@@ -222,8 +233,12 @@ impl Effects {
         .bind(fencing.token.get())
         .bind(i32::from(fencing.tag()))
         .bind(fencing.holder.as_deref())
-        .fetch_one(exec)
-        .await?;
+        .bind(timeline)
+        .fetch_one(lent.conn())
+        .await;
+        let row = self
+            .timeline_checked(row, &fencing, resource, "effect")
+            .await?;
         let status: String = row.try_get("status")?;
         if status != "ok" {
             return Err(self
@@ -261,7 +276,7 @@ impl Effects {
     /// [`Error::NotFound`] when no lease began it (nothing is written);
     /// [`Error::DuplicateToken`], [`Error::RowSealed`], [`Error::InvalidEffect`],
     /// [`Error::Database`] as for [`Effects::begin`].
-    pub async fn finish<'c, E: PgExecutor<'c>>(
+    pub async fn finish<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
         fencing: impl Into<Fencing>,
@@ -277,7 +292,7 @@ impl Effects {
     ///
     /// # Errors
     /// As [`Effects::finish`].
-    pub async fn finish_step<'c, E: PgExecutor<'c>>(
+    pub async fn finish_step<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
         fencing: impl Into<Fencing>,
@@ -288,9 +303,12 @@ impl Effects {
         let fencing = fencing.into();
         let resource = effect_resource(&fencing, work_key, step)?;
         let succeeded = matches!(outcome, EffectOutcome::Succeeded(_));
+        let mut lent = exec.into_target().lend().await?;
+        let timeline = self.seen.bind(&fencing.timeline, lent.conn()).await?;
         let row = sqlx::query(
-            "SELECT status, current, other_counter \
-             FROM pgfence.effect_finish($1, $2, $3, $4, $5, $6, $7, ($8::text)::jsonb)",
+            "SELECT e.status, e.current, e.other_counter \
+             FROM pgfence.require_timeline($9, $4, 'resource=' || $1) t, \
+             LATERAL pgfence.effect_finish($1, $2, $3, $4, $5, $6, $7, ($8::text)::jsonb) e",
         )
         .bind(resource.as_str())
         .bind(work_key)
@@ -300,8 +318,12 @@ impl Effects {
         .bind(fencing.holder.as_deref())
         .bind(succeeded)
         .bind(outcome.detail().to_string())
-        .fetch_one(exec)
-        .await?;
+        .bind(timeline)
+        .fetch_one(lent.conn())
+        .await;
+        let row = self
+            .timeline_checked(row, &fencing, resource, "effect_finish")
+            .await?;
         let status: String = row.try_get("status")?;
         match status.as_str() {
             "ok" => Ok(()),
@@ -356,6 +378,43 @@ impl Effects {
             })
         })
         .transpose()
+    }
+
+    /// A begin or finish statement's row; a refusal by a failover (PF009, raised before the
+    /// ledger was touched) is logged and audited, and teaches this handle the new timeline.
+    async fn timeline_checked(
+        &self,
+        row: sqlx::Result<PgRow>,
+        fencing: &Fencing,
+        resource: &Resource,
+        operation: &'static str,
+    ) -> Result<PgRow> {
+        let err = match row {
+            Ok(row) => return Ok(row),
+            Err(e) => Error::from(e),
+        };
+        self.seen.forget_on(&err);
+        if let Error::FencedByFailover {
+            lease_timeline,
+            timeline,
+            ..
+        } = &err
+        {
+            self.seen.saw(*timeline);
+            let rejection = Rejection {
+                resource: Some(resource.to_string()),
+                table: Some(EFFECT_TABLE.to_owned()),
+                key: None,
+                presented: fencing.token.get(),
+                current: None,
+                holder: fencing.holder.clone(),
+                operation,
+                other_counter: false,
+                reason: Some(crate::timeline::failover_reason(*lease_timeline, *timeline)),
+            };
+            self.auditor.record(&rejection, AuditRow::Pending).await;
+        }
+        Err(err)
     }
 
     /// The error for a refused begin or finish, after logging and auditing it.
@@ -415,6 +474,7 @@ impl Effects {
             holder: fencing.holder.clone(),
             operation,
             other_counter,
+            reason: None,
         };
         self.auditor.record(&rejection, AuditRow::Pending).await;
         err

@@ -5,13 +5,16 @@
 use sqlx::{PgExecutor, PgPool};
 
 use crate::audit::{AuditRow, Auditor, Rejection};
-use crate::{Error, Fencing, Resource, Result};
+use crate::timeline::Seen;
+use crate::{Error, Fencing, Resource, Result, WriteExecutor};
 
 /// A handle on a database with pgfence's schema: the transaction-scope check and high-water
 /// marks, audited through one [`Auditor`].
 #[derive(Clone, Debug)]
 pub struct Fence {
     auditor: Auditor,
+    /// The PostgreSQL timeline this handle last saw (what leases bind to).
+    seen: Seen,
 }
 
 impl Fence {
@@ -20,13 +23,17 @@ impl Fence {
     pub fn new(pool: PgPool) -> Self {
         Self {
             auditor: Auditor::new(pool),
+            seen: Seen::default(),
         }
     }
 
     /// A handle with a custom [`Auditor`] (for example a shorter audit timeout).
     #[must_use]
     pub fn with_auditor(auditor: Auditor) -> Self {
-        Self { auditor }
+        Self {
+            auditor,
+            seen: Seen::default(),
+        }
     }
 
     /// The pool audit rows go through.
@@ -76,7 +83,7 @@ impl Fence {
     /// tx.commit().await?;
     /// # Ok(()) }
     /// ```
-    pub async fn check<'c, E: PgExecutor<'c>>(
+    pub async fn check<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
         resource: &Resource,
@@ -85,18 +92,41 @@ impl Fence {
         let fencing = fencing.into();
         let named = fenced_name(resource, &fencing)?;
         let resource = named.as_ref().unwrap_or(resource);
-        let outcome = sqlx::query!(
-            "SELECT pgfence.check($1, $2, $3)",
-            resource.as_str(),
-            fencing.token.get(),
-            i32::from(fencing.tag())
-        )
-        .fetch_one(exec)
-        .await;
+        let mut lent = exec.into_target().lend().await?;
+        let timeline = self.seen.bind(&fencing.timeline, lent.conn()).await?;
+        let outcome = sqlx::query("SELECT pgfence.check($1, $2, $3, $4)")
+            .bind(resource.as_str())
+            .bind(fencing.token.get())
+            .bind(i32::from(fencing.tag()))
+            .bind(timeline)
+            .execute(lent.conn())
+            .await;
         let err = match outcome.map_err(Error::from) {
             Ok(_) => return Ok(()),
             Err(e) => e,
         };
+        self.seen.forget_on(&err);
+        if let Error::FencedByFailover {
+            lease_timeline,
+            timeline,
+            ..
+        } = &err
+        {
+            self.seen.saw(*timeline);
+            let rejection = Rejection {
+                resource: Some(resource.as_str().to_owned()),
+                table: None,
+                key: None,
+                presented: fencing.token.get(),
+                current: None,
+                holder: fencing.holder.clone(),
+                operation: "check",
+                other_counter: false,
+                reason: Some(crate::timeline::failover_reason(*lease_timeline, *timeline)),
+            };
+            self.auditor.record(&rejection, AuditRow::Pending).await;
+            return Err(err);
+        }
         let (current, other_counter) = match &err {
             Error::StaleToken {
                 current,
@@ -116,6 +146,7 @@ impl Fence {
             holder: fencing.holder.clone(),
             operation: "check",
             other_counter,
+            reason: None,
         };
         self.auditor.record(&rejection, AuditRow::Pending).await;
         Err(err)

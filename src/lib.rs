@@ -26,15 +26,17 @@ pub use audit::{
     Rejection, list as list_audit, prune as prune_audit,
 };
 pub use batch::{BatchOutcome, BatchSummary, Claimed, MAX_BATCH_ROWS, RowOutcome};
-pub use doctor::{DEFAULT_LIMIT_MARGIN, DoctorOptions, Finding, FindingKind, Severity, doctor};
+pub use doctor::{
+    DEFAULT_LIMIT_MARGIN, DoctorOptions, Finding, FindingKind, Severity, acknowledge_failover,
+    doctor,
+};
 pub use effect::{
     EFFECT_TABLE, Effect, EffectOutcome, EffectRecord, Effects, MAX_STEP_LEN, MAX_WORK_KEY_LEN,
 };
 pub use error::{
     Error, Result, SQLSTATE_BYPASS_REFUSED, SQLSTATE_DUPLICATE, SQLSTATE_FAILED_OVER,
-    SQLSTATE_FENCE_TYPE,
-    SQLSTATE_LEASELESS, SQLSTATE_PROTECTED, SQLSTATE_SEALED, SQLSTATE_STALE, SQLSTATE_TOKEN_JUMP,
-    StaleTarget,
+    SQLSTATE_FENCE_TYPE, SQLSTATE_LEASELESS, SQLSTATE_PROTECTED, SQLSTATE_SEALED, SQLSTATE_STALE,
+    SQLSTATE_TOKEN_JUMP, StaleTarget,
 };
 pub use fence::{Fence, counter_floor, high_water};
 pub use grant::{grant, grant_sql};

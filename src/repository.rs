@@ -26,6 +26,7 @@ use crate::FenceToken;
 use crate::audit::{AuditRow, Auditor, Rejection};
 use crate::ident::{Ident, TableName};
 use crate::sql::{Source, Statement, Statements};
+use crate::timeline::Seen;
 use crate::token::Relation;
 use crate::verify::ColumnType;
 use crate::{Error, Fencing, Result, StaleTarget};
@@ -334,6 +335,8 @@ pub struct Repository<T> {
     table: Arc<TableName>,
     pub(crate) sql: Arc<Statements>,
     auditor: Auditor,
+    /// The PostgreSQL timeline this repository last saw (what leases bind to).
+    pub(crate) seen: Seen,
     /// [`Repository::update_columns`]' statements, by (sorted) column positions.
     partial: Arc<Mutex<HashMap<Vec<usize>, Arc<Statement>>>>,
     _row: PhantomData<fn() -> T>,
@@ -349,6 +352,7 @@ impl<T> Clone for Repository<T> {
             table: self.table.clone(),
             sql: self.sql.clone(),
             auditor: self.auditor.clone(),
+            seen: self.seen.clone(),
             partial: self.partial.clone(),
             _row: PhantomData,
         }
@@ -416,6 +420,7 @@ impl<T: FencedTable> Repository<T> {
             table: Arc::new(table),
             sql: Arc::new(sql),
             auditor,
+            seen: Seen::default(),
             partial: Arc::default(),
             _row: PhantomData,
         })
@@ -432,7 +437,8 @@ impl<T: FencedTable> Repository<T> {
     }
 
     /// The exact text of the update statement (for benchmarks comparing it with raw sqlx).
-    /// Binds: key columns, data columns, then [`Fencing::lease_fence`].
+    /// Binds: key columns, data columns, then [`Fencing::lease_fence`] and the lease's
+    /// timeline ([`Fencing::timeline`], `0` when not bound).
     #[doc(hidden)]
     #[must_use]
     pub fn update_sql(&self) -> &str {
@@ -470,6 +476,7 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("update");
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
+        self.seen.bind(&fencing.timeline, lent.conn()).await?;
         let source = Source::Row(row);
         let write = self.sql.update.bind(source, &fencing, false);
         let done = self
@@ -497,6 +504,7 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("upsert");
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
+        self.seen.bind(&fencing.timeline, lent.conn()).await?;
         let source = Source::Row(row);
         let write = self.sql.upsert.bind(source, &fencing, false);
         let done = self
@@ -510,6 +518,7 @@ impl<T: FencedTable> Repository<T> {
             });
         }
         let out = explain_row(&self.sql.explain_upsert, source, &fencing, &mut lent).await?;
+        self.on_timeline(&out.row, &fencing, "upsert").await?;
         // No row but a tombstone: a lease deleted it.
         if out.row.try_get::<Option<i64>, _>("current")?.is_none()
             && let Some(tomb) = out.row.try_get::<Option<i64>, _>("tombstone")?
@@ -534,9 +543,13 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("delete");
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
+        self.seen.bind(&fencing.timeline, lent.conn()).await?;
         let source = Source::<T>::Key(key);
         let write = self.sql.delete.bind(source, &fencing, false);
-        if write.fetch_one(lent.conn()).await?.try_get::<bool, _>(0)? {
+        let deleted = self
+            .written(write.fetch_one(lent.conn()).await, &fencing, "delete")
+            .await?;
+        if deleted.try_get::<bool, _>(0)? {
             return Ok(());
         }
         let out = explain_row(&self.sql.explain_delete, source, &fencing, &mut lent).await?;
@@ -577,6 +590,7 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("claim");
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
+        self.seen.bind(&fencing.timeline, lent.conn()).await?;
         let source = Source::<T>::Key(key);
         let write = self.sql.claim.bind(source, &fencing, false);
         let claimed = self
@@ -653,13 +667,17 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("update_columns");
         let fencing = fencing.into();
         let statement = self.partial_update(columns)?;
-        let write = statement.bind_partial(row, &fencing).ok_or_else(|| {
+        let unbound = || {
             self.invalid_table(
                 "its FencedTable impl does not bind single columns (implement \
                  FencedTable::bind_column, or use #[derive(FencedTable)] / fenced_table!)",
             )
-        })?;
+        };
+        // Refused before anything is sent (or bound).
+        let _ = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
         let mut lent = exec.into_target().lend().await?;
+        self.seen.bind(&fencing.timeline, lent.conn()).await?;
+        let write = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
         let done = self
             .written(write.execute(lent.conn()).await, &fencing, "update")
             .await?;
@@ -748,6 +766,7 @@ impl<T: FencedTable> Repository<T> {
             Ok(done) => return Ok(done),
             Err(e) => Error::from(e),
         };
+        self.seen.forget_on(&err);
         if let Error::TokenJump { current, .. } = &err {
             let rejection = Rejection {
                 resource: fencing.resource.as_ref().map(|r| r.as_str().to_owned()),
@@ -758,10 +777,56 @@ impl<T: FencedTable> Repository<T> {
                 holder: fencing.holder.clone(),
                 operation,
                 other_counter: false,
+                reason: None,
             };
             self.auditor.record(&rejection, AuditRow::Pending).await;
         }
         Err(err)
+    }
+
+    /// Refuses a write whose lease is bound to another timeline than the one the explaining
+    /// statement ran on (the database failed over since the lease's first statement):
+    /// [`Error::FencedByFailover`], logged and audited. The repository learns the new
+    /// timeline from it.
+    pub(crate) async fn on_timeline(
+        &self,
+        row: &PgRow,
+        fencing: &Fencing,
+        operation: &'static str,
+    ) -> Result<()> {
+        let now: i64 = row.try_get("timeline")?;
+        let bound = fencing.timeline.presented();
+        if bound == 0 || bound == now {
+            return Ok(());
+        }
+        self.seen.saw(now);
+        let target = StaleTarget::Row {
+            table: self.table.quoted(),
+            key: key_text(row),
+            resource: fencing.resource.as_ref().map(ToString::to_string),
+            held_by: None,
+        };
+        let current = row
+            .try_get::<Option<i64>, _>("current")?
+            .map(FenceToken::of_fence);
+        let rejection = Rejection {
+            resource: fencing.resource.as_ref().map(|r| r.as_str().to_owned()),
+            table: Some(self.table.quoted()),
+            key: Some(key_text(row)),
+            presented: fencing.token.get(),
+            current,
+            holder: fencing.holder.clone(),
+            operation,
+            other_counter: false,
+            reason: Some(crate::timeline::failover_reason(bound, now)),
+        };
+        self.auditor.record(&rejection, AuditRow::Pending).await;
+        Err(Error::FencedByFailover {
+            target,
+            presented: fencing.token.get(),
+            lease_timeline: bound,
+            timeline: now,
+        })
     }
 
     /// Classifies a write that changed nothing from its explaining row: the row's fence
@@ -772,6 +837,7 @@ impl<T: FencedTable> Repository<T> {
         fencing: &Fencing,
         operation: &'static str,
     ) -> Result<R> {
+        self.on_timeline(&out.row, fencing, operation).await?;
         match out.row.try_get::<Option<i64>, _>("current")? {
             None => Err(Error::NotFound {
                 table: self.table.quoted(),
@@ -836,6 +902,7 @@ impl<T: FencedTable> Repository<T> {
             holder: fencing.holder.clone(),
             operation,
             other_counter,
+            reason: None,
         };
         self.auditor.record(&rejection, out.audit_row()?).await;
         Err(err)

@@ -28,11 +28,6 @@ use crate::Result;
 pub(crate) struct Binding(Arc<AtomicI64>);
 
 impl Binding {
-    /// A binding to `timeline` (`0`: not bound yet).
-    pub(crate) fn to(timeline: i64) -> Self {
-        Self(Arc::new(AtomicI64::new(timeline.max(0))))
-    }
-
     /// The bound timeline, `None` before the first fenced statement.
     pub(crate) fn get(&self) -> Option<i64> {
         Some(self.0.load(Ordering::Acquire)).filter(|t| *t > 0)
@@ -82,11 +77,25 @@ impl Seen {
     /// remembers it. Logs a WARN event the first time this handle sees a new timeline, or an
     /// unacknowledged one.
     pub(crate) async fn look(&self, conn: &mut sqlx::PgConnection) -> Result<i64> {
-        let (now, previous, unacknowledged): (i64, Option<i64>, bool) = sqlx::query_as(
-            "SELECT current_timeline, previous_timeline, unacknowledged FROM pgfence.note_timeline()",
+        // A role that was not granted pgfence's functions (`pgfence grant`) still reads the
+        // timeline, which every role may; it records nothing. (Asked first: a refused call
+        // would abort the caller's transaction.)
+        let (may_note, now): (bool, i64) = sqlx::query_as(
+            "SELECT pg_catalog.has_function_privilege('pgfence.note_timeline()', 'EXECUTE'), \
+             pgfence.timeline()",
         )
-        .fetch_one(conn)
+        .fetch_one(&mut *conn)
         .await?;
+        let (now, previous, unacknowledged) = if may_note {
+            sqlx::query_as(
+                "SELECT current_timeline, previous_timeline, unacknowledged \
+                 FROM pgfence.note_timeline()",
+            )
+            .fetch_one(&mut *conn)
+            .await?
+        } else {
+            (now, None, false)
+        };
         let before = self.0.swap(now, Ordering::AcqRel);
         if (before != 0 && before != now) || (before == 0 && unacknowledged) {
             tracing::warn!(
@@ -125,6 +134,11 @@ impl Seen {
     }
 }
 
+/// The audit row's `reason` for a failover refusal (the SQL functions write the same text).
+pub(crate) fn failover_reason(lease_timeline: i64, timeline: i64) -> String {
+    format!("failover: lease timeline {lease_timeline}, database timeline {timeline}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,7 +152,5 @@ mod tests {
         assert_eq!(clone.bind(3), 3);
         assert_eq!(b.bind(4), 3, "the first binding stays");
         assert_eq!(b.get(), Some(3));
-        assert_eq!(Binding::to(-1).get(), None);
-        assert_eq!(Binding::to(7).get(), Some(7));
     }
 }
