@@ -108,6 +108,26 @@ BEGIN
 END
 $$;
 
+-- The library's form of check/4: instead of raising PF009 (which would abort the caller's
+-- transaction), a lease bound to another timeline is not checked at all and the database's
+-- timeline is returned for the library to decide (refuse, or bind a lease whose only
+-- statement this was). Returns the database's timeline; raises what check raises.
+CREATE OR REPLACE FUNCTION pgfence.check_on(p_resource text, p_token bigint, p_tag integer, p_timeline bigint)
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now bigint := pgfence.timeline();
+BEGIN
+    IF coalesce(p_timeline, 0) = 0 OR p_timeline = v_now THEN
+        PERFORM pgfence.check(p_resource, p_token, p_tag);
+    END IF;
+    RETURN v_now;
+END
+$$;
+
 CREATE OR REPLACE FUNCTION pgfence.append_audit(
     p_resource text,
     p_table text,
@@ -215,6 +235,7 @@ $$;
 -- may already run pgfence.check (pgfence grant gives new roles the same list).
 REVOKE ALL ON FUNCTION pgfence.timeline(), pgfence.note_timeline(),
     pgfence.require_timeline(bigint, bigint, text), pgfence.check(text, bigint, integer, bigint),
+    pgfence.check_on(text, bigint, integer, bigint),
     pgfence.append_audit(text, text, text, bigint, bigint, text, text, boolean, text),
     pgfence.failover_refusal(bigint, bigint, text, text, text, text),
     pgfence.try_check(text, bigint, integer, bigint),
@@ -235,6 +256,7 @@ BEGIN
         EXECUTE format('GRANT EXECUTE ON FUNCTION pgfence.note_timeline(), '
                        'pgfence.require_timeline(bigint, bigint, text), '
                        'pgfence.check(text, bigint, integer, bigint), '
+                       'pgfence.check_on(text, bigint, integer, bigint), '
                        'pgfence.append_audit(text, text, text, bigint, bigint, text, text, boolean, text), '
                        'pgfence.failover_refusal(bigint, bigint, text, text, text, text), '
                        'pgfence.try_check(text, bigint, integer, bigint), '

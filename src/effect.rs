@@ -14,7 +14,8 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, PgPool, Row};
 
 use crate::audit::{AuditRow, Auditor, Rejection};
-use crate::timeline::Seen;
+use crate::repository::Lent;
+use crate::timeline::{Seen, Verdict};
 use crate::{Error, Fencing, Resource, Result, StaleTarget, WriteExecutor};
 
 /// The table the ledger lives in, as named in errors and audit rows.
@@ -220,12 +221,12 @@ impl Effects {
         let fencing = fencing.into();
         let resource = effect_resource(&fencing, work_key, step)?;
         let mut lent = exec.into_target().lend().await?;
-        let timeline = self.seen.bind(&fencing.timeline, lent.conn()).await?;
-        // The timeline check runs first: a lease fenced out by a failover records nothing.
+        // The timeline first: a lease fenced out by a failover records nothing.
+        self.on_timeline(&mut lent, &fencing, resource, "effect")
+            .await?;
         let row = sqlx::query(
-            "SELECT e.status, e.idempotency_key, e.state, e.outcome::text AS outcome, e.holders, \
-             e.current, e.other_counter FROM pgfence.require_timeline($7, $4, 'resource=' || $1) t, \
-             LATERAL pgfence.effect_begin($1, $2, $3, $4, $5, $6) e",
+            "SELECT status, idempotency_key, state, outcome::text AS outcome, holders, current, \
+             other_counter FROM pgfence.effect_begin($1, $2, $3, $4, $5, $6)",
         )
         .bind(resource.as_str())
         .bind(work_key)
@@ -233,12 +234,8 @@ impl Effects {
         .bind(fencing.token.get())
         .bind(i32::from(fencing.tag()))
         .bind(fencing.holder.as_deref())
-        .bind(timeline)
         .fetch_one(lent.conn())
-        .await;
-        let row = self
-            .timeline_checked(row, &fencing, resource, "effect")
-            .await?;
+        .await?;
         let status: String = row.try_get("status")?;
         if status != "ok" {
             return Err(self
@@ -304,11 +301,11 @@ impl Effects {
         let resource = effect_resource(&fencing, work_key, step)?;
         let succeeded = matches!(outcome, EffectOutcome::Succeeded(_));
         let mut lent = exec.into_target().lend().await?;
-        let timeline = self.seen.bind(&fencing.timeline, lent.conn()).await?;
+        self.on_timeline(&mut lent, &fencing, resource, "effect_finish")
+            .await?;
         let row = sqlx::query(
-            "SELECT e.status, e.current, e.other_counter \
-             FROM pgfence.require_timeline($9, $4, 'resource=' || $1) t, \
-             LATERAL pgfence.effect_finish($1, $2, $3, $4, $5, $6, $7, ($8::text)::jsonb) e",
+            "SELECT status, current, other_counter \
+             FROM pgfence.effect_finish($1, $2, $3, $4, $5, $6, $7, ($8::text)::jsonb)",
         )
         .bind(resource.as_str())
         .bind(work_key)
@@ -318,12 +315,8 @@ impl Effects {
         .bind(fencing.holder.as_deref())
         .bind(succeeded)
         .bind(outcome.detail().to_string())
-        .bind(timeline)
         .fetch_one(lent.conn())
-        .await;
-        let row = self
-            .timeline_checked(row, &fencing, resource, "effect_finish")
-            .await?;
+        .await?;
         let status: String = row.try_get("status")?;
         match status.as_str() {
             "ok" => Ok(()),
@@ -380,27 +373,35 @@ impl Effects {
         .transpose()
     }
 
-    /// A begin or finish statement's row; a refusal by a failover (PF009, raised before the
-    /// ledger was touched) is logged and audited, and teaches this handle the new timeline.
-    async fn timeline_checked(
+    /// Refuses a lease that wrote before the database failed over
+    /// ([`Error::FencedByFailover`], logged and audited), on the connection the ledger
+    /// statement then runs on: a connection stays on one server, and a server's timeline only
+    /// changes by a promotion, which a primary never goes through again.
+    async fn on_timeline(
         &self,
-        row: sqlx::Result<PgRow>,
+        lent: &mut Lent<'_>,
         fencing: &Fencing,
         resource: &Resource,
         operation: &'static str,
-    ) -> Result<PgRow> {
-        let err = match row {
-            Ok(row) => return Ok(row),
-            Err(e) => Error::from(e),
-        };
-        self.seen.forget_on(&err);
-        if let Error::FencedByFailover {
-            lease_timeline,
-            timeline,
-            ..
-        } = &err
-        {
-            self.seen.saw(*timeline);
+    ) -> Result<()> {
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let now: i64 = sqlx::query_scalar("SELECT pgfence.timeline()")
+                .fetch_one(lent.conn())
+                .await
+                .map_err(|e| {
+                    let e = Error::from(e);
+                    self.seen.forget_on(&e);
+                    e
+                })?;
+            let (lease_timeline, timeline) = match self.seen.verdict(&fencing.timeline, now) {
+                Verdict::Fine => return Ok(()),
+                Verdict::Again => continue,
+                Verdict::Refused {
+                    lease_timeline,
+                    timeline,
+                } => (lease_timeline, timeline),
+            };
             let rejection = Rejection {
                 resource: Some(resource.to_string()),
                 table: Some(EFFECT_TABLE.to_owned()),
@@ -410,11 +411,16 @@ impl Effects {
                 holder: fencing.holder.clone(),
                 operation,
                 other_counter: false,
-                reason: Some(crate::timeline::failover_reason(*lease_timeline, *timeline)),
+                reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
             };
             self.auditor.record(&rejection, AuditRow::Pending).await;
+            return Err(Error::FencedByFailover {
+                target: StaleTarget::Resource(resource.to_string()),
+                presented: fencing.token.get(),
+                lease_timeline,
+                timeline,
+            });
         }
-        Err(err)
     }
 
     /// The error for a refused begin or finish, after logging and auditing it.

@@ -5,8 +5,8 @@
 use sqlx::{PgExecutor, PgPool};
 
 use crate::audit::{AuditRow, Auditor, Rejection};
-use crate::timeline::Seen;
-use crate::{Error, Fencing, Resource, Result, WriteExecutor};
+use crate::timeline::{Seen, Verdict};
+use crate::{Error, Fencing, Resource, Result, StaleTarget, WriteExecutor};
 
 /// A handle on a database with pgfence's schema: the transaction-scope check and high-water
 /// marks, audited through one [`Auditor`].
@@ -93,40 +93,51 @@ impl Fence {
         let named = fenced_name(resource, &fencing)?;
         let resource = named.as_ref().unwrap_or(resource);
         let mut lent = exec.into_target().lend().await?;
-        let timeline = self.seen.bind(&fencing.timeline, lent.conn()).await?;
-        let outcome = sqlx::query("SELECT pgfence.check($1, $2, $3, $4)")
-            .bind(resource.as_str())
-            .bind(fencing.token.get())
-            .bind(i32::from(fencing.tag()))
-            .bind(timeline)
-            .execute(lent.conn())
-            .await;
-        let err = match outcome.map_err(Error::from) {
-            Ok(_) => return Ok(()),
-            Err(e) => e,
-        };
-        self.seen.forget_on(&err);
-        if let Error::FencedByFailover {
-            lease_timeline,
-            timeline,
-            ..
-        } = &err
-        {
-            self.seen.saw(*timeline);
-            let rejection = Rejection {
-                resource: Some(resource.as_str().to_owned()),
-                table: None,
-                key: None,
-                presented: fencing.token.get(),
-                current: None,
-                holder: fencing.holder.clone(),
-                operation: "check",
-                other_counter: false,
-                reason: Some(crate::timeline::failover_reason(*lease_timeline, *timeline)),
+        let err = loop {
+            let timeline = self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let outcome: sqlx::Result<i64> =
+                sqlx::query_scalar("SELECT pgfence.check_on($1, $2, $3, $4)")
+                    .bind(resource.as_str())
+                    .bind(fencing.token.get())
+                    .bind(i32::from(fencing.tag()))
+                    .bind(timeline)
+                    .fetch_one(lent.conn())
+                    .await;
+            let now = match outcome.map_err(Error::from) {
+                Ok(now) => now,
+                Err(e) => {
+                    self.seen.forget_on(&e);
+                    break e;
+                }
             };
-            self.auditor.record(&rejection, AuditRow::Pending).await;
-            return Err(err);
-        }
+            match self.seen.verdict(&fencing.timeline, now) {
+                Verdict::Fine => return Ok(()),
+                Verdict::Again => {}
+                Verdict::Refused {
+                    lease_timeline,
+                    timeline,
+                } => {
+                    let rejection = Rejection {
+                        resource: Some(resource.as_str().to_owned()),
+                        table: None,
+                        key: None,
+                        presented: fencing.token.get(),
+                        current: None,
+                        holder: fencing.holder.clone(),
+                        operation: "check",
+                        other_counter: false,
+                        reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
+                    };
+                    self.auditor.record(&rejection, AuditRow::Pending).await;
+                    return Err(Error::FencedByFailover {
+                        target: StaleTarget::Resource(resource.as_str().to_owned()),
+                        presented: fencing.token.get(),
+                        lease_timeline,
+                        timeline,
+                    });
+                }
+            }
+        };
         let (current, other_counter) = match &err {
             Error::StaleToken {
                 current,

@@ -8,6 +8,7 @@ use crate::{Error, Ident, Result};
 const APP_FUNCTIONS: &[&str] = &[
     "pgfence.check(pg_catalog.text, pg_catalog.int8, pg_catalog.int4)",
     "pgfence.check(pg_catalog.text, pg_catalog.int8, pg_catalog.int4, pg_catalog.int8)",
+    "pgfence.check_on(pg_catalog.text, pg_catalog.int8, pg_catalog.int4, pg_catalog.int8)",
     "pgfence.try_check(pg_catalog.text, pg_catalog.int8, pg_catalog.int4, pg_catalog.int8)",
     "pgfence.admits(pg_catalog.int8, pg_catalog.int8, pg_catalog.int4, pg_catalog.regclass, \
      pg_catalog.text, pg_catalog.int8)",

@@ -26,7 +26,7 @@ use crate::FenceToken;
 use crate::audit::{AuditRow, Auditor, Rejection};
 use crate::ident::{Ident, TableName};
 use crate::sql::{Source, Statement, Statements};
-use crate::timeline::Seen;
+use crate::timeline::{Seen, Verdict};
 use crate::token::Relation;
 use crate::verify::ColumnType;
 use crate::{Error, Fencing, Result, StaleTarget};
@@ -476,17 +476,22 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("update");
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
-        self.seen.bind(&fencing.timeline, lent.conn()).await?;
         let source = Source::Row(row);
-        let write = self.sql.update.bind(source, &fencing, false);
-        let done = self
-            .written(write.execute(lent.conn()).await, &fencing, "update")
-            .await?;
-        if done.rows_affected() > 0 {
-            return Ok(());
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let write = self.sql.update.bind(source, &fencing, false);
+            let done = self
+                .written(write.execute(lent.conn()).await, &fencing, "update")
+                .await?;
+            if done.rows_affected() > 0 {
+                return Ok(());
+            }
+            let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
+            if self.on_timeline(&out.row, &fencing, "update").await? {
+                continue;
+            }
+            return self.rejected(&out, &fencing, "update").await;
         }
-        let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
-        self.rejected(&out, &fencing, "update").await
     }
 
     /// Inserts `row`, or updates it if no newer lease has written it. A row that a newer lease
@@ -504,28 +509,32 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("upsert");
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
-        self.seen.bind(&fencing.timeline, lent.conn()).await?;
         let source = Source::Row(row);
-        let write = self.sql.upsert.bind(source, &fencing, false);
-        let done = self
-            .written(write.fetch_optional(lent.conn()).await, &fencing, "upsert")
-            .await?;
-        if let Some(done) = done {
-            return Ok(if done.try_get::<bool, _>(0)? {
-                Upserted::Inserted
-            } else {
-                Upserted::Updated
-            });
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let write = self.sql.upsert.bind(source, &fencing, false);
+            let done = self
+                .written(write.fetch_optional(lent.conn()).await, &fencing, "upsert")
+                .await?;
+            if let Some(done) = done {
+                return Ok(if done.try_get::<bool, _>(0)? {
+                    Upserted::Inserted
+                } else {
+                    Upserted::Updated
+                });
+            }
+            let out = explain_row(&self.sql.explain_upsert, source, &fencing, &mut lent).await?;
+            if self.on_timeline(&out.row, &fencing, "upsert").await? {
+                continue;
+            }
+            // No row but a tombstone: a lease deleted it.
+            if out.row.try_get::<Option<i64>, _>("current")?.is_none()
+                && let Some(tomb) = out.row.try_get::<Option<i64>, _>("tombstone")?
+            {
+                return self.classified(&out, &fencing, tomb, "upsert").await;
+            }
+            return self.rejected(&out, &fencing, "upsert").await;
         }
-        let out = explain_row(&self.sql.explain_upsert, source, &fencing, &mut lent).await?;
-        self.on_timeline(&out.row, &fencing, "upsert").await?;
-        // No row but a tombstone: a lease deleted it.
-        if out.row.try_get::<Option<i64>, _>("current")?.is_none()
-            && let Some(tomb) = out.row.try_get::<Option<i64>, _>("tombstone")?
-        {
-            return self.classified(&out, &fencing, tomb, "upsert").await;
-        }
-        self.rejected(&out, &fencing, "upsert").await
     }
 
     /// Deletes the row with `key` if no newer lease has written it, and records a tombstone
@@ -543,17 +552,22 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("delete");
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
-        self.seen.bind(&fencing.timeline, lent.conn()).await?;
         let source = Source::<T>::Key(key);
-        let write = self.sql.delete.bind(source, &fencing, false);
-        let deleted = self
-            .written(write.fetch_one(lent.conn()).await, &fencing, "delete")
-            .await?;
-        if deleted.try_get::<bool, _>(0)? {
-            return Ok(());
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let write = self.sql.delete.bind(source, &fencing, false);
+            let deleted = self
+                .written(write.fetch_one(lent.conn()).await, &fencing, "delete")
+                .await?;
+            if deleted.try_get::<bool, _>(0)? {
+                return Ok(());
+            }
+            let out = explain_row(&self.sql.explain_delete, source, &fencing, &mut lent).await?;
+            if self.on_timeline(&out.row, &fencing, "delete").await? {
+                continue;
+            }
+            return self.rejected(&out, &fencing, "delete").await;
         }
-        let out = explain_row(&self.sql.explain_delete, source, &fencing, &mut lent).await?;
-        self.rejected(&out, &fencing, "delete").await
     }
 
     /// Claims the row with `key` for this lease and reads it, in one statement (`UPDATE ...
@@ -590,17 +604,22 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("claim");
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
-        self.seen.bind(&fencing.timeline, lent.conn()).await?;
         let source = Source::<T>::Key(key);
-        let write = self.sql.claim.bind(source, &fencing, false);
-        let claimed = self
-            .written(write.fetch_optional(lent.conn()).await, &fencing, "claim")
-            .await?;
-        if let Some(row) = claimed {
-            return Ok(R::from_row(&row)?);
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let write = self.sql.claim.bind(source, &fencing, false);
+            let claimed = self
+                .written(write.fetch_optional(lent.conn()).await, &fencing, "claim")
+                .await?;
+            if let Some(row) = claimed {
+                return Ok(R::from_row(&row)?);
+            }
+            let out = explain_row(&self.sql.explain_claim, source, &fencing, &mut lent).await?;
+            if self.on_timeline(&out.row, &fencing, "claim").await? {
+                continue;
+            }
+            return self.rejected(&out, &fencing, "claim").await;
         }
-        let out = explain_row(&self.sql.explain_claim, source, &fencing, &mut lent).await?;
-        self.rejected(&out, &fencing, "claim").await
     }
 
     /// Reads the row with `key` (`SELECT * FROM <table> WHERE <key>`), or `None`: a plain
@@ -676,17 +695,22 @@ impl<T: FencedTable> Repository<T> {
         // Refused before anything is sent (or bound).
         let _ = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
         let mut lent = exec.into_target().lend().await?;
-        self.seen.bind(&fencing.timeline, lent.conn()).await?;
-        let write = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
-        let done = self
-            .written(write.execute(lent.conn()).await, &fencing, "update")
-            .await?;
-        if done.rows_affected() > 0 {
-            return Ok(());
-        }
         let source = Source::Row(row);
-        let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
-        self.rejected(&out, &fencing, "update").await
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let write = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
+            let done = self
+                .written(write.execute(lent.conn()).await, &fencing, "update")
+                .await?;
+            if done.rows_affected() > 0 {
+                return Ok(());
+            }
+            let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
+            if self.on_timeline(&out.row, &fencing, "update").await? {
+                continue;
+            }
+            return self.rejected(&out, &fencing, "update").await;
+        }
     }
 
     /// The partial-update statement for `columns`, from the cache or built (and cached).
@@ -784,22 +808,26 @@ impl<T: FencedTable> Repository<T> {
         Err(err)
     }
 
-    /// Refuses a write whose lease is bound to another timeline than the one the explaining
-    /// statement ran on (the database failed over since the lease's first statement):
-    /// [`Error::FencedByFailover`], logged and audited. The repository learns the new
-    /// timeline from it.
+    /// A write that changed nothing, against the timeline its explaining statement ran on:
+    /// `Ok(false)` when the lease is on the database's timeline (or not bound); `Ok(true)`
+    /// when the lease's only statement was this one and it now binds to the database's new
+    /// timeline (send the write again); [`Error::FencedByFailover`], logged and audited, when
+    /// the lease wrote before the database failed over.
     pub(crate) async fn on_timeline(
         &self,
         row: &PgRow,
         fencing: &Fencing,
         operation: &'static str,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let now: i64 = row.try_get("timeline")?;
-        let bound = fencing.timeline.presented();
-        if bound == 0 || bound == now {
-            return Ok(());
-        }
-        self.seen.saw(now);
+        let (lease_timeline, timeline) = match self.seen.verdict(&fencing.timeline, now) {
+            Verdict::Fine => return Ok(false),
+            Verdict::Again => return Ok(true),
+            Verdict::Refused {
+                lease_timeline,
+                timeline,
+            } => (lease_timeline, timeline),
+        };
         let target = StaleTarget::Row {
             table: self.table.quoted(),
             key: key_text(row),
@@ -818,14 +846,14 @@ impl<T: FencedTable> Repository<T> {
             holder: fencing.holder.clone(),
             operation,
             other_counter: false,
-            reason: Some(crate::timeline::failover_reason(bound, now)),
+            reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
         };
         self.auditor.record(&rejection, AuditRow::Pending).await;
         Err(Error::FencedByFailover {
             target,
             presented: fencing.token.get(),
-            lease_timeline: bound,
-            timeline: now,
+            lease_timeline,
+            timeline,
         })
     }
 
@@ -837,7 +865,6 @@ impl<T: FencedTable> Repository<T> {
         fencing: &Fencing,
         operation: &'static str,
     ) -> Result<R> {
-        self.on_timeline(&out.row, fencing, operation).await?;
         match out.row.try_get::<Option<i64>, _>("current")? {
             None => Err(Error::NotFound {
                 table: self.table.quoted(),

@@ -215,7 +215,7 @@ impl Fencing {
     /// fenced across a failover from the first one.
     #[must_use]
     pub fn on_timeline(self, timeline: i64) -> Self {
-        self.timeline.bind(timeline.max(0));
+        self.timeline.pin(timeline);
         self
     }
 

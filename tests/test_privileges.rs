@@ -369,6 +369,7 @@ async fn grant_gives_exactly_the_documented_privileges() {
         ("bypass", false),
         ("check", true),
         ("check", true),
+        ("check_on", true),
         ("domain_high_water", true),
         ("domain_mark_holder", true),
         ("effect_begin", true),

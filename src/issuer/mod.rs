@@ -294,7 +294,7 @@ impl Lease {
     /// process: `pgfence run` exports `PGFENCE_TIMELINE`).
     #[must_use]
     pub fn on_timeline(self, timeline: i64) -> Self {
-        self.timeline.bind(timeline.max(0));
+        self.timeline.pin(timeline);
         self
     }
 
