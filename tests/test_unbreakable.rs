@@ -431,11 +431,11 @@ async fn audit_rows_name_the_operation_and_the_table_one_way() {
     );
 }
 
-/// The README documents the DETAIL of a rejection with the keys the product writes.
+/// docs/sql.md documents the DETAIL of a rejection with the keys the product writes.
 #[tokio::test]
 async fn the_readme_documents_the_detail_keys_the_product_writes() {
     let (db, _) = setup().await;
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../docs/sql.md");
     let err = raw(
         &db,
         "UPDATE accounts SET fence = pgfence.next_fence(fence, 1, 0, 'accounts') WHERE id = 14; \
@@ -462,11 +462,14 @@ async fn the_readme_documents_the_detail_keys_the_product_writes() {
         "`DETAIL: presented=<n> current=<n> table=<table>`",
         "`DETAIL: presented=<n> current=<n> resource=<resource>`",
     ] {
-        assert!(readme.contains(documented), "README lacks {documented}");
+        assert!(
+            readme.contains(documented),
+            "docs/sql.md lacks {documented}"
+        );
     }
     assert!(
         !readme.contains("target=<name>"),
-        "README documents a key nothing writes"
+        "docs/sql.md documents a key nothing writes"
     );
 }
 
