@@ -265,7 +265,10 @@ mod tests {
         assert!(fresh.rebind(1, 2));
         assert_eq!(fresh.get(), Some(2));
         assert_eq!(fresh.bind_and_send(2), 2, "the retry is counted");
-        assert!(!fresh.rebind(2, 3), "it has written on 2 now");
+        // The retry applied; the lease's next statement meets yet another promotion: it has
+        // written on 2, so it is refused.
+        fresh.bind_and_send(2);
+        assert!(!fresh.rebind(2, 3), "it has written on 2");
         // A second statement was sent with the binding (a clone, concurrently): it may have
         // committed on timeline 1, so the lease stays fenced out.
         let used = Binding::default();
