@@ -31,9 +31,8 @@ pub use effect::{
 };
 pub use error::{
     Error, Result, SQLSTATE_BYPASS_REFUSED, SQLSTATE_DUPLICATE, SQLSTATE_FAILED_OVER,
-    SQLSTATE_FENCE_TYPE,
-    SQLSTATE_LEASELESS, SQLSTATE_PROTECTED, SQLSTATE_SEALED, SQLSTATE_STALE, SQLSTATE_TOKEN_JUMP,
-    StaleTarget,
+    SQLSTATE_FENCE_TYPE, SQLSTATE_LEASELESS, SQLSTATE_PROTECTED, SQLSTATE_SEALED, SQLSTATE_STALE,
+    SQLSTATE_TOKEN_JUMP, StaleTarget,
 };
 pub use fence::{Fence, counter_floor, high_water};
 pub use grant::{grant, grant_sql};

@@ -11,10 +11,11 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use zookeeper_client::{Acls, Client, CreateMode, SessionState, Stat};
 
-use super::{
-    ACQUIRE_ATTEMPTS, DEFAULT_KEY_PREFIX, Lease, LeaseState, LockStatus, ReleaseOutcome,
-    acquire_waiting, check_key_prefix, check_ttl, host_list, new_owner_id, retrying,
-};
+use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
+use super::policy::{self, Ask, Attempt, Backend, PATIENT, Renewal, Resend, resend};
+use super::token_issuer::IssuerKind;
+use super::url::host_list;
+use super::{Lease, LeaseState, LockStatus, ReleaseOutcome};
 use crate::tls::zk_tls_unsupported as tls_unsupported;
 use crate::{Error, FenceToken, MAX_TOKEN, Resource, Result};
 
@@ -386,7 +387,7 @@ impl ZkIssuer {
     /// after retries; [`Error::InvalidToken`] when the ensemble's zxid reached
     /// [`MAX_TOKEN`](crate::MAX_TOKEN) (no lock node is left behind).
     pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
-        Ok(self.acquire_as(resource, &new_owner_id(), ttl).await?.ok())
+        policy::acquire(self, resource, ttl).await
     }
 
     /// Like [`ZkIssuer::acquire`] with a caller-chosen owner id. Re-running it with the same
@@ -404,42 +405,20 @@ impl ZkIssuer {
         owner: &str,
         ttl: Duration,
     ) -> Result<std::result::Result<Lease, Duration>> {
-        check_ttl(ttl)?;
-        super::check_owner(owner)?;
-        let fencing = super::fencing_name(&self.prefix, resource)?;
-        let dir = self.lock_dir(resource);
-        let key = (dir.clone(), owner.to_owned());
-        // A retry of an acquire that failed: this try adopts or removes its node itself.
-        self.inner.strays.lock().await.remove(&key);
-        let mut attempt = 0;
-        loop {
-            match self.try_acquire(resource, &dir, owner, ttl).await {
-                Ok(outcome) => return Ok(outcome.map(|l| l.fenced_as(fencing.clone()))),
-                // The same owner id lets the next try find a node this one may have created.
-                Err(e) if attempt + 1 < ACQUIRE_ATTEMPTS && e.is_retryable() => {
-                    tokio::time::sleep(Duration::from_millis(25 << attempt)).await;
-                    attempt += 1;
-                }
-                Err(e) => {
-                    if e.is_retryable() {
-                        // A create whose reply was lost may have left our node: remove it in
-                        // the background, so it does not hold the lock until the session ends.
-                        self.inner.strays.lock().await.insert(key.clone());
-                        tokio::spawn(remove_strays(Arc::downgrade(&self.inner), key));
-                    }
-                    return Err(e);
-                }
-            }
-        }
+        policy::acquire_as(self, resource, owner, ttl).await
     }
 
-    async fn try_acquire(
-        &self,
-        resource: &Resource,
-        dir: &str,
-        owner: &str,
-        ttl: Duration,
-    ) -> Result<std::result::Result<Lease, Duration>> {
+    /// One attempt: a listing, and a node created when the lock is free. The owner id in the
+    /// node's name lets a re-sent attempt find a node an unanswered one created.
+    async fn acquire_once(&self, ask: &Ask<'_>) -> Result<Attempt> {
+        let (resource, owner) = (ask.resource, ask.owner);
+        let dir = &self.lock_dir(resource);
+        // A retry of an acquire that failed: this try adopts or removes its node itself.
+        self.inner
+            .strays
+            .lock()
+            .await
+            .remove(&(dir.clone(), owner.to_owned()));
         let sent_at = Instant::now();
         let client = self.session().await?;
         let stem = owner_stem(owner);
@@ -453,12 +432,10 @@ impl ZkIssuer {
                 for (_, name) in nodes.iter().skip(1).filter(|(_, n)| is_owners(n, &stem)) {
                     let _ = delete(&client, &format!("{dir}/{name}")).await;
                 }
-                return Ok(Err(Duration::ZERO));
+                return Ok(Attempt::Busy(Duration::ZERO));
             }
             let path = format!("{dir}/{first}");
-            return self
-                .owned_first(&client, resource, dir, owner, &path, ttl, sent_at)
-                .await;
+            return self.owned_first(&client, ask, dir, &path, sent_at).await;
         }
         // Our node would be created at a zxid above every zxid of the lock dir: refuse at the
         // limit before anything is written. (Without a lock dir there is nothing to read the
@@ -475,88 +452,73 @@ impl ZkIssuer {
         let nodes = queue(list(&client, dir).await?.0);
         let Some((_, mine)) = nodes.iter().find(|(_, n)| is_owners(n, &stem)) else {
             // Deleted under us (the session ended): nothing was taken.
-            return Ok(Err(Duration::ZERO));
+            return Ok(Attempt::Busy(Duration::ZERO));
         };
         let mine = format!("{dir}/{mine}");
         if !nodes.first().is_some_and(|(_, n)| is_owners(n, &stem)) {
             // Someone created theirs first: they hold the lock; leave no node behind.
             delete(&client, &mine).await?;
-            return Ok(Err(Duration::ZERO));
+            return Ok(Attempt::Busy(Duration::ZERO));
         }
-        self.take(
-            &client, resource, dir, owner, mine, stat.czxid, ttl, sent_at,
-        )
-        .await
-        .map(Ok)
+        self.take(&client, ask, dir, mine, stat.czxid, sent_at)
+            .await
+            .map(Attempt::Granted)
     }
 
     /// The first node is `owner`'s: ours already (renew it), or a node an unanswered try of
     /// this session created (adopt it), or one of another session with the same owner id.
-    #[allow(clippy::too_many_arguments)]
     async fn owned_first(
         &self,
         client: &Client,
-        resource: &Resource,
+        ask: &Ask<'_>,
         dir: &str,
-        owner: &str,
         path: &str,
-        ttl: Duration,
         sent_at: Instant,
-    ) -> Result<std::result::Result<Lease, Duration>> {
-        if let Some(held) = self.held(dir, owner).filter(|h| h.path == path) {
+    ) -> Result<Attempt> {
+        if let Some(held) = self.held(dir, ask.owner).filter(|h| h.path == path) {
             // The same owner again: renew for the TTL asked now, as Redis's PEXPIRE does.
-            if held.renew(sent_at + ttl) {
-                return Ok(Ok(lease(resource, owner, held.token, ttl, sent_at)?));
+            if held.renew(sent_at + ask.ttl) {
+                return Ok(Attempt::Granted(
+                    ask.lease(FenceToken::new(held.token)?, sent_at),
+                ));
             }
-            return Ok(Err(Duration::ZERO));
+            return Ok(Attempt::Busy(Duration::ZERO));
         }
         let Some(stat) = timed(client.check_stat(path)).await? else {
-            return Ok(Err(Duration::ZERO));
+            return Ok(Attempt::Busy(Duration::ZERO));
         };
         if stat.ephemeral_owner != client.session_id().0 {
             // Held by another session under the same owner id: not ours to extend.
-            return Ok(Err(Duration::ZERO));
+            return Ok(Attempt::Busy(Duration::ZERO));
         }
-        self.take(
-            client,
-            resource,
-            dir,
-            owner,
-            path.to_owned(),
-            stat.czxid,
-            ttl,
-            sent_at,
-        )
-        .await
-        .map(Ok)
+        self.take(client, ask, dir, path.to_owned(), stat.czxid, sent_at)
+            .await
+            .map(Attempt::Granted)
     }
 
-    /// Records `path` as the lock `owner` holds, with token `czxid`, and starts its timer.
-    #[allow(clippy::too_many_arguments)]
+    /// Records `path` as the lock `ask.owner` holds, with token `czxid`, and starts its timer.
     async fn take(
         &self,
         client: &Client,
-        resource: &Resource,
+        ask: &Ask<'_>,
         dir: &str,
-        owner: &str,
         path: String,
         czxid: i64,
-        ttl: Duration,
         sent_at: Instant,
     ) -> Result<Lease> {
+        let (owner, ttl) = (ask.owner, ask.ttl);
         if !(1..=MAX_TOKEN).contains(&czxid) {
             // Leave nothing behind: the lock is useless without a valid token. A delete that
             // does not get through is finished in the background (see `Inner::strays`).
             let until = Instant::now() + Duration::from_secs(2);
-            let (deleted, _) = retrying(until, || delete(client, &path)).await;
+            let (deleted, _) =
+                resend::<Self, _, _, _>(until, u32::MAX, || delete(client, &path)).await;
             if deleted.is_err() {
-                let key = (dir.to_owned(), owner.to_owned());
-                self.inner.strays.lock().await.insert(key.clone());
-                tokio::spawn(remove_strays(Arc::downgrade(&self.inner), key));
+                self.sweep(dir, owner).await;
             }
-            return Err(limit_refused(resource, czxid, true));
+            return Err(limit_refused(ask.resource, czxid, true));
         }
-        let lease = lease(resource, owner, czxid, ttl, sent_at)?;
+        let lease = ask.lease(FenceToken::new(czxid)?, sent_at);
         let held = Arc::new(Held {
             path,
             token: czxid,
@@ -591,10 +553,7 @@ impl ZkIssuer {
         ttl: Duration,
         wait: Duration,
     ) -> Result<Option<Lease>> {
-        acquire_waiting(ttl, wait, |owner| async move {
-            self.acquire_as(resource, &owner, ttl).await
-        })
-        .await
+        policy::acquire_wait(self, resource, ttl, wait).await
     }
 
     /// Releases the lock if `lease` still holds it (its node, same owner and token, still
@@ -605,9 +564,23 @@ impl ZkIssuer {
     /// # Errors
     /// [`Error::ZooKeeper`].
     pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
-        let dir = self.lock_dir(&lease.resource);
+        policy::release(self, lease).await
+    }
+
+    /// Leaves the lock nodes `owner` may have left in `dir` to a cleanup task (see
+    /// `Inner::strays`), unless an acquire of the same owner takes the lock over first.
+    async fn sweep(&self, dir: &str, owner: &str) {
+        let key = (dir.to_owned(), owner.to_owned());
+        self.inner.strays.lock().await.insert(key.clone());
+        tokio::spawn(remove_strays(Arc::downgrade(&self.inner), key));
+    }
+
+    /// One release. When this issuer took the lease, its node's path is unique (sequence
+    /// numbers are never reused), so deleting it is owner-safe in one round trip.
+    async fn release_node(&self, lease: &Lease) -> Result<ReleaseOutcome> {
+        let dir = &self.lock_dir(&lease.resource);
         let known = self
-            .held(&dir, &lease.owner)
+            .held(dir, &lease.owner)
             .filter(|h| h.token == lease.token.get())
             .map(|held| {
                 // The timer must not delete the node after a newer lease of this owner took it.
@@ -616,35 +589,8 @@ impl ZkIssuer {
                     .forget(&(dir.clone(), lease.owner.clone()), &held);
                 held.path.clone()
             });
-        let until = Instant::now() + Duration::from_secs(2);
-        let (outcome, retried) =
-            retrying(until, || self.release_once(&dir, known.as_deref(), lease)).await;
-        let outcome = match outcome {
-            Ok(outcome) => outcome,
-            Err(e) => {
-                if e.is_retryable() {
-                    // The node may still be there, with its timer stopped: delete it in the
-                    // background (unless an acquire of this owner takes it over).
-                    let key = (dir, lease.owner.clone());
-                    self.inner.strays.lock().await.insert(key.clone());
-                    tokio::spawn(remove_strays(Arc::downgrade(&self.inner), key));
-                }
-                return Err(e);
-            }
-        };
-        Ok(outcome.after_resend(retried, lease))
-    }
-
-    /// One release. `known` is the lease's node when this issuer took it: its path is unique
-    /// (sequence numbers are never reused), so deleting it is owner-safe in one round trip.
-    async fn release_once(
-        &self,
-        dir: &str,
-        known: Option<&str>,
-        lease: &Lease,
-    ) -> Result<ReleaseOutcome> {
         let client = self.session().await?;
-        if let Some(path) = known {
+        if let Some(path) = known.as_deref() {
             match timed(client.delete(path, None)).await {
                 Ok(()) => return Ok(ReleaseOutcome::Released),
                 // Gone: expired, deleted by hand, or an earlier try's delete applied.
@@ -704,8 +650,7 @@ impl ZkIssuer {
     /// [`Error::InvalidDuration`]; [`Error::ZooKeeper`]; [`Error::InvalidOwner`] when the lock
     /// is held by another session's issuer (only the issuer that acquired a lease extends it).
     pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
-        let until = lease.deadline.max(Instant::now() + Duration::from_secs(2));
-        self.extend_until(lease, ttl, until).await
+        policy::extend(self, lease, ttl).await
     }
 
     /// [`ZkIssuer::extend`], re-sending after transport failures only until `until` (what
@@ -719,21 +664,11 @@ impl ZkIssuer {
         ttl: Duration,
         until: Instant,
     ) -> Result<LeaseState> {
-        check_ttl(ttl)?;
-        let (outcome, _) = retrying(until, || self.extend_once(lease, ttl)).await;
-        let (state, deadline) = outcome?;
-        if let Some(deadline) = deadline {
-            lease.ttl = ttl;
-            lease.deadline = deadline;
-        }
-        Ok(state)
+        policy::extend_until(self, lease, ttl, until).await
     }
 
-    async fn extend_once(
-        &self,
-        lease: &Lease,
-        ttl: Duration,
-    ) -> Result<(LeaseState, Option<Instant>)> {
+    /// One extend: the node's existence is read on the ensemble, the deadline is the timer's.
+    async fn extend_node(&self, lease: &Lease, ttl: Duration) -> Result<Renewal> {
         let sent_at = Instant::now();
         let client = self.session().await?;
         let dir = self.lock_dir(&lease.resource);
@@ -743,16 +678,16 @@ impl ZkIssuer {
         let known = held.as_ref().map(|h| h.path.as_str());
         let path = match self.find(&client, &dir, known, lease).await? {
             Found::Mine(path) => path,
-            Found::Other => return Ok((LeaseState::Taken, None)),
-            Found::Free => return Ok((LeaseState::Expired, None)),
+            Found::Other => return Ok(Renewal::lost(LeaseState::Taken)),
+            Found::Free => return Ok(Renewal::lost(LeaseState::Expired)),
         };
         match held {
             Some(held) if held.path == path => {
                 if held.renew(sent_at + ttl) {
-                    Ok((LeaseState::Held, Some(sent_at + ttl)))
+                    Ok(Renewal::held(sent_at + ttl))
                 } else {
                     // The timer ended it between the read and now: its delete is under way.
-                    Ok((LeaseState::Expired, None))
+                    Ok(Renewal::lost(LeaseState::Expired))
                 }
             }
             _ => Err(Error::InvalidOwner(format!(
@@ -769,6 +704,11 @@ impl ZkIssuer {
     /// # Errors
     /// [`Error::ZooKeeper`].
     pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
+        policy::status(self, resource).await
+    }
+
+    /// One read of the lock dir, and of its first node.
+    async fn read_status(&self, resource: &Resource) -> Result<LockStatus> {
         let client = self.session().await?;
         let dir = self.lock_dir(resource);
         let (names, dir_stat) = list(&client, &dir).await?;
@@ -806,9 +746,41 @@ impl ZkIssuer {
     }
 }
 
+/// Zxids never go backwards: nothing to raise, nothing to reseed (the defaults).
+impl Backend for ZkIssuer {
+    const KIND: IssuerKind = IssuerKind::ZooKeeper;
+    const RESEND: Resend = PATIENT;
+
+    fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    async fn try_acquire(&self, ask: &Ask<'_>) -> Result<Attempt> {
+        self.acquire_once(ask).await
+    }
+
+    /// A create or a delete whose reply was lost may have left the owner's node, holding the
+    /// lock with no timer until the session ends: removed in the background.
+    async fn abandoned(&self, resource: &Resource, owner: &str) {
+        self.sweep(&self.lock_dir(resource), owner).await;
+    }
+
+    async fn release_once(&self, lease: &Lease) -> Result<ReleaseOutcome> {
+        self.release_node(lease).await
+    }
+
+    async fn extend_once(&self, lease: &Lease, ttl: Duration) -> Result<Renewal> {
+        self.extend_node(lease, ttl).await
+    }
+
+    async fn status_once(&self, resource: &Resource) -> Result<LockStatus> {
+        self.read_status(resource).await
+    }
+}
+
 /// The refusal at the token limit: the ensemble's zxid is at `zxid`.
 fn limit_refused(resource: &Resource, zxid: i64, undone: bool) -> Error {
-    super::limit_refused(
+    policy::limit_refused(
         resource,
         &format!(
             "the ZooKeeper ensemble's zxid, its token counter (at {zxid}, epoch {}),",
@@ -823,23 +795,6 @@ enum Found {
     Mine(String),
     Other,
     Free,
-}
-
-fn lease(
-    resource: &Resource,
-    owner: &str,
-    token: i64,
-    ttl: Duration,
-    sent_at: Instant,
-) -> Result<Lease> {
-    Ok(Lease {
-        resource: resource.clone(),
-        fencing: resource.clone(),
-        owner: owner.to_owned(),
-        token: FenceToken::new(token)?,
-        ttl,
-        deadline: sent_at + ttl,
-    })
 }
 
 /// Deletes the lock nodes `key`'s owner may have left in `key`'s dir after a failed acquire
@@ -932,7 +887,8 @@ async fn expire(inner: Weak<Inner>, key: (String, String), held: Arc<Held>) {
         // Re-sent while the connection is down; if the session ends meanwhile, the ensemble
         // deletes the node itself.
         let until = Instant::now() + inner.session_timeout;
-        let (outcome, _) = retrying(until, || delete(&client, &held.path)).await;
+        let (outcome, _) =
+            resend::<ZkIssuer, _, _, _>(until, u32::MAX, || delete(&client, &held.path)).await;
         if let Err(e) = outcome {
             tracing::warn!(target: "pgfence::issuer", node = %held.path, error = %e, "could not delete an expired ZooKeeper lock node; it ends with the session");
         }
