@@ -1,5 +1,5 @@
 //! The lease-semantics tests every issuer shares: one suite, run against Redis
-//! (`tests/test_issuer_trait.rs`), PostgreSQL (`tests/test_pg_issuer.rs`), etcd
+//! (`tests/test_issuer.rs`, and `lease_semantics` in `tests/test_issuer_trait.rs`), PostgreSQL (`tests/test_pg_issuer.rs`), etcd
 //! (`tests/test_etcd_issuer.rs`) and ZooKeeper (`tests/test_zk_issuer.rs`), each function
 //! generic over the issuer ([`TokenIssuer`]) and told by a [`Profile`] where the issuers really
 //! differ.
@@ -543,6 +543,16 @@ pub async fn paused_holder_is_fenced_by_postgres<I: TokenIssuer>(p: &Profile, is
         .await
         .unwrap();
     assert_eq!(payload, "B");
+    // The rejection is audited with the lease's holder and name.
+    let audit = pgfence::list_audit(&db.pool, &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(audit[0].holder.as_deref(), Some(a.owner()));
+    assert_eq!(
+        audit[0].resource.as_deref(),
+        Some(a.fencing_resource().as_str())
+    );
     assert_eq!(
         issuer.release(&a).await.unwrap(),
         ReleaseOutcome::TakenByOther
