@@ -565,23 +565,18 @@ impl Backend for EtcdIssuer {
         let sent_at = Instant::now();
         let key = self.lock_key(&lease.resource);
         let Some(held) = self.get(&key).await? else {
-            return Ok(Renewal::lost(LeaseState::Expired));
+            return Ok(Renewal::Expired);
         };
         if !holds(&held, lease) {
-            return Ok(Renewal::lost(LeaseState::Taken));
+            return Ok(Renewal::Taken);
         }
         let same_ttl = lease_secs(lease.ttl).ok() == Some(secs);
         let mut renewed = lease.clone();
         renewed.ttl = ttl;
-        Ok(
-            match self
-                .renew(&key, &mut renewed, held, secs, same_ttl, sent_at)
-                .await?
-            {
-                LeaseState::Held => Renewal::held(renewed.deadline),
-                lost => Renewal::lost(lost),
-            },
-        )
+        let state = self
+            .renew(&key, &mut renewed, held, secs, same_ttl, sent_at)
+            .await?;
+        Ok(Renewal::of(state, renewed.deadline))
     }
 
     async fn status_once(&self, resource: &Resource) -> Result<LockStatus> {

@@ -316,10 +316,10 @@ impl Backend for PgIssuer {
             ttl_millis(ttl)?,
         );
         let sent_at = Instant::now();
-        Ok(match LeaseState::from_reply(self.code(&sql).await?) {
-            LeaseState::Held => Renewal::held(sent_at + ttl),
-            lost => Renewal::lost(lost),
-        })
+        Ok(Renewal::of(
+            LeaseState::from_reply(self.code(&sql).await?),
+            sent_at + ttl,
+        ))
     }
 
     async fn status_once(&self, resource: &Resource) -> Result<LockStatus> {

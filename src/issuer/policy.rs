@@ -99,26 +99,23 @@ pub enum Attempt {
     FreshCounter(Lease),
 }
 
-/// What one extend attempt found: the state, and the new local deadline when held.
-pub struct Renewal {
-    pub state: LeaseState,
-    pub deadline: Option<Instant>,
+/// What one extend attempt found.
+pub enum Renewal {
+    /// The lease still holds the lock, now until this local deadline.
+    Held(Instant),
+    /// The lock had expired.
+    Expired,
+    /// Another lease holds the lock.
+    Taken,
 }
 
 impl Renewal {
-    /// The lease still holds the lock, now until `deadline`.
-    pub fn held(deadline: Instant) -> Self {
-        Self {
-            state: LeaseState::Held,
-            deadline: Some(deadline),
-        }
-    }
-
-    /// The lease no longer holds the lock (`state` says why).
-    pub fn lost(state: LeaseState) -> Self {
-        Self {
-            state,
-            deadline: None,
+    /// A backend's answer `state`, with the local deadline `deadline` should it be held.
+    pub fn of(state: LeaseState, deadline: Instant) -> Self {
+        match state {
+            LeaseState::Held => Renewal::Held(deadline),
+            LeaseState::Expired => Renewal::Expired,
+            LeaseState::Taken => Renewal::Taken,
         }
     }
 }
@@ -364,12 +361,15 @@ pub async fn extend_until<B: Backend>(
     let held: &Lease = lease;
     let (renewal, _) =
         resend::<B, _, _, _>(until, u32::MAX, || backend.extend_once(held, ttl)).await;
-    let renewal = renewal?;
-    if let Some(deadline) = renewal.deadline {
-        lease.ttl = ttl;
-        lease.deadline = deadline;
-    }
-    Ok(renewal.state)
+    Ok(match renewal? {
+        Renewal::Held(deadline) => {
+            lease.ttl = ttl;
+            lease.deadline = deadline;
+            LeaseState::Held
+        }
+        Renewal::Expired => LeaseState::Expired,
+        Renewal::Taken => LeaseState::Taken,
+    })
 }
 
 /// Reads `resource`'s lock and counter, re-sent after failures in transit for up to 2 s.

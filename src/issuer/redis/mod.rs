@@ -502,10 +502,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for Issuer<C> {
             .invoke_async::<i64>(&mut conn)
             .await
             .map_err(|e| self.redis_error(e))?;
-        Ok(match LeaseState::from_reply(code) {
-            LeaseState::Held => Renewal::held(sent_at + ttl),
-            lost => Renewal::lost(lost),
-        })
+        Ok(Renewal::of(LeaseState::from_reply(code), sent_at + ttl))
     }
 
     async fn status_once(&self, resource: &Resource) -> Result<LockStatus> {

@@ -520,16 +520,16 @@ impl ZkIssuer {
         let known = held.as_ref().map(|h| h.path.as_str());
         let path = match self.find(&client, &dir, known, lease).await? {
             Found::Mine(path) => path,
-            Found::Other => return Ok(Renewal::lost(LeaseState::Taken)),
-            Found::Free => return Ok(Renewal::lost(LeaseState::Expired)),
+            Found::Other => return Ok(Renewal::Taken),
+            Found::Free => return Ok(Renewal::Expired),
         };
         match held {
             Some(held) if held.path == path => {
                 if held.renew(sent_at + ttl) {
-                    Ok(Renewal::held(sent_at + ttl))
+                    Ok(Renewal::Held(sent_at + ttl))
                 } else {
                     // The timer ended it between the read and now: its delete is under way.
-                    Ok(Renewal::lost(LeaseState::Expired))
+                    Ok(Renewal::Expired)
                 }
             }
             _ => Err(Error::InvalidOwner(format!(
