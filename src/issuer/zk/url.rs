@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::super::url::host_list;
+use crate::issuer::url::host_list;
 use crate::tls::zk_tls_unsupported as tls_unsupported;
 use crate::{Error, Result};
 
