@@ -53,6 +53,43 @@ async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
 // paused_holder_is_fenced_by_postgres.
 issuer_suite::lease_tests!(REDIS, skip, issuer);
 
+/// The suite's shared tests again through Redis Sentinel (a master, a replica and a sentinel,
+/// shared by this binary's tests): the same backend behind the connections that follow the
+/// master.
+mod through_sentinel {
+    use pgfence::{Issuer, SentinelConnections};
+    use pgfence_testkit::{SentinelConfig, SentinelSet, sentinel_installed};
+    use tokio::sync::OnceCell;
+
+    use super::REDIS;
+    use crate::issuer_suite;
+
+    fn skip(test: &str) -> bool {
+        issuer_suite::skipped(
+            test,
+            sentinel_installed(),
+            "redis-server and redis-sentinel are not installed (Debian: apt-get install \
+             redis-server redis-sentinel)",
+        )
+    }
+
+    async fn issuer() -> Issuer<SentinelConnections> {
+        static SET: OnceCell<(String, Option<SentinelSet>)> = OnceCell::const_new();
+        let url = issuer_suite::shared_url(&SET, "PGFENCE_SENTINEL_URL", async {
+            let set = SentinelSet::start("pgfence-suite", SentinelConfig::default())
+                .await
+                .expect("start a throwaway Sentinel deployment");
+            (set.url(), set)
+        })
+        .await;
+        Issuer::connect_sentinel(&url)
+            .await
+            .expect("connect through the sentinels")
+    }
+
+    issuer_suite::lease_tests!(REDIS, skip, issuer);
+}
+
 #[tokio::test]
 async fn bad_ttls_and_names_are_refused_before_touching_redis() {
     issuer_suite::bad_ttls_and_owners_are_refused(&REDIS, issuer().await).await;

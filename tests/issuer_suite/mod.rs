@@ -1,5 +1,6 @@
 //! The lease-semantics tests every issuer shares: one suite, run against Redis
-//! (`tests/test_issuer.rs`, and `lease_semantics` in `tests/test_issuer_trait.rs`), PostgreSQL (`tests/test_pg_issuer.rs`), etcd
+//! (`tests/test_issuer.rs`, standalone and through Sentinel, and `lease_semantics` in
+//! `tests/test_issuer_trait.rs`), PostgreSQL (`tests/test_pg_issuer.rs`), etcd
 //! (`tests/test_etcd_issuer.rs`) and ZooKeeper (`tests/test_zk_issuer.rs`), each function
 //! generic over the issuer ([`TokenIssuer`]) and told by a [`Profile`] where the issuers really
 //! differ.
