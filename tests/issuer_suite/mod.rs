@@ -5,9 +5,10 @@
 //! generic over the issuer ([`TokenIssuer`]) and told by a [`Profile`] where the issuers really
 //! differ.
 //!
-//! A test file invokes [`lease_tests!`] once, which defines there the `#[tokio::test]`
-//! functions of the tests whose names the files share, each skipped through the file's own
-//! `skip` and run on the file's issuer. The files call the rest themselves: the bad-TTL test
+//! A test file invokes [`lease_tests!`] once per issuer (a second one in a module of its own),
+//! which defines there the `#[tokio::test]` functions of the tests whose names the files
+//! share, each skipped through the file's own `skip` and run on the file's issuer. The files
+//! call the rest themselves: the bad-TTL test
 //! (named after the issuer, with their URL checks after it), the layout tests (after a lock
 //! deleted by hand: [`deleted_lock_is_lost_to_its_holder`]), [`lease_semantics`] through
 //! `Arc<dyn TokenIssuer>`, [`floor_and_recovery_are_no_ops`], [`key_prefixes_separate_locks`]
