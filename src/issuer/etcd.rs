@@ -467,7 +467,7 @@ impl EtcdIssuer {
 
     /// Reads `resource`'s lock. `counter` is the cluster's current revision: every token
     /// issued so far is at most this, and the next one will be above it. `ttl_ms` has etcd's
-    /// resolution, whole seconds.
+    /// resolution, whole seconds. A read lost in transit is sent again for up to 2 s.
     ///
     /// # Errors
     /// [`Error::Etcd`].

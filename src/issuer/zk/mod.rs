@@ -311,7 +311,8 @@ impl ZkIssuer {
 
     /// Reads `resource`'s lock. `counter` is the zxid of the last change to the resource's lock
     /// nodes (every token issued for it so far is at most this; the next is above it). `ttl_ms`
-    /// is known only for locks this issuer holds.
+    /// is known only for locks this issuer holds. A read lost in transit is sent again for up
+    /// to 2 s.
     ///
     /// # Errors
     /// [`Error::ZooKeeper`].
