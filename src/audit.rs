@@ -216,19 +216,11 @@ impl Auditor {
     pub(crate) async fn record_beside(&self, r: &Rejection, lent: &mut Lent<'_>) {
         let row = match self.in_statement_timeout_ms() {
             Some(ms) if lent.own_transaction() => {
-                let insert: sqlx::Result<_> = sqlx::query(
+                let insert = append_audit(
                     "SELECT pg_catalog.set_config('lock_timeout', $10, true), \
                      pgfence.append_audit($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                    r,
                 )
-                .bind(&r.resource)
-                .bind(&r.table)
-                .bind(&r.key)
-                .bind(r.presented)
-                .bind(r.current)
-                .bind(&r.holder)
-                .bind(r.operation)
-                .bind(r.other_counter)
-                .bind(&r.reason)
                 .bind(ms.to_string())
                 .execute(lent.conn())
                 .await;
@@ -244,21 +236,14 @@ impl Auditor {
 
     /// Inserts `r` through the pool, within the timeout; the error text otherwise.
     async fn write_row(&self, r: &Rejection) -> std::result::Result<(), String> {
-        if let Some(reason) = &r.reason {
+        if r.reason.is_some() {
             // Through the owner's function: an application role may insert every column of
             // the audit table but `reason` (V11).
-            let insert =
-                sqlx::query("SELECT pgfence.append_audit($1, $2, $3, $4, $5, $6, $7, $8, $9)")
-                    .bind(&r.resource)
-                    .bind(&r.table)
-                    .bind(&r.key)
-                    .bind(r.presented)
-                    .bind(r.current)
-                    .bind(&r.holder)
-                    .bind(r.operation)
-                    .bind(r.other_counter)
-                    .bind(reason)
-                    .execute(&self.pool);
+            let insert = append_audit(
+                "SELECT pgfence.append_audit($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                r,
+            )
+            .execute(&self.pool);
             return match tokio::time::timeout(self.timeout, insert).await {
                 Ok(Ok(_)) => Ok(()),
                 Ok(Err(e)) => Err(e.to_string()),
@@ -284,6 +269,24 @@ impl Auditor {
             Err(_) => Err(format!("timed out after {:?}", self.timeout)),
         }
     }
+}
+
+/// `sql` (which calls `pgfence.append_audit` with `$1..$9`) with `r`'s columns bound, in the
+/// function's order.
+fn append_audit<'q>(
+    sql: &'static str,
+    r: &'q Rejection,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sql)
+        .bind(&r.resource)
+        .bind(&r.table)
+        .bind(&r.key)
+        .bind(r.presented)
+        .bind(r.current)
+        .bind(&r.holder)
+        .bind(r.operation)
+        .bind(r.other_counter)
+        .bind(&r.reason)
 }
 
 /// One row of the audit trail.
