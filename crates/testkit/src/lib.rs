@@ -14,7 +14,8 @@
 //! [`PgBouncer`] puts Debian's PgBouncer in front of a PostgreSQL, in transaction or session
 //! mode. [`Provider`] is a fake payment API that honours `Idempotency-Key`. [`Proxy`] is a
 //! loopback TCP proxy that drops or stalls the connections through it, for
-//! resilience tests.
+//! resilience tests, and can be pointed at another server. [`PgReplicaSet`] is a primary and a
+//! streaming standby behind such a proxy, to fail PostgreSQL over for real.
 
 mod certs;
 mod etcd;
@@ -22,6 +23,7 @@ mod pgbouncer;
 mod process;
 pub mod provider;
 mod redis_tls;
+mod replica;
 mod sentinel;
 mod zk;
 
@@ -30,6 +32,7 @@ pub use etcd::{ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, EtcdCluster, EtcdMember, etc
 pub use pgbouncer::{PgBouncer, PoolMode, pgbouncer_installed};
 pub use provider::Provider;
 pub use redis_tls::{ClientAuth, RedisTls, RedisTlsCluster, SentinelTls};
+pub use replica::{Failover, PgReplicaSet, Replication};
 pub use sentinel::{RedisNode, SentinelConfig, SentinelSet, sentinel_installed};
 pub use zk::{
     ZK_MAX_SESSION_TIMEOUT_MS, ZK_MIN_SESSION_TIMEOUT_MS, ZK_TICK_MS, ZkEnsemble, ZkMember,
@@ -65,6 +68,14 @@ pub enum ServerError {
         /// Its output, or what timed out.
         detail: String,
     },
+    /// An operation on running servers (a query, a promotion, a kill) failed or timed out.
+    #[error("{what}: {detail}")]
+    Operation {
+        /// Which server, or which tool.
+        what: &'static str,
+        /// What failed, or what timed out.
+        detail: String,
+    },
     /// Spawning or talking to the supervisor failed.
     #[error("throwaway server I/O: {0}")]
     Io(#[from] std::io::Error),
@@ -98,6 +109,11 @@ pub struct Server {
 struct PgSetup {
     /// `(server certificate, key, CA)`: `ssl = on`, TCP over TLS only.
     tls: Option<(PathBuf, PathBuf, PathBuf)>,
+    /// Make the data directory with `pg_basebackup -R` from the server on this port of
+    /// 127.0.0.1 (a streaming standby of it) instead of `initdb`.
+    standby_of: Option<u16>,
+    /// More `-c name=value` settings, given after the defaults (so they win over them).
+    settings: Vec<String>,
 }
 
 impl Server {
@@ -120,6 +136,7 @@ impl Server {
     pub async fn postgres_tls(certs: &Certs) -> Result<Self, ServerError> {
         let mut server = Self::postgres_with(&PgSetup {
             tls: Some((certs.server_cert(), certs.server_key(), certs.ca())),
+            ..PgSetup::default()
         })
         .await?;
         server.ca = Some(certs.ca());
@@ -145,18 +162,33 @@ printf 'local all all trust\nhostssl all certuser 127.0.0.1/32 cert\nhostssl all
             ),
         };
         let run_as_postgres = is_root();
+        let init = match setup.standby_of {
+            None => format!(
+                "{bin}/initdb -D \"$dir/data\" -U postgres -A trust -E UTF8 --no-sync",
+                bin = sh_quote(&bindir)
+            ),
+            Some(primary) => format!(
+                "{bin}/pg_basebackup -h 127.0.0.1 -p {primary} -U postgres -D \"$dir/data\" -R \
+                 -X stream -c fast --no-sync && chmod 700 \"$dir/data\"",
+                bin = sh_quote(&bindir)
+            ),
+        };
+        let settings: String = setup
+            .settings
+            .iter()
+            .map(|s| format!(" -c {}", sh_quote(Path::new(s))))
+            .collect();
         retry_on_port_clash(Kind::Postgres, |port| {
             let script = format!(
                 r#"set -u
 umask 077
 dir=$(mktemp -d /tmp/pgfence-pg.XXXXXX) || exit 1
 trap 'rm -rf "$dir"' EXIT
-{bin}/initdb -D "$dir/data" -U postgres -A trust -E UTF8 --no-sync >"$dir/init.log" 2>&1 || {{ cat "$dir/init.log" >&2; exit 1; }}
+{init} >"$dir/init.log" 2>&1 || {{ cat "$dir/init.log" >&2; exit 1; }}
 {tls_setup}{supervise}"#,
-                bin = sh_quote(&bindir),
                 supervise = supervise(&format!(
                     "{bin}/postgres -D \"$dir/data\" -p {port} -k \"$dir\" -c listen_addresses=127.0.0.1 \
-                     -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=400{tls_args}",
+                     -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=400{tls_args}{settings}",
                     bin = sh_quote(&bindir)
                 ), "INT"),
             );
@@ -251,9 +283,14 @@ trap 'rm -rf "$dir"' EXIT
             // A connection is accepted before recovery ends; the socket file shows readiness.
             Kind::Postgres => {
                 self.dir().join(format!(".s.PGSQL.{}", self.port)).exists() && {
-                    // postmaster.pid's 8th line is "ready" once it accepts queries.
+                    // postmaster.pid's 8th line is "ready" once it accepts queries ("standby"
+                    // for a hot standby that accepts read-only ones).
                     std::fs::read_to_string(self.dir().join("data/postmaster.pid"))
-                        .map(|pid| pid.lines().nth(7).is_some_and(|l| l.trim() == "ready"))
+                        .map(|pid| {
+                            pid.lines()
+                                .nth(7)
+                                .is_some_and(|l| matches!(l.trim(), "ready" | "standby"))
+                        })
                         .unwrap_or(false)
                 }
             }
@@ -565,6 +602,8 @@ struct ProxyShared {
     /// Nothing is forwarded before this instant.
     paused_until: std::sync::Mutex<Option<Instant>>,
     accepted: std::sync::atomic::AtomicUsize,
+    /// Where new connections go (`127.0.0.1:PORT`).
+    target: std::sync::atomic::AtomicU16,
 }
 
 impl Proxy {
@@ -588,6 +627,7 @@ impl Proxy {
         let port = listener.local_addr()?.port();
         listener.set_nonblocking(true)?;
         let shared = std::sync::Arc::new(ProxyShared::default());
+        shared.target.store(target_port, Ordering::SeqCst);
         let acceptor = {
             let shared = shared.clone();
             std::thread::Builder::new()
@@ -597,7 +637,8 @@ impl Proxy {
                         match listener.accept() {
                             Ok((client, _)) => {
                                 shared.accepted.fetch_add(1, Ordering::SeqCst);
-                                let _ = Self::connect(&shared, client, target_port);
+                                let target = shared.target.load(Ordering::SeqCst);
+                                let _ = Self::connect(&shared, client, target);
                             }
                             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                                 std::thread::sleep(Duration::from_millis(5));
@@ -672,6 +713,28 @@ impl Proxy {
     /// old and new; connections stay open. Returns at once.
     pub fn pause(&self, duration: Duration) {
         *self.shared.paused_until.lock().expect("proxy lock") = Some(Instant::now() + duration);
+    }
+
+    /// Sends every connection accepted from now on to `127.0.0.1:target_port` (as a virtual IP
+    /// or a failover manager's endpoint moves to a new primary). Connections open now keep
+    /// their old server: [`Proxy::drop_connections`] closes them.
+    pub fn retarget(&self, target_port: u16) {
+        self.shared
+            .target
+            .store(target_port, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The port of 127.0.0.1 new connections are forwarded to.
+    #[must_use]
+    pub fn target_port(&self) -> u16 {
+        self.shared.target.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// `postgres://postgres@127.0.0.1:PORT/postgres`, for a proxy in front of a throwaway
+    /// PostgreSQL (superuser `postgres`, trust auth).
+    #[must_use]
+    pub fn postgres_url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
     }
 
     /// How many client connections the proxy has accepted so far.
