@@ -65,6 +65,22 @@
 //! [`DuplicateToken`](pgfence::Error::DuplicateToken), and never accept them) — and count the
 //! rejections after it and the time until every row wrote again.
 //!
+//! # A failover of the protected database
+//!
+//! [`pg_failover_at`] fails the harness's own PostgreSQL over for real: a primary and an
+//! asynchronous standby ([`pgfence_testkit::PgReplicaSet`]) behind a stable address, the
+//! standby cut off while the workers write on, then the primary killed and the standby
+//! promoted (a new timeline). The promotion loses acknowledged commits — rows and high-water
+//! marks go back — so a lease that a newer lease had fenced out may find its own fence again.
+//! The workers' units caught by the outage retry with their leases ([`Config::outage_retry`]).
+//! [`PgFailoverFigures`] (in [`Summary::pg_failover`]) count the writes **the database lost**
+//! (acknowledged, absent from the new primary: not acknowledgement mismatches) apart from
+//! anything fencing let through: the checks above run on what the new primary kept, and a
+//! statement committed after the promotion by a lease with a statement acknowledged before it
+//! is a *zombie write*, a violation. pgfence refuses those leases with
+//! [`FencedByFailover`](pgfence::Error::FencedByFailover), counted as rejections (audited; the
+//! audit rows of rejections before the promotion may be lost with it).
+//!
 //! # What guarantees what
 //!
 //! Six [`Mode`]s run a read-modify-write under one lease with different protection. Three do
@@ -278,6 +294,7 @@ mod faults;
 mod harness;
 mod history;
 mod leaseless;
+mod pg_failover;
 mod report;
 mod reseed;
 mod schema;
@@ -289,14 +306,15 @@ mod worker;
 pub use config::{Config, Mode, Recovery, Target};
 pub use deploy::{Deployment, issuer_of_url, parse_issuer};
 pub use error::ChaosError;
-pub use harness::{Control, Harness};
+pub use harness::{Control, FaultHold, Harness};
 pub use history::{
     Attempt, BatchRows, FailoverEvent, FaultMark, LeaseRecord, LeaselessAttempt, LeaselessKind,
-    LeaselessOutcome, Outcome, RowResult, Stage,
+    LeaselessOutcome, Outcome, PgFailoverEvent, RowResult, Stage,
 };
+pub use pg_failover::pg_failover_at;
 pub use report::{
     BatchFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery, LeaselessFigures,
-    Report, Summary,
+    PgFailoverFigures, Report, Summary,
 };
 pub use reseed::{ReseedCounter, ReseedLayer};
 pub use schema::SCHEMA;
