@@ -47,6 +47,9 @@ pub struct Rejection {
     pub operation: &'static str,
     /// `current` came from another token counter (another resource or fencing domain).
     pub other_counter: bool,
+    /// Why, when it is not the tokens alone: a failover refusal says `failover: lease
+    /// timeline N, database timeline M` ([`Error::FencedByFailover`](crate::Error::FencedByFailover)).
+    pub reason: Option<String>,
 }
 
 /// What the audit path reports to an [`AuditSink`]: every rejection, and every rejection
@@ -169,6 +172,7 @@ impl Auditor {
             holder,
             operation = r.operation,
             other_counter = r.other_counter,
+            reason = r.reason.as_deref(),
             "stale write rejected"
         );
         crate::metrics::rejection(r.table.as_deref(), r.resource.as_deref(), r.operation);
@@ -206,6 +210,27 @@ impl Auditor {
 
     /// Inserts `r` through the pool, within the timeout; the error text otherwise.
     async fn write_row(&self, r: &Rejection) -> std::result::Result<(), String> {
+        if let Some(reason) = &r.reason {
+            // Through the owner's function: an application role may insert every column of
+            // the audit table but `reason` (V11).
+            let insert =
+                sqlx::query("SELECT pgfence.append_audit($1, $2, $3, $4, $5, $6, $7, $8, $9)")
+                    .bind(&r.resource)
+                    .bind(&r.table)
+                    .bind(&r.key)
+                    .bind(r.presented)
+                    .bind(r.current)
+                    .bind(&r.holder)
+                    .bind(r.operation)
+                    .bind(r.other_counter)
+                    .bind(reason)
+                    .execute(&self.pool);
+            return match tokio::time::timeout(self.timeout, insert).await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err(format!("timed out after {:?}", self.timeout)),
+            };
+        }
         let insert = sqlx::query!(
             "INSERT INTO pgfence.audit (resource, table_name, row_key, presented, current, holder, operation, other_counter) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",

@@ -228,25 +228,31 @@ impl<T: FencedTable> Repository<T> {
         }
         self.check_size(keys.len())?;
         let mut lent = exec.into_target().lend().await?;
-        let query = self.bound(&self.sql.batch.claim, &source, &[], &fencing, false)?;
-        let mut outcomes = vec![None; keys.len()];
-        for row in query.fetch_all(lent.conn()).await? {
-            if row.try_get::<i64, _>("pgfence_dups")? > 0 {
-                return Err(self.invalid("the same key appears more than once in the batch"));
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let query = self.bound(&self.sql.batch.claim, &source, &[], &fencing, false)?;
+            let mut outcomes = vec![None; keys.len()];
+            for row in query.fetch_all(lent.conn()).await? {
+                if row.try_get::<i64, _>("pgfence_dups")? > 0 {
+                    return Err(self.invalid("the same key appears more than once in the batch"));
+                }
+                if let Some(ord) = row.try_get::<Option<i64>, _>("pgfence_ord")? {
+                    let i = index(ord, keys.len())?;
+                    claimed[i] = Some(R::from_row(&row)?);
+                    outcomes[i] = Some(RowOutcome::Applied);
+                }
             }
-            if let Some(ord) = row.try_get::<Option<i64>, _>("pgfence_ord")? {
-                let i = index(ord, keys.len())?;
-                claimed[i] = Some(R::from_row(&row)?);
-                outcomes[i] = Some(RowOutcome::Applied);
-            }
+            let Some(outcome) = self
+                .explain_rest(&mut lent, &source, &fencing, outcomes, Op::Claim)
+                .await?
+            else {
+                continue;
+            };
+            return Ok(Claimed {
+                rows: claimed,
+                outcome,
+            });
         }
-        let outcome = self
-            .explain_rest(&mut lent, &source, &fencing, outcomes, Op::Claim)
-            .await?;
-        Ok(Claimed {
-            rows: claimed,
-            outcome,
-        })
     }
 
     async fn write_rows<'c, E: WriteExecutor<'c>>(
@@ -283,35 +289,43 @@ impl<T: FencedTable> Repository<T> {
             Op::Delete | Op::Claim => &self.sql.batch.delete,
         };
         let mut lent = exec.into_target().lend().await?;
-        let query = self.bound(statement, &source, &[], fencing, false)?;
-        let mut outcomes = vec![None; n];
-        let mut dups = Vec::new();
-        for row in query.fetch_all(lent.conn()).await? {
-            if let Some(key) = row.try_get::<Option<String>, _>("dup")? {
-                dups.push(key);
-                continue;
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let query = self.bound(statement, &source, &[], fencing, false)?;
+            let mut outcomes = vec![None; n];
+            let mut dups = Vec::new();
+            for row in query.fetch_all(lent.conn()).await? {
+                if let Some(key) = row.try_get::<Option<String>, _>("dup")? {
+                    dups.push(key);
+                    continue;
+                }
+                let Some(ord) = row.try_get::<Option<i64>, _>("ord")? else {
+                    continue;
+                };
+                outcomes[index(ord, n)?] = Some(match op {
+                    Op::Upsert if row.try_get::<bool, _>("inserted")? => RowOutcome::Inserted,
+                    Op::Upsert => RowOutcome::Updated,
+                    _ => RowOutcome::Applied,
+                });
             }
-            let Some(ord) = row.try_get::<Option<i64>, _>("ord")? else {
-                continue;
-            };
-            outcomes[index(ord, n)?] = Some(match op {
-                Op::Upsert if row.try_get::<bool, _>("inserted")? => RowOutcome::Inserted,
-                Op::Upsert => RowOutcome::Updated,
-                _ => RowOutcome::Applied,
-            });
+            if !dups.is_empty() {
+                return Err(self.invalid(&format!(
+                    "keys appear more than once in the batch (nothing was written): {}",
+                    dups.join(", ")
+                )));
+            }
+            if let Some(outcome) = self
+                .explain_rest(&mut lent, &source, fencing, outcomes, op)
+                .await?
+            {
+                return Ok(outcome);
+            }
         }
-        if !dups.is_empty() {
-            return Err(self.invalid(&format!(
-                "keys appear more than once in the batch (nothing was written): {}",
-                dups.join(", ")
-            )));
-        }
-        self.explain_rest(&mut lent, &source, fencing, outcomes, op)
-            .await
     }
 
     /// Explains the rows `outcomes` has no outcome for (they were not applied), records
-    /// their rejections, and returns every row's outcome.
+    /// their rejections, and returns every row's outcome; `None` when nothing was applied
+    /// and the lease now binds to the database's new timeline (send the batch again).
     async fn explain_rest(
         &self,
         lent: &mut Lent<'_>,
@@ -319,7 +333,7 @@ impl<T: FencedTable> Repository<T> {
         fencing: &Fencing,
         mut outcomes: Vec<Option<RowOutcome>>,
         op: Op,
-    ) -> Result<BatchOutcome> {
+    ) -> Result<Option<BatchOutcome>> {
         let missing: Vec<usize> = (0..outcomes.len())
             .filter(|&i| outcomes[i].is_none())
             .collect();
@@ -363,17 +377,23 @@ impl<T: FencedTable> Repository<T> {
                     None => return Err(e.into()),
                 },
             };
+            // A lease fenced out by a failover is refused as a whole, once.
+            if let Some(first) = explained.first()
+                && self.on_timeline(first, fencing, op.name()).await?
+            {
+                return Ok(None);
+            }
             for row in &explained {
                 let i = index(row.try_get("ord")?, outcomes.len())?;
                 outcomes[i] = Some(self.classify_row(row, fencing, op, &audit_error).await?);
             }
         }
-        Ok(BatchOutcome {
+        Ok(Some(BatchOutcome {
             rows: outcomes
                 .into_iter()
                 .map(|o| o.unwrap_or(RowOutcome::Contended))
                 .collect(),
-        })
+        }))
     }
 
     /// One explained row's outcome; a rejection is logged and audited.
@@ -424,6 +444,7 @@ impl<T: FencedTable> Repository<T> {
                     ..
                 }
             ),
+            reason: None,
         };
         self.auditor().record(&rejection, audit_row).await;
         Ok(outcome)

@@ -14,7 +14,9 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, PgPool, Row};
 
 use crate::audit::{AuditRow, Auditor, Rejection};
-use crate::{Error, Fencing, Resource, Result, StaleTarget};
+use crate::repository::Lent;
+use crate::timeline::{Seen, Verdict};
+use crate::{Error, Fencing, Resource, Result, StaleTarget, WriteExecutor};
 
 /// The table the ledger lives in, as named in errors and audit rows.
 pub const EFFECT_TABLE: &str = "pgfence.effect";
@@ -175,6 +177,8 @@ pub struct EffectRecord {
 #[derive(Clone, Debug)]
 pub struct Effects {
     auditor: Auditor,
+    /// The PostgreSQL timeline this handle last saw (what leases bind to).
+    seen: Seen,
 }
 
 impl Effects {
@@ -183,13 +187,17 @@ impl Effects {
     pub fn new(pool: PgPool) -> Self {
         Self {
             auditor: Auditor::new(pool),
+            seen: Seen::default(),
         }
     }
 
     /// A ledger handle with a custom [`Auditor`].
     #[must_use]
     pub fn with_auditor(auditor: Auditor) -> Self {
-        Self { auditor }
+        Self {
+            auditor,
+            seen: Seen::default(),
+        }
     }
 
     /// Records the effect `step` of work item `work_key` under the lease, before its call, and
@@ -203,7 +211,7 @@ impl Effects {
     /// [`Error::DuplicateToken`], [`Error::RowSealed`] as for row writes;
     /// [`Error::InvalidEffect`] for an empty or too long work key or step, or a `fencing`
     /// without its resource (pass the [`Lease`](crate::Lease)); [`Error::Database`].
-    pub async fn begin<'c, E: PgExecutor<'c>>(
+    pub async fn begin<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
         fencing: impl Into<Fencing>,
@@ -212,6 +220,10 @@ impl Effects {
     ) -> Result<Effect> {
         let fencing = fencing.into();
         let resource = effect_resource(&fencing, work_key, step)?;
+        let mut lent = exec.into_target().lend().await?;
+        // The timeline first: a lease fenced out by a failover records nothing.
+        self.on_timeline(&mut lent, &fencing, resource, "effect")
+            .await?;
         let row = sqlx::query(
             "SELECT status, idempotency_key, state, outcome::text AS outcome, holders, current, \
              other_counter FROM pgfence.effect_begin($1, $2, $3, $4, $5, $6)",
@@ -222,7 +234,7 @@ impl Effects {
         .bind(fencing.token.get())
         .bind(i32::from(fencing.tag()))
         .bind(fencing.holder.as_deref())
-        .fetch_one(exec)
+        .fetch_one(lent.conn())
         .await?;
         let status: String = row.try_get("status")?;
         if status != "ok" {
@@ -261,7 +273,7 @@ impl Effects {
     /// [`Error::NotFound`] when no lease began it (nothing is written);
     /// [`Error::DuplicateToken`], [`Error::RowSealed`], [`Error::InvalidEffect`],
     /// [`Error::Database`] as for [`Effects::begin`].
-    pub async fn finish<'c, E: PgExecutor<'c>>(
+    pub async fn finish<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
         fencing: impl Into<Fencing>,
@@ -277,7 +289,7 @@ impl Effects {
     ///
     /// # Errors
     /// As [`Effects::finish`].
-    pub async fn finish_step<'c, E: PgExecutor<'c>>(
+    pub async fn finish_step<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
         fencing: impl Into<Fencing>,
@@ -288,6 +300,9 @@ impl Effects {
         let fencing = fencing.into();
         let resource = effect_resource(&fencing, work_key, step)?;
         let succeeded = matches!(outcome, EffectOutcome::Succeeded(_));
+        let mut lent = exec.into_target().lend().await?;
+        self.on_timeline(&mut lent, &fencing, resource, "effect_finish")
+            .await?;
         let row = sqlx::query(
             "SELECT status, current, other_counter \
              FROM pgfence.effect_finish($1, $2, $3, $4, $5, $6, $7, ($8::text)::jsonb)",
@@ -300,7 +315,7 @@ impl Effects {
         .bind(fencing.holder.as_deref())
         .bind(succeeded)
         .bind(outcome.detail().to_string())
-        .fetch_one(exec)
+        .fetch_one(lent.conn())
         .await?;
         let status: String = row.try_get("status")?;
         match status.as_str() {
@@ -356,6 +371,56 @@ impl Effects {
             })
         })
         .transpose()
+    }
+
+    /// Refuses a lease that wrote before the database failed over
+    /// ([`Error::FencedByFailover`], logged and audited), on the connection the ledger
+    /// statement then runs on: a connection stays on one server, and a server's timeline only
+    /// changes by a promotion, which a primary never goes through again.
+    async fn on_timeline(
+        &self,
+        lent: &mut Lent<'_>,
+        fencing: &Fencing,
+        resource: &Resource,
+        operation: &'static str,
+    ) -> Result<()> {
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let now: i64 = sqlx::query_scalar("SELECT pgfence.timeline()")
+                .fetch_one(lent.conn())
+                .await
+                .map_err(|e| {
+                    let e = Error::from(e);
+                    self.seen.forget_on(&e);
+                    e
+                })?;
+            let (lease_timeline, timeline) = match self.seen.verdict(&fencing.timeline, now) {
+                Verdict::Fine => return Ok(()),
+                Verdict::Again => continue,
+                Verdict::Refused {
+                    lease_timeline,
+                    timeline,
+                } => (lease_timeline, timeline),
+            };
+            let rejection = Rejection {
+                resource: Some(resource.to_string()),
+                table: Some(EFFECT_TABLE.to_owned()),
+                key: None,
+                presented: fencing.token.get(),
+                current: None,
+                holder: fencing.holder.clone(),
+                operation,
+                other_counter: false,
+                reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
+            };
+            self.auditor.record(&rejection, AuditRow::Pending).await;
+            return Err(Error::FencedByFailover {
+                target: StaleTarget::Resource(resource.to_string()),
+                presented: fencing.token.get(),
+                lease_timeline,
+                timeline,
+            });
+        }
     }
 
     /// The error for a refused begin or finish, after logging and auditing it.
@@ -415,6 +480,7 @@ impl Effects {
             holder: fencing.holder.clone(),
             operation,
             other_counter,
+            reason: None,
         };
         self.auditor.record(&rejection, AuditRow::Pending).await;
         err

@@ -507,6 +507,11 @@ impl From<sqlx::Error> for Error {
                         };
                     }
                 }
+                SQLSTATE_FAILED_OVER => {
+                    if let Some(e) = parse_failover_detail(pg.detail().unwrap_or("")) {
+                        return e;
+                    }
+                }
                 SQLSTATE_TOKEN_JUMP => {
                     if let Some(e) = parse_jump_detail(pg.detail().unwrap_or("")) {
                         return e;
@@ -561,6 +566,26 @@ fn parse_jump_detail(detail: &str) -> Option<Error> {
         presented: presented.parse().ok()?,
         current: current.parse().ok()?,
         max_jump: max_jump.parse().ok()?,
+    })
+}
+
+/// Parses the `DETAIL` of a `PF009` error:
+/// `presented=<token> lease_timeline=<n> timeline=<m> <kind>=<text>`.
+fn parse_failover_detail(detail: &str) -> Option<Error> {
+    let rest = detail.strip_prefix("presented=")?;
+    let (presented, rest) = rest.split_once(" lease_timeline=")?;
+    let (lease_timeline, rest) = rest.split_once(" timeline=")?;
+    let (timeline, rest) = rest.split_once(' ')?;
+    let target = if let Some(r) = rest.strip_prefix("resource=") {
+        StaleTarget::Resource(r.to_owned())
+    } else {
+        StaleTarget::Table(rest.strip_prefix("table=")?.to_owned())
+    };
+    Some(Error::FencedByFailover {
+        target,
+        presented: presented.parse().ok()?,
+        lease_timeline: lease_timeline.parse().ok()?,
+        timeline: timeline.parse().ok()?,
     })
 }
 
@@ -639,6 +664,20 @@ mod tests {
         );
         assert!(parse_jump_detail("presented=x current=1 max_jump=2 resource=a").is_none());
         assert!(parse_jump_detail("nonsense").is_none());
+    }
+
+    #[test]
+    fn parses_failover_detail() {
+        let e =
+            parse_failover_detail("presented=4 lease_timeline=1 timeline=2 resource=a:b").unwrap();
+        assert!(
+            matches!(e, Error::FencedByFailover { presented: 4, lease_timeline: 1, timeline: 2, target: StaleTarget::Resource(ref r) } if r == "a:b"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("timeline 2"), "{e}");
+        assert!(
+            parse_failover_detail("presented=4 lease_timeline=x timeline=2 resource=a").is_none()
+        );
     }
 
     #[test]

@@ -5,13 +5,16 @@
 use sqlx::{PgExecutor, PgPool};
 
 use crate::audit::{AuditRow, Auditor, Rejection};
-use crate::{Error, Fencing, Resource, Result};
+use crate::timeline::{Seen, Verdict};
+use crate::{Error, Fencing, Resource, Result, StaleTarget, WriteExecutor};
 
 /// A handle on a database with pgfence's schema: the transaction-scope check and high-water
 /// marks, audited through one [`Auditor`].
 #[derive(Clone, Debug)]
 pub struct Fence {
     auditor: Auditor,
+    /// The PostgreSQL timeline this handle last saw (what leases bind to).
+    seen: Seen,
 }
 
 impl Fence {
@@ -20,13 +23,17 @@ impl Fence {
     pub fn new(pool: PgPool) -> Self {
         Self {
             auditor: Auditor::new(pool),
+            seen: Seen::default(),
         }
     }
 
     /// A handle with a custom [`Auditor`] (for example a shorter audit timeout).
     #[must_use]
     pub fn with_auditor(auditor: Auditor) -> Self {
-        Self { auditor }
+        Self {
+            auditor,
+            seen: Seen::default(),
+        }
     }
 
     /// The pool audit rows go through.
@@ -76,7 +83,7 @@ impl Fence {
     /// tx.commit().await?;
     /// # Ok(()) }
     /// ```
-    pub async fn check<'c, E: PgExecutor<'c>>(
+    pub async fn check<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
         resource: &Resource,
@@ -85,17 +92,51 @@ impl Fence {
         let fencing = fencing.into();
         let named = fenced_name(resource, &fencing)?;
         let resource = named.as_ref().unwrap_or(resource);
-        let outcome = sqlx::query!(
-            "SELECT pgfence.check($1, $2, $3)",
-            resource.as_str(),
-            fencing.token.get(),
-            i32::from(fencing.tag())
-        )
-        .fetch_one(exec)
-        .await;
-        let err = match outcome.map_err(Error::from) {
-            Ok(_) => return Ok(()),
-            Err(e) => e,
+        let mut lent = exec.into_target().lend().await?;
+        let err = loop {
+            let timeline = self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let outcome: sqlx::Result<i64> =
+                sqlx::query_scalar("SELECT pgfence.check_on($1, $2, $3, $4)")
+                    .bind(resource.as_str())
+                    .bind(fencing.token.get())
+                    .bind(i32::from(fencing.tag()))
+                    .bind(timeline)
+                    .fetch_one(lent.conn())
+                    .await;
+            let now = match outcome.map_err(Error::from) {
+                Ok(now) => now,
+                Err(e) => {
+                    self.seen.forget_on(&e);
+                    break e;
+                }
+            };
+            match self.seen.verdict(&fencing.timeline, now) {
+                Verdict::Fine => return Ok(()),
+                Verdict::Again => {}
+                Verdict::Refused {
+                    lease_timeline,
+                    timeline,
+                } => {
+                    let rejection = Rejection {
+                        resource: Some(resource.as_str().to_owned()),
+                        table: None,
+                        key: None,
+                        presented: fencing.token.get(),
+                        current: None,
+                        holder: fencing.holder.clone(),
+                        operation: "check",
+                        other_counter: false,
+                        reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
+                    };
+                    self.auditor.record(&rejection, AuditRow::Pending).await;
+                    return Err(Error::FencedByFailover {
+                        target: StaleTarget::Resource(resource.as_str().to_owned()),
+                        presented: fencing.token.get(),
+                        lease_timeline,
+                        timeline,
+                    });
+                }
+            }
         };
         let (current, other_counter) = match &err {
             Error::StaleToken {
@@ -116,6 +157,7 @@ impl Fence {
             holder: fencing.holder.clone(),
             operation: "check",
             other_counter,
+            reason: None,
         };
         self.auditor.record(&rejection, AuditRow::Pending).await;
         Err(err)

@@ -7,6 +7,19 @@ use crate::{Error, Ident, Result};
 /// The functions an application role may execute, with their argument types.
 const APP_FUNCTIONS: &[&str] = &[
     "pgfence.check(pg_catalog.text, pg_catalog.int8, pg_catalog.int4)",
+    "pgfence.check(pg_catalog.text, pg_catalog.int8, pg_catalog.int4, pg_catalog.int8)",
+    "pgfence.check_on(pg_catalog.text, pg_catalog.int8, pg_catalog.int4, pg_catalog.int8)",
+    "pgfence.try_check(pg_catalog.text, pg_catalog.int8, pg_catalog.int4, pg_catalog.int8)",
+    "pgfence.admits(pg_catalog.int8, pg_catalog.int8, pg_catalog.int4, pg_catalog.regclass, \
+     pg_catalog.text, pg_catalog.int8)",
+    // Failover fencing (V11): the repository records the timeline it writes on, checks a
+    // lease's, and audits a refusal with its reason.
+    "pgfence.note_timeline()",
+    "pgfence.require_timeline(pg_catalog.int8, pg_catalog.int8, pg_catalog.text)",
+    "pgfence.failover_refusal(pg_catalog.int8, pg_catalog.int8, pg_catalog.text, pg_catalog.text, \
+     pg_catalog.text, pg_catalog.text)",
+    "pgfence.append_audit(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
+     pg_catalog.int8, pg_catalog.text, pg_catalog.text, pg_catalog.bool, pg_catalog.text)",
     "pgfence.try_check(pg_catalog.text, pg_catalog.int8, pg_catalog.int4)",
     "pgfence.next_fence(pg_catalog.int8, pg_catalog.int8, pg_catalog.int4, pg_catalog.text)",
     "pgfence.admits(pg_catalog.int8, pg_catalog.int8, pg_catalog.int4, pg_catalog.regclass, \

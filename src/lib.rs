@@ -1,4 +1,32 @@
+#![doc = include_str!("doc_links.md")]
 #![doc = include_str!("../README.md")]
+
+/// The reference, one page per topic: the files in the repository's `docs/` folder, rendered
+/// here so that their examples are compiled and their links checked. The crate-level page
+/// (the README) is the overview.
+pub mod guide {
+    #[doc = include_str!("doc_links.md")]
+    #[doc = include_str!("../docs/design.md")]
+    pub mod design {}
+    #[doc = include_str!("doc_links.md")]
+    #[doc = include_str!("../docs/library.md")]
+    pub mod library {}
+    #[doc = include_str!("doc_links.md")]
+    #[doc = include_str!("../docs/issuers.md")]
+    pub mod issuers {}
+    #[doc = include_str!("doc_links.md")]
+    #[doc = include_str!("../docs/sql.md")]
+    pub mod sql {}
+    #[doc = include_str!("doc_links.md")]
+    #[doc = include_str!("../docs/operations.md")]
+    pub mod operations {}
+    #[doc = include_str!("doc_links.md")]
+    #[doc = include_str!("../docs/cli.md")]
+    pub mod cli {}
+    #[doc = include_str!("doc_links.md")]
+    #[doc = include_str!("../docs/proof.md")]
+    pub mod proof {}
+}
 
 mod audit;
 mod batch;
@@ -16,6 +44,7 @@ mod recovery;
 mod repository;
 mod resource;
 mod sql;
+mod timeline;
 mod tls;
 mod token;
 mod verify;
@@ -25,15 +54,17 @@ pub use audit::{
     Rejection, list as list_audit, prune as prune_audit,
 };
 pub use batch::{BatchOutcome, BatchSummary, Claimed, MAX_BATCH_ROWS, RowOutcome};
-pub use doctor::{DEFAULT_LIMIT_MARGIN, DoctorOptions, Finding, FindingKind, Severity, doctor};
+pub use doctor::{
+    DEFAULT_LIMIT_MARGIN, DoctorOptions, Finding, FindingKind, Severity, acknowledge_failover,
+    doctor,
+};
 pub use effect::{
     EFFECT_TABLE, Effect, EffectOutcome, EffectRecord, Effects, MAX_STEP_LEN, MAX_WORK_KEY_LEN,
 };
 pub use error::{
     Error, Result, SQLSTATE_BYPASS_REFUSED, SQLSTATE_DUPLICATE, SQLSTATE_FAILED_OVER,
-    SQLSTATE_FENCE_TYPE,
-    SQLSTATE_LEASELESS, SQLSTATE_PROTECTED, SQLSTATE_SEALED, SQLSTATE_STALE, SQLSTATE_TOKEN_JUMP,
-    StaleTarget,
+    SQLSTATE_FENCE_TYPE, SQLSTATE_LEASELESS, SQLSTATE_PROTECTED, SQLSTATE_SEALED, SQLSTATE_STALE,
+    SQLSTATE_TOKEN_JUMP, StaleTarget,
 };
 pub use fence::{Fence, counter_floor, high_water};
 pub use grant::{grant, grant_sql};

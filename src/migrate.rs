@@ -61,6 +61,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V10__fences_people_cannot_break",
         include_str!("../migrations/V10__fences_people_cannot_break.sql"),
     ),
+    (
+        "V11__failover_fencing",
+        include_str!("../migrations/V11__failover_fencing.sql"),
+    ),
 ];
 
 /// The newest migration this version ships.

@@ -26,6 +26,7 @@ use crate::FenceToken;
 use crate::audit::{AuditRow, Auditor, Rejection};
 use crate::ident::{Ident, TableName};
 use crate::sql::{Source, Statement, Statements};
+use crate::timeline::{Seen, Verdict};
 use crate::token::Relation;
 use crate::verify::ColumnType;
 use crate::{Error, Fencing, Result, StaleTarget};
@@ -334,6 +335,8 @@ pub struct Repository<T> {
     table: Arc<TableName>,
     pub(crate) sql: Arc<Statements>,
     auditor: Auditor,
+    /// The PostgreSQL timeline this repository last saw (what leases bind to).
+    pub(crate) seen: Seen,
     /// [`Repository::update_columns`]' statements, by (sorted) column positions.
     partial: Arc<Mutex<HashMap<Vec<usize>, Arc<Statement>>>>,
     _row: PhantomData<fn() -> T>,
@@ -349,6 +352,7 @@ impl<T> Clone for Repository<T> {
             table: self.table.clone(),
             sql: self.sql.clone(),
             auditor: self.auditor.clone(),
+            seen: self.seen.clone(),
             partial: self.partial.clone(),
             _row: PhantomData,
         }
@@ -416,6 +420,7 @@ impl<T: FencedTable> Repository<T> {
             table: Arc::new(table),
             sql: Arc::new(sql),
             auditor,
+            seen: Seen::default(),
             partial: Arc::default(),
             _row: PhantomData,
         })
@@ -432,7 +437,8 @@ impl<T: FencedTable> Repository<T> {
     }
 
     /// The exact text of the update statement (for benchmarks comparing it with raw sqlx).
-    /// Binds: key columns, data columns, then [`Fencing::lease_fence`].
+    /// Binds: key columns, data columns, then [`Fencing::lease_fence`] and the lease's
+    /// timeline ([`Fencing::timeline`], `0` when not bound).
     #[doc(hidden)]
     #[must_use]
     pub fn update_sql(&self) -> &str {
@@ -471,15 +477,21 @@ impl<T: FencedTable> Repository<T> {
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
         let source = Source::Row(row);
-        let write = self.sql.update.bind(source, &fencing, false);
-        let done = self
-            .written(write.execute(lent.conn()).await, &fencing, "update")
-            .await?;
-        if done.rows_affected() > 0 {
-            return Ok(());
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let write = self.sql.update.bind(source, &fencing, false);
+            let done = self
+                .written(write.execute(lent.conn()).await, &fencing, "update")
+                .await?;
+            if done.rows_affected() > 0 {
+                return Ok(());
+            }
+            let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
+            if self.on_timeline(&out.row, &fencing, "update").await? {
+                continue;
+            }
+            return self.rejected(&out, &fencing, "update").await;
         }
-        let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
-        self.rejected(&out, &fencing, "update").await
     }
 
     /// Inserts `row`, or updates it if no newer lease has written it. A row that a newer lease
@@ -498,25 +510,31 @@ impl<T: FencedTable> Repository<T> {
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
         let source = Source::Row(row);
-        let write = self.sql.upsert.bind(source, &fencing, false);
-        let done = self
-            .written(write.fetch_optional(lent.conn()).await, &fencing, "upsert")
-            .await?;
-        if let Some(done) = done {
-            return Ok(if done.try_get::<bool, _>(0)? {
-                Upserted::Inserted
-            } else {
-                Upserted::Updated
-            });
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let write = self.sql.upsert.bind(source, &fencing, false);
+            let done = self
+                .written(write.fetch_optional(lent.conn()).await, &fencing, "upsert")
+                .await?;
+            if let Some(done) = done {
+                return Ok(if done.try_get::<bool, _>(0)? {
+                    Upserted::Inserted
+                } else {
+                    Upserted::Updated
+                });
+            }
+            let out = explain_row(&self.sql.explain_upsert, source, &fencing, &mut lent).await?;
+            if self.on_timeline(&out.row, &fencing, "upsert").await? {
+                continue;
+            }
+            // No row but a tombstone: a lease deleted it.
+            if out.row.try_get::<Option<i64>, _>("current")?.is_none()
+                && let Some(tomb) = out.row.try_get::<Option<i64>, _>("tombstone")?
+            {
+                return self.classified(&out, &fencing, tomb, "upsert").await;
+            }
+            return self.rejected(&out, &fencing, "upsert").await;
         }
-        let out = explain_row(&self.sql.explain_upsert, source, &fencing, &mut lent).await?;
-        // No row but a tombstone: a lease deleted it.
-        if out.row.try_get::<Option<i64>, _>("current")?.is_none()
-            && let Some(tomb) = out.row.try_get::<Option<i64>, _>("tombstone")?
-        {
-            return self.classified(&out, &fencing, tomb, "upsert").await;
-        }
-        self.rejected(&out, &fencing, "upsert").await
     }
 
     /// Deletes the row with `key` if no newer lease has written it, and records a tombstone
@@ -535,12 +553,21 @@ impl<T: FencedTable> Repository<T> {
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
         let source = Source::<T>::Key(key);
-        let write = self.sql.delete.bind(source, &fencing, false);
-        if write.fetch_one(lent.conn()).await?.try_get::<bool, _>(0)? {
-            return Ok(());
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let write = self.sql.delete.bind(source, &fencing, false);
+            let deleted = self
+                .written(write.fetch_one(lent.conn()).await, &fencing, "delete")
+                .await?;
+            if deleted.try_get::<bool, _>(0)? {
+                return Ok(());
+            }
+            let out = explain_row(&self.sql.explain_delete, source, &fencing, &mut lent).await?;
+            if self.on_timeline(&out.row, &fencing, "delete").await? {
+                continue;
+            }
+            return self.rejected(&out, &fencing, "delete").await;
         }
-        let out = explain_row(&self.sql.explain_delete, source, &fencing, &mut lent).await?;
-        self.rejected(&out, &fencing, "delete").await
     }
 
     /// Claims the row with `key` for this lease and reads it, in one statement (`UPDATE ...
@@ -578,15 +605,21 @@ impl<T: FencedTable> Repository<T> {
         let fencing = fencing.into();
         let mut lent = exec.into_target().lend().await?;
         let source = Source::<T>::Key(key);
-        let write = self.sql.claim.bind(source, &fencing, false);
-        let claimed = self
-            .written(write.fetch_optional(lent.conn()).await, &fencing, "claim")
-            .await?;
-        if let Some(row) = claimed {
-            return Ok(R::from_row(&row)?);
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let write = self.sql.claim.bind(source, &fencing, false);
+            let claimed = self
+                .written(write.fetch_optional(lent.conn()).await, &fencing, "claim")
+                .await?;
+            if let Some(row) = claimed {
+                return Ok(R::from_row(&row)?);
+            }
+            let out = explain_row(&self.sql.explain_claim, source, &fencing, &mut lent).await?;
+            if self.on_timeline(&out.row, &fencing, "claim").await? {
+                continue;
+            }
+            return self.rejected(&out, &fencing, "claim").await;
         }
-        let out = explain_row(&self.sql.explain_claim, source, &fencing, &mut lent).await?;
-        self.rejected(&out, &fencing, "claim").await
     }
 
     /// Reads the row with `key` (`SELECT * FROM <table> WHERE <key>`), or `None`: a plain
@@ -653,22 +686,31 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("update_columns");
         let fencing = fencing.into();
         let statement = self.partial_update(columns)?;
-        let write = statement.bind_partial(row, &fencing).ok_or_else(|| {
+        let unbound = || {
             self.invalid_table(
                 "its FencedTable impl does not bind single columns (implement \
                  FencedTable::bind_column, or use #[derive(FencedTable)] / fenced_table!)",
             )
-        })?;
+        };
+        // Refused before anything is sent (or bound).
+        let _ = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
         let mut lent = exec.into_target().lend().await?;
-        let done = self
-            .written(write.execute(lent.conn()).await, &fencing, "update")
-            .await?;
-        if done.rows_affected() > 0 {
-            return Ok(());
-        }
         let source = Source::Row(row);
-        let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
-        self.rejected(&out, &fencing, "update").await
+        loop {
+            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            let write = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
+            let done = self
+                .written(write.execute(lent.conn()).await, &fencing, "update")
+                .await?;
+            if done.rows_affected() > 0 {
+                return Ok(());
+            }
+            let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
+            if self.on_timeline(&out.row, &fencing, "update").await? {
+                continue;
+            }
+            return self.rejected(&out, &fencing, "update").await;
+        }
     }
 
     /// The partial-update statement for `columns`, from the cache or built (and cached).
@@ -748,6 +790,7 @@ impl<T: FencedTable> Repository<T> {
             Ok(done) => return Ok(done),
             Err(e) => Error::from(e),
         };
+        self.seen.forget_on(&err);
         if let Error::TokenJump { current, .. } = &err {
             let rejection = Rejection {
                 resource: fencing.resource.as_ref().map(|r| r.as_str().to_owned()),
@@ -758,10 +801,60 @@ impl<T: FencedTable> Repository<T> {
                 holder: fencing.holder.clone(),
                 operation,
                 other_counter: false,
+                reason: None,
             };
             self.auditor.record(&rejection, AuditRow::Pending).await;
         }
         Err(err)
+    }
+
+    /// A write that changed nothing, against the timeline its explaining statement ran on:
+    /// `Ok(false)` when the lease is on the database's timeline (or not bound); `Ok(true)`
+    /// when the lease's only statement was this one and it now binds to the database's new
+    /// timeline (send the write again); [`Error::FencedByFailover`], logged and audited, when
+    /// the lease wrote before the database failed over.
+    pub(crate) async fn on_timeline(
+        &self,
+        row: &PgRow,
+        fencing: &Fencing,
+        operation: &'static str,
+    ) -> Result<bool> {
+        let now: i64 = row.try_get("timeline")?;
+        let (lease_timeline, timeline) = match self.seen.verdict(&fencing.timeline, now) {
+            Verdict::Fine => return Ok(false),
+            Verdict::Again => return Ok(true),
+            Verdict::Refused {
+                lease_timeline,
+                timeline,
+            } => (lease_timeline, timeline),
+        };
+        let target = StaleTarget::Row {
+            table: self.table.quoted(),
+            key: key_text(row),
+            resource: fencing.resource.as_ref().map(ToString::to_string),
+            held_by: None,
+        };
+        let current = row
+            .try_get::<Option<i64>, _>("current")?
+            .map(FenceToken::of_fence);
+        let rejection = Rejection {
+            resource: fencing.resource.as_ref().map(|r| r.as_str().to_owned()),
+            table: Some(self.table.quoted()),
+            key: Some(key_text(row)),
+            presented: fencing.token.get(),
+            current,
+            holder: fencing.holder.clone(),
+            operation,
+            other_counter: false,
+            reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
+        };
+        self.auditor.record(&rejection, AuditRow::Pending).await;
+        Err(Error::FencedByFailover {
+            target,
+            presented: fencing.token.get(),
+            lease_timeline,
+            timeline,
+        })
     }
 
     /// Classifies a write that changed nothing from its explaining row: the row's fence
@@ -836,6 +929,7 @@ impl<T: FencedTable> Repository<T> {
             holder: fencing.holder.clone(),
             operation,
             other_counter,
+            reason: None,
         };
         self.auditor.record(&rejection, out.audit_row()?).await;
         Err(err)

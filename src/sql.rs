@@ -56,6 +56,9 @@ pub(crate) enum Slot {
     Columns,
     /// The lease fence ([`Fencing::lease_fence`]).
     LeaseFence,
+    /// The timeline the lease is bound to ([`Fencing::timeline`], `0` when not bound): the
+    /// write applies only on that timeline (see [`crate::timeline`]).
+    Timeline,
     /// The token itself (for the audit row).
     Token,
     /// The resource the token was issued for (text, may be NULL).
@@ -88,6 +91,14 @@ impl Params {
         format!("${}", self.next)
     }
 
+    /// The lease of a write: its lease fence and, right after it, its timeline.
+    fn lease(&mut self) -> LeaseParams {
+        LeaseParams {
+            fence: self.one(Slot::LeaseFence),
+            timeline: self.one(Slot::Timeline),
+        }
+    }
+
     fn many(&mut self, slot: Slot, count: usize) -> Vec<String> {
         self.slots.push(slot);
         (0..count)
@@ -103,6 +114,18 @@ impl Params {
             text: AssertSqlSafe(text).into_sql_str(),
             slots: self.slots,
         }
+    }
+}
+
+/// The placeholders of a write's lease: `{}` formats as the lease fence.
+struct LeaseParams {
+    fence: String,
+    timeline: String,
+}
+
+impl std::fmt::Display for LeaseParams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.fence)
     }
 }
 
@@ -152,6 +175,7 @@ impl Statement {
                     (Slot::Columns, Source::Row(row)) => row.bind_columns(q),
                     (Slot::Columns, Source::Key(_)) => q,
                     (Slot::LeaseFence, _) => q.bind(fencing.lease_fence()),
+                    (Slot::Timeline, _) => q.bind(fencing.timeline.presented()),
                     (Slot::Token, _) => q.bind(fencing.token.get()),
                     (Slot::Resource, _) => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
                     (Slot::Holder, _) => q.bind(fencing.holder.clone()),
@@ -195,6 +219,7 @@ impl Statement {
                 (Slot::ColumnArrays, BatchSource::Keys(_)) => q,
                 (Slot::Ordinals, _) => q.bind(ordinals.to_vec()),
                 (Slot::LeaseFence, _) => q.bind(fencing.lease_fence()),
+                (Slot::Timeline, _) => q.bind(fencing.timeline.presented()),
                 (Slot::Token, _) => q.bind(fencing.token.get()),
                 (Slot::Resource, _) => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
                 (Slot::Holder, _) => q.bind(fencing.holder.clone()),
@@ -220,6 +245,7 @@ impl Statement {
                 Slot::Columns => row.bind_columns(q),
                 Slot::Column(i) => row.bind_column(T::COLUMNS.get(*i)?, q)?,
                 Slot::LeaseFence => q.bind(fencing.lease_fence()),
+                Slot::Timeline => q.bind(fencing.timeline.presented()),
                 Slot::Token => q.bind(fencing.token.get()),
                 Slot::Resource => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
                 Slot::Holder => q.bind(fencing.holder.clone()),
@@ -282,17 +308,30 @@ pub(crate) struct BatchStatements {
     pub explain_claim: Statement,
 }
 
-/// Whether a stored fence admits a write of the lease whose lease fence is `lease`.
-fn admits(fence: &str, lease: &str) -> String {
+/// Whether a stored fence admits a write of `lease`: by its lease fence, and only on the
+/// timeline the lease is bound to ([`on_timeline`]).
+fn admits(fence: &str, lease: &LeaseParams) -> String {
+    let l = &lease.fence;
     format!(
-        "({fence} {LT} ({lease} {AND} {TOKEN_MASK}) \
-         OR ({fence} {GE} {lease} AND {fence} {LT} ({lease} {PLUS} {LAST_SEQ})))"
+        "(({fence} {LT} ({l} {AND} {TOKEN_MASK}) \
+         OR ({fence} {GE} {l} AND {fence} {LT} ({l} {PLUS} {LAST_SEQ}))) AND {})",
+        on_timeline(&lease.timeline)
+    )
+}
+
+/// Whether the database is on the timeline `timeline` binds (`0`: a lease not bound, which
+/// is not checked). `pgfence.timeline()` is a SQL function the planner inlines: one read of
+/// the WAL insert position per statement.
+fn on_timeline(timeline: &str) -> String {
+    format!(
+        "({timeline}::pg_catalog.int8 {EQ} 0 \
+         OR {timeline}::pg_catalog.int8 {EQ} pgfence.timeline())"
     )
 }
 
 /// The fence an admitted write stores: `L` over an older lease's fence, the lease's next
 /// sequence step over its own.
-fn next_fence(fence: &str, lease: &str) -> String {
+fn next_fence(fence: &str, lease: &impl std::fmt::Display) -> String {
     format!(
         "CASE WHEN {fence} {LT} {lease} THEN {lease} \
          ELSE {lease} {PLUS} (({fence} {MINUS} {lease} {PLUS} {SEQ_STEP}) {MOD} {LAST_SEQ}) END"
@@ -372,7 +411,7 @@ impl Statements {
             let mut p = Params::default();
             let key = p.many(Slot::Key, keys.len());
             let vals = p.many(Slot::Columns, cols.len());
-            let lease = p.one(Slot::LeaseFence);
+            let lease = p.lease();
             p.finish(format!(
                 "UPDATE {t} SET {set}\"fence\" = {next} WHERE {km} AND {admit}",
                 set = set_cols(&vals),
@@ -386,7 +425,7 @@ impl Statements {
             let mut p = Params::default();
             let key = p.many(Slot::Key, keys.len());
             let vals = p.many(Slot::Columns, cols.len());
-            let lease = p.one(Slot::LeaseFence);
+            let lease = p.lease();
             let all_vals: Vec<String> = key.iter().chain(&vals).cloned().collect();
             let (all_cols, conflict_set, key_cols) = upsert_parts(keys, cols);
             p.finish(format!(
@@ -408,7 +447,7 @@ impl Statements {
         let delete = {
             let mut p = Params::default();
             let key = p.many(Slot::Key, keys.len());
-            let lease = p.one(Slot::LeaseFence);
+            let lease = p.lease();
             p.finish(format!(
                 "WITH w AS (DELETE FROM {t} WHERE {km} AND {admit} RETURNING {next} AS f), \
                  tomb AS (INSERT INTO pgfence.tombstone AS tb (rel, row_key, fence) \
@@ -426,7 +465,7 @@ impl Statements {
         let claim = {
             let mut p = Params::default();
             let key = p.many(Slot::Key, keys.len());
-            let lease = p.one(Slot::LeaseFence);
+            let lease = p.lease();
             p.finish(format!(
                 "UPDATE {t} SET \"fence\" = {next} WHERE {km} AND {admit} RETURNING *",
                 next = next_fence("\"fence\"", &lease),
@@ -463,7 +502,7 @@ impl Statements {
                 ("", String::new())
             };
             p.finish(format!(
-                "SELECT c.current, c.row_key{outer}, {audit} AS audit FROM (\
+                "SELECT c.current, c.row_key{outer}, {audit} AS audit, pgfence.timeline() AS timeline FROM (\
                  SELECT (SELECT \"fence\" FROM {t} WHERE {km}) AS current, \
                  {kj} AS row_key{inner} OFFSET 0) c",
                 km = key_match(keys, &key),
@@ -510,7 +549,7 @@ impl Statements {
             .filter_map(|&i| self.cols.get(i).map(|c| (i, c)))
             .map(|(i, c)| format!("{} = {}, ", c.quoted(), p.one(Slot::Column(i))))
             .collect();
-        let lease = p.one(Slot::LeaseFence);
+        let lease = p.lease();
         p.finish(format!(
             "UPDATE {t} SET {assignments}\"fence\" = {next} WHERE {km} AND {admit}",
             t = self.table,
@@ -586,7 +625,7 @@ impl BatchStatements {
         let update = {
             let mut p = Params::default();
             let i = input(&mut p, true);
-            let lease = p.one(Slot::LeaseFence);
+            let lease = p.lease();
             p.finish(format!(
                 "WITH {i}, w AS (UPDATE {t} AS tgt SET {set_cols}\"fence\" = {next} FROM i \
                  WHERE {m} AND {admit} AND {no_dup} RETURNING i.ord) {applied_or_dup}",
@@ -599,7 +638,7 @@ impl BatchStatements {
         let upsert = {
             let mut p = Params::default();
             let i = input(&mut p, true);
-            let lease = p.one(Slot::LeaseFence);
+            let lease = p.lease();
             let all_vals: Vec<String> = kn.iter().chain(&cn).cloned().collect();
             let (all_cols, conflict_set, key_cols) = upsert_parts(keys, cols);
             let returned: Vec<String> = keys
@@ -641,7 +680,7 @@ impl BatchStatements {
         let delete = {
             let mut p = Params::default();
             let i = input(&mut p, false);
-            let lease = p.one(Slot::LeaseFence);
+            let lease = p.lease();
             p.finish(format!(
                 "WITH {i}, w AS (DELETE FROM {t} AS tgt USING i WHERE {m} AND {admit} AND {no_dup} \
                  RETURNING i.ord, {kj} AS key, {next} AS f), \
@@ -661,7 +700,7 @@ impl BatchStatements {
         let claim = {
             let mut p = Params::default();
             let i = input(&mut p, false);
-            let lease = p.one(Slot::LeaseFence);
+            let lease = p.lease();
             p.finish(format!(
                 "WITH {i}, w AS (UPDATE {t} AS tgt SET \"fence\" = {next} FROM i \
                  WHERE {m} AND {admit} AND {no_dup} RETURNING i.ord AS pgfence_ord, tgt.*) \
@@ -711,7 +750,7 @@ impl BatchStatements {
                 ("", String::new())
             };
             p.finish(format!(
-                "SELECT c.ord, c.current, c.row_key{outer}, {audit} AS audit FROM (\
+                "SELECT c.ord, c.current, c.row_key{outer}, {audit} AS audit, pgfence.timeline() AS timeline FROM (\
                  SELECT i.ord, (SELECT tgt.\"fence\" FROM {t} tgt WHERE {m}) AS current, \
                  {kj} AS row_key{inner} \
                  FROM ROWS FROM ({u}) AS i({n}) OFFSET 0) c ORDER BY c.ord",
@@ -777,17 +816,22 @@ mod tests {
     #[test]
     fn one_key_update_numbers_placeholders_in_bind_order() {
         let s = build("inventory", &["sku"], &["payload", "qty"]);
-        assert_eq!(s.update.slots, [Slot::Key, Slot::Columns, Slot::LeaseFence]);
+        assert_eq!(
+            s.update.slots,
+            [Slot::Key, Slot::Columns, Slot::LeaseFence, Slot::Timeline]
+        );
         assert_eq!(
             s.update.text(),
             "UPDATE \"public\".\"inventory\" SET \"payload\" = $2, \"qty\" = $3, \
              \"fence\" = CASE WHEN \"fence\" OPERATOR(pg_catalog.<) $4 THEN $4 ELSE $4 \
              OPERATOR(pg_catalog.+) ((\"fence\" OPERATOR(pg_catalog.-) $4 OPERATOR(pg_catalog.+) \
              2731::pg_catalog.int8) OPERATOR(pg_catalog.%) 4095::pg_catalog.int8) END \
-             WHERE \"sku\" OPERATOR(pg_catalog.=) $1 AND (\"fence\" OPERATOR(pg_catalog.<) \
+             WHERE \"sku\" OPERATOR(pg_catalog.=) $1 AND ((\"fence\" OPERATOR(pg_catalog.<) \
              ($4 OPERATOR(pg_catalog.&) (-16777216)::pg_catalog.int8) OR (\"fence\" \
              OPERATOR(pg_catalog.>=) $4 AND \"fence\" OPERATOR(pg_catalog.<) ($4 \
-             OPERATOR(pg_catalog.+) 4095::pg_catalog.int8)))"
+             OPERATOR(pg_catalog.+) 4095::pg_catalog.int8))) AND ($5::pg_catalog.int8 \
+             OPERATOR(pg_catalog.=) 0 OR $5::pg_catalog.int8 OPERATOR(pg_catalog.=) \
+             pgfence.timeline()))"
         );
         assert_eq!(
             s.claim.text(),
@@ -795,10 +839,12 @@ mod tests {
              OPERATOR(pg_catalog.<) $2 THEN $2 ELSE $2 OPERATOR(pg_catalog.+) ((\"fence\" \
              OPERATOR(pg_catalog.-) $2 OPERATOR(pg_catalog.+) 2731::pg_catalog.int8) \
              OPERATOR(pg_catalog.%) 4095::pg_catalog.int8) END WHERE \"sku\" \
-             OPERATOR(pg_catalog.=) $1 AND (\"fence\" OPERATOR(pg_catalog.<) ($2 \
+             OPERATOR(pg_catalog.=) $1 AND ((\"fence\" OPERATOR(pg_catalog.<) ($2 \
              OPERATOR(pg_catalog.&) (-16777216)::pg_catalog.int8) OR (\"fence\" \
              OPERATOR(pg_catalog.>=) $2 AND \"fence\" OPERATOR(pg_catalog.<) ($2 \
-             OPERATOR(pg_catalog.+) 4095::pg_catalog.int8))) RETURNING *"
+             OPERATOR(pg_catalog.+) 4095::pg_catalog.int8))) AND ($3::pg_catalog.int8 \
+             OPERATOR(pg_catalog.=) 0 OR $3::pg_catalog.int8 OPERATOR(pg_catalog.=) \
+             pgfence.timeline())) RETURNING *"
         );
     }
 
@@ -811,8 +857,8 @@ mod tests {
                 .find(|n| text.contains(&format!("${n}")))
                 .unwrap_or(0)
         };
-        // update: 2 keys, 1 column, the lease.
-        assert_eq!(highest(s.update.text()), 4);
+        // update: 2 keys, 1 column, the lease and its timeline.
+        assert_eq!(highest(s.update.text()), 5);
         assert!(s.update.text().contains(
             "\"batch\" OPERATOR(pg_catalog.=) $1 AND \"line\" OPERATOR(pg_catalog.=) $2"
         ));
@@ -824,8 +870,11 @@ mod tests {
                 .contains("(\"batch\", \"line\", \"amount\", \"fence\") SELECT $1, $2, $3, $4")
         );
         // delete and claim: keys, then the lease.
-        assert_eq!(highest(s.delete.text()), 3);
-        assert_eq!(s.delete.slots, [Slot::Key, Slot::LeaseFence]);
+        assert_eq!(highest(s.delete.text()), 4);
+        assert_eq!(
+            s.delete.slots,
+            [Slot::Key, Slot::LeaseFence, Slot::Timeline]
+        );
         // explaining statements: keys, lease, then the audit context.
         assert_eq!(
             s.explain_update.slots,
@@ -848,14 +897,22 @@ mod tests {
         let b = &s.batch;
         assert_eq!(
             b.update.slots,
-            [Slot::KeyArrays, Slot::ColumnArrays, Slot::LeaseFence]
+            [
+                Slot::KeyArrays,
+                Slot::ColumnArrays,
+                Slot::LeaseFence,
+                Slot::Timeline
+            ]
         );
         assert!(b.update.text().starts_with(
             "WITH i AS (SELECT * FROM ROWS FROM (pg_catalog.unnest($1), pg_catalog.unnest($2), \
              pg_catalog.unnest($3)) WITH ORDINALITY AS i(k0, k1, c0, ord))"
         ));
         assert!(b.update.text().contains("\"amount\" = i.c0, \"fence\" = CASE WHEN tgt.\"fence\" OPERATOR(pg_catalog.<) $4 THEN $4"));
-        assert_eq!(b.delete.slots, [Slot::KeyArrays, Slot::LeaseFence]);
+        assert_eq!(
+            b.delete.slots,
+            [Slot::KeyArrays, Slot::LeaseFence, Slot::Timeline]
+        );
         assert!(b.delete.text().contains(
             "tgt.\"batch\" OPERATOR(pg_catalog.=) i.k0 AND tgt.\"line\" OPERATOR(pg_catalog.=) i.k1"
         ));
@@ -890,18 +947,23 @@ mod tests {
                 Slot::Key,
                 Slot::Column(0),
                 Slot::Column(1),
-                Slot::LeaseFence
+                Slot::LeaseFence,
+                Slot::Timeline
             ]
         );
         // One column: the same predicate and next fence, one assignment.
         let qty = s.update_columns(&[1]);
-        assert_eq!(qty.slots, [Slot::Key, Slot::Column(1), Slot::LeaseFence]);
+        assert_eq!(
+            qty.slots,
+            [Slot::Key, Slot::Column(1), Slot::LeaseFence, Slot::Timeline]
+        );
         assert_eq!(
             qty.text(),
             s.update
                 .text()
                 .replace("\"payload\" = $2, \"qty\" = $3", "\"qty\" = $2")
                 .replace("$4", "$3")
+                .replace("$5", "$4")
         );
         assert_eq!(
             s.fetch.text(),

@@ -44,6 +44,7 @@
 
 use std::fmt;
 
+use crate::timeline::Binding;
 use crate::{Error, Resource, Result};
 
 /// The largest token: 39 bits, so that token, tag and sequence fit a positive `BIGINT`.
@@ -160,7 +161,7 @@ impl From<FenceToken> for i64 {
 ///
 /// Pass the same `Fencing` (or the same lease) to every write of one job: they are one
 /// session of work, and each is applied while no newer lease has written or checked.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Fencing {
     /// The fence token.
     pub token: FenceToken,
@@ -169,7 +170,21 @@ pub struct Fencing {
     /// Who holds the token (lease owner id, job id...), if known. Its hash tells two leases
     /// with the same token apart.
     pub holder: Option<String>,
+    /// The PostgreSQL timeline the lease is bound to (see [`Fencing::timeline`]); shared with
+    /// the [`Lease`](crate::Lease) it came from and with every clone.
+    pub(crate) timeline: Binding,
 }
+
+impl PartialEq for Fencing {
+    fn eq(&self, other: &Self) -> bool {
+        self.token == other.token
+            && self.resource == other.resource
+            && self.holder == other.holder
+            && self.timeline.get() == other.timeline.get()
+    }
+}
+
+impl Eq for Fencing {}
 
 impl Fencing {
     /// A bare token with no audit context (tag 0).
@@ -179,7 +194,29 @@ impl Fencing {
             token,
             resource: None,
             holder: None,
+            timeline: Binding::default(),
         }
+    }
+
+    /// The PostgreSQL timeline this lease is bound to: the one its first fenced statement ran
+    /// on (`None` before that). After a promotion of the database (a failover, which starts a
+    /// new timeline and may have lost commits), every fenced statement of a lease bound to
+    /// an older timeline is refused with
+    /// [`Error::FencedByFailover`](crate::Error::FencedByFailover). Keep one `Fencing` (or the
+    /// [`Lease`](crate::Lease)) for the lease's whole job: clones share the binding, a
+    /// `Fencing` built again from the bare token does not.
+    #[must_use]
+    pub fn timeline(&self) -> Option<i64> {
+        self.timeline.get()
+    }
+
+    /// Binds the lease to `timeline` unless it is bound already: for a job that continues a
+    /// lease in another process (`pgfence run` exports `PGFENCE_TIMELINE`), so its writes are
+    /// fenced across a failover from the first one.
+    #[must_use]
+    pub fn on_timeline(self, timeline: i64) -> Self {
+        self.timeline.pin(timeline);
+        self
     }
 
     /// Adds the resource the token was issued for.

@@ -10,7 +10,7 @@ async fn second_run_is_a_no_op() {
     let first = pgfence::migrate(&db.pool).await.unwrap();
     assert_eq!(
         first.iter().map(|m| m.version).collect::<Vec<_>>(),
-        vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+        vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
     );
     assert!(pgfence::migrate(&db.pool).await.unwrap().is_empty());
     let status = pgfence::migration_status(&db.pool).await.unwrap();
@@ -41,7 +41,7 @@ async fn concurrent_runs_all_succeed_and_one_applies() {
             .expect("every concurrent run succeeds")
             .len();
     }
-    assert_eq!(applied, 10, "exactly one run applies V1 to V10");
+    assert_eq!(applied, 11, "exactly one run applies V1 to V11");
 }
 
 /// A user's populated database with its own refinery history: only pgfence's schema appears.
@@ -80,7 +80,7 @@ async fn existing_database_is_untouched() {
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(ours, 10);
+    assert_eq!(ours, 11);
 
     // Guarding adds only the column and the trigger.
     pgfence::guard(&db.pool, &pgfence::TableName::parse("orders").unwrap())

@@ -1,9 +1,10 @@
 //! A service's own sqlx pool through Debian's PgBouncer (1.18, no prepared-statement
-//! tracking): what the README's "Connection poolers" table says, measured. Fenced repository
-//! writes from 8 client connections over 2 shared server connections: session mode loses
-//! nothing; transaction mode fails with sqlx's defaults and with `statement_cache_capacity(0)`
-//! (sqlx still names its statements), which is why the README sends service pools to session
-//! mode (or a PgBouncer that tracks prepared statements).
+//! tracking): what the "Connection poolers" table of docs/operations.md says, measured.
+//! Fenced repository writes from 8 client connections over 2 shared server connections:
+//! session mode loses nothing; transaction mode fails with sqlx's defaults and with
+//! `statement_cache_capacity(0)` (sqlx still names its statements), which is why
+//! docs/operations.md sends service pools to session mode (or a PgBouncer that tracks
+//! prepared statements).
 
 mod support;
 
@@ -142,7 +143,7 @@ async fn service_pools_need_session_mode_on_pgbouncer_1_18() {
     for &(mode, cache_off, applied, errors) in &measured[1..] {
         assert!(
             errors > 0 && applied < target,
-            "{mode:?} (cache off: {cache_off}): the README says this fails on PgBouncer 1.18; it did not ({applied} applied, {errors} errors) — update the README"
+            "{mode:?} (cache off: {cache_off}): docs/operations.md says this fails on PgBouncer 1.18; it did not ({applied} applied, {errors} errors) — update docs/operations.md"
         );
     }
 }

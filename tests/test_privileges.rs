@@ -363,14 +363,19 @@ async fn grant_gives_exactly_the_documented_privileges() {
     .unwrap();
     let expected: Vec<(String, bool)> = [
         ("admits", false),
+        ("admits", false),
+        ("append_audit", true),
         ("append_audit", true),
         ("bypass", false),
         ("check", true),
+        ("check", true),
+        ("check_on", true),
         ("domain_high_water", true),
         ("domain_mark_holder", true),
         ("effect_begin", true),
         ("effect_finish", true),
         ("effect_status", true),
+        ("failover_refusal", false),
         ("high_water", true),
         ("issuer_acquire", true),
         ("issuer_extend", true),
@@ -379,11 +384,16 @@ async fn grant_gives_exactly_the_documented_privileges() {
         ("lease_fence", false),
         ("max_token_jump", false),
         ("next_fence", false),
+        ("note_timeline", true),
         ("record_rejection", false),
         ("refuse_token_jump", false),
+        ("require_timeline", false),
         // Every role: which migrations are applied (V9), the poisoning bound (V10).
         ("schema_version", true),
         ("stop_unless", false),
+        // Every role: the database's timeline (V11; the repository's statements inline it).
+        ("timeline", false),
+        ("try_check", false),
         ("try_check", false),
     ]
     .iter()
@@ -413,14 +423,16 @@ async fn grant_gives_exactly_the_documented_privileges() {
     public.sort();
     // record_rejection runs with the caller's rights; schema_version (V9) tells any role which
     // migrations are applied; the poisoning bound (V10) is read by the guard trigger's WHEN
-    // clause as whoever writes.
+    // clause as whoever writes; the database's timeline (V11) is read by the repository's
+    // statements as whoever writes.
     assert_eq!(
         public,
         vec![
             "max_token_jump".to_owned(),
             "record_rejection".to_owned(),
             "refuse_token_jump".to_owned(),
-            "schema_version".to_owned()
+            "schema_version".to_owned(),
+            "timeline".to_owned()
         ]
     );
 

@@ -431,11 +431,11 @@ async fn audit_rows_name_the_operation_and_the_table_one_way() {
     );
 }
 
-/// The README documents the DETAIL of a rejection with the keys the product writes.
+/// docs/sql.md documents the DETAIL of a rejection with the keys the product writes.
 #[tokio::test]
 async fn the_readme_documents_the_detail_keys_the_product_writes() {
     let (db, _) = setup().await;
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../docs/sql.md");
     let err = raw(
         &db,
         "UPDATE accounts SET fence = pgfence.next_fence(fence, 1, 0, 'accounts') WHERE id = 14; \
@@ -462,11 +462,14 @@ async fn the_readme_documents_the_detail_keys_the_product_writes() {
         "`DETAIL: presented=<n> current=<n> table=<table>`",
         "`DETAIL: presented=<n> current=<n> resource=<resource>`",
     ] {
-        assert!(readme.contains(documented), "README lacks {documented}");
+        assert!(
+            readme.contains(documented),
+            "docs/sql.md lacks {documented}"
+        );
     }
     assert!(
         !readme.contains("target=<name>"),
-        "README documents a key nothing writes"
+        "docs/sql.md documents a key nothing writes"
     );
 }
 
@@ -521,8 +524,8 @@ async fn a_0_2_database_upgrades_in_place() {
     let applied = pgfence::migrate(&mut conn).await.unwrap();
     assert_eq!(
         applied.iter().map(|m| m.version).collect::<Vec<_>>(),
-        [10],
-        "only V10 is new"
+        [10, 11],
+        "only V10 and V11 are new"
     );
     conn.close().await.unwrap();
     let repo = Repository::<Account>::new(db.pool.clone()).unwrap();
@@ -702,11 +705,11 @@ async fn a_token_absurdly_far_ahead_is_refused_and_audited() {
                 && f.object.contains("billing:run")),
         "{findings:?}"
     );
-    // V10 applies again over itself (a repaired history) and keeps the owner's bound.
-    db.exec("DELETE FROM pgfence.refinery_schema_history WHERE version = 10")
+    // V10 and V11 apply again over themselves (a repaired history) and keep the owner's bound.
+    db.exec("DELETE FROM pgfence.refinery_schema_history WHERE version >= 10")
         .await;
     let applied = pgfence::migrate(&db.pool).await.unwrap();
-    assert_eq!(applied.len(), 1);
+    assert_eq!(applied.len(), 2);
     let bound: i64 = sqlx::query_scalar("SELECT pgfence.max_token_jump()")
         .fetch_one(&db.pool)
         .await

@@ -335,6 +335,7 @@ impl EtcdIssuer {
             return Err(limit_refused(resource, created, true));
         }
         Ok(Some(Ok(Lease {
+            timeline: crate::timeline::Binding::default(),
             resource: resource.clone(),
             fencing: resource.clone(),
             owner: owner.to_owned(),
@@ -368,6 +369,7 @@ impl EtcdIssuer {
             return Ok(Some(Err(self.remaining(held.lease()).await?)));
         }
         let mut lease = Lease {
+            timeline: crate::timeline::Binding::default(),
             resource: resource.clone(),
             fencing: resource.clone(),
             owner: owner.to_owned(),

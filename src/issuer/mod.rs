@@ -203,7 +203,7 @@ pub(crate) fn fencing_name(prefix: &str, resource: &Resource) -> Result<Resource
 }
 
 /// A granted lock: who holds what, with which token, until when.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Lease {
     resource: Resource,
     fencing: Resource,
@@ -211,7 +211,24 @@ pub struct Lease {
     token: FenceToken,
     ttl: Duration,
     deadline: Instant,
+    /// The PostgreSQL timeline the lease's first fenced statement ran on; shared by clones
+    /// and by every [`Fencing`] made from the lease ([`Lease::timeline`]).
+    pub(crate) timeline: crate::timeline::Binding,
 }
+
+impl PartialEq for Lease {
+    fn eq(&self, other: &Self) -> bool {
+        self.resource == other.resource
+            && self.fencing == other.fencing
+            && self.owner == other.owner
+            && self.token == other.token
+            && self.ttl == other.ttl
+            && self.deadline == other.deadline
+            && self.timeline.get() == other.timeline.get()
+    }
+}
+
+impl Eq for Lease {}
 
 impl Lease {
     /// The locked resource.
@@ -264,6 +281,23 @@ impl Lease {
         self.deadline.saturating_duration_since(Instant::now())
     }
 
+    /// The PostgreSQL timeline this lease is bound to: the one its first fenced statement ran
+    /// on, `None` before that. After a failover of the database (a promotion, which starts a
+    /// new timeline and may have lost commits) the lease's fenced statements are refused
+    /// with [`Error::FencedByFailover`]: take a new lease. See [`Fencing::timeline`].
+    #[must_use]
+    pub fn timeline(&self) -> Option<i64> {
+        self.timeline.get()
+    }
+
+    /// Binds the lease to `timeline` unless it is bound already (a lease continued in another
+    /// process: `pgfence run` exports `PGFENCE_TIMELINE`).
+    #[must_use]
+    pub fn on_timeline(self, timeline: i64) -> Self {
+        self.timeline.pin(timeline);
+        self
+    }
+
     /// Rebuilds a lease handle from what another process printed (`pgfence lock acquire`),
     /// to release or extend that lock from here. The local deadline is unknown, so it is set
     /// to now: [`Lease::remaining`] is zero until a successful [`Issuer::extend`].
@@ -279,6 +313,7 @@ impl Lease {
             token,
             ttl: MIN_TTL,
             deadline: Instant::now(),
+            timeline: crate::timeline::Binding::default(),
         }
     }
 
@@ -307,9 +342,11 @@ impl Lease {
 
 impl From<&Lease> for Fencing {
     fn from(lease: &Lease) -> Self {
-        Fencing::new(lease.token)
+        let mut fencing = Fencing::new(lease.token)
             .resource(lease.fencing.clone())
-            .holder(lease.owner.clone())
+            .holder(lease.owner.clone());
+        fencing.timeline = lease.timeline.clone();
+        fencing
     }
 }
 
@@ -641,6 +678,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
             [Value::Int(1), token, fresh] => {
                 let token = FenceToken::new(int(token)?)?;
                 let mut lease = Lease {
+                    timeline: crate::timeline::Binding::default(),
                     resource: resource.clone(),
                     fencing: fencing.clone(),
                     owner: owner.to_owned(),

@@ -356,6 +356,7 @@ fn decode_acquire(
         .try_get::<Option<i64>, _>("token")?
         .ok_or_else(|| Error::InvalidToken("NULL from pgfence.issuer_acquire".into()))?;
     Ok(Ok(Lease {
+        timeline: crate::timeline::Binding::default(),
         resource: resource.clone(),
         fencing: resource.clone(),
         owner: owner.to_owned(),

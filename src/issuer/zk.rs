@@ -833,6 +833,7 @@ fn lease(
     sent_at: Instant,
 ) -> Result<Lease> {
     Ok(Lease {
+        timeline: crate::timeline::Binding::default(),
         resource: resource.clone(),
         fencing: resource.clone(),
         owner: owner.to_owned(),

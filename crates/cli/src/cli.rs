@@ -164,6 +164,12 @@ pub struct DoctorArgs {
     /// Only check PostgreSQL, even when an issuer (Redis) URL is configured.
     #[arg(long)]
     pub no_redis: bool,
+    /// Acknowledge a failover of the database (a promotion doctor reports as `FailedOver`)
+    /// once what it lost has been checked, then run the checks. Needs the owner of schema
+    /// pgfence. Fencing does not depend on it: leases that wrote before the promotion stay
+    /// fenced out.
+    #[arg(long)]
+    pub ack_failover: bool,
 }
 
 #[derive(Args, Debug)]

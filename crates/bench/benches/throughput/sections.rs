@@ -106,11 +106,16 @@ pub(crate) async fn write(env: &Env, round: usize, out: &mut Results) -> Result<
             }
             2 => {
                 let sql = AssertSqlSafe(env.repo_sql.clone()).into_sql_str();
+                // The repository binds the timeline its leases are bound to: the database's.
+                let timeline: i64 = sqlx::query_scalar("SELECT pgfence.timeline()")
+                    .fetch_one(&pool)
+                    .await?;
                 let work = RawFencedSql {
                     pool,
                     sql,
                     tasks,
                     rows,
+                    timeline: Some(timeline),
                 };
                 (
                     "write.raw_repo_sql",
@@ -135,6 +140,7 @@ pub(crate) async fn write(env: &Env, round: usize, out: &mut Results) -> Result<
                     sql: FENCED_UPDATE_SQL.into_sql_str(),
                     tasks,
                     rows,
+                    timeline: None,
                 };
                 (
                     "write.fenced_plain_sql",

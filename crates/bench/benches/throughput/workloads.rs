@@ -192,12 +192,15 @@ impl Workload for PlainUpdate {
 /// (`$1`), the payload (`$2`), then the one value the fence is compared with and set to, as
 /// the repository computes it from a bare token
 /// ([`Fencing::lease_fence`](pgfence::Fencing::lease_fence)) — running the repository's own
-/// SQL text (1c, [`Repository::update_sql`]) or the same statement written by hand (1d).
+/// SQL text (1c, [`Repository::update_sql`], which also binds the lease's PostgreSQL
+/// timeline) or the same statement written by hand (1d, no timeline).
 pub(crate) struct RawFencedSql {
     pub(crate) pool: PgPool,
     pub(crate) sql: SqlStr,
     pub(crate) tasks: usize,
     pub(crate) rows: i32,
+    /// The timeline 1c binds after the lease fence (as the repository does).
+    pub(crate) timeline: Option<i64>,
 }
 
 impl Workload for RawFencedSql {
@@ -208,12 +211,14 @@ impl Workload for RawFencedSql {
     }
 
     async fn op(&self, (keys, payload): &mut Self::State) -> Outcome {
-        let done = sqlx::query(self.sql.clone())
+        let mut query = sqlx::query(self.sql.clone())
             .bind(keys.next())
             .bind(&*payload)
-            .bind(Fencing::from(next_token()).lease_fence())
-            .execute(&self.pool)
-            .await;
+            .bind(Fencing::from(next_token()).lease_fence());
+        if let Some(timeline) = self.timeline {
+            query = query.bind(timeline);
+        }
+        let done = query.execute(&self.pool).await;
         match done {
             Ok(d) if d.rows_affected() == 1 => Outcome::Applied,
             Ok(_) => Outcome::Rejected,

@@ -52,6 +52,13 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
         },
         _ => None,
     };
+    if args.ack_failover {
+        let mut session = Session::begin(&pool).await?;
+        let who = format!("pgfence doctor --ack-failover ({})", whoami());
+        let n = pgfence::acknowledge_failover(session.conn(), &who).await?;
+        session.commit().await?;
+        eprintln!("pgfence: acknowledged {n} failover(s) of the database");
+    }
     // One read-only transaction: behind a transaction-mode pooler nothing is left behind.
     let mut session = Session::begin(&pool).await?;
     let mut findings = pgfence::doctor(session.conn(), issuer.as_deref(), &options).await?;
@@ -105,4 +112,11 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
     } else {
         ExitCode::from(FINDINGS)
     })
+}
+
+/// Who acknowledges: the OS user, when the environment says.
+fn whoami() -> String {
+    std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| "unknown user".to_owned())
 }

@@ -47,11 +47,44 @@ pub const CHILD_ENV: &[ChildVar] = &[
         value: |l| l.owner().to_owned(),
     },
     ChildVar {
+        name: "PGFENCE_TIMELINE",
+        about: "the PostgreSQL timeline the lease is bound to, read when the lock was taken (0 without a database URL): pass it to pgfence.try_check / pgfence.check / pgfence.admits so the command's writes are refused after a failover of the database",
+        value: |l| l.timeline().unwrap_or(0).to_string(),
+    },
+    ChildVar {
         name: "PGFENCE_TAG",
         about: "the holder tag SQL callers pass to pgfence.check / pgfence.next_fence",
         value: |l| pgfence::Fencing::from(l).tag().to_string(),
     },
 ];
+
+/// Binds the lease to the database's current timeline (`PGFENCE_TIMELINE`), so that the
+/// command's fenced statements are refused after a failover of the database. Without a
+/// database URL the lease stays unbound; when the timeline cannot be read, a warning says the
+/// command's writes are not fenced across a failover.
+async fn bind_timeline(conn: &Conn, lease: pgfence::Lease) -> pgfence::Lease {
+    let Ok(url) = conn.database_url() else {
+        return lease;
+    };
+    let read = async {
+        let pool = crate::connect::connect_pg(url).await?;
+        let timeline: i64 = sqlx::query_scalar("SELECT pgfence.timeline()")
+            .fetch_one(&pool)
+            .await?;
+        pool.close().await;
+        anyhow::Ok(timeline)
+    };
+    match read.await {
+        Ok(timeline) => lease.on_timeline(timeline),
+        Err(e) => {
+            util::warn_later(format!(
+                "PGFENCE_TIMELINE is 0: the database's timeline could not be read ({}), so the command's writes are not fenced across a failover of PostgreSQL (run `pgfence migrate`)",
+                util::one_line(&e)
+            ));
+            lease
+        }
+    }
+}
 
 /// The `after_help` of `pgfence run`: the variables of [`CHILD_ENV`].
 pub fn env_help() -> String {
@@ -90,6 +123,7 @@ pub async fn run(
         .with_context(|| format!("cannot run {:?}", cell(&util::shorten(program))))?;
     let issuer = conn.lock_issuer().await?;
     let lease = take_lock(&*issuer, &resource, ttl, wait).await?;
+    let lease = bind_timeline(conn, lease).await;
 
     let spawned = child_command(program, &command[1..])
         .envs(CHILD_ENV.iter().map(|v| (v.name, (v.value)(&lease))))
