@@ -53,10 +53,12 @@
 //! * **PostgreSQL** ([`pgfence::PgIssuer`]) runs on the harness's own database
 //!   ([`Target::postgres`]): locks and counters are rows there, expiring by the database's
 //!   clock, and the counter commits in the same WAL as the fences, so it never goes backwards
-//!   either (the Redis-only settings are refused, and there is no failover here). Its faults
-//!   are the database's: a restart takes the issuer down with the workers, and killed backends
-//!   include the issuer's (an acquire or release that loses its reply is re-sent with the same
-//!   owner id; [`Summary::issuer_backend_kills`]).
+//!   on one server (the Redis-only settings are refused, and it has no leader of its own to
+//!   fail over). Its faults are the database's: a restart takes the issuer down with the
+//!   workers, killed backends include the issuer's (an acquire or release that loses its reply
+//!   is re-sent with the same owner id; [`Summary::issuer_backend_kills`]), and a database
+//!   failover ([`pg_failover_at`]) rolls its counters back with the fences
+//!   ([`PgFailoverFigures::issuer_rolled_back`]).
 //!
 //! A failover's figures ([`FailoverFigures`], in [`Summary::failover`]) compare the tokens on
 //! either side of it — the highest token accepted from a lease granted before the kill, the

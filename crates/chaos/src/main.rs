@@ -347,8 +347,8 @@ impl IssuerChoice {
             if kind == IssuerKind::Postgres {
                 bail!(
                     "--failover-at with --issuer postgres: the issuer lives in the harness's \
-                     database, and a PostgreSQL primary/standby failover is not implemented \
-                     here; use --restart-postgres-at and --kill-every-ms"
+                     database and has no leader of its own to kill; fail the database over \
+                     with --pg-failover-at (or use --restart-postgres-at and --kill-every-ms)"
                 );
             }
             if self.url.is_some() {
@@ -386,17 +386,21 @@ impl IssuerChoice {
 fn check_pg_failover(args: &Args) -> anyhow::Result<()> {
     if args.database_url.is_some() {
         bail!(
-            "--pg-failover-at kills the database's primary and promotes its standby, so it needs              its own throwaway primary and standby: drop --database-url (and unset DATABASE_URL);              an existing server cannot be failed over from here"
+            "--pg-failover-at kills the database's primary and promotes its standby, so it needs \
+             its own throwaway primary and standby: drop --database-url (and unset DATABASE_URL); \
+             an existing server cannot be failed over from here"
         );
     }
     if args.restart_postgres_at.is_some() {
         bail!(
-            "--restart-postgres-at with --pg-failover-at: the database is a primary and a              standby, with no single server to restart; pick one"
+            "--restart-postgres-at with --pg-failover-at: the database is a primary and a \
+             standby, with no single server to restart; pick one"
         );
     }
     if args.failover_at.is_some() {
         bail!(
-            "--failover-at with --pg-failover-at: fail over the issuer or the database in one              run, not both (their figures would mix); pick one"
+            "--failover-at with --pg-failover-at: fail over the issuer or the database in one \
+             run, not both (their figures would mix); pick one"
         );
     }
     let modes: Vec<Mode> = if args.all_modes {
@@ -407,7 +411,9 @@ fn check_pg_failover(args: &Args) -> anyhow::Result<()> {
     for mode in modes {
         if mode.calls_provider() || mode == Mode::LeaselessMix {
             bail!(
-                "--pg-failover-at with --mode {mode}: its provider charges and lease-less writes                  are not checked against a database that lost commits; use fenced,                  fenced-multi, row-claim, batch, row-fence or unfenced"
+                "--pg-failover-at with --mode {mode}: its provider charges and lease-less writes \
+                 are not checked against a database that lost commits; use fenced, \
+                 fenced-multi, row-claim, batch, row-fence or unfenced"
             );
         }
     }
@@ -680,7 +686,8 @@ fn pg_failover_proves(
     }
     if !p.rejections_reported() || summary.log_events != summary.rejected {
         eprintln!(
-            "rejections not all reported: {} rejected, {} audit rows ({} lost with the promotion,              at most {} could be), {} log events",
+            "rejections not all reported: {} rejected, {} audit rows ({} lost with the promotion, \
+             at most {} could be), {} log events",
             summary.rejected,
             summary.audit_rows,
             p.audit_rows_lost,
@@ -698,7 +705,8 @@ fn pg_failover_proves(
     }
     if p.acknowledged_lost == 0 {
         eprintln!(
-            "note: the promotion lost no acknowledged write (a longer --pg-failover-lag-ms              makes it lose some)"
+            "note: the promotion lost no acknowledged write (a longer --pg-failover-lag-ms \
+             makes it lose some)"
         );
     }
     ok

@@ -131,6 +131,11 @@ pub struct PgFailoverFigures {
     pub fenced_by_failover: u64,
     /// Leases (units) with such a refusal: fenced out by the promotion.
     pub leases_fenced: u64,
+    /// Of those, leases without a statement acknowledged before the old primary was gone
+    /// (their first statement was sent during the outage and failed, or met the new timeline
+    /// before pgfence had seen it): refused though they never wrote on the old timeline — safe,
+    /// at the cost of a new lease.
+    pub leases_fenced_unbound: u64,
     /// Detection: from the promotion to the first `FencedByFailover` refusal a worker got, ms.
     pub first_refusal_ms: Option<u64>,
     /// When the old primary's processes were gone (ms since the run started).
@@ -642,9 +647,10 @@ fn fmt_pg_failover(f: &mut fmt::Formatter<'_>, p: &PgFailoverFigures) -> fmt::Re
     )?;
     writeln!(
         f,
-        "  fenced:     {} tries refused FencedByFailover ({} leases, first {} after the promotion); {} leases from before the kill tried again after it, {} zombie writes got in; rejections {} before / {} after the promotion",
+        "  fenced:     {} tries refused FencedByFailover ({} leases, {} of them without a statement before the kill; first {} after the promotion); {} leases from before the kill tried again after it, {} zombie writes got in; rejections {} before / {} after the promotion",
         p.fenced_by_failover,
         p.leases_fenced,
+        p.leases_fenced_unbound,
         ms(p.first_refusal_ms),
         p.leases_across,
         p.zombie_writes,

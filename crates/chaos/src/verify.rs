@@ -824,6 +824,12 @@ fn pg_failover_figures(
         units_lost: count(units_lost.len()),
         fenced_by_failover: count(fenced.len()),
         leases_fenced: count(leases_fenced.len()),
+        leases_fenced_unbound: count(
+            leases_fenced
+                .iter()
+                .filter(|u| !bound_before.contains(u))
+                .count(),
+        ),
         first_refusal_ms: fenced
             .iter()
             .map(|a| a.finished_ms.saturating_sub(e.promoted_at_ms))

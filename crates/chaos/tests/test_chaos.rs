@@ -1163,7 +1163,8 @@ async fn postgres_issuer_batch_holds_and_the_unfenced_control_loses_updates() {
 /// The Redis-only faults and settings are refused for the PostgreSQL issuer with a clear error,
 /// not ignored: by the library (counter resets, reseed counting, a throwaway issuer
 /// deployment, a non-PostgreSQL URL for `Target::postgres`) and by the binary (also
-/// `--failover-at`, which is not implemented for PostgreSQL), before any server starts.
+/// `--failover-at`, which has no issuer leader to kill, and `--pg-failover-at` on a
+/// configured database, which cannot be failed over), before any server starts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_issuer_refuses_redis_only_faults() {
     let db = TestDb::new().await;
@@ -1205,7 +1206,7 @@ async fn postgres_issuer_refuses_redis_only_faults() {
 
     // The binary refuses them before it starts anything.
     let url = db.url();
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 9] = [
         (
             &["--reset-counter-at", "10"],
             "--reset-counter-at deletes Redis counter keys",
@@ -1224,7 +1225,11 @@ async fn postgres_issuer_refuses_redis_only_faults() {
         ),
         (
             &["--failover-at", "10"],
-            "PostgreSQL primary/standby failover is not implemented",
+            "fail the database over with --pg-failover-at",
+        ),
+        (
+            &["--pg-failover-at", "5"],
+            "needs its own throwaway primary and standby: drop --database-url",
         ),
         (
             &["--redis-url", "redis://127.0.0.1:1"],
