@@ -131,10 +131,10 @@ pub struct PgFailoverFigures {
     pub fenced_by_failover: u64,
     /// Leases (units) with such a refusal: fenced out by the promotion.
     pub leases_fenced: u64,
-    /// Of those, leases without a statement acknowledged before the old primary was gone
-    /// (their first statement was sent during the outage and failed, or met the new timeline
-    /// before pgfence had seen it): refused though they never wrote on the old timeline — safe,
-    /// at the cost of a new lease.
+    /// Of those, leases without a statement acknowledged before the old primary was gone:
+    /// typically their first statement was sent as the primary died and its answer was lost
+    /// (it may have run on the old timeline, so pgfence cannot let the lease go on). Safe, at
+    /// the cost of a new lease.
     pub leases_fenced_unbound: u64,
     /// Detection: from the promotion to the first `FencedByFailover` refusal a worker got, ms.
     pub first_refusal_ms: Option<u64>,
