@@ -16,6 +16,7 @@ use sqlx::{PgExecutor, PgPool};
 use time::OffsetDateTime;
 
 use crate::Result;
+use crate::repository::Lent;
 
 /// `tracing` target of the rejection events (WARN) and of audit-write failures (ERROR).
 ///
@@ -206,6 +207,39 @@ impl Auditor {
                 error: &failure,
             });
         }
+    }
+
+    /// Logs `r` and writes its audit row beside the rejected statement: on `lent`'s own
+    /// connection when every statement there is a transaction of its own (a connection the
+    /// write checked out of the pool: the row commits at once, and it may be the pool's last
+    /// free connection), otherwise through the pool, outside the caller's transaction.
+    pub(crate) async fn record_beside(&self, r: &Rejection, lent: &mut Lent<'_>) {
+        let row = match self.in_statement_timeout_ms() {
+            Some(ms) if lent.own_transaction() => {
+                let insert: sqlx::Result<_> = sqlx::query(
+                    "SELECT pg_catalog.set_config('lock_timeout', $10, true), \
+                     pgfence.append_audit($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                )
+                .bind(&r.resource)
+                .bind(&r.table)
+                .bind(&r.key)
+                .bind(r.presented)
+                .bind(r.current)
+                .bind(&r.holder)
+                .bind(r.operation)
+                .bind(r.other_counter)
+                .bind(&r.reason)
+                .bind(ms.to_string())
+                .execute(lent.conn())
+                .await;
+                match insert {
+                    Ok(_) => AuditRow::Written,
+                    Err(e) => AuditRow::Failed(e.to_string()),
+                }
+            }
+            _ => AuditRow::Pending,
+        };
+        self.record(r, row).await;
     }
 
     /// Inserts `r` through the pool, within the timeout; the error text otherwise.

@@ -379,7 +379,7 @@ impl<T: FencedTable> Repository<T> {
             };
             // A lease fenced out by a failover is refused as a whole, once.
             if let Some(first) = explained.first()
-                && self.on_timeline(first, fencing, op.name()).await?
+                && self.on_timeline(first, fencing, op.name(), lent).await?
             {
                 return Ok(None);
             }

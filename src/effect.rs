@@ -236,6 +236,8 @@ impl Effects {
         .bind(fencing.holder.as_deref())
         .fetch_one(lent.conn())
         .await?;
+        // The pool's connection goes back before a refusal's audit row takes one.
+        drop(lent);
         let status: String = row.try_get("status")?;
         if status != "ok" {
             return Err(self
@@ -317,6 +319,8 @@ impl Effects {
         .bind(outcome.detail().to_string())
         .fetch_one(lent.conn())
         .await?;
+        // The pool's connection goes back before a refusal's audit row takes one.
+        drop(lent);
         let status: String = row.try_get("status")?;
         match status.as_str() {
             "ok" => Ok(()),
@@ -413,7 +417,7 @@ impl Effects {
                 other_counter: false,
                 reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
             };
-            self.auditor.record(&rejection, AuditRow::Pending).await;
+            self.auditor.record_beside(&rejection, lent).await;
             return Err(Error::FencedByFailover {
                 target: StaleTarget::Resource(resource.to_string()),
                 presented: fencing.token.get(),

@@ -128,7 +128,7 @@ impl Fence {
                         other_counter: false,
                         reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
                     };
-                    self.auditor.record(&rejection, AuditRow::Pending).await;
+                    self.auditor.record_beside(&rejection, &mut lent).await;
                     return Err(Error::FencedByFailover {
                         target: StaleTarget::Resource(resource.as_str().to_owned()),
                         presented: fencing.token.get(),
@@ -138,6 +138,8 @@ impl Fence {
                 }
             }
         };
+        // The pool's connection goes back before the audit row takes one.
+        drop(lent);
         let (current, other_counter) = match &err {
             Error::StaleToken {
                 current,

@@ -26,6 +26,9 @@ pub mod guide {
     #[doc = include_str!("doc_links.md")]
     #[doc = include_str!("../docs/proof.md")]
     pub mod proof {}
+    #[doc = include_str!("doc_links.md")]
+    #[doc = include_str!("../docs/failover.md")]
+    pub mod failover {}
 }
 
 mod audit;

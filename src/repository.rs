@@ -487,7 +487,10 @@ impl<T: FencedTable> Repository<T> {
                 return Ok(());
             }
             let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
-            if self.on_timeline(&out.row, &fencing, "update").await? {
+            if self
+                .on_timeline(&out.row, &fencing, "update", &mut lent)
+                .await?
+            {
                 continue;
             }
             return self.rejected(&out, &fencing, "update").await;
@@ -524,7 +527,10 @@ impl<T: FencedTable> Repository<T> {
                 });
             }
             let out = explain_row(&self.sql.explain_upsert, source, &fencing, &mut lent).await?;
-            if self.on_timeline(&out.row, &fencing, "upsert").await? {
+            if self
+                .on_timeline(&out.row, &fencing, "upsert", &mut lent)
+                .await?
+            {
                 continue;
             }
             // No row but a tombstone: a lease deleted it.
@@ -563,7 +569,10 @@ impl<T: FencedTable> Repository<T> {
                 return Ok(());
             }
             let out = explain_row(&self.sql.explain_delete, source, &fencing, &mut lent).await?;
-            if self.on_timeline(&out.row, &fencing, "delete").await? {
+            if self
+                .on_timeline(&out.row, &fencing, "delete", &mut lent)
+                .await?
+            {
                 continue;
             }
             return self.rejected(&out, &fencing, "delete").await;
@@ -615,7 +624,10 @@ impl<T: FencedTable> Repository<T> {
                 return Ok(R::from_row(&row)?);
             }
             let out = explain_row(&self.sql.explain_claim, source, &fencing, &mut lent).await?;
-            if self.on_timeline(&out.row, &fencing, "claim").await? {
+            if self
+                .on_timeline(&out.row, &fencing, "claim", &mut lent)
+                .await?
+            {
                 continue;
             }
             return self.rejected(&out, &fencing, "claim").await;
@@ -706,7 +718,10 @@ impl<T: FencedTable> Repository<T> {
                 return Ok(());
             }
             let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
-            if self.on_timeline(&out.row, &fencing, "update").await? {
+            if self
+                .on_timeline(&out.row, &fencing, "update", &mut lent)
+                .await?
+            {
                 continue;
             }
             return self.rejected(&out, &fencing, "update").await;
@@ -818,6 +833,7 @@ impl<T: FencedTable> Repository<T> {
         row: &PgRow,
         fencing: &Fencing,
         operation: &'static str,
+        lent: &mut Lent<'_>,
     ) -> Result<bool> {
         let now: i64 = row.try_get("timeline")?;
         let (lease_timeline, timeline) = match self.seen.verdict(&fencing.timeline, now) {
@@ -848,7 +864,7 @@ impl<T: FencedTable> Repository<T> {
             other_counter: false,
             reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
         };
-        self.auditor.record(&rejection, AuditRow::Pending).await;
+        self.auditor.record_beside(&rejection, lent).await;
         Err(Error::FencedByFailover {
             target,
             presented: fencing.token.get(),

@@ -1,18 +1,40 @@
-//! The Redis token issuer against real Redis (and a real 3-master cluster).
+//! The Redis token issuer against real Redis (and a real 3-master cluster): the lease
+//! semantics every issuer shares (`issuer_suite`), and what is Redis's own: the key layout,
+//! counter loss and reseeding, the floor source, keep-alive, Cluster, the connections.
 
+// The leader failover and its `Cluster` are the consensus stores' (etcd, ZooKeeper) tests.
+#[allow(
+    dead_code,
+    reason = "the cluster failover is the consensus stores' test"
+)]
+mod issuer_suite;
 mod support;
 
 use std::time::Duration;
 
-use pgfence::{
-    Error, Fence, Issuer, LeaseLost, LeaseState, ReleaseOutcome, Repository, Resource, TableName,
-};
+use pgfence::{Error, Fence, Issuer, LeaseLost, LeaseState, ReleaseOutcome, Resource};
 use pgfence::{counter_key, lock_key};
 use pgfence_testkit::{RedisCluster, Server};
 use redis::AsyncCommands;
-use support::{Logs, TestDb, issuer, redis_url, unique_resource};
+use support::{TestDb, issuer, redis_url, unique_resource};
 
 const SEC: Duration = Duration::from_secs(1);
+
+/// Redis keeps TTLs to the millisecond and tells a refused owner the holder's remaining TTL;
+/// the counter is the resource's last token.
+const REDIS: issuer_suite::Profile = issuer_suite::Profile {
+    name: "redis",
+    label: "Redis",
+    ttl_resolution: Duration::ZERO,
+    expiry_slack: Duration::from_secs(2),
+    reports_retry_in: true,
+    counter_is_last_token: true,
+};
+
+/// Nothing to skip: Redis is what every issuer test of this crate needs.
+fn skip(_test: &str) -> bool {
+    false
+}
 
 async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
     redis::Client::open(url)
@@ -22,27 +44,62 @@ async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
         .unwrap()
 }
 
-// The lease semantics every issuer shares (exclusive, increasing acquisitions, expiry,
-// extend, the idempotent retry, waiting, a paused holder fenced by Postgres) run on Redis from
-// the shared suite, in `tests/test_issuer_trait.rs`.
+// The suite's shared tests, as for the other issuers:
+// concurrent_acquisitions_are_exclusive_and_strictly_increasing,
+// expired_lease_cannot_release_or_extend_the_next_holders_lock,
+// owner_extend_keeps_the_lock_past_its_ttl,
+// retried_acquire_by_the_same_owner_returns_the_same_token,
+// wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time,
+// paused_holder_is_fenced_by_postgres.
+issuer_suite::lease_tests!(REDIS, skip, issuer);
+
+/// The suite's shared tests again through Redis Sentinel (a master, a replica and a sentinel,
+/// shared by this binary's tests): the same backend behind the connections that follow the
+/// master.
+mod through_sentinel {
+    use pgfence::{Issuer, SentinelConnections};
+    use pgfence_testkit::{SentinelConfig, SentinelSet, sentinel_installed};
+    use tokio::sync::OnceCell;
+
+    use super::REDIS;
+    use crate::issuer_suite;
+
+    fn skip(test: &str) -> bool {
+        issuer_suite::skipped(
+            test,
+            sentinel_installed(),
+            "redis-server and redis-sentinel are not installed (Debian: apt-get install \
+             redis-server redis-sentinel)",
+        )
+    }
+
+    async fn issuer() -> Issuer<SentinelConnections> {
+        static SET: OnceCell<(String, Option<SentinelSet>)> = OnceCell::const_new();
+        let url = issuer_suite::shared_url(&SET, "PGFENCE_SENTINEL_URL", async {
+            let set = SentinelSet::start("pgfence-suite", SentinelConfig::default())
+                .await
+                .expect("start a throwaway Sentinel deployment");
+            (set.url(), set)
+        })
+        .await;
+        Issuer::connect_sentinel(&url)
+            .await
+            .expect("connect through the sentinels")
+    }
+
+    issuer_suite::lease_tests!(REDIS, skip, issuer);
+}
 
 #[tokio::test]
 async fn bad_ttls_and_names_are_refused_before_touching_redis() {
+    issuer_suite::bad_ttls_and_owners_are_refused(&REDIS, issuer().await).await;
+    // Not even the counter: an acquire refused before sending leaves no key.
     let issuer = issuer().await;
     let resource = unique_resource("bad-ttl");
-    for ttl in [
-        Duration::ZERO,
-        Duration::from_millis(1),
-        Duration::from_secs(400 * 24 * 3600),
-    ] {
-        assert!(
-            matches!(
-                issuer.acquire(&resource, ttl).await,
-                Err(Error::InvalidDuration(_))
-            ),
-            "{ttl:?}"
-        );
-    }
+    assert!(matches!(
+        issuer.acquire(&resource, Duration::ZERO).await,
+        Err(Error::InvalidDuration(_))
+    ));
     let mut conn = raw(&redis_url().await).await;
     let exists: i64 = conn
         .exists(&[lock_key(&resource), counter_key(&resource)])
@@ -63,7 +120,100 @@ async fn bad_ttls_and_names_are_refused_before_touching_redis() {
             "{bad:?}"
         );
     }
-    assert!(issuer.acquire_as(&resource, "own:er", SEC).await.is_err());
+}
+
+/// The keys are what the docs say (a domain's resources share its counter and hash tag), and a
+/// lock deleted by hand is lost to its holder.
+#[tokio::test]
+async fn layout_domains_and_a_deleted_lock() {
+    let issuer = issuer().await;
+    let domain = format!("dom{}", rand::random::<u32>());
+    let one = Resource::in_domain(&domain, "account:1").unwrap();
+    let two = Resource::in_domain(&domain, "account:2").unwrap();
+    let a = issuer.acquire(&one, 5 * SEC).await.unwrap().unwrap();
+    let b = issuer.acquire(&two, 5 * SEC).await.unwrap().unwrap();
+    assert_eq!(
+        b.token().get(),
+        a.token().get() + 1,
+        "one counter per domain"
+    );
+    assert_eq!(
+        lock_key(&two),
+        format!("pgfence:{{{domain}}}:lock:account:2")
+    );
+    assert_eq!(counter_key(&two), format!("pgfence:{{{domain}}}:fence"));
+    let mut conn = raw(&redis_url().await).await;
+    let held: Option<String> = conn.get(lock_key(&two)).await.unwrap();
+    assert_eq!(held, Some(format!("{}:{}", b.owner(), b.token())));
+    let counter: i64 = conn.get(counter_key(&one)).await.unwrap();
+    assert_eq!(counter, b.token().get());
+    assert_eq!(issuer.status(&one).await.unwrap().counter, counter);
+
+    // An operator deletes A's lock and someone takes it: A is told so, and cannot free it.
+    let _: () = conn.del(lock_key(&one)).await.unwrap();
+    issuer_suite::deleted_lock_is_lost_to_its_holder(&issuer, &one, a, &b).await;
+    let _: () = conn.del(counter_key(&one)).await.unwrap();
+}
+
+/// Keys under a prefix; the suite's two prefixes on one Redis (two locks for one resource); and
+/// three counters for it, the default prefix's included.
+#[tokio::test]
+async fn key_prefixes_separate_locks_and_counters() {
+    let url = redis_url().await;
+    let default = Issuer::connect(&url).await.unwrap();
+    let a = Issuer::connect(&url)
+        .await
+        .unwrap()
+        .with_key_prefix("app-a")
+        .unwrap();
+    let resource = unique_resource("prefix");
+    let in_domain = Resource::in_domain("billing", "account:1").unwrap();
+
+    // Keys.
+    assert_eq!(default.key_prefix(), "pgfence");
+    assert_eq!(default.lock_key(&resource), lock_key(&resource));
+    assert_eq!(default.counter_key(&resource), counter_key(&resource));
+    assert_eq!(a.lock_key(&resource), format!("app-a:{{{resource}}}:lock"));
+    assert_eq!(
+        a.counter_key(&resource),
+        format!("app-a:{{{resource}}}:fence")
+    );
+    assert_eq!(a.lock_key(&in_domain), "app-a:{billing}:lock:account:1");
+    assert_eq!(a.counter_key(&in_domain), "app-a:{billing}:fence");
+
+    issuer_suite::key_prefixes_separate_locks(&a, &url, &resource).await;
+
+    // The same resource under three prefixes: three counters.
+    assert_eq!(a.raise_floor(&resource, 10).await.unwrap(), 10);
+    let la = a.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
+    let ld = default.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
+    assert_eq!(la.token().get(), 11);
+    assert_eq!(ld.token().get(), 1);
+    assert_eq!(a.status(&resource).await.unwrap().counter, 11);
+    let mut redis = raw(&url).await;
+    let b_counter: i64 = redis
+        .get(format!("app-b:{{{resource}}}:fence"))
+        .await
+        .unwrap();
+    assert_eq!(b_counter, 1);
+    // A lease is released only through its own prefix.
+    assert_eq!(
+        default.release(&la).await.unwrap(),
+        ReleaseOutcome::TakenByOther
+    );
+    assert_eq!(a.release(&la).await.unwrap(), ReleaseOutcome::Released);
+    assert_eq!(
+        default.release(&ld).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+    let _: () = redis
+        .del(&[
+            a.counter_key(&resource),
+            format!("app-b:{{{resource}}}:fence"),
+            default.counter_key(&resource),
+        ])
+        .await
+        .unwrap();
 }
 
 /// A failover that loses the counter: safety from Postgres, liveness from reseeding.
@@ -275,74 +425,6 @@ async fn works_on_a_three_master_cluster() {
         slots.insert(lock_slot);
     }
     assert!(slots.len() > 10, "resources spread over the cluster");
-}
-
-/// The seed's race end to end, with real lease expiry.
-#[tokio::test]
-async fn seed_race_with_real_leases() {
-    let (logs, _guard) = Logs::capture();
-    let db = TestDb::new().await;
-    db.exec("CREATE TABLE inventory_snapshot (sku text PRIMARY KEY, payload text NOT NULL); INSERT INTO inventory_snapshot VALUES ('A-1', 'initial');").await;
-    pgfence::guard(&db.pool, &TableName::parse("inventory_snapshot").unwrap())
-        .await
-        .unwrap();
-    #[derive(Clone)]
-    struct Snapshot {
-        sku: String,
-        payload: String,
-    }
-    pgfence::fenced_table!(Snapshot { table: "inventory_snapshot", key: sku: String, columns: [payload] });
-    let repo = Repository::<Snapshot>::new(db.pool.clone()).unwrap();
-    let issuer = issuer().await;
-    let resource = unique_resource("inventory");
-
-    let a = issuer
-        .acquire(&resource, Duration::from_millis(100))
-        .await
-        .unwrap()
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await; // A pauses past its TTL
-    let b = issuer
-        .acquire(&resource, 5 * SEC)
-        .await
-        .unwrap()
-        .expect("lock expired");
-    repo.update(
-        &db.pool,
-        &b,
-        &Snapshot {
-            sku: "A-1".into(),
-            payload: "B".into(),
-        },
-    )
-    .await
-    .unwrap();
-    let err = repo
-        .update(
-            &db.pool,
-            &a,
-            &Snapshot {
-                sku: "A-1".into(),
-                payload: "A".into(),
-            },
-        )
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(err, Error::StaleToken { presented, current, .. } if presented == a.token().get() && current == b.token().get())
-    );
-    let payload: String = sqlx::query_scalar("SELECT payload FROM inventory_snapshot")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(payload, "B");
-    let audit = pgfence::list_audit(&db.pool, &Default::default())
-        .await
-        .unwrap();
-    assert_eq!(audit.len(), 1);
-    assert_eq!(audit[0].holder.as_deref(), Some(a.owner()));
-    assert_eq!(audit[0].resource.as_deref(), Some(resource.as_str()));
-    assert_eq!(logs.with(pgfence::LOG_TARGET, "WARN").len(), 1);
 }
 
 /// `Issuer::connect_with` opens the connections it is asked for and spreads commands over them:

@@ -1,13 +1,18 @@
 //! The lease semantics every issuer shares, checked through `Arc<dyn TokenIssuer>` (as a CLI
 //! or a service that picks its issuer from a URL holds it) on Redis: `lease_semantics` of the
-//! shared suite in `issuer_suite`, which `etcd_through_the_trait` (`tests/test_etcd_issuer.rs`)
-//! and `zk_through_the_trait` (`tests/test_zk_issuer.rs`) run on the other issuers. Also
-//! Redis's floor and recovery, and the key prefixes.
+//! shared suite in `issuer_suite`, which `etcd_through_the_trait` (`tests/test_etcd_issuer.rs`),
+//! `zk_through_the_trait` (`tests/test_zk_issuer.rs`) and `pg_through_the_trait`
+//! (`tests/test_pg_issuer.rs`) run on the other issuers. Also Redis's floor and recovery
+//! through the trait, bad prefixes and URLs, and keep-alive with a concrete issuer. The suite's
+//! other tests run on Redis in `tests/test_issuer.rs`.
 
-// The leader failover and its `Cluster` are the consensus stores' (etcd, ZooKeeper) tests.
+// Only `lease_semantics` here: the suite's other tests run on Redis in `tests/test_issuer.rs`,
+// the leader failover and its `Cluster` on the consensus stores (etcd, ZooKeeper).
 #[allow(
     dead_code,
-    reason = "the cluster failover is the consensus stores' test"
+    unused_imports,
+    unused_macros,
+    reason = "this binary runs the suite's trait test only"
 )]
 mod issuer_suite;
 mod support;
@@ -16,39 +21,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pgfence::{
-    Error, Issuer, IssuerKind, IssuerOptions, KeepAlive, ReleaseOutcome, Resource, TokenIssuer,
-    connect_issuer, connect_issuer_with,
+    Error, IssuerKind, IssuerOptions, KeepAlive, ReleaseOutcome, TokenIssuer, connect_issuer,
+    connect_issuer_with,
 };
-use redis::AsyncCommands;
-use support::{TestDb, issuer, redis_url, unique_resource};
+use support::{TestDb, redis_url, unique_resource};
 use tokio::time::Instant;
 
 const SEC: Duration = Duration::from_secs(1);
-
-/// Redis keeps TTLs to the millisecond and tells a refused owner the holder's remaining TTL;
-/// the counter is the resource's last token.
-const REDIS: issuer_suite::Profile = issuer_suite::Profile {
-    name: "redis",
-    label: "Redis",
-    ttl_resolution: Duration::ZERO,
-    expiry_slack: Duration::from_secs(2),
-    reports_retry_in: true,
-    counter_is_last_token: true,
-};
-
-/// Nothing to skip: Redis is what every issuer test of this crate needs.
-fn skip(_test: &str) -> bool {
-    false
-}
-
-// The suite's shared tests, as for the other issuers (they were copies in test_issuer.rs):
-// concurrent_acquisitions_are_exclusive_and_strictly_increasing,
-// expired_lease_cannot_release_or_extend_the_next_holders_lock,
-// owner_extend_keeps_the_lock_past_its_ttl,
-// retried_acquire_by_the_same_owner_returns_the_same_token,
-// wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time,
-// paused_holder_is_fenced_by_postgres.
-issuer_suite::lease_tests!(REDIS, skip, issuer);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_through_the_trait() {
@@ -92,80 +71,6 @@ async fn redis_floor_and_recovery_through_the_trait() {
     assert_eq!(issuer.status(&resource).await.unwrap().counter, 100);
     // reseed reads Postgres's high-water mark (none here): the counter stays.
     assert_eq!(issuer.reseed(&db.pool, &resource).await.unwrap(), 100);
-}
-
-#[tokio::test]
-async fn key_prefixes_separate_locks_and_counters() {
-    let url = redis_url().await;
-    let default = Issuer::connect(&url).await.unwrap();
-    let a = Issuer::connect(&url)
-        .await
-        .unwrap()
-        .with_key_prefix("app-a")
-        .unwrap();
-    let b: Arc<dyn TokenIssuer> =
-        connect_issuer_with(&url, IssuerOptions::new().key_prefix("app-b"))
-            .await
-            .unwrap();
-    let resource = unique_resource("prefix");
-    let in_domain = Resource::in_domain("billing", "account:1").unwrap();
-
-    // Keys.
-    assert_eq!(default.key_prefix(), "pgfence");
-    assert_eq!(default.lock_key(&resource), pgfence::lock_key(&resource));
-    assert_eq!(
-        default.counter_key(&resource),
-        pgfence::counter_key(&resource)
-    );
-    assert_eq!(a.lock_key(&resource), format!("app-a:{{{resource}}}:lock"));
-    assert_eq!(
-        a.counter_key(&resource),
-        format!("app-a:{{{resource}}}:fence")
-    );
-    assert_eq!(a.lock_key(&in_domain), "app-a:{billing}:lock:account:1");
-    assert_eq!(a.counter_key(&in_domain), "app-a:{billing}:fence");
-
-    // The same resource under three prefixes: three locks, three counters.
-    a.raise_floor(&resource, 10).await.unwrap();
-    let la = a.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
-    let lb = b.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
-    let ld = default.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
-    assert_eq!(la.token().get(), 11);
-    assert_eq!(lb.token().get(), 1);
-    assert_eq!(ld.token().get(), 1);
-    assert!(a.acquire(&resource, 10 * SEC).await.unwrap().is_none());
-    assert_eq!(a.status(&resource).await.unwrap().counter, 11);
-    assert_eq!(b.status(&resource).await.unwrap().counter, 1);
-    // A lease is released only through its own prefix.
-    assert_eq!(
-        default.release(&la).await.unwrap(),
-        ReleaseOutcome::TakenByOther
-    );
-    assert_eq!(a.release(&la).await.unwrap(), ReleaseOutcome::Released);
-    assert_eq!(
-        default.status(&resource).await.unwrap().owner.as_deref(),
-        Some(ld.owner())
-    );
-    let mut redis = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let held: Option<String> = redis
-        .get(format!("app-b:{{{resource}}}:lock"))
-        .await
-        .unwrap();
-    assert_eq!(held, Some(format!("{}:{}", lb.owner(), lb.token())));
-    b.release(&lb).await.unwrap();
-    default.release(&ld).await.unwrap();
-    let _: () = redis
-        .del(&[
-            a.counter_key(&resource),
-            format!("app-b:{{{resource}}}:fence"),
-            default.counter_key(&resource),
-        ])
-        .await
-        .unwrap();
 }
 
 #[tokio::test]

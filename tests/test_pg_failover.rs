@@ -226,6 +226,27 @@ async fn an_async_promotion_that_lost_fenced_commits_keeps_every_older_lease_out
     assert_fenced_by_failover(&err, 2, before, before + 1);
     let err = fence.check(&pool, &resource, &b).await.unwrap_err();
     assert_fenced_by_failover(&err, 2, before, before + 1);
+    // The shell path (a script under `pgfence run` passes PGFENCE_TIMELINE): the
+    // non-raising forms refuse too, each with its audit row.
+    let held: bool = sqlx::query_scalar("SELECT pgfence.try_check($1, 1, $2, $3)")
+        .bind(resource.as_str())
+        .bind(i32::from(tag))
+        .bind(before)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(!held);
+    let written = sqlx::query(
+        "UPDATE accounts SET balance = 998, fence = pgfence.next_fence(fence, 1, $1, 'accounts')
+          WHERE id = 1 AND pgfence.admits(fence, 1, $1, 'accounts', '[1]', $2)",
+    )
+    .bind(i32::from(tag))
+    .bind(before)
+    .execute(&pool)
+    .await
+    .unwrap()
+    .rows_affected();
+    assert_eq!(written, 0);
     assert_eq!(row(&pool).await, (100, 1), "nothing was applied");
 
     // Every refusal is audited, with why.
@@ -236,7 +257,7 @@ async fn an_async_promotion_that_lost_fenced_commits_keeps_every_older_lease_out
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(reasons.len(), 6, "{reasons:?}");
+    assert_eq!(reasons.len(), 8, "{reasons:?}");
     assert_eq!(
         reasons[0],
         (

@@ -11,10 +11,12 @@ use etcd_client::{
 };
 use tokio::time::Instant;
 
-use super::{
-    ACQUIRE_ATTEMPTS, DEFAULT_KEY_PREFIX, Lease, LeaseState, LockStatus, ReleaseOutcome,
-    acquire_waiting, check_key_prefix, check_ttl, host_list, new_owner_id, retrying,
-};
+use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
+use super::lease::check_ttl;
+use super::policy::{self, Ask, Attempt, Backend, PATIENT, Renewal, Resend};
+use super::token_issuer::IssuerKind;
+use super::url::host_list;
+use super::{Lease, LeaseState, LockStatus, ReleaseOutcome};
 use crate::tls::{TlsParams, has_scheme};
 use crate::{Error, FenceToken, MAX_TOKEN, Resource, Result};
 
@@ -238,7 +240,7 @@ impl EtcdIssuer {
     /// retries; [`Error::InvalidToken`] when the cluster's revision reached
     /// [`MAX_TOKEN`](crate::MAX_TOKEN) (refused before anything is written).
     pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
-        Ok(self.acquire_as(resource, &new_owner_id(), ttl).await?.ok())
+        policy::acquire(self, resource, ttl).await
     }
 
     /// Like [`EtcdIssuer::acquire`] with a caller-chosen owner id. Re-running it with the same
@@ -255,46 +257,20 @@ impl EtcdIssuer {
         owner: &str,
         ttl: Duration,
     ) -> Result<std::result::Result<Lease, Duration>> {
-        let secs = lease_secs(ttl)?;
-        super::check_owner(owner)?;
-        let fencing = super::fencing_name(&self.prefix, resource)?;
-        let key = self.lock_key(resource);
-        let mut attempt = 0;
-        loop {
-            match self.try_acquire(resource, &key, owner, ttl, secs).await {
-                Ok(Some(outcome)) => return Ok(outcome.map(|l| l.fenced_as(fencing.clone()))),
-                // The holder's lease ran out between two of our requests: look again.
-                Ok(None) => {}
-                // The same owner id makes a re-sent acquire return the token already issued.
-                Err(e) if attempt + 1 < ACQUIRE_ATTEMPTS && e.is_retryable() => {
-                    tokio::time::sleep(Duration::from_millis(25 << attempt)).await;
-                }
-                Err(e) => return Err(e),
-            }
-            attempt += 1;
-            if attempt >= ACQUIRE_ATTEMPTS * 2 {
-                // Only a lock that keeps vanishing between a read and a write gets here.
-                return Ok(Err(Duration::ZERO));
-            }
-        }
+        policy::acquire_as(self, resource, owner, ttl).await
     }
 
-    /// One attempt; `Ok(None)` when the lock changed hands under us and a new look is needed.
-    async fn try_acquire(
-        &self,
-        resource: &Resource,
-        key: &str,
-        owner: &str,
-        ttl: Duration,
-        secs: i64,
-    ) -> Result<Option<std::result::Result<Lease, Duration>>> {
+    /// One attempt: a read, and a lease grant and a transaction when the lock is free.
+    async fn acquire_once(&self, ask: &Ask<'_>) -> Result<Attempt> {
+        let secs = lease_secs(ask.ttl)?;
+        let (resource, owner) = (ask.resource, ask.owner);
+        let key = self.lock_key(resource);
+        let key = key.as_str();
         let sent_at = Instant::now();
         // A read first: a held lock costs no lease grant (a Raft write) to refuse.
         let read = self.client.kv_client().get(key, None).await?;
         if let Some(held) = read.kvs().first().cloned() {
-            return self
-                .held(resource, key, owner, ttl, secs, held, sent_at)
-                .await;
+            return self.held(ask, key, secs, held, sent_at).await;
         }
         // The key would be created at a revision above the one just read: refuse at the
         // limit before anything is written.
@@ -320,11 +296,8 @@ impl EtcdIssuer {
         if !reply.succeeded() {
             self.revoke(lease_id).await;
             return match kv {
-                Some(held) => {
-                    self.held(resource, key, owner, ttl, secs, held, sent_at)
-                        .await
-                }
-                None => Ok(None),
+                Some(held) => self.held(ask, key, secs, held, sent_at).await,
+                None => Ok(Attempt::Again),
             };
         }
         let created = kv.map_or(0, |kv| kv.create_revision());
@@ -334,29 +307,21 @@ impl EtcdIssuer {
             self.undo(key, created, lease_id).await;
             return Err(limit_refused(resource, created, true));
         }
-        Ok(Some(Ok(Lease {
-            timeline: crate::timeline::Binding::default(),
-            resource: resource.clone(),
-            fencing: resource.clone(),
-            owner: owner.to_owned(),
-            token: FenceToken::new(created)?,
-            ttl,
-            deadline: sent_at + ttl,
-        })))
+        Ok(Attempt::Granted(
+            ask.lease(FenceToken::new(created)?, sent_at),
+        ))
     }
 
-    /// The lock is held: by `owner` (renew it, same token) or by someone else (retry_in).
-    #[allow(clippy::too_many_arguments)]
+    /// The lock is held: by the asker (renew it, same token) or by someone else (retry_in).
     async fn held(
         &self,
-        resource: &Resource,
+        ask: &Ask<'_>,
         key: &str,
-        owner: &str,
-        ttl: Duration,
         secs: i64,
         held: KeyValue,
         sent_at: Instant,
-    ) -> Result<Option<std::result::Result<Lease, Duration>>> {
+    ) -> Result<Attempt> {
+        let resource = ask.resource;
         let created = held.create_revision();
         if created > MAX_TOKEN {
             // A lock created past the limit (a refused acquire whose clean-up did not get
@@ -365,26 +330,18 @@ impl EtcdIssuer {
             self.undo(key, created, held.lease()).await;
             return Err(limit_refused(resource, created, true));
         }
-        if held.value() != owner.as_bytes() {
-            return Ok(Some(Err(self.remaining(held.lease()).await?)));
+        if held.value() != ask.owner.as_bytes() {
+            return Ok(Attempt::Busy(self.remaining(held.lease()).await?));
         }
-        let mut lease = Lease {
-            timeline: crate::timeline::Binding::default(),
-            resource: resource.clone(),
-            fencing: resource.clone(),
-            owner: owner.to_owned(),
-            token: FenceToken::new(held.create_revision())?,
-            ttl,
-            deadline: sent_at + ttl,
-        };
+        let mut lease = ask.lease(FenceToken::new(held.create_revision())?, sent_at);
         // The same owner again: renew for the TTL asked now, as Redis's PEXPIRE does.
         Ok(
             match self
                 .renew(key, &mut lease, held, secs, false, sent_at)
                 .await?
             {
-                LeaseState::Held => Some(Ok(lease)),
-                _ => None,
+                LeaseState::Held => Attempt::Granted(lease),
+                _ => Attempt::Again,
             },
         )
     }
@@ -401,12 +358,7 @@ impl EtcdIssuer {
         ttl: Duration,
         wait: Duration,
     ) -> Result<Option<Lease>> {
-        // etcd reports whole seconds: 0 s left means "under a second", not "free now"
-        // (wait_nap then uses its plain backoff).
-        acquire_waiting(ttl, wait, |owner| async move {
-            self.acquire_as(resource, &owner, ttl).await
-        })
-        .await
+        policy::acquire_wait(self, resource, ttl, wait).await
     }
 
     /// Releases the lock if `lease` still holds it (same owner and token), and revokes its
@@ -421,33 +373,7 @@ impl EtcdIssuer {
     /// # Errors
     /// [`Error::Etcd`].
     pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
-        let until = Instant::now() + Duration::from_secs(2);
-        let (outcome, retried) = retrying(until, || self.release_once(lease)).await;
-        let outcome = outcome?;
-        Ok(outcome.after_resend(retried, lease))
-    }
-
-    async fn release_once(&self, lease: &Lease) -> Result<ReleaseOutcome> {
-        let key = self.lock_key(&lease.resource);
-        let txn = Txn::new()
-            .when(owned_by(&key, lease))
-            .and_then([
-                TxnOp::get(key.as_str(), None),
-                TxnOp::delete(key.as_str(), None),
-            ])
-            .or_else([TxnOp::get(key.as_str(), None)]);
-        let reply = self.client.kv_client().txn(txn).await?;
-        let kv = first_kv(&reply);
-        if reply.succeeded() {
-            if let Some(kv) = kv.filter(|kv| kv.lease() != 0) {
-                self.revoke(kv.lease()).await;
-            }
-            Ok(ReleaseOutcome::Released)
-        } else if kv.is_some() {
-            Ok(ReleaseOutcome::TakenByOther)
-        } else {
-            Ok(ReleaseOutcome::AlreadyExpired)
-        }
+        policy::release(self, lease).await
     }
 
     /// Extends the lock to `ttl` from now (rounded up to whole seconds on the server) if
@@ -460,8 +386,7 @@ impl EtcdIssuer {
     /// # Errors
     /// [`Error::InvalidDuration`]; [`Error::Etcd`].
     pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
-        let until = lease.deadline.max(Instant::now() + Duration::from_secs(2));
-        self.extend_until(lease, ttl, until).await
+        policy::extend(self, lease, ttl).await
     }
 
     /// [`EtcdIssuer::extend`], re-sending after transport failures only until `until` (what
@@ -475,36 +400,7 @@ impl EtcdIssuer {
         ttl: Duration,
         until: Instant,
     ) -> Result<LeaseState> {
-        let secs = lease_secs(ttl)?;
-        let (outcome, _) = retrying(until, || self.extend_once(lease, ttl, secs)).await;
-        let (state, renewed) = outcome?;
-        if let Some(renewed) = renewed {
-            *lease = renewed;
-        }
-        Ok(state)
-    }
-
-    async fn extend_once(
-        &self,
-        lease: &Lease,
-        ttl: Duration,
-        secs: i64,
-    ) -> Result<(LeaseState, Option<Lease>)> {
-        let sent_at = Instant::now();
-        let key = self.lock_key(&lease.resource);
-        let Some(held) = self.get(&key).await? else {
-            return Ok((LeaseState::Expired, None));
-        };
-        if !holds(&held, lease) {
-            return Ok((LeaseState::Taken, None));
-        }
-        let same_ttl = lease_secs(lease.ttl).ok() == Some(secs);
-        let mut renewed = lease.clone();
-        renewed.ttl = ttl;
-        let state = self
-            .renew(&key, &mut renewed, held, secs, same_ttl, sent_at)
-            .await?;
-        Ok((state, (state == LeaseState::Held).then_some(renewed)))
+        policy::extend_until(self, lease, ttl, until).await
     }
 
     /// Renews a lock `lease` holds (`held` is its key as just read): one keep-alive when the
@@ -571,45 +467,12 @@ impl EtcdIssuer {
 
     /// Reads `resource`'s lock. `counter` is the cluster's current revision: every token
     /// issued so far is at most this, and the next one will be above it. `ttl_ms` has etcd's
-    /// resolution, whole seconds.
+    /// resolution, whole seconds. A read lost in transit is sent again for up to 2 s.
     ///
     /// # Errors
     /// [`Error::Etcd`].
     pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
-        let key = self.lock_key(resource);
-        let reply = self.client.kv_client().get(key.as_str(), None).await?;
-        let counter = reply
-            .header()
-            .map_or(0, etcd_client::ResponseHeader::revision);
-        let held = reply.kvs().first().cloned();
-        let (owner, token, ttl_ms) = match held {
-            Some(kv) => {
-                let ttl_ms = if kv.lease() == 0 {
-                    None
-                } else {
-                    let left = self
-                        .client
-                        .lease_client()
-                        .time_to_live(kv.lease(), None)
-                        .await?
-                        .ttl();
-                    Some(left.max(0).saturating_mul(1000))
-                };
-                (
-                    Some(String::from_utf8_lossy(kv.value()).into_owned()),
-                    Some(kv.create_revision()),
-                    ttl_ms,
-                )
-            }
-            None => (None, None, None),
-        };
-        Ok(LockStatus {
-            resource: resource.to_string(),
-            owner,
-            token,
-            ttl_ms,
-            counter,
-        })
+        policy::status(self, resource).await
     }
 
     /// Keeps `lease` alive in the background; see [`KeepAlive`](crate::KeepAlive).
@@ -661,9 +524,102 @@ impl EtcdIssuer {
     }
 }
 
+/// Revisions never go backwards: nothing to raise, nothing to reseed (the defaults).
+impl Backend for EtcdIssuer {
+    const KIND: IssuerKind = IssuerKind::Etcd;
+    const RESEND: Resend = PATIENT;
+
+    fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    async fn try_acquire(&self, ask: &Ask<'_>) -> Result<Attempt> {
+        self.acquire_once(ask).await
+    }
+
+    async fn release_once(&self, lease: &Lease) -> Result<ReleaseOutcome> {
+        let key = self.lock_key(&lease.resource);
+        let txn = Txn::new()
+            .when(owned_by(&key, lease))
+            .and_then([
+                TxnOp::get(key.as_str(), None),
+                TxnOp::delete(key.as_str(), None),
+            ])
+            .or_else([TxnOp::get(key.as_str(), None)]);
+        let reply = self.client.kv_client().txn(txn).await?;
+        let kv = first_kv(&reply);
+        if reply.succeeded() {
+            if let Some(kv) = kv.filter(|kv| kv.lease() != 0) {
+                self.revoke(kv.lease()).await;
+            }
+            Ok(ReleaseOutcome::Released)
+        } else if kv.is_some() {
+            Ok(ReleaseOutcome::TakenByOther)
+        } else {
+            Ok(ReleaseOutcome::AlreadyExpired)
+        }
+    }
+
+    async fn extend_once(&self, lease: &Lease, ttl: Duration) -> Result<Renewal> {
+        let secs = lease_secs(ttl)?;
+        let sent_at = Instant::now();
+        let key = self.lock_key(&lease.resource);
+        let Some(held) = self.get(&key).await? else {
+            return Ok(Renewal::Expired);
+        };
+        if !holds(&held, lease) {
+            return Ok(Renewal::Taken);
+        }
+        let same_ttl = lease_secs(lease.ttl).ok() == Some(secs);
+        let mut renewed = lease.clone();
+        renewed.ttl = ttl;
+        let state = self
+            .renew(&key, &mut renewed, held, secs, same_ttl, sent_at)
+            .await?;
+        Ok(Renewal::of(state, renewed.deadline))
+    }
+
+    async fn status_once(&self, resource: &Resource) -> Result<LockStatus> {
+        let key = self.lock_key(resource);
+        let reply = self.client.kv_client().get(key.as_str(), None).await?;
+        let counter = reply
+            .header()
+            .map_or(0, etcd_client::ResponseHeader::revision);
+        let held = reply.kvs().first().cloned();
+        let (owner, token, ttl_ms) = match held {
+            Some(kv) => {
+                let ttl_ms = if kv.lease() == 0 {
+                    None
+                } else {
+                    let left = self
+                        .client
+                        .lease_client()
+                        .time_to_live(kv.lease(), None)
+                        .await?
+                        .ttl();
+                    Some(left.max(0).saturating_mul(1000))
+                };
+                (
+                    Some(String::from_utf8_lossy(kv.value()).into_owned()),
+                    Some(kv.create_revision()),
+                    ttl_ms,
+                )
+            }
+            None => (None, None, None),
+        };
+        Ok(LockStatus {
+            resource: resource.to_string(),
+            owner,
+            token,
+            ttl_ms,
+            counter,
+        })
+    }
+}
+
 /// The refusal at the token limit: the cluster's revision is at `revision`.
 fn limit_refused(resource: &Resource, revision: i64, undone: bool) -> Error {
-    super::limit_refused(
+    policy::limit_refused(
         resource,
         &format!("the etcd cluster's revision, its token counter (at {revision}),"),
         "etcd revisions never go backwards, so this cluster can issue no more tokens",

@@ -10,10 +10,11 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 use tokio::time::Instant;
 
-use super::{
-    ACQUIRE_ATTEMPTS, DEFAULT_KEY_PREFIX, KeepAlive, Lease, LeaseState, LockStatus, ReleaseOutcome,
-    acquire_waiting, check_key_prefix, check_owner, retrying, ttl_millis,
-};
+use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
+use super::lease::{check_owner, ttl_millis};
+use super::policy::{self, Ask, Attempt, Backend, PATIENT, Renewal, Resend, limit_refused};
+use super::token_issuer::IssuerKind;
+use super::{KeepAlive, Lease, LeaseState, LockStatus, ReleaseOutcome};
 use crate::ident::quote_literal;
 use crate::{Error, FenceToken, Resource, Result};
 
@@ -27,9 +28,6 @@ pub fn is_postgres_url(url: &str) -> bool {
     let head = url.get(..13).unwrap_or(url).to_ascii_lowercase();
     POSTGRES_SCHEMES.iter().any(|s| head.starts_with(s))
 }
-
-/// How long a release or a status read is re-sent after transport errors.
-const RESEND_WINDOW: Duration = Duration::from_secs(2);
 
 /// Connections [`PgIssuer::connect`] opens at most.
 const POOL_SIZE: u32 = 16;
@@ -159,10 +157,7 @@ impl PgIssuer {
     /// (nothing is sent); [`Error::InvalidToken`] when the counter would pass
     /// [`MAX_TOKEN`](crate::MAX_TOKEN) (nothing changes); [`Error::Database`].
     pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
-        Ok(self
-            .acquire_as(resource, &super::new_owner_id(), ttl)
-            .await?
-            .ok())
+        policy::acquire(self, resource, ttl).await
     }
 
     /// Like [`PgIssuer::acquire`] with a caller-chosen owner id. Re-running it with the same
@@ -179,34 +174,7 @@ impl PgIssuer {
         owner: &str,
         ttl: Duration,
     ) -> Result<std::result::Result<Lease, Duration>> {
-        let ttl_ms = ttl_millis(ttl)?;
-        let owner_lit = owner_literal(owner)?;
-        let fencing = super::fencing_name(&self.prefix, resource)?;
-        let sql = format!(
-            "SELECT acquired, token, ttl_ms FROM pgfence.issuer_acquire({}, {}, {owner_lit}, {ttl_ms})",
-            self.prefix_literal()?,
-            resource_literal(resource)?,
-        );
-        let _timer = crate::metrics::Timer::acquire();
-        let mut attempt = 0;
-        let result = loop {
-            let sent_at = Instant::now();
-            match self.one_row(&sql).await {
-                Ok(row) => {
-                    break decode_acquire(&row, resource, owner, ttl, sent_at)
-                        .map(|got| got.map(|l| l.fenced_as(fencing)));
-                }
-                // The same owner id makes a re-sent acquire return the token already issued.
-                Err(e) if attempt + 1 < ACQUIRE_ATTEMPTS && e.is_retryable() => attempt += 1,
-                Err(e) => break Err(token_limit(e, resource)),
-            }
-        };
-        crate::metrics::acquisition(match &result {
-            Ok(Ok(_)) => "acquired",
-            Ok(Err(_)) => "busy",
-            Err(_) => "error",
-        });
-        result
+        policy::acquire_as(self, resource, owner, ttl).await
     }
 
     /// Waits up to `wait` for the lock (see the type's docs, "Waiting"), also through
@@ -220,10 +188,7 @@ impl PgIssuer {
         ttl: Duration,
         wait: Duration,
     ) -> Result<Option<Lease>> {
-        acquire_waiting(ttl, wait, |owner| async move {
-            self.acquire_as(resource, &owner, ttl).await
-        })
-        .await
+        policy::acquire_wait(self, resource, ttl, wait).await
     }
 
     /// Releases the lock if `lease` (owner and token) still holds it. The counter is left
@@ -233,16 +198,7 @@ impl PgIssuer {
     /// # Errors
     /// [`Error::Database`].
     pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
-        let sql = format!(
-            "SELECT pgfence.issuer_release({}, {}, {}, {}) AS code",
-            self.prefix_literal()?,
-            resource_literal(&lease.resource)?,
-            owner_literal(&lease.owner)?,
-            lease.token.get(),
-        );
-        let (result, retried) = retrying(Instant::now() + RESEND_WINDOW, || self.code(&sql)).await;
-        let outcome = ReleaseOutcome::from_reply(result?);
-        Ok(outcome.after_resend(retried, lease))
+        policy::release(self, lease).await
     }
 
     /// Extends the lock to `ttl` from now (the database's now) if `lease` still holds it, and
@@ -252,8 +208,7 @@ impl PgIssuer {
     /// # Errors
     /// [`Error::InvalidDuration`]; [`Error::Database`].
     pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
-        let until = lease.deadline.max(Instant::now() + RESEND_WINDOW);
-        self.extend_until(lease, ttl, until).await
+        policy::extend(self, lease, ttl).await
     }
 
     /// [`PgIssuer::extend`], re-sending after transport failures until `until` (what
@@ -267,26 +222,7 @@ impl PgIssuer {
         ttl: Duration,
         until: Instant,
     ) -> Result<LeaseState> {
-        let ttl_ms = ttl_millis(ttl)?;
-        let sql = format!(
-            "SELECT pgfence.issuer_extend({}, {}, {}, {}, {ttl_ms}) AS code",
-            self.prefix_literal()?,
-            resource_literal(&lease.resource)?,
-            owner_literal(&lease.owner)?,
-            lease.token.get(),
-        );
-        let mut sent_at = Instant::now();
-        let (result, _) = retrying(until, || {
-            sent_at = Instant::now();
-            self.code(&sql)
-        })
-        .await;
-        let state = LeaseState::from_reply(result?);
-        if state == LeaseState::Held {
-            lease.ttl = ttl;
-            lease.deadline = sent_at + ttl;
-        }
-        Ok(state)
+        policy::extend_until(self, lease, ttl, until).await
     }
 
     /// Reads `resource`'s lock (a lapsed one reads as free) and counter.
@@ -294,25 +230,7 @@ impl PgIssuer {
     /// # Errors
     /// [`Error::Database`].
     pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
-        let sql = format!(
-            "SELECT owner, token, ttl_ms, counter FROM pgfence.issuer_status({}, {})",
-            self.prefix_literal()?,
-            resource_literal(resource)?,
-        );
-        let (row, _) = retrying(Instant::now() + RESEND_WINDOW, || self.one_row(&sql)).await;
-        let row = row?;
-        let owner: Option<String> = row.try_get("owner")?;
-        Ok(LockStatus {
-            resource: resource.to_string(),
-            token: row.try_get("token")?,
-            ttl_ms: if owner.is_some() {
-                row.try_get("ttl_ms")?
-            } else {
-                None
-            },
-            owner,
-            counter: row.try_get("counter")?,
-        })
+        policy::status(self, resource).await
     }
 
     /// Keeps `lease` alive in the background; see [`KeepAlive`].
@@ -340,30 +258,90 @@ impl PgIssuer {
     }
 }
 
-fn decode_acquire(
-    row: &PgRow,
-    resource: &Resource,
-    owner: &str,
-    ttl: Duration,
-    sent_at: Instant,
-) -> Result<std::result::Result<Lease, Duration>> {
-    let acquired: bool = row.try_get("acquired")?;
-    if !acquired {
-        let ms: i64 = row.try_get::<Option<i64>, _>("ttl_ms")?.unwrap_or(0);
-        return Ok(Err(Duration::from_millis(u64::try_from(ms).unwrap_or(0))));
+impl Backend for PgIssuer {
+    const KIND: IssuerKind = IssuerKind::Postgres;
+    const RESEND: Resend = PATIENT;
+
+    fn key_prefix(&self) -> &str {
+        &self.prefix
     }
-    let token: i64 = row
-        .try_get::<Option<i64>, _>("token")?
-        .ok_or_else(|| Error::InvalidToken("NULL from pgfence.issuer_acquire".into()))?;
-    Ok(Ok(Lease {
-        timeline: crate::timeline::Binding::default(),
-        resource: resource.clone(),
-        fencing: resource.clone(),
-        owner: owner.to_owned(),
-        token: FenceToken::new(token)?,
-        ttl,
-        deadline: sent_at + ttl,
-    }))
+
+    /// One statement: `pgfence.issuer_acquire` takes a free or lapsed lock, or renews the
+    /// same owner's, and reports the holder's remaining TTL otherwise.
+    async fn try_acquire(&self, ask: &Ask<'_>) -> Result<Attempt> {
+        let sql = format!(
+            "SELECT acquired, token, ttl_ms FROM pgfence.issuer_acquire({}, {}, {}, {})",
+            self.prefix_literal()?,
+            resource_literal(ask.resource)?,
+            owner_literal(ask.owner)?,
+            ttl_millis(ask.ttl)?,
+        );
+        let sent_at = Instant::now();
+        let row = self
+            .one_row(&sql)
+            .await
+            .map_err(|e| token_limit(e, ask.resource))?;
+        if !row.try_get::<bool, _>("acquired")? {
+            let ms: i64 = row.try_get::<Option<i64>, _>("ttl_ms")?.unwrap_or(0);
+            return Ok(Attempt::Busy(Duration::from_millis(
+                u64::try_from(ms).unwrap_or(0),
+            )));
+        }
+        let token: i64 = row
+            .try_get::<Option<i64>, _>("token")?
+            .ok_or_else(|| Error::InvalidToken("NULL from pgfence.issuer_acquire".into()))?;
+        Ok(Attempt::Granted(
+            ask.lease(FenceToken::new(token)?, sent_at),
+        ))
+    }
+
+    async fn release_once(&self, lease: &Lease) -> Result<ReleaseOutcome> {
+        let sql = format!(
+            "SELECT pgfence.issuer_release({}, {}, {}, {}) AS code",
+            self.prefix_literal()?,
+            resource_literal(&lease.resource)?,
+            owner_literal(&lease.owner)?,
+            lease.token.get(),
+        );
+        Ok(ReleaseOutcome::from_reply(self.code(&sql).await?))
+    }
+
+    async fn extend_once(&self, lease: &Lease, ttl: Duration) -> Result<Renewal> {
+        let sql = format!(
+            "SELECT pgfence.issuer_extend({}, {}, {}, {}, {}) AS code",
+            self.prefix_literal()?,
+            resource_literal(&lease.resource)?,
+            owner_literal(&lease.owner)?,
+            lease.token.get(),
+            ttl_millis(ttl)?,
+        );
+        let sent_at = Instant::now();
+        Ok(Renewal::of(
+            LeaseState::from_reply(self.code(&sql).await?),
+            sent_at + ttl,
+        ))
+    }
+
+    async fn status_once(&self, resource: &Resource) -> Result<LockStatus> {
+        let sql = format!(
+            "SELECT owner, token, ttl_ms, counter FROM pgfence.issuer_status({}, {})",
+            self.prefix_literal()?,
+            resource_literal(resource)?,
+        );
+        let row = self.one_row(&sql).await?;
+        let owner: Option<String> = row.try_get("owner")?;
+        Ok(LockStatus {
+            resource: resource.to_string(),
+            token: row.try_get("token")?,
+            ttl_ms: if owner.is_some() {
+                row.try_get("ttl_ms")?
+            } else {
+                None
+            },
+            owner,
+            counter: row.try_get("counter")?,
+        })
+    }
 }
 
 /// The acquire's refusal to pass the token limit (SQLSTATE 22003) as [`Error::InvalidToken`].
@@ -382,7 +360,7 @@ fn token_limit(e: Error, resource: &Resource) -> Error {
             .rsplit_once("token=")
             .and_then(|(_, t)| t.trim().parse::<i64>().ok())
             .map_or_else(String::new, |next| format!(" (at {})", next - 1));
-        return super::limit_refused(
+        return limit_refused(
             resource,
             &format!("its token counter in pgfence.issuer_counter{at}"),
             "if it was raised by mistake, the schema's owner sets it back to PostgreSQL's high-water mark (UPDATE pgfence.issuer_counter)",

@@ -1,12 +1,14 @@
 //! The lease-semantics tests every issuer shares: one suite, run against Redis
-//! (`tests/test_issuer_trait.rs`), PostgreSQL (`tests/test_pg_issuer.rs`), etcd
+//! (`tests/test_issuer.rs`, standalone and through Sentinel, and `lease_semantics` in
+//! `tests/test_issuer_trait.rs`), PostgreSQL (`tests/test_pg_issuer.rs`), etcd
 //! (`tests/test_etcd_issuer.rs`) and ZooKeeper (`tests/test_zk_issuer.rs`), each function
 //! generic over the issuer ([`TokenIssuer`]) and told by a [`Profile`] where the issuers really
 //! differ.
 //!
-//! A test file invokes [`lease_tests!`] once, which defines there the `#[tokio::test]`
-//! functions of the tests whose names the files share, each skipped through the file's own
-//! `skip` and run on the file's issuer. The files call the rest themselves: the bad-TTL test
+//! A test file invokes [`lease_tests!`] once per issuer (a second one in a module of its own),
+//! which defines there the `#[tokio::test]` functions of the tests whose names the files
+//! share, each skipped through the file's own `skip` and run on the file's issuer. The files
+//! call the rest themselves: the bad-TTL test
 //! (named after the issuer, with their URL checks after it), the layout tests (after a lock
 //! deleted by hand: [`deleted_lock_is_lost_to_its_holder`]), [`lease_semantics`] through
 //! `Arc<dyn TokenIssuer>`, [`floor_and_recovery_are_no_ops`], [`key_prefixes_separate_locks`]
@@ -543,6 +545,16 @@ pub async fn paused_holder_is_fenced_by_postgres<I: TokenIssuer>(p: &Profile, is
         .await
         .unwrap();
     assert_eq!(payload, "B");
+    // The rejection is audited with the lease's holder and name.
+    let audit = pgfence::list_audit(&db.pool, &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(audit[0].holder.as_deref(), Some(a.owner()));
+    assert_eq!(
+        audit[0].resource.as_deref(),
+        Some(a.fencing_resource().as_str())
+    );
     assert_eq!(
         issuer.release(&a).await.unwrap(),
         ReleaseOutcome::TakenByOther

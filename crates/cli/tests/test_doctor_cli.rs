@@ -199,3 +199,57 @@ async fn guard_observe_enforce_and_tables_show_the_mode() {
     assert!(sql.contains("'observe'"), "{sql}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A promotion as the timeline history shows it (the real failover is in the library's
+/// `test_pg_failover`): doctor exits non-zero with a `failed_over` finding until
+/// `--ack-failover`, which needs the owner and is recorded with who acknowledged.
+#[tokio::test]
+async fn doctor_reports_a_failover_until_it_is_acknowledged() {
+    let db = TestDb::new().await;
+    let out = pgfence(&db, &["doctor", "--no-redis"]).await;
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    // The history of a database promoted from the timeline before this one.
+    db.exec(
+        "DELETE FROM pgfence.timeline_history;
+         INSERT INTO pgfence.timeline_history (timeline, acknowledged_at, acknowledged_by)
+         VALUES (pgfence.timeline() - 1, now(), 'installed');",
+    )
+    .await;
+    let out = pgfence(&db, &["doctor", "--no-redis"]).await;
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let text = stdout(&out);
+    assert!(
+        text.contains("failed_over") && text.contains("--ack-failover"),
+        "{text}"
+    );
+    let out = pgfence(&db, &["doctor", "--no-redis", "--json"]).await;
+    let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(v["ok"], false);
+    assert!(
+        v["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["kind"] == "failed_over" && f["severity"] == "error"),
+        "{v}"
+    );
+
+    let out = pgfence(&db, &["doctor", "--no-redis", "--ack-failover"]).await;
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("acknowledged 1 failover"),
+        "{out:?}"
+    );
+    let by: Option<String> = sqlx::query_scalar(
+        "SELECT acknowledged_by FROM pgfence.timeline_history WHERE timeline = pgfence.timeline()",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        by.is_some_and(|b| b.starts_with("pgfence doctor --ack-failover")),
+        "recorded who acknowledged"
+    );
+    let out = pgfence(&db, &["doctor", "--no-redis"]).await;
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+}

@@ -16,14 +16,15 @@ const BIN: &str = env!("CARGO_BIN_EXE_pgfence");
 /// The README's recipe: the command `pgfence run` gets, and `refund-42.sql`.
 const RECIPE_SH: &str = r#"set -e
   psql "$DATABASE_URL" -X -q -v ON_ERROR_STOP=1 -v resource="$PGFENCE_RESOURCE" \
-       -v token="$PGFENCE_TOKEN" -v tag="$PGFENCE_TAG" -f refund-42.sql
+       -v token="$PGFENCE_TOKEN" -v tag="$PGFENCE_TAG" \
+       -v timeline="$PGFENCE_TIMELINE" -f refund-42.sql
   echo "refund 42 applied""#;
 
-const RECIPE_SQL: &str = r"SELECT pgfence.try_check(:'resource', :token, :tag) AS held \gset
+const RECIPE_SQL: &str = r"SELECT pgfence.try_check(:'resource', :token, :tag, :timeline) AS held \gset
 SELECT pgfence.stop_unless(:'held', :'resource');
 UPDATE accounts SET balance = balance + 100,
        fence = pgfence.next_fence(fence, :token, :tag, 'accounts')
- WHERE id = 42 AND pgfence.admits(fence, :token, :tag, 'accounts', '[42]');
+ WHERE id = 42 AND pgfence.admits(fence, :token, :tag, 'accounts', '[42]', :timeline);
 SELECT pgfence.stop_unless(:ROW_COUNT = 1, 'accounts [42]');
 ";
 
@@ -75,6 +76,7 @@ fn run_as_zombie(db: &TestDb, dir: &Path, resource: &str, token: i64, sql: &str)
         .env("PGFENCE_RESOURCE", resource)
         .env("PGFENCE_TOKEN", token.to_string())
         .env("PGFENCE_TAG", "0")
+        .env("PGFENCE_TIMELINE", "0")
         .stdin(Stdio::null())
         .output()
         .expect("run sh")

@@ -17,7 +17,7 @@ use crate::{LEASE_TTL, PAYLOAD};
 
 /// The acquire script, byte for byte what [`pgfence::Issuer::acquire`] sends (the library's
 /// own file).
-const ACQUIRE_LUA: &str = include_str!("../../../../src/issuer/lua/acquire.lua");
+const ACQUIRE_LUA: &str = include_str!("../../../../src/issuer/redis/lua/acquire.lua");
 
 /// The hand-rolled baseline's release: delete the key only if it still holds our value.
 const COMPARE_DEL_LUA: &str =

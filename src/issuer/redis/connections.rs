@@ -1,7 +1,6 @@
-//! The issuer's Redis connections: a few reconnecting connections used in turn, and the
-//! bounded retry of owner-safe calls after a transport failure.
+//! The issuer's Redis connections: a few reconnecting connections used in turn, and which
+//! Redis errors say nothing about the lock (so that an owner-safe call may be sent again).
 
-use std::future::Future;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -9,7 +8,6 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::{RedisError, RedisResult, RetryMethod, Value};
-use tokio::time::Instant;
 
 use crate::Result;
 
@@ -188,82 +186,4 @@ pub(super) fn transport_error(e: &RedisError) -> bool {
                 | RetryMethod::RefreshSlotsAndRetry
                 | RetryMethod::ReconnectFromInitialConnections
         )
-}
-
-/// How long one attempt of a retried call may take before it is abandoned and re-sent (on
-/// another connection: a stalled connection is not reconnected by the client).
-const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(1);
-/// The shortest time the first attempt is given, even when the caller's time is up.
-const FIRST_ATTEMPT_MIN: Duration = Duration::from_millis(100);
-/// Pause before the second retry; it doubles up to [`BACKOFF_MAX`]. The first retry is
-/// immediate: it goes to the connection that just reconnected.
-const BACKOFF_START: Duration = Duration::from_millis(10);
-const BACKOFF_MAX: Duration = Duration::from_millis(250);
-
-/// What [`retry_transport`] got.
-pub(super) struct Attempts<T> {
-    /// The last attempt's result.
-    pub(super) result: RedisResult<T>,
-    /// When the last attempt was sent.
-    pub(super) sent_at: Instant,
-    /// An earlier attempt failed in transit: it may or may not have been executed.
-    pub(super) retried: bool,
-}
-
-/// Runs `attempt` (an owner-safe call, harmless to execute twice) until it succeeds, fails
-/// with something other than a [`transport_error`], `max_attempts` attempts were made, or
-/// `until` passes. Each attempt is cut off at `until` (the first one gets at least
-/// [`FIRST_ATTEMPT_MIN`]) and after [`ATTEMPT_TIMEOUT`]; retries back off briefly.
-pub(super) async fn retry_transport<T, F, Fut>(
-    until: Instant,
-    max_attempts: u32,
-    mut attempt: F,
-) -> Attempts<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = RedisResult<T>>,
-{
-    let mut backoff = Duration::ZERO;
-    let mut made = 0;
-    loop {
-        let sent_at = Instant::now();
-        let mut budget = until.saturating_duration_since(sent_at);
-        if made == 0 {
-            budget = budget.max(FIRST_ATTEMPT_MIN);
-        }
-        made += 1;
-        let result = match tokio::time::timeout(budget.min(ATTEMPT_TIMEOUT), attempt()).await {
-            Ok(result) => result,
-            Err(_) => Err(RedisError::from(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!(
-                    "no reply from Redis within {:?}",
-                    budget.min(ATTEMPT_TIMEOUT)
-                ),
-            ))),
-        };
-        let retried = made > 1;
-        match result {
-            Err(e) if transport_error(&e) && made < max_attempts => {
-                let now = Instant::now();
-                if now + backoff >= until {
-                    return Attempts {
-                        result: Err(e),
-                        sent_at,
-                        retried,
-                    };
-                }
-                tracing::debug!(target: "pgfence::issuer", error = %e, attempt = made, "Redis call failed in transit; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).clamp(BACKOFF_START, BACKOFF_MAX);
-            }
-            result => {
-                return Attempts {
-                    result,
-                    sent_at,
-                    retried,
-                };
-            }
-        }
-    }
 }

@@ -1,0 +1,266 @@
+//! [`connect_issuer`]: the issuer a URL names, picked at run time.
+
+use std::sync::Arc;
+
+use sqlx::PgPool;
+
+use super::keys::check_key_prefix;
+use super::token_issuer::{IssuerKind, TokenIssuer};
+use super::{Issuer, PgIssuer};
+#[cfg(any(doc, not(feature = "etcd"), not(feature = "zk")))]
+use crate::Error;
+use crate::Result;
+
+/// How [`connect_issuer_with`] sets up the issuer it connects.
+#[derive(Clone, Debug, Default)]
+pub struct IssuerOptions {
+    key_prefix: Option<String>,
+    floor_source: Option<PgPool>,
+}
+
+impl IssuerOptions {
+    /// The defaults: key prefix `pgfence`, no floor source.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The key prefix ([`Issuer::with_key_prefix`]; for etcd, keys become
+    /// `PREFIX/lock/R`; for ZooKeeper, nodes `/PREFIX/lock/R/...`). Checked when connecting.
+    #[must_use]
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.key_prefix = Some(prefix.into());
+        self
+    }
+
+    /// Recover a lost Redis counter from this database ([`Issuer::with_floor_source`]).
+    /// Ignored by etcd, ZooKeeper and PostgreSQL, whose counters never go backwards.
+    #[must_use]
+    pub fn floor_source(mut self, pool: PgPool) -> Self {
+        self.floor_source = Some(pool);
+        self
+    }
+}
+
+/// Connects the issuer `url` names, with the default options (see [`connect_issuer_with`]).
+///
+/// # Errors
+/// As [`connect_issuer_with`].
+pub async fn connect_issuer(url: &str) -> Result<Arc<dyn TokenIssuer>> {
+    connect_issuer_with(url, IssuerOptions::default()).await
+}
+
+/// Connects the issuer `url` names, chosen by its scheme:
+///
+/// * `redis://`, `rediss://` (TLS, feature `tls`), `redis+unix://`, `unix://`: the Redis
+///   [`Issuer`] ([`Issuer::connect`]);
+/// * `redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db]`, or
+///   `rediss+sentinel://...` over TLS (feature `tls`): the Redis issuer through Redis Sentinel
+///   ([`Issuer::connect_sentinel`]);
+/// * `etcd://host:port[,host:port...]`, or `etcd+https://...` over TLS (features `etcd` and
+///   `tls`): the etcd issuer;
+/// * `zk://host:port[,host:port...][?session_timeout_ms=N]`: the ZooKeeper issuer (feature
+///   `zk`; no TLS: `zks://` and the like fail with [`Error::TlsUnsupported`]);
+/// * `postgres://...` or `postgresql://...`: the PostgreSQL issuer
+///   ([`PgIssuer::connect`](crate::PgIssuer::connect)); the database needs pgfence's
+///   migrations.
+///
+/// The TLS URLs take the query parameters `cacert=PATH`, `cert=PATH` and `key=PATH` (see
+/// [`Issuer::connect`]).
+///
+/// # Errors
+/// [`Error::IssuerNotBuilt`] for `etcd://` or `zk://` without the feature, and for a TLS
+/// scheme without the `tls` feature; [`Error::TlsUnsupported`] for ZooKeeper over TLS;
+/// [`Error::InvalidIssuerUrl`] for any other scheme; [`Error::InvalidKeyPrefix`];
+/// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters; the issuer's
+/// connection error ([`Error::Redis`], [`Error::RedisPermission`], `Error::Etcd`,
+/// `Error::ZooKeeper`).
+pub async fn connect_issuer_with(
+    url: &str,
+    options: IssuerOptions,
+) -> Result<Arc<dyn TokenIssuer>> {
+    if let Some(prefix) = &options.key_prefix {
+        check_key_prefix(prefix)?;
+    }
+    let prefix = options.key_prefix.as_deref();
+    match IssuerKind::of_url(url)? {
+        IssuerKind::Redis if super::is_sentinel_url(url) => {
+            redis_with(Issuer::connect_sentinel(url).await?, options)
+        }
+        IssuerKind::Redis => redis_with(Issuer::connect(url).await?, options),
+        #[cfg(feature = "etcd")]
+        IssuerKind::Etcd => Ok(Arc::new(prefixed(
+            super::EtcdIssuer::connect(url).await?,
+            prefix,
+            |i, p| i.with_key_prefix(p),
+        )?)),
+        #[cfg(not(feature = "etcd"))]
+        IssuerKind::Etcd => Err(Error::IssuerNotBuilt {
+            scheme: "etcd://",
+            feature: "etcd",
+        }),
+        // `zks://` and kin, with or without the feature: refused, saying why.
+        IssuerKind::ZooKeeper if crate::tls::is_zk_tls_url(url) => {
+            Err(crate::tls::zk_tls_unsupported())
+        }
+        #[cfg(feature = "zk")]
+        IssuerKind::ZooKeeper => Ok(Arc::new(prefixed(
+            super::ZkIssuer::connect(url).await?,
+            prefix,
+            |i, p| i.with_key_prefix(p),
+        )?)),
+        #[cfg(not(feature = "zk"))]
+        IssuerKind::ZooKeeper => Err(Error::IssuerNotBuilt {
+            scheme: "zk://",
+            feature: "zk",
+        }),
+        IssuerKind::Postgres => Ok(Arc::new(prefixed(
+            PgIssuer::connect(url).await?,
+            prefix,
+            |i, p| i.with_key_prefix(p),
+        )?)),
+    }
+}
+
+/// `issuer` under `prefix`, when one is given.
+fn prefixed<I>(issuer: I, prefix: Option<&str>, with: fn(I, &str) -> Result<I>) -> Result<I> {
+    match prefix {
+        Some(prefix) => with(issuer, prefix),
+        None => Ok(issuer),
+    }
+}
+
+/// A Redis issuer (standalone or through Sentinel) with `options`' prefix and floor source.
+fn redis_with<C>(issuer: Issuer<C>, options: IssuerOptions) -> Result<Arc<dyn TokenIssuer>>
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let mut issuer = prefixed(issuer, options.key_prefix.as_deref(), |i, p| {
+        i.with_key_prefix(p)
+    })?;
+    if let Some(pool) = options.floor_source {
+        issuer = issuer.with_floor_source(pool);
+    }
+    Ok(Arc::new(issuer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+
+    #[test]
+    fn kinds_of_urls() {
+        for (url, kind) in [
+            ("REDIS://h:1", IssuerKind::Redis),
+            ("rediss+sentinel://h/m", IssuerKind::Redis),
+            ("unix:///tmp/r.sock", IssuerKind::Redis),
+            ("etcd+https://a,b", IssuerKind::Etcd),
+            ("zk://a", IssuerKind::ZooKeeper),
+            ("zks://a", IssuerKind::ZooKeeper),
+            ("postgresql://h/db", IssuerKind::Postgres),
+        ] {
+            assert_eq!(IssuerKind::of_url(url).unwrap(), kind, "{url}");
+        }
+        for bad in [":hunter2@h:6379", "mysql://u:hunter2@h/db", ""] {
+            let err = IssuerKind::of_url(bad).unwrap_err().to_string();
+            assert!(err.contains("invalid issuer URL"), "{err}");
+            assert!(!err.contains("hunter2"), "{err}");
+        }
+    }
+
+    #[tokio::test]
+    async fn rejects_unknown_schemes_and_bad_prefixes() {
+        let err = connect_issuer("nope://x").await.unwrap_err();
+        assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err}");
+        let err = connect_issuer("").await.unwrap_err();
+        assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err}");
+        let err = connect_issuer_with(
+            "redis://127.0.0.1:1",
+            IssuerOptions::new().key_prefix("a b"),
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, Error::InvalidKeyPrefix(_)), "{err}");
+        #[cfg(not(feature = "etcd"))]
+        {
+            let err = connect_issuer("etcd://127.0.0.1:2379").await.unwrap_err();
+            assert!(matches!(err, Error::IssuerNotBuilt { .. }), "{err}");
+            assert!(err.to_string().contains("`etcd` feature"), "{err}");
+        }
+        #[cfg(not(feature = "zk"))]
+        {
+            let err = connect_issuer("zk://127.0.0.1:2181").await.unwrap_err();
+            assert!(matches!(err, Error::IssuerNotBuilt { .. }), "{err}");
+        }
+        // With or without the zk feature: ZooKeeper over TLS is refused, saying why.
+        for zk_tls in ["zks://127.0.0.1:2281", "zk+tls://127.0.0.1:2281"] {
+            let err = connect_issuer(zk_tls).await.unwrap_err();
+            assert!(matches!(err, Error::TlsUnsupported { .. }), "{err}");
+        }
+    }
+
+    #[tokio::test]
+    async fn tls_urls_are_routed_and_checked_before_connecting() {
+        // Nothing listens on port 1: each of these fails before any connection is tried.
+        let err = connect_issuer("redis://127.0.0.1:1?cacert=/ca.pem")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidTls(_)), "{err}");
+        let err = connect_issuer("redis+sentinel://127.0.0.1:1/m?cacert=/ca.pem")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidTls(_)), "{err}");
+        assert!(err.to_string().contains("rediss+sentinel://"), "{err}");
+        for url in [
+            "rediss://127.0.0.1:1?cert=/c.pem",
+            "rediss+sentinel://127.0.0.1:1/m?key=/k.pem",
+        ] {
+            let err = connect_issuer(url).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidTls(_)), "{url}: {err}");
+        }
+        #[cfg(feature = "tls")]
+        {
+            let missing = "/nonexistent/pgfence-ca.pem";
+            for url in [
+                format!("rediss://127.0.0.1:1?cacert={missing}"),
+                format!("rediss+sentinel://127.0.0.1:1/m?cacert={missing}"),
+            ] {
+                let err = connect_issuer(&url).await.unwrap_err();
+                assert!(
+                    matches!(
+                        &err,
+                        Error::TlsFile {
+                            param: "cacert",
+                            ..
+                        }
+                    ),
+                    "{url}: {err}"
+                );
+                assert!(err.to_string().contains(missing), "{err}");
+            }
+        }
+        #[cfg(not(feature = "tls"))]
+        for (url, scheme) in [
+            ("rediss://127.0.0.1:1", "rediss://"),
+            ("rediss+sentinel://127.0.0.1:1/m", "rediss+sentinel://"),
+        ] {
+            let err = connect_issuer(url).await.unwrap_err();
+            assert!(
+                matches!(err, Error::IssuerNotBuilt { scheme: s, feature: "tls" } if s == scheme),
+                "{url}: {err}"
+            );
+            assert!(err.to_string().contains("`tls` feature"), "{err}");
+        }
+        #[cfg(all(feature = "etcd", not(feature = "tls")))]
+        {
+            let err = connect_issuer("etcd+https://127.0.0.1:1")
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(err, Error::IssuerNotBuilt { feature: "tls", .. }),
+                "{err}"
+            );
+        }
+    }
+}

@@ -1,0 +1,583 @@
+//! The Redis token issuer: a lock and its fence token in one atomic round trip, owner-safe
+//! release and extend, waiting, and recovery of the counter after a Redis failover.
+//!
+//! Keys for resource `R` are `pgfence:{R}:lock` and `pgfence:{R}:fence`; for resource `NAME`
+//! in fencing domain `D`, `pgfence:{D}:lock:NAME` and the domain's `pgfence:{D}:fence`
+//! (`pgfence` is the default key prefix; [`Issuer::with_key_prefix`] changes it). The
+//! hash tag puts a lock and its counter in one Redis Cluster slot. The counter never expires,
+//! and nothing here deletes it but an acquire refused at the token limit, which undoes the
+//! counter it had just created. Redis only hands out numbers: safety comes from Postgres
+//! rejecting old tokens, so a counter that goes backwards costs liveness (rejected writes)
+//! until it is reseeded, never correctness.
+
+mod acl;
+mod connections;
+mod scripts;
+mod sentinel;
+
+use std::future::Future;
+use std::num::NonZeroUsize;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::Value;
+use redis::aio::ConnectionLike;
+use sqlx::PgPool;
+use tokio::time::Instant;
+
+pub use acl::{REDIS_ACL_COMMANDS, REDIS_SENTINEL_ACL_RULE, redis_acl_key_pattern, redis_acl_rule};
+use connections::transport_error;
+pub use connections::{RedisConnections, default_connections};
+use scripts::{ACQUIRE, EXTEND, RAISE_FLOOR, REISSUE, RELEASE};
+pub use sentinel::{
+    DEFAULT_FAILOVER_WAIT, DEFAULT_SENTINEL_PORT, SENTINEL_SCHEME, SENTINEL_TLS_SCHEME,
+    SentinelConnections, SentinelUrl, is_sentinel_url,
+};
+
+use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
+use super::lease::ttl_millis;
+use super::policy::{self, Ask, Attempt, AttemptTimeout, Backend, Renewal, Resend, limit_refused};
+use super::token_issuer::IssuerKind;
+use super::{KeepAlive, Lease, LeaseState, LockStatus, ReleaseOutcome};
+use crate::{Error, FenceToken, MAX_TOKEN, Resource, Result, StaleTarget};
+#[cfg(doc)]
+use crate::{MAX_KEY_PREFIX_LEN, MAX_TTL, MIN_TTL};
+
+/// Where an issuer reads the mark a fresh counter must start above (Postgres's high-water
+/// mark, through [`Issuer::with_floor_source`]): the issuer's only view of the database.
+pub trait FloorSource: Send + Sync + std::fmt::Debug + 'static {
+    /// The highest token `resource` has been checked with (0 when none). `resource` is the
+    /// name PostgreSQL fences the lease under ([`Lease::fencing_resource`]: with a key prefix
+    /// other than the default, that prefix's name), so an issuer reads its own prefix's marks
+    /// only.
+    fn high_water<'a>(
+        &'a self,
+        resource: &'a Resource,
+    ) -> Pin<Box<dyn Future<Output = Result<i64>> + Send + 'a>>;
+}
+
+fn prefixed_lock_key(prefix: &str, resource: &Resource) -> String {
+    match resource.domain() {
+        Some(domain) => {
+            let name = &resource.as_str()[domain.len() + 2..];
+            format!("{prefix}:{{{domain}}}:lock:{name}")
+        }
+        None => format!("{prefix}:{{{resource}}}:lock"),
+    }
+}
+
+fn prefixed_counter_key(prefix: &str, resource: &Resource) -> String {
+    format!("{prefix}:{{{}}}:fence", resource.counter_id())
+}
+
+/// The Redis key of `resource`'s lock with the default prefix: `pgfence:{R}:lock`, or
+/// `pgfence:{D}:lock:NAME` for resource `NAME` in fencing domain `D` (one hash slot per
+/// domain). [`Issuer::lock_key`] gives an issuer's key, whatever its prefix.
+#[must_use]
+pub fn lock_key(resource: &Resource) -> String {
+    prefixed_lock_key(DEFAULT_KEY_PREFIX, resource)
+}
+
+/// The Redis key of `resource`'s token counter with the default prefix: `pgfence:{R}:fence`,
+/// or the domain's `pgfence:{D}:fence`, shared by every resource of the domain.
+/// [`Issuer::counter_key`] gives an issuer's key, whatever its prefix.
+#[must_use]
+pub fn counter_key(resource: &Resource) -> String {
+    prefixed_counter_key(DEFAULT_KEY_PREFIX, resource)
+}
+
+/// What to do about a Redis counter at the limit.
+const REDIS_LIMIT_FIX: &str = "if it was raised by mistake (set by hand, a bogus floor), set it back to PostgreSQL's high-water mark (`pgfence reseed` only raises counters)";
+
+/// Issues leases and fence tokens from Redis.
+///
+/// Generic over the connection: [`Issuer::connect`] gives a set of reconnecting connections
+/// ([`RedisConnections`]), [`Issuer::connect_cluster`] a Redis Cluster connection, and
+/// [`Issuer::new`] takes any [`ConnectionLike`] (for example one [`ConnectionManager`](redis::aio::ConnectionManager)).
+///
+/// Every key starts with the key prefix, `pgfence` unless [`Issuer::with_key_prefix`] sets
+/// another: issuers with different prefixes share no lock and no counter on one Redis, and
+/// no mark in one database (their leases are fenced under their prefix's name,
+/// [`Lease::fencing_resource`]).
+#[derive(Clone)]
+pub struct Issuer<C = RedisConnections> {
+    conn: C,
+    pub(crate) floor_source: Option<Arc<dyn FloorSource>>,
+    prefix: Arc<str>,
+}
+
+impl<C> std::fmt::Debug for Issuer<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Issuer")
+            .field("key_prefix", &self.prefix)
+            .field("floor_source", &self.floor_source.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C> Issuer<C> {
+    /// The same issuer with another key prefix: keys become `PREFIX:{R}:lock` and
+    /// `PREFIX:{R}:fence` (`PREFIX:{D}:lock:NAME` and `PREFIX:{D}:fence` in a fencing domain).
+    /// Applications that share a Redis but must not share locks use different prefixes. With
+    /// a prefix other than the default, PostgreSQL fences the leases under the prefix's name
+    /// for the resource ([`Resource::in_key_prefix`]): applications that also share a
+    /// database share no mark, check or audit filter.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKeyPrefix`] for a prefix that is empty, longer than
+    /// [`MAX_KEY_PREFIX_LEN`], or contains braces, whitespace or control characters.
+    pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
+        self.prefix = Arc::from(check_key_prefix(prefix)?);
+        Ok(self)
+    }
+
+    /// The key prefix (`pgfence` by default).
+    #[must_use]
+    pub fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// This issuer's Redis key for `resource`'s lock (see [`lock_key`]).
+    #[must_use]
+    pub fn lock_key(&self, resource: &Resource) -> String {
+        prefixed_lock_key(&self.prefix, resource)
+    }
+
+    /// This issuer's Redis key for `resource`'s counter (see [`counter_key`]).
+    #[must_use]
+    pub fn counter_key(&self, resource: &Resource) -> String {
+        prefixed_counter_key(&self.prefix, resource)
+    }
+
+    /// The minimal Redis ACL of this issuer's user, for its key prefix (see
+    /// [`redis_acl_rule`]).
+    #[must_use]
+    pub fn acl_rule(&self) -> String {
+        redis_acl_rule(&self.prefix)
+    }
+
+    /// A Redis error as the caller gets it: an ACL refusal names the rule the user needs
+    /// ([`Error::RedisPermission`]).
+    fn redis_error(&self, e: redis::RedisError) -> Error {
+        acl::redis_error(e, &self.prefix)
+    }
+}
+
+impl Issuer<RedisConnections> {
+    /// Connects to a standalone Redis (`redis://[user:password@]host:port/db`) with
+    /// [`default_connections`] reconnecting connections, used in turn.
+    ///
+    /// # TLS
+    ///
+    /// `rediss://host:port/db` connects over TLS (feature `tls`: rustls with the `ring`
+    /// provider), verifying the server's certificate and host name against the system trust
+    /// store, or against the CA file of the query parameter `cacert=PATH`. `cert=PATH&key=PATH`
+    /// present a client certificate (for `tls-auth-clients yes`). The parameters are named as
+    /// `redis-cli`'s flags, percent-decoded, read when connecting, and refused on a `redis://`
+    /// URL:
+    ///
+    /// ```text
+    /// rediss://pgfence-app:PASSWORD@redis.internal:6380/0?cacert=/etc/pgfence/ca.pem&cert=/etc/pgfence/client.pem&key=/etc/pgfence/client.key
+    /// ```
+    ///
+    /// For the user's ACL, see [`redis_acl_rule`].
+    ///
+    /// # Errors
+    /// [`Error::Redis`] for a malformed URL or an unreachable server (a certificate refused by
+    /// either side is not [retryable](Error::is_retryable)); [`Error::InvalidTls`] and
+    /// [`Error::TlsFile`] for the TLS parameters; [`Error::IssuerNotBuilt`] for `rediss://`
+    /// without the `tls` feature.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::connect_with(url, default_connections()).await
+    }
+
+    /// Like [`Issuer::connect`] with `connections` connections.
+    ///
+    /// # Errors
+    /// As [`Issuer::connect`].
+    pub async fn connect_with(url: &str, connections: NonZeroUsize) -> Result<Self> {
+        Ok(Self::new(RedisConnections::open(url, connections).await?))
+    }
+}
+
+impl Issuer<redis::cluster_async::ClusterConnection> {
+    /// Connects to a Redis Cluster through any of its nodes: `redis://host:port` URLs, or
+    /// `rediss://host:port` for TLS (feature `tls`) with the optional `cacert`, `cert` and
+    /// `key` parameters of [`Issuer::connect`] on any one node URL (they apply to every node).
+    ///
+    /// # Errors
+    /// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters;
+    /// [`Error::IssuerNotBuilt`] for `rediss://` without the `tls` feature; [`Error::Redis`].
+    pub async fn connect_cluster(nodes: &[String]) -> Result<Self> {
+        let client = crate::tls::redis_cluster_client(nodes)?;
+        Ok(Self::new(client.get_async_connection().await?))
+    }
+}
+
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
+    /// An issuer on an existing connection.
+    #[must_use]
+    pub fn new(conn: C) -> Self {
+        Self {
+            conn,
+            floor_source: None,
+            prefix: Arc::from(DEFAULT_KEY_PREFIX),
+        }
+    }
+
+    /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`]`..=`[`MAX_TTL`] (nothing is
+    /// sent); [`Error::Redis`] when Redis fails after retries; [`Error::InvalidToken`] when the
+    /// counter is at [`MAX_TOKEN`] (the acquire is refused before anything changes: the lock
+    /// stays free, the counter as it was).
+    ///
+    /// # Example
+    /// ```no_run
+    /// # async fn f() -> pgfence::Result<()> {
+    /// use std::time::Duration;
+    /// let issuer = pgfence::Issuer::connect("redis://127.0.0.1:6379").await?;
+    /// let resource = pgfence::Resource::new("payments:batch:42")?;
+    /// if let Some(lease) = issuer.acquire(&resource, Duration::from_secs(30)).await? {
+    ///     println!("token {}", lease.token());
+    ///     issuer.release(&lease).await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
+        policy::acquire(self, resource, ttl).await
+    }
+
+    /// Like [`Issuer::acquire`] with a caller-chosen owner id. Re-running it with the same
+    /// owner while the lease is held returns the same token (the idempotent retry after a lost
+    /// reply). Returns `Err(retry_in)` when another owner holds the lock.
+    ///
+    /// # Errors
+    /// As [`Issuer::acquire`]; [`Error::InvalidOwner`] for an empty owner id or one containing
+    /// `:`.
+    pub async fn acquire_as(
+        &self,
+        resource: &Resource,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<std::result::Result<Lease, Duration>> {
+        policy::acquire_as(self, resource, owner, ttl).await
+    }
+
+    /// Waits up to `wait` for the lock, retrying (also after retryable errors, such as a
+    /// failover in progress) with jittered exponential backoff (10 ms
+    /// doubling to 500 ms, never sleeping past the holder's remaining TTL). `Ok(None)` when
+    /// the wait ran out.
+    ///
+    /// # Errors
+    /// As [`Issuer::acquire`].
+    pub async fn acquire_wait(
+        &self,
+        resource: &Resource,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<Option<Lease>> {
+        policy::acquire_wait(self, resource, ttl, wait).await
+    }
+
+    /// Releases the lock if `lease` still holds it. The counter is left alone.
+    ///
+    /// A release lost in transit (a dropped or refused connection, a timeout) is sent again
+    /// for up to 2 s: releasing is owner-safe. When a re-sent release finds the lock gone
+    /// before the lease's local deadline, the lock cannot have expired, so an earlier attempt
+    /// released it: that is reported as [`ReleaseOutcome::Released`].
+    ///
+    /// # Errors
+    /// [`Error::Redis`].
+    pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
+        policy::release(self, lease).await
+    }
+
+    /// Extends the lock to `ttl` from now if `lease` still holds it, and moves the lease's
+    /// local deadline accordingly.
+    ///
+    /// An extend lost in transit is sent again (extending is owner-safe and idempotent) until
+    /// the lease's local deadline, or for 2 s when that is sooner; only Redis's answer
+    /// ([`LeaseState::Expired`], [`LeaseState::Taken`]) or running out of time ends it early.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDuration`]; [`Error::Redis`].
+    pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
+        policy::extend(self, lease, ttl).await
+    }
+
+    /// [`Issuer::extend`], re-sending after transport failures until `until` (what
+    /// [`KeepAlive`] uses: it gives up at the lease's local deadline).
+    ///
+    /// # Errors
+    /// As [`Issuer::extend`].
+    pub async fn extend_until(
+        &self,
+        lease: &mut Lease,
+        ttl: Duration,
+        until: Instant,
+    ) -> Result<LeaseState> {
+        policy::extend_until(self, lease, ttl, until).await
+    }
+
+    /// Reads the lock and counter of `resource`.
+    ///
+    /// # Errors
+    /// [`Error::Redis`].
+    pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
+        policy::status(self, resource).await
+    }
+
+    /// Raises `resource`'s counter to at least `floor` (never lowers it) and returns its value
+    /// afterwards. The next lease gets a token above `floor`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidToken`] for a negative floor; [`Error::Redis`].
+    pub async fn raise_floor(&self, resource: &Resource, floor: i64) -> Result<i64> {
+        policy::raise_floor(self, resource, floor).await
+    }
+
+    /// Keeps `lease` alive in the background; see [`KeepAlive`].
+    #[must_use]
+    pub fn keep_alive(&self, lease: &Lease) -> KeepAlive {
+        KeepAlive::spawn(Arc::new(self.clone()), lease.clone())
+    }
+    /// Settles a lease granted on a counter that did not exist (a new resource, or a Redis that
+    /// lost its data): with a floor source whose mark is not below the token, the counter is
+    /// raised past the mark and the token re-issued.
+    async fn reseed_fresh(&self, lease: &mut Lease) -> Result<()> {
+        let Some(source) = &self.floor_source else {
+            return Ok(());
+        };
+        // The marks of this issuer's leases: under its key prefix's name.
+        let mark = source.high_water(&lease.fencing).await?;
+        if mark < lease.token.get() {
+            return Ok(());
+        }
+        let mut conn = self.conn.clone();
+        let reply: Value = REISSUE
+            .key(self.lock_key(&lease.resource))
+            .key(self.counter_key(&lease.resource))
+            .arg(lease.value())
+            .arg(&lease.owner)
+            .arg(mark.to_string())
+            .arg(MAX_TOKEN)
+            .arg(lease.token.get())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| self.redis_error(e))?;
+        let token = int(&reply)?;
+        if token == -1 {
+            // The script undid the acquire: no lock, and the counter it had created is gone.
+            return Err(limit_refused(
+                &lease.resource,
+                &format!(
+                    "PostgreSQL's high-water mark ({mark}), above which the lost fence counter {} must start,",
+                    self.counter_key(&lease.resource)
+                ),
+                "if the mark is bogus (poisoned), lower it with pgfence.unpoison_resource",
+                true,
+            ));
+        }
+        if token == 0 {
+            // The lease lapsed while we were reading Postgres: report what Redis would.
+            return Err(Error::StaleToken {
+                target: StaleTarget::Resource(lease.resource.to_string()),
+                presented: lease.token.get(),
+                current: mark,
+                other_counter: false,
+            });
+        }
+        tracing::info!(
+            target: "pgfence::issuer",
+            resource = lease.resource.as_str(),
+            lost_token = lease.token.get(),
+            high_water = mark,
+            token,
+            "fence counter was lost; reseeded from Postgres"
+        );
+        lease.token = FenceToken::new(token)?;
+        Ok(())
+    }
+}
+
+/// How a Redis call is re-sent: at once (to the connection that just reconnected), then after
+/// 10 ms doubling to 250 ms, at most 8 times; each attempt is cut off after 1 s, since a
+/// stalled connection is not reconnected by the client.
+const RESEND: Resend = Resend {
+    first: Duration::ZERO,
+    start: Duration::from_millis(10),
+    max: Duration::from_millis(250),
+    max_attempts: 8,
+    attempt_timeout: Some(AttemptTimeout {
+        after: Duration::from_secs(1),
+        no_reply,
+    }),
+};
+
+fn no_reply(after: Duration) -> Error {
+    Error::Redis(redis::RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("no reply from Redis within {after:?}"),
+    )))
+}
+
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for Issuer<C> {
+    const KIND: IssuerKind = IssuerKind::Redis;
+    const RESEND: Resend = RESEND;
+
+    fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    fn resendable(e: &Error) -> bool {
+        matches!(e, Error::Redis(e) if transport_error(e))
+    }
+
+    /// One round trip: the acquire script (`SET NX PX` and `INCR`, or the same owner's token
+    /// again).
+    async fn try_acquire(&self, ask: &Ask<'_>) -> Result<Attempt> {
+        let ttl_ms = ttl_millis(ask.ttl)?;
+        let (lock, counter) = (self.lock_key(ask.resource), self.counter_key(ask.resource));
+        let sent_at = Instant::now();
+        let mut conn = self.conn.clone();
+        let reply = ACQUIRE
+            .key(&lock)
+            .key(&counter)
+            .arg(ask.owner)
+            .arg(ttl_ms)
+            .arg(MAX_TOKEN)
+            .invoke_async::<Vec<Value>>(&mut conn)
+            .await
+            .map_err(|e| self.redis_error(e))?;
+        match reply.as_slice() {
+            [Value::Int(1), token, fresh] => {
+                let lease = ask.lease(FenceToken::new(int(token)?)?, sent_at);
+                Ok(if int(fresh)? == 1 {
+                    Attempt::FreshCounter(lease)
+                } else {
+                    Attempt::Granted(lease)
+                })
+            }
+            [Value::Int(0), pttl] => Ok(Attempt::Busy(Duration::from_millis(
+                u64::try_from(int(pttl)?).unwrap_or(0),
+            ))),
+            // The script refused before INCR and SET: nothing changed.
+            [Value::Int(-1), at] => Err(limit_refused(
+                ask.resource,
+                &format!("the fence counter {counter} (at {})", text(at)?),
+                REDIS_LIMIT_FIX,
+                false,
+            )),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn settle_fresh(&self, mut lease: Lease) -> Result<Lease> {
+        self.reseed_fresh(&mut lease).await?;
+        Ok(lease)
+    }
+
+    async fn release_once(&self, lease: &Lease) -> Result<ReleaseOutcome> {
+        let mut conn = self.conn.clone();
+        let code = RELEASE
+            .key(self.lock_key(&lease.resource))
+            .arg(lease.value())
+            .invoke_async::<i64>(&mut conn)
+            .await
+            .map_err(|e| self.redis_error(e))?;
+        Ok(ReleaseOutcome::from_reply(code))
+    }
+
+    async fn extend_once(&self, lease: &Lease, ttl: Duration) -> Result<Renewal> {
+        let ttl_ms = ttl_millis(ttl)?;
+        let sent_at = Instant::now();
+        let mut conn = self.conn.clone();
+        let code = EXTEND
+            .key(self.lock_key(&lease.resource))
+            .arg(lease.value())
+            .arg(ttl_ms)
+            .invoke_async::<i64>(&mut conn)
+            .await
+            .map_err(|e| self.redis_error(e))?;
+        Ok(Renewal::of(LeaseState::from_reply(code), sent_at + ttl))
+    }
+
+    async fn status_once(&self, resource: &Resource) -> Result<LockStatus> {
+        let lock = self.lock_key(resource);
+        let mut conn = self.conn.clone();
+        let (held, pttl, count) = redis::pipe()
+            .get(&lock)
+            .pttl(&lock)
+            .get(self.counter_key(resource))
+            .query_async::<(Option<String>, i64, Option<i64>)>(&mut conn)
+            .await
+            .map_err(|e| self.redis_error(e))?;
+        let (owner, token) = match held.as_deref().and_then(|v| v.rsplit_once(':')) {
+            Some((o, t)) => (Some(o.to_owned()), t.parse().ok()),
+            None => (None, None),
+        };
+        Ok(LockStatus {
+            resource: resource.to_string(),
+            owner,
+            token,
+            ttl_ms: held.is_some().then_some(pttl),
+            counter: count.unwrap_or(0),
+        })
+    }
+
+    async fn raise_floor_once(&self, resource: &Resource, floor: i64) -> Result<i64> {
+        let mut conn = self.conn.clone();
+        let reply = RAISE_FLOOR
+            .key(self.counter_key(resource))
+            .arg(floor.to_string())
+            .invoke_async::<Value>(&mut conn)
+            .await
+            .map_err(|e| self.redis_error(e))?;
+        int(&reply)
+    }
+
+    fn recover_from(&self, err: &Error) -> impl Future<Output = Result<bool>> + Send {
+        Issuer::recover_from(self, err)
+    }
+
+    fn reseed(
+        &self,
+        pool: &PgPool,
+        resource: &Resource,
+    ) -> impl Future<Output = Result<i64>> + Send {
+        Issuer::reseed(self, pool, resource)
+    }
+}
+
+fn int(v: &Value) -> Result<i64> {
+    match v {
+        Value::Int(i) => Ok(*i),
+        Value::BulkString(b) => std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| unexpected(std::slice::from_ref(v))),
+        Value::SimpleString(s) => s.parse().map_err(|_| unexpected(std::slice::from_ref(v))),
+        other => Err(unexpected(std::slice::from_ref(other))),
+    }
+}
+
+/// A script's reply as text (a counter's exact decimal text, which may not fit an `i64`).
+fn text(v: &Value) -> Result<String> {
+    match v {
+        Value::BulkString(b) => Ok(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Ok(s.clone()),
+        Value::Int(i) => Ok(i.to_string()),
+        other => Err(unexpected(std::slice::from_ref(other))),
+    }
+}
+
+fn unexpected(v: &[Value]) -> Error {
+    Error::Redis(redis::RedisError::from((
+        redis::ErrorKind::UnexpectedReturnType,
+        "unexpected reply from a pgfence script",
+        format!("{v:?}"),
+    )))
+}
