@@ -57,7 +57,6 @@ pub enum Outcome {
         /// True for [`pgfence::Error::FencedByFailover`]: the database was promoted (a new
         /// timeline) after this lease's first fenced statement, so whatever its rows say now
         /// (they may have lost newer leases' writes), the lease is fenced out.
-        #[serde(default)]
         failover: bool,
     },
     /// Failed with another error.
