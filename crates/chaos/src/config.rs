@@ -189,6 +189,12 @@ pub struct Config {
     /// Retries of a unit, with the same lease, after an error that
     /// [`pgfence::Error::is_retryable`] calls safe to retry.
     pub retries: u32,
+    /// Beyond `retries`: keep retrying a unit's retryable failures (same lease, 20–60 ms
+    /// apart) until this long after its first try started, as a job does that retries its
+    /// write through a database outage. A PostgreSQL failover run sets it
+    /// ([`pg_failover_at`](crate::pg_failover_at)): the units caught by the outage come back
+    /// after the promotion with leases from before it — the zombies pgfence must fence out.
+    pub outage_retry: Option<Duration>,
     /// Delete every row's Redis counter when the unit with this index starts (a failover that
     /// lost the counters). Redis only, through a `redis://` URL: [`Harness::new`](crate::Harness::new)
     /// refuses it for etcd, ZooKeeper and PostgreSQL, whose tokens cannot be reset.
@@ -237,6 +243,7 @@ impl Default for Config {
             pause_min: Duration::from_millis(60),
             pause_max: Duration::from_millis(120),
             retries: 2,
+            outage_retry: None,
             reset_counters_at: Vec::new(),
             kill_every: None,
             recovery: Recovery {
@@ -315,6 +322,12 @@ impl Config {
         }
         if self.mode.calls_provider() && self.provider_latency > Duration::from_secs(10) {
             return bad("provider latency: at most 10 s");
+        }
+        if self
+            .outage_retry
+            .is_some_and(|d| d > Duration::from_secs(120))
+        {
+            return bad("outage retry: at most 120 s");
         }
         pgfence::check_ttl(self.ttl)?;
         Ok(())

@@ -94,7 +94,8 @@ impl Deployment {
             (IssuerKind::Postgres, _) => {
                 return Err(ChaosError::Config(
                     "the postgres issuer has no servers of its own: it runs on the harness's \
-                     database (Target::postgres); a PostgreSQL failover is not implemented"
+                     database (Target::postgres); fail that database over with \
+                     pg_failover_at"
                         .into(),
                 ));
             }

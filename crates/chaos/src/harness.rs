@@ -21,7 +21,8 @@ use crate::util::{lock, millis};
 use crate::verify::{ProviderTally, RunId, RunOutput, verify};
 use crate::worker::{Plan, worker};
 use crate::{
-    AuditCounter, ChaosError, Config, FailoverEvent, FaultMark, Mode, Report, ReseedCounter, Target,
+    AuditCounter, ChaosError, Config, FailoverEvent, FaultMark, Mode, PgFailoverEvent, Report,
+    ReseedCounter, Target,
 };
 
 /// State the workers, the fault injectors and [`Control`] share.
@@ -36,6 +37,10 @@ pub(crate) struct Shared {
     pub(crate) faults: Mutex<Vec<FaultMark>>,
     /// The issuer failover, once recorded.
     pub(crate) failover: Mutex<Option<FailoverEvent>>,
+    /// The database failover, once recorded.
+    pub(crate) pg_failover: Mutex<Option<PgFailoverEvent>>,
+    /// Faults in progress ([`Control::hold`]): the verification waits for them.
+    pub(crate) held: AtomicU64,
 }
 
 impl Shared {
@@ -124,12 +129,43 @@ impl Control {
         lock(&self.0.faults).push(mark);
     }
 
+    /// Holds the run's verification back until the returned guard is dropped (at most 120 s
+    /// after the workers stopped): a fault that changes the database under the run (a
+    /// failover) must be over before the history is read back.
+    #[must_use]
+    pub fn hold(&self) -> FaultHold {
+        self.0.held.fetch_add(1, Ordering::SeqCst);
+        FaultHold(self.0.clone())
+    }
+
+    /// Milliseconds since the run started (the clock of every time in the report).
+    #[must_use]
+    pub fn now_ms(&self) -> u64 {
+        self.0.now_ms()
+    }
+
+    /// Records what the database failover (the fault marked `pg_failover`) came to. The
+    /// report's [`Summary::pg_failover`](crate::Summary::pg_failover) combines it with the
+    /// history.
+    pub fn record_pg_failover(&self, event: PgFailoverEvent) {
+        *lock(&self.0.pg_failover) = Some(event);
+    }
+
     /// Records what the issuer failover (the fault marked `failover`) came to: which leader
     /// died, which took over and when. The report's
     /// [`Summary::failover`](crate::Summary::failover) combines it with the tokens and writes
     /// around the mark.
     pub fn record_failover(&self, event: FailoverEvent) {
         *lock(&self.0.failover) = Some(event);
+    }
+}
+
+/// A fault in progress ([`Control::hold`]); dropping it lets the verification go on.
+pub struct FaultHold(Arc<Shared>);
+
+impl Drop for FaultHold {
+    fn drop(&mut self) {
+        self.0.held.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -245,6 +281,8 @@ impl Harness {
             done: AtomicBool::new(false),
             faults: Mutex::new(Vec::new()),
             failover: Mutex::new(None),
+            pg_failover: Mutex::new(None),
+            held: AtomicU64::new(0),
         });
         Ok(Self {
             ctx: Arc::new(Ctx {
@@ -377,6 +415,11 @@ impl Harness {
             None => Kills::default(),
         };
         let duration_ms = millis(started.elapsed());
+        // A fault still in progress (a failover) must finish before the history is read.
+        let held_until = Instant::now() + Duration::from_secs(120);
+        while ctx.shared.held.load(Ordering::SeqCst) > 0 && Instant::now() < held_until {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         // Let audit writes that raced the end of the run land (each is bounded by its timeout).
         tokio::time::sleep(Duration::from_millis(50)).await;
         // Every call has returned (or timed out) by now: what the provider did.
@@ -398,6 +441,7 @@ impl Harness {
             workers,
             faults: lock(&ctx.shared.faults).clone(),
             failover: lock(&ctx.shared.failover).clone(),
+            pg_failover: lock(&ctx.shared.pg_failover).clone(),
             kills,
             duration_ms,
             audit: self.audit.tally(&prefix),

@@ -36,10 +36,13 @@ pub enum Stage {
 pub enum Outcome {
     /// Committed and acknowledged.
     Accepted,
-    /// Rejected with [`pgfence::Error::StaleToken`], [`pgfence::Error::DuplicateToken`] or
-    /// (the row was bypassed after this lease wrote it) [`pgfence::Error::RowSealed`].
+    /// Rejected with [`pgfence::Error::StaleToken`], [`pgfence::Error::DuplicateToken`],
+    /// (the row was bypassed after this lease wrote it) [`pgfence::Error::RowSealed`] or (the
+    /// lease is bound to a PostgreSQL timeline from before a promotion)
+    /// [`pgfence::Error::FencedByFailover`].
     Rejected {
-        /// The token of the fence (or high-water mark) the write met.
+        /// The token of the fence (or high-water mark) the write met (the lease's own token
+        /// when `sealed` or `failover`).
         current: i64,
         /// `check`, `claim`, `update`, or in the effects modes `effect` (the ledger's begin)
         /// or `effect_finish`.
@@ -51,6 +54,10 @@ pub enum Outcome {
         /// the row after this lease wrote (claimed) it, so the lease's picture of the row is
         /// out of date; `current` is then the lease's own token.
         sealed: bool,
+        /// True for [`pgfence::Error::FencedByFailover`]: the database was promoted (a new
+        /// timeline) after this lease's first fenced statement, so whatever its rows say now
+        /// (they may have lost newer leases' writes), the lease is fenced out.
+        failover: bool,
     },
     /// Failed with another error.
     Failed {
@@ -225,6 +232,34 @@ pub struct FailoverEvent {
     /// Redis: the unit at which the replica was paused (`SIGSTOP`) and its replication link
     /// cut, so that it missed every `INCR` from there to the kill.
     pub replica_paused_at_unit: Option<u64>,
+}
+
+/// A PostgreSQL failover of the harness's own database (see
+/// [`pg_failover_at`](crate::pg_failover_at)), as the one who caused it saw it; recorded with
+/// [`Control::record_pg_failover`](crate::Control::record_pg_failover), it becomes the
+/// report's [`PgFailoverFigures`](crate::PgFailoverFigures). Times are ms since the run
+/// started.
+#[derive(Clone, Debug, Serialize)]
+pub struct PgFailoverEvent {
+    /// When the standby was cut off (it receives no WAL from then on).
+    pub cut_off_at_ms: u64,
+    /// Units started by then.
+    pub cut_off_at_unit: u64,
+    /// When the primary was sent `SIGKILL`: every commit acknowledged from the cut-off to here
+    /// is lost by the promotion.
+    pub kill_at_ms: u64,
+    /// When the old primary's processes were all gone and its port closed: no statement of a
+    /// try started from here on can have run on it.
+    pub dead_at_ms: u64,
+    /// When the promoted standby accepted writes behind the stable address: the fault's mark
+    /// (named `pg_failover`), from which recovery is measured.
+    pub promoted_at_ms: u64,
+    /// From the `SIGKILL` until the promoted standby was behind the stable address, in ms.
+    pub failover_ms: u64,
+    /// The old primary's timeline.
+    pub old_timeline: i64,
+    /// The new primary's.
+    pub new_timeline: i64,
 }
 
 /// A lease-less writer's kind of write ([`Mode::LeaselessMix`](crate::Mode::LeaselessMix)).

@@ -53,10 +53,12 @@
 //! * **PostgreSQL** ([`pgfence::PgIssuer`]) runs on the harness's own database
 //!   ([`Target::postgres`]): locks and counters are rows there, expiring by the database's
 //!   clock, and the counter commits in the same WAL as the fences, so it never goes backwards
-//!   either (the Redis-only settings are refused, and there is no failover here). Its faults
-//!   are the database's: a restart takes the issuer down with the workers, and killed backends
-//!   include the issuer's (an acquire or release that loses its reply is re-sent with the same
-//!   owner id; [`Summary::issuer_backend_kills`]).
+//!   on one server (the Redis-only settings are refused, and it has no leader of its own to
+//!   fail over). Its faults are the database's: a restart takes the issuer down with the
+//!   workers, killed backends include the issuer's (an acquire or release that loses its reply
+//!   is re-sent with the same owner id; [`Summary::issuer_backend_kills`]), and a database
+//!   failover ([`pg_failover_at`]) rolls its counters back with the fences
+//!   ([`PgFailoverFigures::issuer_rolled_back`]).
 //!
 //! A failover's figures ([`FailoverFigures`], in [`Summary::failover`]) compare the tokens on
 //! either side of it — the highest token accepted from a lease granted before the kill, the
@@ -64,6 +66,22 @@
 //! Redis it may be lower (that is the point: Postgres must reject those writes, stale or
 //! [`DuplicateToken`](pgfence::Error::DuplicateToken), and never accept them) — and count the
 //! rejections after it and the time until every row wrote again.
+//!
+//! # A failover of the protected database
+//!
+//! [`pg_failover_at`] fails the harness's own PostgreSQL over for real: a primary and an
+//! asynchronous standby ([`pgfence_testkit::PgReplicaSet`]) behind a stable address, the
+//! standby cut off while the workers write on, then the primary killed and the standby
+//! promoted (a new timeline). The promotion loses acknowledged commits — rows and high-water
+//! marks go back — so a lease that a newer lease had fenced out may find its own fence again.
+//! The workers' units caught by the outage retry with their leases ([`Config::outage_retry`]).
+//! [`PgFailoverFigures`] (in [`Summary::pg_failover`]) count the writes **the database lost**
+//! (acknowledged, absent from the new primary: not acknowledgement mismatches) apart from
+//! anything fencing let through: the checks above run on what the new primary kept, and a
+//! statement committed after the promotion by a lease with a statement acknowledged before it
+//! is a *zombie write*, a violation. pgfence refuses those leases with
+//! [`FencedByFailover`](pgfence::Error::FencedByFailover), counted as rejections (audited; the
+//! audit rows of rejections before the promotion may be lost with it).
 //!
 //! # What guarantees what
 //!
@@ -278,6 +296,7 @@ mod faults;
 mod harness;
 mod history;
 mod leaseless;
+mod pg_failover;
 mod report;
 mod reseed;
 mod schema;
@@ -289,14 +308,15 @@ mod worker;
 pub use config::{Config, Mode, Recovery, Target};
 pub use deploy::{Deployment, issuer_of_url, parse_issuer};
 pub use error::ChaosError;
-pub use harness::{Control, Harness};
+pub use harness::{Control, FaultHold, Harness};
 pub use history::{
     Attempt, BatchRows, FailoverEvent, FaultMark, LeaseRecord, LeaselessAttempt, LeaselessKind,
-    LeaselessOutcome, Outcome, RowResult, Stage,
+    LeaselessOutcome, Outcome, PgFailoverEvent, RowResult, Stage,
 };
+pub use pg_failover::pg_failover_at;
 pub use report::{
     BatchFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery, LeaselessFigures,
-    Report, Summary,
+    PgFailoverFigures, Report, Summary,
 };
 pub use reseed::{ReseedCounter, ReseedLayer};
 pub use schema::SCHEMA;

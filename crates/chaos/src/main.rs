@@ -40,6 +40,21 @@
 //!     --rows 16 --kill-every-ms 200 --failover-at 2000 --restart-postgres-at 3000
 //! ```
 //!
+//! `--pg-failover-at N` fails the harness's own PostgreSQL over: it runs as a primary and an
+//! asynchronous standby behind a stable address (a proxy, like a virtual IP); at unit N the
+//! standby is cut off, the workers write on for `--pg-failover-lag-ms` (acknowledged commits
+//! the standby never gets), then the primary is `SIGKILL`ed and the standby promoted behind
+//! the same address. The report counts the writes the database lost apart from what fencing
+//! let through: no violation and no lost update among the writes the new primary kept, and no
+//! lease from before the promotion may write after it (a zombie write is a violation; pgfence
+//! refuses it with `FencedByFailover`). Works with every issuer; the PostgreSQL issuer's
+//! counters roll back with the database (the report says so). Needs the throwaway database:
+//!
+//! ```text
+//! cargo run --release -p pgfence-chaos -- --workers 8 --attempts 2000 --rows 4 \
+//!     --pause-prob 0.2 --pg-failover-at 1000
+//! ```
+//!
 //! The effects modes run a job with a side effect outside PostgreSQL against a payment
 //! provider on loopback (real HTTP, honouring `Idempotency-Key`): claim the row's next
 //! invoice, record the charge in the effect ledger ([`pgfence::Effects`]), call the provider
@@ -83,10 +98,10 @@ use clap::parser::ValueSource;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser};
 use pgfence::IssuerKind;
 use pgfence_chaos::{
-    Config, Control, Deployment, FailoverEvent, Harness, Mode, Recovery, ReseedCounter, Summary,
-    Target, issuer_of_url, parse_issuer,
+    Config, Control, Deployment, FailoverEvent, Harness, Mode, PgFailoverEvent, Recovery,
+    ReseedCounter, Summary, Target, issuer_of_url, parse_issuer, pg_failover_at,
 };
-use pgfence_testkit::Server;
+use pgfence_testkit::{PgReplicaSet, Replication, Server};
 use sqlx::postgres::PgConnectOptions;
 
 /// Race harness: N workers, K rows, stalls past the TTL, injected faults (counter loss,
@@ -177,6 +192,17 @@ struct Args {
     /// master is killed, so the promoted replica's counters are behind.
     #[arg(long, default_value_t = 500)]
     failover_lag: u64,
+    /// Fail the harness's own PostgreSQL over when this many units have started: it runs as a
+    /// primary and an asynchronous standby behind a stable address (a proxy); the standby is
+    /// cut off, the workers write on for --pg-failover-lag-ms (acknowledged commits the
+    /// standby never gets), then the primary is SIGKILLed and the standby promoted. Units
+    /// caught by the outage retry with their old leases. Needs the throwaway database (no
+    /// --database-url / DATABASE_URL); a fresh pair per mode.
+    #[arg(long)]
+    pg_failover_at: Option<u64>,
+    /// --pg-failover-at: how long the workers write after the standby is cut off, ms.
+    #[arg(long, default_value_t = 300)]
+    pg_failover_lag_ms: u64,
     /// Do not give the issuer a floor source (no automatic reseed after counter loss). Redis
     /// only.
     #[arg(long)]
@@ -321,8 +347,8 @@ impl IssuerChoice {
             if kind == IssuerKind::Postgres {
                 bail!(
                     "--failover-at with --issuer postgres: the issuer lives in the harness's \
-                     database, and a PostgreSQL primary/standby failover is not implemented \
-                     here; use --restart-postgres-at and --kill-every-ms"
+                     database and has no leader of its own to kill; fail the database over \
+                     with --pg-failover-at (or use --restart-postgres-at and --kill-every-ms)"
                 );
             }
             if self.url.is_some() {
@@ -346,11 +372,52 @@ impl IssuerChoice {
                 );
             }
         }
+        if args.pg_failover_at.is_some() {
+            check_pg_failover(args)?;
+        }
         if args.restart_redis_at.is_some() && self.url.is_some() {
             bail!("--restart-redis-at needs the throwaway Redis (no --redis-url / --issuer-url)");
         }
         Ok(())
     }
+}
+
+/// Refuses what a database failover (`--pg-failover-at`) cannot be combined with.
+fn check_pg_failover(args: &Args) -> anyhow::Result<()> {
+    if args.database_url.is_some() {
+        bail!(
+            "--pg-failover-at kills the database's primary and promotes its standby, so it needs \
+             its own throwaway primary and standby: drop --database-url (and unset DATABASE_URL); \
+             an existing server cannot be failed over from here"
+        );
+    }
+    if args.restart_postgres_at.is_some() {
+        bail!(
+            "--restart-postgres-at with --pg-failover-at: the database is a primary and a \
+             standby, with no single server to restart; pick one"
+        );
+    }
+    if args.failover_at.is_some() {
+        bail!(
+            "--failover-at with --pg-failover-at: fail over the issuer or the database in one \
+             run, not both (their figures would mix); pick one"
+        );
+    }
+    let modes: Vec<Mode> = if args.all_modes {
+        Mode::ALL.to_vec()
+    } else {
+        vec![args.mode]
+    };
+    for mode in modes {
+        if mode.calls_provider() || mode == Mode::LeaselessMix {
+            bail!(
+                "--pg-failover-at with --mode {mode}: its provider charges and lease-less writes \
+                 are not checked against a database that lost commits; use fenced, \
+                 fenced-multi, row-claim, batch, row-fence or unfenced"
+            );
+        }
+    }
+    Ok(())
 }
 
 #[tokio::main]
@@ -361,9 +428,10 @@ async fn main() -> anyhow::Result<()> {
     let issuer = IssuerChoice::resolve(&args, on_cli)?;
     let reseeds = ReseedCounter::install_global()?;
 
-    let mut pg = match &args.database_url {
-        Some(_) => None,
-        None => Some(Server::postgres().await.context("throwaway PostgreSQL")?),
+    // With --pg-failover-at each mode gets its own replica set (below).
+    let mut pg = match (&args.database_url, args.pg_failover_at) {
+        (None, None) => Some(Server::postgres().await.context("throwaway PostgreSQL")?),
+        _ => None,
     };
     if args.restart_postgres_at.is_some() && pg.is_none() {
         bail!("--restart-postgres-at needs the throwaway PostgreSQL (no --database-url)");
@@ -378,12 +446,10 @@ async fn main() -> anyhow::Result<()> {
         ),
         _ => None,
     };
-    let database_url = args
+    let shared_database_url = args
         .database_url
         .clone()
-        .or_else(|| pg.as_ref().map(Server::url))
-        .context("no database")?;
-    let database = PgConnectOptions::from_str(&database_url).context("database URL")?;
+        .or_else(|| pg.as_ref().map(Server::url));
 
     let modes: Vec<Mode> = if args.all_modes {
         Mode::ALL.to_vec()
@@ -405,6 +471,19 @@ async fn main() -> anyhow::Result<()> {
             ),
             None => None,
         };
+        let mut pair = match args.pg_failover_at {
+            Some(_) => Some(
+                PgReplicaSet::start(Replication::Async)
+                    .await
+                    .context("throwaway PostgreSQL primary and standby to fail over")?,
+            ),
+            None => None,
+        };
+        let database_url = match &pair {
+            Some(set) => set.url(),
+            None => shared_database_url.clone().context("no database")?,
+        };
+        let database = PgConnectOptions::from_str(&database_url).context("database URL")?;
         let issuer_url = if issuer.kind == IssuerKind::Postgres {
             database_url.clone()
         } else {
@@ -442,7 +521,15 @@ async fn main() -> anyhow::Result<()> {
             args.failover_at,
             args.failover_lag,
         ));
+        let pg_failover = tokio::spawn(pg_failover_task(
+            ctl.clone(),
+            pair.take(),
+            args.pg_failover_at,
+            Duration::from_millis(args.pg_failover_lag_ms),
+        ));
         let report = harness.run().await?;
+        let (pair, pg_event) = pg_failover.await.context("database failover task")?;
+        drop(pair);
         pg = pg_restart.await.context("restart task")?;
         shared = redis_restart.await.context("restart task")?;
         let (fresh, event) = failover.await.context("failover task")?;
@@ -456,6 +543,9 @@ async fn main() -> anyhow::Result<()> {
             Mode::LeaselessMix => leaseless_prove(&report.summary),
             _ => report.summary.is_safe(),
         };
+        if let Some(at) = args.pg_failover_at {
+            proves &= pg_failover_proves(&report.summary, at, pg_event);
+        }
         if let Some(at) = args.failover_at {
             match event {
                 Ok(Some(_)) => {}
@@ -563,6 +653,97 @@ fn leaseless_prove(summary: &Summary) -> bool {
     ok
 }
 
+/// Whether a database failover run proves what it is for: the failover happened, nothing
+/// unsafe among the writes the new primary kept (no zombie write: those are violations),
+/// every rejection reported as far as the promotion left audit rows, every row writing again.
+/// The unfenced control writes without leases' fences, so zombie writes are what it shows:
+/// for it only the failover and the recovery count.
+fn pg_failover_proves(
+    summary: &Summary,
+    at: u64,
+    event: anyhow::Result<Option<PgFailoverEvent>>,
+) -> bool {
+    match event {
+        Ok(Some(_)) => {}
+        Ok(None) => {
+            eprintln!("no database failover: the run ended before unit {at} (or before the kill)");
+            return false;
+        }
+        Err(e) => {
+            eprintln!("the database failover failed: {e:#}");
+            return false;
+        }
+    }
+    let Some(p) = &summary.pg_failover else {
+        eprintln!("database failover run without its figures");
+        return false;
+    };
+    let mut ok = true;
+    if summary.mode == Mode::Unfenced {
+        if p.rows_recovered < p.rows {
+            eprintln!(
+                "only {}/{} rows wrote again after the promotion",
+                p.rows_recovered, p.rows
+            );
+            ok = false;
+        }
+        return ok;
+    }
+    if p.zombie_writes > 0 {
+        eprintln!(
+            "{} writes by leases from before the promotion got in after it (zombies)",
+            p.zombie_writes
+        );
+        ok = false;
+    }
+    if !p.rejections_reported() || summary.log_events != summary.rejected {
+        eprintln!(
+            "rejections not all reported: {} rejected, {} audit rows ({} lost with the promotion, \
+             at most {} could be), {} log events",
+            summary.rejected,
+            summary.audit_rows,
+            p.audit_rows_lost,
+            p.rejected_before,
+            summary.log_events
+        );
+        ok = false;
+    }
+    if p.rows_recovered < p.rows {
+        eprintln!(
+            "only {}/{} rows wrote again after the promotion",
+            p.rows_recovered, p.rows
+        );
+        ok = false;
+    }
+    if p.acknowledged_lost == 0 {
+        eprintln!(
+            "note: the promotion lost no acknowledged write (a longer --pg-failover-lag-ms \
+             makes it lose some)"
+        );
+    }
+    ok
+}
+
+/// Fails the database `pair` over at `unit` ([`pg_failover_at`]); hands the pair back with what
+/// happened.
+async fn pg_failover_task(
+    ctl: Control,
+    mut pair: Option<PgReplicaSet>,
+    unit: Option<u64>,
+    write_for: Duration,
+) -> (
+    Option<PgReplicaSet>,
+    anyhow::Result<Option<PgFailoverEvent>>,
+) {
+    let event = match (unit, pair.as_mut()) {
+        (Some(unit), Some(set)) => pg_failover_at(set, &ctl, unit, write_for)
+            .await
+            .map_err(Into::into),
+        _ => Ok(None),
+    };
+    (pair, event)
+}
+
 /// The run's configuration: the issuer's timing ([`Config::for_issuer`]) unless given.
 fn config(args: &Args, issuer: IssuerKind, mode: Mode) -> Config {
     let timing = Config::for_issuer(issuer);
@@ -592,6 +773,8 @@ fn config(args: &Args, issuer: IssuerKind, mode: Mode) -> Config {
         leaseless_writers: args.leaseless_writers,
         leaseless_every: Duration::from_millis(args.leaseless_every_ms),
         bypass_share: args.bypass_share,
+        // Units caught by a database failover retry through it, as jobs do.
+        outage_retry: args.pg_failover_at.map(|_| Duration::from_secs(10)),
         ..timing
     }
 }

@@ -93,6 +93,89 @@ pub struct FailoverFigures {
     pub recovery_ms: Option<u64>,
 }
 
+/// A failover of the harness's own PostgreSQL (primary `SIGKILL`ed, asynchronous standby
+/// promoted behind the same address after it had been cut off for a while): what the database
+/// itself lost, kept apart from what fencing let through or refused.
+///
+/// The history rows commit with the writes, so the new primary's history is exactly the
+/// writes it kept: the summary's token order, lost updates and stale reads are checked on
+/// those. A transaction acknowledged to a worker that the new primary does not have is a
+/// write **the database lost** (`acknowledged_lost`, not an acknowledgement mismatch) when its
+/// try started before the promotion; the same after the promotion is still a mismatch. A
+/// statement committed after the promotion (its try started once the old primary was gone) by
+/// a lease that had a statement acknowledged before that is a **zombie write** (`zombie_writes`, counted
+/// in the violations): pgfence must refuse such a lease
+/// ([`FencedByFailover`](pgfence::Error::FencedByFailover), counted in `rejected`).
+#[derive(Clone, Debug, Serialize)]
+pub struct PgFailoverFigures {
+    /// When the standby was cut off (ms since the run started).
+    pub cut_off_at_ms: u64,
+    /// Units started by then.
+    pub cut_off_at_unit: u64,
+    /// When the primary was killed.
+    pub kill_at_ms: u64,
+    /// When the promoted standby was behind the stable address (the `pg_failover` mark).
+    pub promoted_at_ms: u64,
+    /// From the kill to the promoted standby behind the stable address, ms.
+    pub failover_ms: u64,
+    /// The old primary's timeline.
+    pub old_timeline: i64,
+    /// The new primary's.
+    pub new_timeline: i64,
+    /// Transactions acknowledged to a worker (before the promotion) that the new primary does
+    /// not have: writes the database lost.
+    pub acknowledged_lost: u64,
+    /// Units (leases) with such a lost transaction.
+    pub units_lost: u64,
+    /// Tries refused with [`FencedByFailover`](pgfence::Error::FencedByFailover).
+    pub fenced_by_failover: u64,
+    /// Leases (units) with such a refusal: fenced out by the promotion.
+    pub leases_fenced: u64,
+    /// Of those, leases without a statement acknowledged before the old primary was gone:
+    /// typically their first statement was sent as the primary died and its answer was lost
+    /// (it may have run on the old timeline, so pgfence cannot let the lease go on). Safe, at
+    /// the cost of a new lease.
+    pub leases_fenced_unbound: u64,
+    /// Detection: from the promotion to the first `FencedByFailover` refusal a worker got, ms.
+    pub first_refusal_ms: Option<u64>,
+    /// When the old primary's processes were gone (ms since the run started).
+    pub dead_at_ms: u64,
+    /// Leases with a statement acknowledged before the old primary was gone that tried again
+    /// after it.
+    pub leases_across: u64,
+    /// Statements committed after the promotion by those leases: zombies back in (violations).
+    pub zombie_writes: u64,
+    /// Rejections seen in tries that started before the promotion (their audit rows may have
+    /// been lost with it).
+    pub rejected_before: u64,
+    /// Rejections in tries that started after it (each must have its audit row).
+    pub rejected_after: u64,
+    /// Rejections without an audit row on the new primary, and without an audit-failure
+    /// event: their rows were lost by the promotion (at most `rejected_before`).
+    pub audit_rows_lost: u64,
+    /// The PostgreSQL issuer's counters live in the same database: the promotion rolled them
+    /// back too (tokens issued before it may be issued again).
+    pub issuer_rolled_back: bool,
+    /// Rows that accepted a write again after the promotion.
+    pub rows_recovered: usize,
+    /// Rows in the run.
+    pub rows: usize,
+    /// From the promotion to the first accepted write on any row.
+    pub first_write_ms: Option<u64>,
+    /// From the promotion until every row had accepted a write again.
+    pub recovery_ms: Option<u64>,
+}
+
+impl PgFailoverFigures {
+    /// Whether every rejection is reported as far as the database can say after losing
+    /// commits: every rejection after the promotion has its audit row (or an audit-failure
+    /// event), and rows are missing only for rejections before it.
+    #[must_use]
+    pub fn rejections_reported(&self) -> bool {
+        self.audit_rows_lost <= self.rejected_before
+    }
+}
+
 /// Batch mode: the rows of the batches, as the workers saw them (one outcome per row) and as
 /// Postgres committed them.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -383,6 +466,8 @@ pub struct Summary {
     pub leaseless: Option<LeaselessFigures>,
     /// The issuer failover, if the run had one.
     pub failover: Option<FailoverFigures>,
+    /// The failover of the harness's own PostgreSQL, if the run had one.
+    pub pg_failover: Option<PgFailoverFigures>,
 }
 
 impl Summary {
@@ -522,6 +607,9 @@ impl fmt::Display for Summary {
         if let Some(fo) = &self.failover {
             fmt_failover(f, fo)?;
         }
+        if let Some(p) = &self.pg_failover {
+            fmt_pg_failover(f, p)?;
+        }
         for k in &self.error_kinds {
             writeln!(
                 f,
@@ -537,6 +625,51 @@ impl fmt::Display for Summary {
         }
         Ok(())
     }
+}
+
+/// The PostgreSQL failover lines of the summary.
+fn fmt_pg_failover(f: &mut fmt::Formatter<'_>, p: &PgFailoverFigures) -> fmt::Result {
+    let ms = |v: Option<u64>| v.map_or_else(|| "never".to_owned(), |v| format!("{v} ms"));
+    writeln!(
+        f,
+        "  pg failover: standby cut off at {} ms (unit {}), primary killed at {} ms, standby promoted after {} ms (timeline {} -> {})",
+        p.cut_off_at_ms,
+        p.cut_off_at_unit,
+        p.kill_at_ms,
+        p.failover_ms,
+        p.old_timeline,
+        p.new_timeline
+    )?;
+    writeln!(
+        f,
+        "  db lost:    {} acknowledged transactions ({} units) the new primary does not have; {} audit rows lost with them",
+        p.acknowledged_lost, p.units_lost, p.audit_rows_lost
+    )?;
+    writeln!(
+        f,
+        "  fenced:     {} tries refused FencedByFailover ({} leases, {} of them without a statement before the kill; first {} after the promotion); {} leases from before the kill tried again after it, {} zombie writes got in; rejections {} before / {} after the promotion",
+        p.fenced_by_failover,
+        p.leases_fenced,
+        p.leases_fenced_unbound,
+        ms(p.first_refusal_ms),
+        p.leases_across,
+        p.zombie_writes,
+        p.rejected_before,
+        p.rejected_after
+    )?;
+    writeln!(
+        f,
+        "  pg recovery: {}/{} rows writing again after {} (first write after {}){}",
+        p.rows_recovered,
+        p.rows,
+        ms(p.recovery_ms),
+        ms(p.first_write_ms),
+        if p.issuer_rolled_back {
+            "; the postgres issuer's counters rolled back with the database"
+        } else {
+            ""
+        }
+    )
 }
 
 /// The effects lines of the summary.

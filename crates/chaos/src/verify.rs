@@ -14,14 +14,15 @@ use pgfence::IssuerKind;
 use crate::faults::Kills;
 use crate::report::{
     BatchFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery, LeaselessFigures,
-    Report, Summary,
+    PgFailoverFigures, Report, Summary,
 };
 use crate::schema::{CounterTable, Kind, is_leaseless};
 use crate::util::count;
 use crate::worker::{BeginRecord, CallAnswer, CallRecord, Stats, WorkerOut, invoice_item};
 use crate::{
     Attempt, AuditTally, ChaosError, Config, FailoverEvent, FaultMark, LeaseRecord,
-    LeaselessAttempt, LeaselessKind, LeaselessOutcome, Mode, Outcome, RowResult, Stage,
+    LeaselessAttempt, LeaselessKind, LeaselessOutcome, Mode, Outcome, PgFailoverEvent, RowResult,
+    Stage,
 };
 
 /// What the run produced on the client side, handed to [`verify`].
@@ -32,6 +33,8 @@ pub(crate) struct RunOutput {
     pub(crate) faults: Vec<FaultMark>,
     /// The issuer failover's details, if one was recorded.
     pub(crate) failover: Option<FailoverEvent>,
+    /// The database failover's details, if one was recorded.
+    pub(crate) pg_failover: Option<PgFailoverEvent>,
     /// Backends terminated.
     pub(crate) kills: Kills,
     /// Wall-clock duration.
@@ -143,7 +146,10 @@ pub(crate) async fn verify(
         }
         None => None,
     };
-    let acks = check_attempts(&attempts, &in_history);
+    // After a database failover, acknowledged transactions of tries that started before the
+    // promotion may be missing: the database lost them (not a mismatch).
+    let lost_before = output.pg_failover.as_ref().map(|e| e.promoted_at_ms);
+    let acks = check_attempts(&attempts, &in_history, lost_before);
     let leaseless = if cfg.mode == Mode::LeaselessMix {
         let audit_rows = bypass_audit_rows(admin, id.run).await?;
         Some(leaseless_figures(
@@ -195,6 +201,24 @@ pub(crate) async fn verify(
         Some(b) => b.rows_rejected_at_claim + b.rows_rejected_at_write,
         None => acks.rejected,
     };
+    let pg_failover = output.pg_failover.as_ref().map(|event| {
+        let recovery = output
+            .faults
+            .iter()
+            .zip(&fault_recovery)
+            .find(|(f, _)| f.name == PG_FAILOVER)
+            .map(|(_, r)| r);
+        let reported = u64::try_from(audit_rows).unwrap_or(0) + output.audit.audit_failures;
+        let seen = PgSeen {
+            event,
+            issuer: id.issuer,
+            recovery,
+            lost: &acks.db_lost,
+            audit_rows_lost: rejected.saturating_sub(reported),
+        };
+        pg_failover_figures(&seen, &attempts, &committed)
+    });
+    let zombie_writes = pg_failover.as_ref().map_or(0, |p| p.zombie_writes);
 
     let summary = Summary {
         run: id.run.to_owned(),
@@ -222,7 +246,8 @@ pub(crate) async fn verify(
         violations: row_checks.token_order
             + ack_mismatches
             + row_checks.torn
-            + leaseless_violations,
+            + leaseless_violations
+            + zombie_writes,
         token_order_violations: row_checks.token_order,
         ack_mismatches,
         torn_writes: row_checks.torn,
@@ -256,6 +281,7 @@ pub(crate) async fn verify(
         effects,
         leaseless,
         failover,
+        pg_failover,
     };
     Ok(Report {
         summary,
@@ -707,11 +733,128 @@ fn out_of_order(prev: &Committed, w: &Committed) -> bool {
     w.token < prev.token || (w.token == prev.token && w.unit != prev.unit)
 }
 
+/// The name of the fault a failover of the harness's own PostgreSQL is marked with (at the
+/// promotion).
+pub(crate) const PG_FAILOVER: &str = "pg_failover";
+
+/// What [`pg_failover_figures`] works from besides the history.
+struct PgSeen<'a> {
+    event: &'a PgFailoverEvent,
+    issuer: IssuerKind,
+    /// The recovery measured from the `pg_failover` mark.
+    recovery: Option<&'a FaultRecovery>,
+    /// Acknowledged transactions the database lost: `(unit, try, txn)`.
+    lost: &'a [(u64, u32, u32)],
+    /// Rejections with neither an audit row nor an audit-failure event.
+    audit_rows_lost: u64,
+}
+
+/// The database failover's figures: what it lost, whom fencing refused, and whether a lease
+/// from before it got a write in after it (a zombie).
+///
+/// A lease counts as from before the kill when a try of it that started before the old
+/// primary was gone had a statement acknowledged (it read, committed, or was rejected by the
+/// database). A statement of such a lease in the new primary's history, from a try that
+/// started after the old primary was gone (nothing commits between then and the promotion),
+/// is a zombie write.
+fn pg_failover_figures(
+    seen: &PgSeen<'_>,
+    attempts: &[Attempt],
+    committed: &BTreeMap<i32, Vec<Committed>>,
+) -> PgFailoverFigures {
+    let e = seen.event;
+    let bound_before: HashSet<u64> = attempts
+        .iter()
+        .filter(|a| a.started_ms < e.dead_at_ms)
+        .filter(|a| {
+            a.commits > 0
+                || a.value_read.is_some()
+                || matches!(a.outcome, Outcome::Accepted | Outcome::Rejected { .. })
+        })
+        .map(|a| a.unit)
+        .collect();
+    let started: HashMap<(u64, u32), u64> = attempts
+        .iter()
+        .map(|a| ((a.unit, a.try_no), a.started_ms))
+        .collect();
+    let across: HashSet<u64> = attempts
+        .iter()
+        .filter(|a| a.started_ms >= e.dead_at_ms && bound_before.contains(&a.unit))
+        .map(|a| a.unit)
+        .collect();
+    let zombie_writes = committed
+        .values()
+        .flatten()
+        .filter(|w| !w.is_leaseless() && bound_before.contains(&w.unit))
+        .filter(|w| {
+            started
+                .get(&(w.unit, w.try_no))
+                .is_some_and(|&t| t >= e.dead_at_ms)
+        })
+        .count();
+    let fenced: Vec<&Attempt> = attempts
+        .iter()
+        .filter(|a| matches!(a.outcome, Outcome::Rejected { failover: true, .. }))
+        .collect();
+    let leases_fenced: HashSet<u64> = fenced.iter().map(|a| a.unit).collect();
+    // Rejections (rows in batch mode) by when their try started.
+    let (mut rejected_before, mut rejected_after) = (0u64, 0u64);
+    for a in attempts {
+        let n = match &a.batch {
+            Some(b) => count(b.rejected()),
+            None => u64::from(matches!(a.outcome, Outcome::Rejected { .. })),
+        };
+        if a.started_ms < e.promoted_at_ms {
+            rejected_before += n;
+        } else {
+            rejected_after += n;
+        }
+    }
+    let units_lost: HashSet<u64> = seen.lost.iter().map(|&(u, _, _)| u).collect();
+    PgFailoverFigures {
+        cut_off_at_ms: e.cut_off_at_ms,
+        cut_off_at_unit: e.cut_off_at_unit,
+        kill_at_ms: e.kill_at_ms,
+        dead_at_ms: e.dead_at_ms,
+        promoted_at_ms: e.promoted_at_ms,
+        failover_ms: e.failover_ms,
+        old_timeline: e.old_timeline,
+        new_timeline: e.new_timeline,
+        acknowledged_lost: count(seen.lost.len()),
+        units_lost: count(units_lost.len()),
+        fenced_by_failover: count(fenced.len()),
+        leases_fenced: count(leases_fenced.len()),
+        leases_fenced_unbound: count(
+            leases_fenced
+                .iter()
+                .filter(|u| !bound_before.contains(u))
+                .count(),
+        ),
+        first_refusal_ms: fenced
+            .iter()
+            .map(|a| a.finished_ms.saturating_sub(e.promoted_at_ms))
+            .min(),
+        leases_across: count(across.len()),
+        zombie_writes: count(zombie_writes),
+        rejected_before,
+        rejected_after,
+        audit_rows_lost: seen.audit_rows_lost,
+        issuer_rolled_back: seen.issuer == IssuerKind::Postgres,
+        rows_recovered: seen.recovery.map_or(0, |r| r.rows_recovered),
+        rows: seen.recovery.map_or(0, |r| r.rows),
+        first_write_ms: seen.recovery.and_then(|r| r.first_write_ms),
+        recovery_ms: seen.recovery.and_then(|r| r.recovery_ms),
+    }
+}
+
 /// What the attempts say, compared with what committed.
 #[derive(Default)]
 struct AttemptChecks {
     /// Outcomes that contradict the history.
     mismatches: u64,
+    /// After a database failover: transactions acknowledged in tries that started before the
+    /// promotion and missing from the new primary — lost by the database, `(unit, try, txn)`.
+    db_lost: Vec<(u64, u32, u32)>,
     acknowledged: u64,
     rejected: u64,
     errors: u64,
@@ -722,8 +865,14 @@ struct AttemptChecks {
 
 /// Checks each try's transactions against the history (every transaction records at least one
 /// statement): the ones acknowledged committed; the one that failed committed only if it failed
-/// in `COMMIT`; none after it ran.
-fn check_attempts(attempts: &[Attempt], in_history: &HashSet<(u64, u32, u32)>) -> AttemptChecks {
+/// in `COMMIT`; none after it ran. With `lost_before` (a database failover's promotion time),
+/// an acknowledged transaction missing from the history of a try that started before it is
+/// counted as lost by the database instead.
+fn check_attempts(
+    attempts: &[Attempt],
+    in_history: &HashSet<(u64, u32, u32)>,
+    lost_before: Option<u64>,
+) -> AttemptChecks {
     let mut c = AttemptChecks::default();
     // Highest transaction in the history per try.
     let mut last_txn: HashMap<(u64, u32), u32> = HashMap::new();
@@ -733,12 +882,12 @@ fn check_attempts(attempts: &[Attempt], in_history: &HashSet<(u64, u32, u32)>) -
     }
     for a in attempts {
         let acked = a.first_txn..a.first_txn + a.commits;
-        c.mismatches += count(
-            acked
-                .clone()
-                .filter(|&t| !in_history.contains(&(a.unit, a.try_no, t)))
-                .count(),
-        );
+        let missing = acked.filter(|&t| !in_history.contains(&(a.unit, a.try_no, t)));
+        if lost_before.is_some_and(|promoted| a.started_ms < promoted) {
+            c.db_lost.extend(missing.map(|t| (a.unit, a.try_no, t)));
+        } else {
+            c.mismatches += count(missing.count());
+        }
         // The transaction the try ended in, if it did not end accepted.
         let failed_txn = a.first_txn + a.commits;
         let committed = in_history.contains(&(a.unit, a.try_no, failed_txn));

@@ -570,13 +570,17 @@ impl Worker {
             let (outcome, stale) = outcome(result);
             // A batch try that went on with the rows it got may still have met a lost counter.
             let stale = stale.or_else(|| t.batch_rejection(None));
+            // Through an outage (a database failover), a unit keeps retrying past `retries`.
+            let outage = cfg
+                .outage_retry
+                .is_some_and(|d| self.now().saturating_sub(lease_at_ms) < millis(d));
             let retry = matches!(
                 outcome,
                 Outcome::Failed {
                     retryable: true,
                     ..
                 }
-            ) && try_no < cfg.retries
+            ) && (try_no < cfg.retries || outage)
                 && !ctx.shared.done.load(Ordering::SeqCst);
             self.out.attempts.push(Attempt {
                 unit,
@@ -613,7 +617,11 @@ impl Worker {
                 first_txn = t.first_txn + t.commits;
             }
             try_no += 1;
-            let backoff = self.rng.random_range(5..25);
+            let backoff = if try_no > cfg.retries {
+                self.rng.random_range(20..60)
+            } else {
+                self.rng.random_range(5..25)
+            };
             tokio::time::sleep(Duration::from_millis(backoff)).await;
         }
         match ctx.issuer.release(lease).await {
@@ -691,14 +699,17 @@ fn outcome(result: Step<()>) -> (Outcome, Option<Error>) {
     // the counter went backwards and another lease already presented this token, or a
     // lease-less writer bypassed the guard on the row after this lease wrote it (sealed: it
     // must not write its stale picture of the row back; nothing to recover).
+    // Or the database failed over since the lease's first statement (fenced out whatever
+    // its rows say; nothing to recover either: the counter is not behind).
     let rejected = match &error {
-        Error::StaleToken { current, .. } => Some((*current, false, false)),
-        Error::DuplicateToken { token, .. } => Some((*token, true, false)),
-        Error::RowSealed { token, .. } => Some((*token, false, true)),
+        Error::StaleToken { current, .. } => Some((*current, false, false, false)),
+        Error::DuplicateToken { token, .. } => Some((*token, true, false, false)),
+        Error::RowSealed { token, .. } => Some((*token, false, true, false)),
+        Error::FencedByFailover { presented, .. } => Some((*presented, false, false, true)),
         _ => None,
     };
     match rejected {
-        Some((current, duplicate, sealed)) => {
+        Some((current, duplicate, sealed, failover)) => {
             let by = match stage {
                 Stage::Check => "check",
                 Stage::Claim => "claim",
@@ -711,8 +722,9 @@ fn outcome(result: Step<()>) -> (Outcome, Option<Error>) {
                 by,
                 duplicate,
                 sealed,
+                failover,
             };
-            (rejected, (!sealed).then_some(error))
+            (rejected, (!sealed && !failover).then_some(error))
         }
         None => {
             let failed = Outcome::Failed {

@@ -20,9 +20,11 @@ use std::time::Duration;
 use pgfence::{Error, Fence, Issuer, IssuerKind, Repository, Resource, TableName};
 use pgfence_chaos::{
     ChaosError, Config, Deployment, FailoverEvent, FailoverFigures, Harness, LeaselessOutcome,
-    Mode, Outcome, Recovery, Report, ReseedCounter, Target,
+    Mode, Outcome, PgFailoverFigures, Recovery, Report, ReseedCounter, Target, pg_failover_at,
 };
-use pgfence_testkit::{Server, etcd_installed, sentinel_installed, zk_installed};
+use pgfence_testkit::{
+    PgReplicaSet, Replication, Server, etcd_installed, sentinel_installed, zk_installed,
+};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use support::{TestDb, redis_url, unique_resource};
 
@@ -1161,7 +1163,8 @@ async fn postgres_issuer_batch_holds_and_the_unfenced_control_loses_updates() {
 /// The Redis-only faults and settings are refused for the PostgreSQL issuer with a clear error,
 /// not ignored: by the library (counter resets, reseed counting, a throwaway issuer
 /// deployment, a non-PostgreSQL URL for `Target::postgres`) and by the binary (also
-/// `--failover-at`, which is not implemented for PostgreSQL), before any server starts.
+/// `--failover-at`, which has no issuer leader to kill, and `--pg-failover-at` on a
+/// configured database, which cannot be failed over), before any server starts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_issuer_refuses_redis_only_faults() {
     let db = TestDb::new().await;
@@ -1203,7 +1206,7 @@ async fn postgres_issuer_refuses_redis_only_faults() {
 
     // The binary refuses them before it starts anything.
     let url = db.url();
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 9] = [
         (
             &["--reset-counter-at", "10"],
             "--reset-counter-at deletes Redis counter keys",
@@ -1222,7 +1225,11 @@ async fn postgres_issuer_refuses_redis_only_faults() {
         ),
         (
             &["--failover-at", "10"],
-            "PostgreSQL primary/standby failover is not implemented",
+            "fail the database over with --pg-failover-at",
+        ),
+        (
+            &["--pg-failover-at", "5"],
+            "needs its own throwaway primary and standby: drop --database-url",
         ),
         (
             &["--redis-url", "redis://127.0.0.1:1"],
@@ -1800,4 +1807,149 @@ async fn a_bypass_seals_out_the_lease_that_claimed_the_row_not_one_that_only_rea
     .await
     .expect("a lease that did not write the row before the bypass is not sealed out");
     assert_eq!(value(&db).await, 2, "three increments committed, two kept");
+}
+
+// ---------------------------------------------------------------------------------------------
+// A failover of the harness's own PostgreSQL (issue 23): an asynchronous standby, cut off while
+// the workers write on, promoted after the primary is killed, behind the same address.
+
+/// Runs the harness on a fresh asynchronous primary/standby pair and fails it over at unit
+/// `at` (cut-off, 300 ms of writes, kill, promotion). Returns the report.
+async fn run_with_pg_failover(cfg: Config, at: u64, issuer_url: Option<String>) -> Report {
+    let mut set = PgReplicaSet::start(Replication::Async)
+        .await
+        .expect("throwaway primary and standby");
+    let target = match issuer_url {
+        Some(issuer_url) => Target {
+            database: PgConnectOptions::from_str(&set.url()).unwrap(),
+            issuer_url,
+        },
+        None => Target::postgres(&set.url()).unwrap(),
+    };
+    let mut harness = Harness::new(cfg, &target).await.expect("harness setup");
+    if harness.issuer_kind().can_reseed() {
+        harness = harness
+            .with_reseed_counter(ReseedCounter::install_global().expect("reseed counter"))
+            .expect("a Redis run counts reseeds");
+    }
+    let ctl = harness.control();
+    let failover = tokio::spawn(async move {
+        let event = pg_failover_at(&mut set, &ctl, at, Duration::from_millis(300)).await;
+        (event, set)
+    });
+    let report = harness.run().await.expect("run");
+    let (event, set) = failover.await.expect("failover task");
+    eprintln!("{}{}", report.summary, report.summary.json());
+    let event = event
+        .expect("the failover goes through")
+        .expect("the failover happened before the run ended");
+    assert_eq!(event.new_timeline, event.old_timeline + 1);
+    assert!(event.cut_off_at_ms < event.kill_at_ms && event.kill_at_ms < event.promoted_at_ms);
+    set.stop();
+    report
+}
+
+/// What every database failover run must show among the writes the new primary kept: no
+/// violation (token order, acknowledgement mismatch, torn write, zombie write), no lost update,
+/// no stale read; every rejection reported (audit rows missing only for rejections the
+/// promotion may have lost); every row writing again; every failure retryable.
+fn assert_pg_failover_safe(report: &Report) -> &PgFailoverFigures {
+    let s = &report.summary;
+    assert!(!s.timed_out, "time limit hit: {s}");
+    let p = s.pg_failover.as_ref().expect("database failover figures");
+    assert_eq!(
+        p.zombie_writes, 0,
+        "a lease from before the promotion wrote after it: {s}"
+    );
+    assert_eq!(s.violations, 0, "{s}");
+    assert_eq!(s.lost_updates, 0, "{s}");
+    assert_eq!(s.stale_reads, 0, "{s}");
+    assert_eq!(
+        s.log_events, s.rejected,
+        "one audit event per rejection: {s}"
+    );
+    assert!(s.audit_rows <= s.rejected, "{s}");
+    assert!(p.rejections_reported(), "{s}");
+    assert_eq!(p.rows_recovered, p.rows, "every row writes again: {s}");
+    assert!(p.recovery_ms.is_some(), "{s}");
+    assert_eq!(s.faults.len(), 1, "{s}");
+    assert_eq!(s.faults[0].name, "pg_failover");
+    p
+}
+
+/// Fenced mode, 8 workers, 600 units, the database failed over at unit 300: the promotion
+/// loses acknowledged writes (the database's loss, counted apart), nothing unsafe among the
+/// writes the new primary kept, and the leases from before the promotion that came back
+/// after it are refused with `FencedByFailover` — on 0.2's code they got back in (zombie
+/// writes, the control this test was written against).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_failover_loses_writes_but_lets_no_zombie_back_in() {
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let cfg = Config {
+            workers: 8,
+            rows: 4,
+            units: 600,
+            outage_retry: Some(Duration::from_secs(10)),
+            // More leases stalled inside their transaction when the primary dies.
+            pause_probability: 0.2,
+            seed: 61,
+            ..Config::default()
+        };
+        let report = run_with_pg_failover(cfg, 300, Some(redis_url().await)).await;
+        let s = &report.summary;
+        let p = assert_pg_failover_safe(&report);
+        assert!(
+            p.acknowledged_lost >= 1 && p.units_lost >= 1,
+            "the promotion lost acknowledged writes: {s}"
+        );
+        assert!(
+            p.leases_across >= 1,
+            "leases from before the kill came back: {s}"
+        );
+        assert!(
+            p.fenced_by_failover >= 1 && p.leases_fenced >= 1,
+            "fencing refused the leases from before the promotion: {s}"
+        );
+        assert!(p.first_refusal_ms.is_some(), "{s}");
+        assert!(!p.issuer_rolled_back, "{s}");
+        let refused = report
+            .attempts
+            .iter()
+            .filter(|a| matches!(a.outcome, Outcome::Rejected { failover: true, .. }))
+            .count();
+        assert_eq!(pgfence_chaos_count(refused), p.fenced_by_failover);
+    })
+    .await
+    .expect("the database failover run is bounded to 120 s");
+}
+
+/// The PostgreSQL issuer on the failed-over database: its counters roll back with the
+/// database (the report says so), and still nothing unsafe gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_failover_with_the_postgres_issuer_rolls_its_counters_back_safely() {
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let cfg = Config {
+            workers: 8,
+            rows: 4,
+            units: 600,
+            outage_retry: Some(Duration::from_secs(10)),
+            seed: 67,
+            ..Config::for_issuer(IssuerKind::Postgres)
+        };
+        let report = run_with_pg_failover(cfg, 300, None).await;
+        let s = &report.summary;
+        assert_eq!(s.issuer, "postgres");
+        let p = assert_pg_failover_safe(&report);
+        assert!(p.issuer_rolled_back, "{s}");
+        assert!(
+            p.acknowledged_lost >= 1,
+            "the promotion lost acknowledged writes: {s}"
+        );
+    })
+    .await
+    .expect("the database failover run is bounded to 120 s");
+}
+
+fn pgfence_chaos_count(n: usize) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
 }

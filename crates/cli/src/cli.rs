@@ -365,6 +365,12 @@ pub struct SimulateArgs {
     /// other.
     #[arg(long, value_enum, default_value_t = SimulateIssuer::Redis)]
     pub issuer: SimulateIssuer,
+    /// Replay the race across a PostgreSQL failover: a throwaway primary and async standby
+    /// (always its own, even with DATABASE_URL set); the standby is cut off, lease B's
+    /// acknowledged write is lost by the promotion, and zombie A, whose fence the row shows
+    /// again, must be refused (FencedByFailover) while a new lease writes.
+    #[arg(long)]
+    pub pg_failover: bool,
 }
 
 /// The issuers `pgfence simulate --issuer` starts by itself.

@@ -548,6 +548,13 @@ mod tests {
             send(server.restart());
             send(crate::RedisCluster::start(3));
         };
+        let _ = |set: &mut crate::PgReplicaSet| {
+            send(crate::PgReplicaSet::start(crate::Replication::Async));
+            send(set.wait_replayed());
+            send(set.cut_off_standby());
+            send(set.fail_over());
+            send(set.timeline());
+        };
     }
 
     #[test]

@@ -137,11 +137,14 @@ impl PgReplicaSet {
         self.replication
     }
 
-    /// The stable address: `postgres://postgres@127.0.0.1:PORT/postgres` of the proxy, which
-    /// forwards to the current primary (after a failover, the promoted standby).
+    /// The stable address: `postgres://postgres@127.0.0.1:PORT/postgres?sslmode=disable` of
+    /// the proxy, which forwards to the current primary (after a failover, the promoted
+    /// standby). TLS is off (the throwaway servers have none), so a client that connects while
+    /// no server is behind the proxy sees its connection closed — an I/O error, as a refused
+    /// connection would be — rather than a garbled TLS negotiation.
     #[must_use]
     pub fn url(&self) -> String {
-        self.proxy.postgres_url()
+        format!("{}?sslmode=disable", self.proxy.postgres_url())
     }
 
     /// The proxy behind [`PgReplicaSet::url`] (e.g. to count its connections).

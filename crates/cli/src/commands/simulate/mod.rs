@@ -10,8 +10,12 @@
 //! (the provider charges nothing); then its step 2 is rejected by Postgres (A stops), and B's
 //! step 2 is applied under the same lease. With `--no-fence` (no fencing, no ledger, no key),
 //! A's stale writes silently overwrite B's and the provider charges twice.
+//!
+//! `--pg-failover` replays the race across a failover of the database itself (a throwaway
+//! primary and asynchronous standby): see the `failover` module.
 
 mod events;
+mod failover;
 mod race;
 mod render;
 mod servers;
@@ -31,6 +35,9 @@ use crate::util::fmt_duration;
 /// the outcome is the one the mode predicts.
 pub async fn simulate(conn: &Conn, args: &SimulateArgs) -> Result<ExitCode> {
     pgfence::check_ttl(args.ttl)?;
+    if args.pg_failover {
+        return failover::simulate_failover(conn, args).await;
+    }
     if args.pause <= args.ttl {
         bail!(
             "--pause ({}) must be longer than --ttl ({}) for the lease to expire",

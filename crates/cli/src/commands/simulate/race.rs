@@ -35,6 +35,17 @@ pub struct DemoRow {
     paid_by: String,
 }
 
+impl DemoRow {
+    /// A row of the demo table.
+    pub fn new(batch: &str, status: &str, paid_by: &str) -> Self {
+        Self {
+            batch: batch.to_owned(),
+            status: status.to_owned(),
+            paid_by: paid_by.to_owned(),
+        }
+    }
+}
+
 // The demo's table name is random; `Repository::for_table` supplies it.
 pgfence::fenced_table!(DemoRow {
     table: "pgfence_demo",

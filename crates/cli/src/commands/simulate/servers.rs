@@ -65,7 +65,8 @@ impl Servers {
                 // Without redis-server the race still runs: on the PostgreSQL issuer.
                 Err(e @ ServerError::NotInstalled { .. }) if kind == Kind::Redis => {
                     return Err(anyhow::Error::from(e).context(
-                        "cannot start a throwaway redis server (or set REDIS_URL);                          `pgfence simulate --issuer postgres` needs only PostgreSQL",
+                        "cannot start a throwaway redis server (or set REDIS_URL); \
+                         `pgfence simulate --issuer postgres` needs only PostgreSQL",
                     ));
                 }
                 Err(e) => {
