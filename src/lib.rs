@@ -45,6 +45,7 @@ mod layout;
 mod metrics;
 mod migrate;
 mod recovery;
+mod rejection;
 mod repository;
 mod resource;
 mod sql;
