@@ -271,6 +271,7 @@ $$;
 -- high_water (V4).
 CREATE OR REPLACE FUNCTION pgfence.high_water(p_resource text) RETURNS bigint
 LANGUAGE sql STABLE
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT coalesce((SELECT pgfence.fence_token(fence) FROM pgfence.resource_fence WHERE resource = p_resource), 0)
@@ -279,6 +280,7 @@ $$;
 -- domain_high_water (V4).
 CREATE OR REPLACE FUNCTION pgfence.domain_high_water(p_domain text) RETURNS bigint
 LANGUAGE sql STABLE
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT coalesce(max(pgfence.fence_token(fence)), 0) FROM pgfence.resource_fence

@@ -41,6 +41,10 @@
 //!
 //! Resource checks store the lease fence itself and accept the same lease again without a
 //! sequence.
+//!
+//! The layout's numbers are defined once, as the constants of
+//! [`StoredFence`](crate::StoredFence), which also reads a stored value's parts; everything
+//! here, the repository's SQL and the SQL helpers of migration V12 are built on it.
 
 use std::fmt;
 

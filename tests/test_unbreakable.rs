@@ -524,8 +524,8 @@ async fn a_0_2_database_upgrades_in_place() {
     let applied = pgfence::migrate(&mut conn).await.unwrap();
     assert_eq!(
         applied.iter().map(|m| m.version).collect::<Vec<_>>(),
-        [10, 11],
-        "only V10 and V11 are new"
+        [10, 11, 12],
+        "only V10, V11 and V12 are new"
     );
     conn.close().await.unwrap();
     let repo = Repository::<Account>::new(db.pool.clone()).unwrap();
