@@ -798,7 +798,7 @@ async fn failover(pool: &mut PgConnection, findings: &mut Vec<Finding>) -> Resul
 /// depend on it: leases bound to an older timeline stay fenced out.
 ///
 /// # Errors
-/// [`Error::Database`] (a role other than the owner is refused).
+/// [`Error::Database`](crate::Error::Database) (a role other than the owner is refused).
 pub async fn acknowledge_failover<'c, A>(conn: A, by: &str) -> Result<i32>
 where
     A: Acquire<'c, Database = Postgres>,
