@@ -20,11 +20,10 @@
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use crate::audit::{AuditRow, Rejection};
-use crate::repository::{Lent, WriteExecutor, audit_failure};
+use crate::rejection::{Explained, Judgement, audit_failure, judge};
+use crate::repository::{Lent, WriteExecutor};
 use crate::sql::{BatchSource, Statement};
-use crate::token::Relation;
-use crate::{Error, FenceToken, FencedTable, Fencing, Repository, Result};
+use crate::{Error, FencedTable, Fencing, Repository, Result};
 
 /// The most rows one batch call takes.
 pub const MAX_BATCH_ROWS: usize = 10_000;
@@ -378,14 +377,28 @@ impl<T: FencedTable> Repository<T> {
                 },
             };
             // A lease fenced out by a failover is refused as a whole, once.
+            let rejecting = self.rejecting(fencing, op.name());
             if let Some(first) = explained.first()
-                && self.on_timeline(first, fencing, op.name(), lent).await?
+                && rejecting.failover(&self.seen, first, lent).await?
             {
                 return Ok(None);
             }
             for row in &explained {
                 let i = index(row.try_get("ord")?, outcomes.len())?;
-                outcomes[i] = Some(self.classify_row(row, fencing, op, &audit_error).await?);
+                let out = Explained {
+                    row,
+                    audit_error: audit_error.as_deref(),
+                };
+                let judgement = match op {
+                    // No row and no tombstone: the upsert did not apply, yet nothing stopped
+                    // it (the row went away while it ran).
+                    Op::Upsert => match judge(fencing, out.current_or_tombstone()?) {
+                        Judgement::NotFound => Judgement::Contended,
+                        judgement => judgement,
+                    },
+                    _ => judge(fencing, out.current()?),
+                };
+                outcomes[i] = Some(rejecting.outcome(&out, judgement).await?);
             }
         }
         Ok(Some(BatchOutcome {
@@ -394,60 +407,6 @@ impl<T: FencedTable> Repository<T> {
                 .map(|o| o.unwrap_or(RowOutcome::Contended))
                 .collect(),
         }))
-    }
-
-    /// One explained row's outcome; a rejection is logged and audited.
-    async fn classify_row(
-        &self,
-        row: &PgRow,
-        fencing: &Fencing,
-        op: Op,
-        audit_error: &Option<String>,
-    ) -> Result<RowOutcome> {
-        let mut fence = row.try_get::<Option<i64>, _>("current")?;
-        if fence.is_none() && op == Op::Upsert {
-            // No row but a tombstone: a lease deleted it.
-            fence = row.try_get::<Option<i64>, _>("tombstone")?;
-            if fence.is_none() {
-                return Ok(RowOutcome::Contended);
-            }
-        }
-        let Some(fence) = fence else {
-            return Ok(RowOutcome::NotFound);
-        };
-        let outcome = match fencing.classify(fence) {
-            Relation::Newer { other_counter } => RowOutcome::Stale {
-                current: FenceToken::of_fence(fence),
-                other_counter,
-            },
-            Relation::Duplicate => RowOutcome::DuplicateToken,
-            Relation::Sealed => RowOutcome::Sealed,
-            Relation::Older | Relation::Own => return Ok(RowOutcome::Contended),
-        };
-        let audit_row = match audit_error {
-            Some(e) => AuditRow::Failed(e.clone()),
-            None if row.try_get::<Option<String>, _>("audit")?.is_some() => AuditRow::Written,
-            None => AuditRow::Pending,
-        };
-        let rejection = Rejection {
-            resource: fencing.resource.as_ref().map(ToString::to_string),
-            table: Some(self.table().quoted()),
-            key: row.try_get::<Option<String>, _>("row_key")?,
-            presented: fencing.token.get(),
-            current: Some(FenceToken::of_fence(fence)),
-            holder: fencing.holder.clone(),
-            operation: op.name(),
-            other_counter: matches!(
-                outcome,
-                RowOutcome::Stale {
-                    other_counter: true,
-                    ..
-                }
-            ),
-            reason: None,
-        };
-        self.auditor().record(&rejection, audit_row).await;
-        Ok(outcome)
     }
 
     fn bound(

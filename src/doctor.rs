@@ -25,7 +25,7 @@
 //! Counters: for each resource in `pgfence.resource_fence` (resources that ran
 //! `pgfence.check`) and each of [`DoctorOptions::resources`], doctor compares the token of
 //! `pgfence.high_water(resource)` with the Redis counter ([`Issuer::status`](crate::Issuer::status)). Rows carry no
-//! resource name, so a table's highest token (`max(fence) >> 24`) is only compared with the
+//! resource name, so a table's highest token (the token of `max(fence)`) is only compared with the
 //! highest counter doctor read: above it means the table was written by a counter doctor was
 //! not told about (list its resource in [`DoctorOptions::resources`]), or one that went
 //! backwards. Reading `max(fence)` scans each guarded table; turn it off with
@@ -36,7 +36,7 @@ use std::time::Duration;
 use serde::Serialize;
 use sqlx::{Acquire, AssertSqlSafe, PgConnection, Postgres};
 
-use crate::{MAX_TOKEN, Resource, Result, TableName, TokenIssuer};
+use crate::{MAX_TOKEN, Resource, Result, StoredFence, TableName, TokenIssuer};
 
 /// How close to [`MAX_TOKEN`] a token may come before doctor warns by default (2^20 tokens).
 pub const DEFAULT_LIMIT_MARGIN: i64 = 1 << 20;
@@ -544,7 +544,7 @@ async fn tables(
             );
         }
         let Some(max) = max else { continue };
-        let token = max >> 24;
+        let token = StoredFence::from_raw(max).token();
         highest.push((object.clone(), token));
         findings.push(
             Finding::new(Severity::Info, FindingKind::HighestToken, &object)
@@ -574,11 +574,14 @@ async fn counters(
 ) -> Result<()> {
     let limit = MAX_TOKEN.saturating_sub(options.limit_margin);
     let marks: Vec<(String, i64)> = if may(pool, "resource_fence", "SELECT").await? {
-        sqlx::query_as(
-            "SELECT resource, fence OPERATOR(pg_catalog.>>) 24 FROM pgfence.resource_fence ORDER BY 1",
+        sqlx::query_as::<_, (String, i64)>(
+            "SELECT resource, fence FROM pgfence.resource_fence ORDER BY 1",
         )
         .fetch_all(&mut *pool)
         .await?
+        .into_iter()
+        .map(|(resource, fence)| (resource, StoredFence::from_raw(fence).token()))
+        .collect()
     } else {
         findings.push(not_permitted(
             "pgfence.resource_fence",

@@ -41,9 +41,11 @@ mod grant;
 mod guard;
 mod ident;
 mod issuer;
+mod layout;
 mod metrics;
 mod migrate;
 mod recovery;
+mod rejection;
 mod repository;
 mod resource;
 mod sql;
@@ -98,6 +100,7 @@ pub use issuer::{
 };
 #[cfg(feature = "zk")]
 pub use issuer::{ZK_SCHEME, ZkIssuer, is_zk_url, zk_lock_dir};
+pub use layout::StoredFence;
 pub use migrate::{MigrationInfo, migrate, status as migration_status};
 pub use repository::{FencedTable, KeyArrays, PgQuery, Repository, Upserted, WriteExecutor};
 pub use resource::{MAX_RESOURCE_LEN, Resource};

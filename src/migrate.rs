@@ -65,6 +65,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V11__failover_fencing",
         include_str!("../migrations/V11__failover_fencing.sql"),
     ),
+    (
+        "V12__fence_layout",
+        include_str!("../migrations/V12__fence_layout.sql"),
+    ),
 ];
 
 /// The newest migration this version ships.

@@ -22,14 +22,13 @@ use std::sync::{Arc, Mutex};
 use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::{PgPool, Postgres, Row};
 
-use crate::FenceToken;
-use crate::audit::{AuditRow, Auditor, Rejection};
+use crate::audit::Auditor;
 use crate::ident::{Ident, TableName};
+use crate::rejection::{Explained, Rejecting, audit_failure, judge};
 use crate::sql::{Source, Statement, Statements};
-use crate::timeline::{Seen, Verdict};
-use crate::token::Relation;
+use crate::timeline::Seen;
 use crate::verify::ColumnType;
-use crate::{Error, Fencing, Result, StaleTarget};
+use crate::{Error, Fencing, Result};
 
 /// A query under construction, as handed to [`FencedTable`]'s bind methods.
 pub type PgQuery = sqlx::query::Query<'static, Postgres, PgArguments>;
@@ -432,10 +431,6 @@ impl<T: FencedTable> Repository<T> {
         &self.table
     }
 
-    pub(crate) fn auditor(&self) -> &Auditor {
-        &self.auditor
-    }
-
     /// The exact text of the update statement (for benchmarks comparing it with raw sqlx).
     /// Binds: key columns, data columns, then [`Fencing::lease_fence`] and the lease's
     /// timeline ([`Fencing::timeline`], `0` when not bound).
@@ -486,14 +481,19 @@ impl<T: FencedTable> Repository<T> {
             if done.rows_affected() > 0 {
                 return Ok(());
             }
-            let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
-            if self
-                .on_timeline(&out.row, &fencing, "update", &mut lent)
+            match self
+                .refusal(
+                    &self.sql.explain_update,
+                    source,
+                    &fencing,
+                    "update",
+                    &mut lent,
+                )
                 .await?
             {
-                continue;
+                Some(err) => return Err(err),
+                None => continue,
             }
-            return self.rejected(&out, &fencing, "update").await;
         }
     }
 
@@ -526,20 +526,19 @@ impl<T: FencedTable> Repository<T> {
                     Upserted::Updated
                 });
             }
-            let out = explain_row(&self.sql.explain_upsert, source, &fencing, &mut lent).await?;
-            if self
-                .on_timeline(&out.row, &fencing, "upsert", &mut lent)
+            match self
+                .refusal(
+                    &self.sql.explain_upsert,
+                    source,
+                    &fencing,
+                    "upsert",
+                    &mut lent,
+                )
                 .await?
             {
-                continue;
+                Some(err) => return Err(err),
+                None => continue,
             }
-            // No row but a tombstone: a lease deleted it.
-            if out.row.try_get::<Option<i64>, _>("current")?.is_none()
-                && let Some(tomb) = out.row.try_get::<Option<i64>, _>("tombstone")?
-            {
-                return self.classified(&out, &fencing, tomb, "upsert").await;
-            }
-            return self.rejected(&out, &fencing, "upsert").await;
         }
     }
 
@@ -568,14 +567,19 @@ impl<T: FencedTable> Repository<T> {
             if deleted.try_get::<bool, _>(0)? {
                 return Ok(());
             }
-            let out = explain_row(&self.sql.explain_delete, source, &fencing, &mut lent).await?;
-            if self
-                .on_timeline(&out.row, &fencing, "delete", &mut lent)
+            match self
+                .refusal(
+                    &self.sql.explain_delete,
+                    source,
+                    &fencing,
+                    "delete",
+                    &mut lent,
+                )
                 .await?
             {
-                continue;
+                Some(err) => return Err(err),
+                None => continue,
             }
-            return self.rejected(&out, &fencing, "delete").await;
         }
     }
 
@@ -623,14 +627,19 @@ impl<T: FencedTable> Repository<T> {
             if let Some(row) = claimed {
                 return Ok(R::from_row(&row)?);
             }
-            let out = explain_row(&self.sql.explain_claim, source, &fencing, &mut lent).await?;
-            if self
-                .on_timeline(&out.row, &fencing, "claim", &mut lent)
+            match self
+                .refusal(
+                    &self.sql.explain_claim,
+                    source,
+                    &fencing,
+                    "claim",
+                    &mut lent,
+                )
                 .await?
             {
-                continue;
+                Some(err) => return Err(err),
+                None => continue,
             }
-            return self.rejected(&out, &fencing, "claim").await;
         }
     }
 
@@ -717,14 +726,19 @@ impl<T: FencedTable> Repository<T> {
             if done.rows_affected() > 0 {
                 return Ok(());
             }
-            let out = explain_row(&self.sql.explain_update, source, &fencing, &mut lent).await?;
-            if self
-                .on_timeline(&out.row, &fencing, "update", &mut lent)
+            match self
+                .refusal(
+                    &self.sql.explain_update,
+                    source,
+                    &fencing,
+                    "update",
+                    &mut lent,
+                )
                 .await?
             {
-                continue;
+                Some(err) => return Err(err),
+                None => continue,
             }
-            return self.rejected(&out, &fencing, "update").await;
         }
     }
 
@@ -792,9 +806,8 @@ impl<T: FencedTable> Repository<T> {
             .map(String::into_boxed_str)
     }
 
-    /// A write statement's result. A token the guard trigger refused for its jump
-    /// ([`Error::TokenJump`], the poisoning bound) is audited like a rejection: the
-    /// trigger's own audit row would roll back with the statement.
+    /// A write statement's result: an error is the write's (a refused token jump is audited,
+    /// [`Rejecting::write_failed`]).
     async fn written<R>(
         &self,
         result: sqlx::Result<R>,
@@ -806,221 +819,85 @@ impl<T: FencedTable> Repository<T> {
             Err(e) => Error::from(e),
         };
         self.seen.forget_on(&err);
-        if let Error::TokenJump { current, .. } = &err {
-            let rejection = Rejection {
-                resource: fencing.resource.as_ref().map(|r| r.as_str().to_owned()),
-                table: Some(self.table.quoted()),
-                key: None,
-                presented: fencing.token.get(),
-                current: Some(*current),
-                holder: fencing.holder.clone(),
-                operation,
-                other_counter: false,
-                reason: None,
-            };
-            self.auditor.record(&rejection, AuditRow::Pending).await;
-        }
-        Err(err)
+        Err(self.rejecting(fencing, operation).write_failed(err).await)
     }
 
-    /// A write that changed nothing, against the timeline its explaining statement ran on:
-    /// `Ok(false)` when the lease is on the database's timeline (or not bound); `Ok(true)`
-    /// when the lease's only statement was this one and it now binds to the database's new
-    /// timeline (send the write again); [`Error::FencedByFailover`], logged and audited, when
-    /// the lease wrote before the database failed over.
-    pub(crate) async fn on_timeline(
+    /// The rejection context of one write.
+    pub(crate) fn rejecting<'a>(
+        &'a self,
+        fencing: &'a Fencing,
+        operation: &'static str,
+    ) -> Rejecting<'a> {
+        Rejecting {
+            fencing,
+            table: self.table.quoted(),
+            operation,
+            auditor: &self.auditor,
+        }
+    }
+
+    /// A single-row write that changed nothing: runs `explain` and returns the write's error
+    /// (logged and audited when it is a rejection: [`crate::rejection`]), or `None` when the
+    /// lease now binds to the database's new timeline and the write is to be sent again.
+    async fn refusal(
         &self,
-        row: &PgRow,
+        explain: &Statement,
+        source: Source<'_, T>,
         fencing: &Fencing,
         operation: &'static str,
         lent: &mut Lent<'_>,
-    ) -> Result<bool> {
-        let now: i64 = row.try_get("timeline")?;
-        let (lease_timeline, timeline) = match self.seen.verdict(&fencing.timeline, now) {
-            Verdict::Fine => return Ok(false),
-            Verdict::Again => return Ok(true),
-            Verdict::Refused {
-                lease_timeline,
-                timeline,
-            } => (lease_timeline, timeline),
-        };
-        let target = StaleTarget::Row {
-            table: self.table.quoted(),
-            key: key_text(row),
-            resource: fencing.resource.as_ref().map(ToString::to_string),
-            held_by: None,
-        };
-        let current = row
-            .try_get::<Option<i64>, _>("current")?
-            .map(FenceToken::of_fence);
-        let rejection = Rejection {
-            resource: fencing.resource.as_ref().map(|r| r.as_str().to_owned()),
-            table: Some(self.table.quoted()),
-            key: Some(key_text(row)),
-            presented: fencing.token.get(),
-            current,
-            holder: fencing.holder.clone(),
-            operation,
-            other_counter: false,
-            reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
-        };
-        self.auditor.record_beside(&rejection, lent).await;
-        Err(Error::FencedByFailover {
-            target,
-            presented: fencing.token.get(),
-            lease_timeline,
-            timeline,
-        })
-    }
-
-    /// Classifies a write that changed nothing from its explaining row: the row's fence
-    /// (`current`, NULL when there is no row) against the lease.
-    async fn rejected<R>(
-        &self,
-        out: &Explained,
-        fencing: &Fencing,
-        operation: &'static str,
-    ) -> Result<R> {
-        match out.row.try_get::<Option<i64>, _>("current")? {
-            None => Err(Error::NotFound {
-                table: self.table.quoted(),
-                key: key_text(&out.row),
-            }),
-            Some(current) => self.classified(out, fencing, current, operation).await,
+    ) -> Result<Option<Error>> {
+        let (row, audit_error) = explain_row(explain, source, fencing, lent).await?;
+        let rejecting = self.rejecting(fencing, operation);
+        if rejecting.failover(&self.seen, &row, lent).await? {
+            return Ok(None);
         }
-    }
-
-    /// The error for a write that met `fence` and changed nothing.
-    async fn classified<R>(
-        &self,
-        out: &Explained,
-        fencing: &Fencing,
-        fence: i64,
-        operation: &'static str,
-    ) -> Result<R> {
-        let token = fencing.token.get();
-        let relation = fencing.classify(fence);
-        let held_by = match relation {
-            Relation::Newer {
-                other_counter: false,
-            } => self.held_by(fencing, FenceToken::of_fence(fence)).await,
-            _ => None,
+        let out = Explained {
+            row: &row,
+            audit_error: audit_error.as_deref(),
         };
-        let target = StaleTarget::Row {
-            table: self.table.quoted(),
-            key: key_text(&out.row),
-            resource: fencing.resource.as_ref().map(ToString::to_string),
-            held_by,
+        // An upsert that finds no row but a fenced delete's tombstone was rejected by it.
+        let met = if operation == "upsert" {
+            out.current_or_tombstone()?
+        } else {
+            out.current()?
         };
-        let other_counter = matches!(
-            relation,
-            Relation::Newer {
-                other_counter: true
-            }
-        );
-        let err = match relation {
-            Relation::Newer { other_counter } => Error::StaleToken {
-                target,
-                presented: token,
-                current: crate::FenceToken::of_fence(fence),
-                other_counter,
-            },
-            Relation::Duplicate => Error::DuplicateToken { target, token },
-            Relation::Sealed => Error::RowSealed { target, token },
-            // The row now admits the lease, yet the write did not apply: it was replaced
-            // (deleted and inserted again) while the write ran.
-            Relation::Older | Relation::Own => {
-                return Err(Error::Contended {
-                    table: self.table.quoted(),
-                    operation,
-                });
-            }
-        };
-        let rejection = Rejection {
-            resource: fencing.resource.as_ref().map(|r| r.as_str().to_owned()),
-            table: Some(self.table.quoted()),
-            key: Some(key_text(&out.row)),
-            presented: token,
-            current: Some(crate::FenceToken::of_fence(fence)),
-            holder: fencing.holder.clone(),
-            operation,
-            other_counter,
-            reason: None,
-        };
-        self.auditor.record(&rejection, out.audit_row()?).await;
-        Err(err)
+        let judgement = judge(fencing, met);
+        let err = rejecting
+            .error(&out, judgement, |token| self.held_by(fencing, token))
+            .await?;
+        Ok(Some(err))
     }
 }
 
-/// An explaining statement's row, and the error of its own audit insert if that failed.
-struct Explained {
-    row: PgRow,
-    audit_error: Option<String>,
-}
-
-impl Explained {
-    /// Where the rejection's audit row stands after this statement.
-    fn audit_row(&self) -> Result<AuditRow> {
-        Ok(match &self.audit_error {
-            Some(e) => AuditRow::Failed(e.clone()),
-            // `pgfence.record_rejection` ran (and wrote the row) or the column is NULL.
-            None if self.row.try_get::<Option<String>, _>("audit")?.is_some() => AuditRow::Written,
-            None => AuditRow::Pending,
-        })
-    }
-}
-
-/// Runs an explaining statement on the write's connection. When the statement fails in its
-/// audit insert (`pgfence.record_rejection` in the error's context), runs it again without
-/// the insert and keeps the error, so an audit failure never replaces the rejection.
+/// Runs an explaining statement on the write's connection: its row, and the error of its own
+/// audit insert if that failed (`pgfence.record_rejection` in the error's context; the
+/// statement then runs again without the insert, so an audit failure never replaces the
+/// rejection).
 async fn explain_row<T: FencedTable>(
     explain: &Statement,
     source: Source<'_, T>,
     fencing: &Fencing,
     lent: &mut Lent<'_>,
-) -> Result<Explained> {
+) -> Result<(PgRow, Option<String>)> {
     let own = lent.own_transaction();
     let first = explain
         .bind(source, fencing, own)
         .fetch_one(lent.conn())
         .await;
     match first {
-        Ok(row) => Ok(Explained {
-            row,
-            audit_error: None,
-        }),
+        Ok(row) => Ok((row, None)),
         Err(e) => match audit_failure(&e) {
             Some(audit_error) => {
                 let row = explain
                     .bind(source, fencing, false)
                     .fetch_one(lent.conn())
                     .await?;
-                Ok(Explained {
-                    row,
-                    audit_error: Some(audit_error),
-                })
+                Ok((row, Some(audit_error)))
             }
             None => Err(e.into()),
         },
     }
-}
-
-/// The message of an error raised inside `pgfence.record_rejection`.
-pub(crate) fn audit_failure(e: &sqlx::Error) -> Option<String> {
-    let sqlx::Error::Database(db) = e else {
-        return None;
-    };
-    let pg = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?;
-    pg.r#where()
-        .filter(|w| w.contains("pgfence.record_rejection"))
-        .map(|_| pg.message().to_owned())
-}
-
-fn key_text(out: &PgRow) -> String {
-    out.try_get::<Option<String>, _>("row_key")
-        .ok()
-        .flatten()
-        .unwrap_or_default()
 }
 
 fn idents(names: &[&str]) -> Result<Vec<Ident>> {

@@ -21,10 +21,16 @@
 //! after that (`L + (fence - L + 2731) % 4095`, [`crate::next_sequence`]): the only changes
 //! the guard trigger lets through. A fence with the same token and another tag (a duplicate
 //! token), a sealed fence (`L + 4095`) and every newer lease's fence are not admitted.
+//!
+//! None of these numbers is typed here: they are [`StoredFence`](crate::StoredFence)'s
+//! constants, formatted into the text when the statements are built (inline literals, so the
+//! plan is the same as with hand-typed ones), and a test reads them back out of every
+//! statement.
 
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 use crate::ident::{Ident, TableName, quote_literal};
+use crate::layout::sql as layout;
 use crate::{FencedTable, Fencing, PgQuery, Result};
 
 /// The catalog's operators, spelled so that `search_path` cannot substitute others.
@@ -33,19 +39,10 @@ const LT: &str = "OPERATOR(pg_catalog.<)";
 const GE: &str = "OPERATOR(pg_catalog.>=)";
 const PLUS: &str = "OPERATOR(pg_catalog.+)";
 const AND: &str = "OPERATOR(pg_catalog.&)";
-const SHR: &str = "OPERATOR(pg_catalog.>>)";
 const GT: &str = "OPERATOR(pg_catalog.>)";
 const NE: &str = "OPERATOR(pg_catalog.<>)";
-/// Clears tag and sequence from a lease fence (`~0xFFFFFF`).
-const TOKEN_MASK: &str = "(-16777216)::pg_catalog.int8";
-/// The sealed sequence ([`crate::SEALED_SEQUENCE`]), and the cycle's modulus.
-const LAST_SEQ: &str = "4095::pg_catalog.int8";
-/// The step of a lease's sequence cycle (see [`crate::next_sequence`]).
-const SEQ_STEP: &str = "2731::pg_catalog.int8";
 const MINUS: &str = "OPERATOR(pg_catalog.-)";
 const MOD: &str = "OPERATOR(pg_catalog.%)";
-/// The counter bits of a fence (bits 20..23).
-const COUNTER_MASK: &str = "15728640::pg_catalog.int8";
 
 /// A value a statement binds, in the order [`Params`] handed out its placeholders.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -312,9 +309,10 @@ pub(crate) struct BatchStatements {
 /// timeline the lease is bound to ([`on_timeline`]).
 fn admits(fence: &str, lease: &LeaseParams) -> String {
     let l = &lease.fence;
+    let (token_mask, sealed) = (layout::token_mask(), layout::sealed_sequence());
     format!(
-        "(({fence} {LT} ({l} {AND} {TOKEN_MASK}) \
-         OR ({fence} {GE} {l} AND {fence} {LT} ({l} {PLUS} {LAST_SEQ}))) AND {})",
+        "(({fence} {LT} ({l} {AND} {token_mask}) \
+         OR ({fence} {GE} {l} AND {fence} {LT} ({l} {PLUS} {sealed}))) AND {})",
         on_timeline(&lease.timeline)
     )
 }
@@ -332,9 +330,10 @@ fn on_timeline(timeline: &str) -> String {
 /// The fence an admitted write stores: `L` over an older lease's fence, the lease's next
 /// sequence step over its own.
 fn next_fence(fence: &str, lease: &impl std::fmt::Display) -> String {
+    let (step, sealed) = (layout::sequence_step(), layout::sealed_sequence());
     format!(
         "CASE WHEN {fence} {LT} {lease} THEN {lease} \
-         ELSE {lease} {PLUS} (({fence} {MINUS} {lease} {PLUS} {SEQ_STEP}) {MOD} {LAST_SEQ}) END"
+         ELSE {lease} {PLUS} (({fence} {MINUS} {lease} {PLUS} {step}) {MOD} {sealed}) END"
     )
 }
 
@@ -342,9 +341,10 @@ fn next_fence(fence: &str, lease: &impl std::fmt::Display) -> String {
 /// presented by another holder, or this lease's fence sealed. (Not: older, or this lease's
 /// own.)
 fn rejects(fence: &str, lease: &str) -> String {
+    let (token_mask, sealed) = (layout::token_mask(), layout::sealed_sequence());
     format!(
-        "{fence} {GE} ({lease} {AND} {TOKEN_MASK}) \
-         AND NOT ({fence} {GE} {lease} AND {fence} {LT} ({lease} {PLUS} {LAST_SEQ}))"
+        "{fence} {GE} ({lease} {AND} {token_mask}) \
+         AND NOT ({fence} {GE} {lease} AND {fence} {LT} ({lease} {PLUS} {sealed}))"
     )
 }
 
@@ -796,9 +796,11 @@ fn audit_column(
     format!(
         "CASE WHEN {own_transaction}::pg_catalog.bool AND {rejected} \
          THEN pgfence.record_rejection({resource}::pg_catalog.text, {table_literal}, c.row_key, \
-         {token}::pg_catalog.int8, ({current} {SHR} 24), {holder}::pg_catalog.text, '{operation}', {ms}, \
-         ({current} {SHR} 24) {GT} 0 AND ({current} {AND} {COUNTER_MASK}) {NE} ({lease} {AND} {COUNTER_MASK})) END",
+         {token}::pg_catalog.int8, {current_token}, {holder}::pg_catalog.text, '{operation}', {ms}, \
+         {current_token} {GT} 0 AND ({current} {AND} {counter}) {NE} ({lease} {AND} {counter})) END",
         rejected = rejects(current, lease),
+        current_token = layout::token_of(current),
+        counter = layout::counter_mask(),
     )
 }
 
@@ -970,6 +972,101 @@ mod tests {
             "SELECT * FROM \"public\".\"inventory\" WHERE \"sku\" OPERATOR(pg_catalog.=) $1"
         );
         assert_eq!(s.fetch.slots, [Slot::Key]);
+    }
+
+    /// Every statement of a table, single-row and batch, with and without in-statement audit.
+    fn every_statement() -> Vec<String> {
+        let mut texts = Vec::new();
+        for audit in [Some(2000), None] {
+            let keys = [Ident::new("batch").unwrap(), Ident::new("line").unwrap()];
+            let cols = [Ident::new("amount").unwrap()];
+            let s =
+                Statements::build(&TableName::parse("t").unwrap(), &keys, &cols, audit).unwrap();
+            let b = &s.batch;
+            for st in [
+                &s.update,
+                &s.upsert,
+                &s.delete,
+                &s.claim,
+                &s.explain_update,
+                &s.explain_upsert,
+                &s.explain_delete,
+                &s.explain_claim,
+                &b.update,
+                &b.upsert,
+                &b.delete,
+                &b.claim,
+                &b.explain_update,
+                &b.explain_upsert,
+                &b.explain_delete,
+                &b.explain_claim,
+            ] {
+                texts.push(st.text().to_owned());
+            }
+            texts.push(s.update_columns(&[0]).text().to_owned());
+        }
+        texts
+    }
+
+    /// The numbers written before `suffix` in `text` (`-16777216` in `(-16777216)::...`).
+    fn numbers_before(text: &str, suffix: &str) -> Vec<i64> {
+        text.match_indices(suffix)
+            .filter_map(|(at, _)| {
+                let head = text[..at].trim_end_matches(')');
+                let start = head
+                    .rfind(|c: char| !(c.is_ascii_digit() || c == '-'))
+                    .map_or(0, |i| i + 1);
+                let digits = &head[start..];
+                // `$4::pg_catalog.int8` is a placeholder, not a literal.
+                (!digits.is_empty() && !head[..start].ends_with('$'))
+                    .then(|| digits.parse().unwrap())
+            })
+            .collect()
+    }
+
+    /// The numbers written after `prefix` in `text` (`24` in `>> 24`).
+    fn numbers_after(text: &str, prefix: &str) -> Vec<i64> {
+        text.match_indices(prefix)
+            .map(|(at, _)| {
+                let tail = &text[at + prefix.len()..];
+                let end = tail
+                    .find(|c: char| !c.is_ascii_digit())
+                    .unwrap_or(tail.len());
+                tail[..end].parse().unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_number_in_the_statements_is_a_layout_constant() {
+        use crate::StoredFence as F;
+        let layout = [
+            F::TOKEN_MASK,
+            F::SEALED_SEQUENCE,
+            F::SEQUENCE_STEP,
+            F::COUNTER_MASK,
+        ];
+        let mut seen = std::collections::BTreeSet::new();
+        for text in every_statement() {
+            for n in numbers_before(&text, "::pg_catalog.int8") {
+                assert!(
+                    layout.contains(&n),
+                    "{n} is not a layout constant in {text}"
+                );
+                seen.insert(n);
+            }
+            for n in numbers_after(&text, "OPERATOR(pg_catalog.>>) ") {
+                assert_eq!(n, i64::from(F::TOKEN_SHIFT), "{text}");
+                seen.insert(n);
+            }
+            for hand_typed in ["16777215", "0xFFFFFF", ">> 24", "<< 24", " 4096"] {
+                assert!(!text.contains(hand_typed), "{hand_typed} in {text}");
+            }
+        }
+        // ...and every constant is used: the predicate, the cycle and the audit's counter.
+        let mut expected: std::collections::BTreeSet<i64> = layout.into_iter().collect();
+        expected.insert(i64::from(F::TOKEN_SHIFT));
+        assert_eq!(seen, expected);
     }
 
     #[test]

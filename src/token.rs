@@ -41,36 +41,31 @@
 //!
 //! Resource checks store the lease fence itself and accept the same lease again without a
 //! sequence.
+//!
+//! The layout's numbers are defined once, as the constants of
+//! [`StoredFence`](crate::StoredFence), which also reads a stored value's parts; everything
+//! here, the repository's SQL and the SQL helpers of migration V12 are built on it.
 
 use std::fmt;
 
+use crate::layout::StoredFence;
 use crate::timeline::Binding;
 use crate::{Error, Resource, Result};
 
 /// The largest token: 39 bits, so that token, tag and sequence fit a positive `BIGINT`.
-pub const MAX_TOKEN: i64 = (1 << 39) - 1;
+pub const MAX_TOKEN: i64 = StoredFence::MAX_TOKEN;
 
 /// The sequence of a sealed fence: the row was changed outside the fencing protocol after the
 /// lease whose token and tag it carries wrote it, so that lease cannot write it again.
-pub const SEALED_SEQUENCE: i64 = (1 << SEQ_BITS) - 1;
-
-/// The step of a lease's sequence on a row it writes again (coprime with 4095, so the cycle
-/// visits all of `0..=4094`; far from the small numbers a hand-written `fence + n` adds).
-const SEQUENCE_STEP: i64 = 2731;
+pub const SEALED_SEQUENCE: i64 = StoredFence::SEALED_SEQUENCE;
 
 /// The sequence a lease's next write to a row stores after `sequence` (`0..=4094`): the
-/// cycle the repository's statements, `pgfence.next_fence` and the guard trigger agree on.
+/// cycle the repository's statements, `pgfence.next_fence` and the guard trigger agree on
+/// ([`StoredFence::next`] on a whole fence).
 #[must_use]
 pub const fn next_sequence(sequence: i64) -> i64 {
-    (sequence + SEQUENCE_STEP) % SEALED_SEQUENCE
+    crate::layout::next_sequence(sequence)
 }
-
-const SEQ_BITS: u32 = 12;
-const HOLDER_BITS: u32 = 8;
-const COUNTER_BITS: u32 = 4;
-const TAG_BITS: u32 = HOLDER_BITS + COUNTER_BITS;
-const TOKEN_SHIFT: u32 = SEQ_BITS + TAG_BITS;
-const COUNTER_SHIFT: u32 = SEQ_BITS + HOLDER_BITS;
 
 /// A fence token: an integer in `1..=`[`MAX_TOKEN`], issued once per lock acquisition and
 /// strictly increasing per resource (or fencing domain). `0` and negative numbers are never
@@ -120,7 +115,7 @@ impl FenceToken {
     /// fences written before tokens carried a tag and sequence).
     #[must_use]
     pub fn of_fence(fence: i64) -> i64 {
-        fence >> TOKEN_SHIFT
+        StoredFence::from_raw(fence).token()
     }
 }
 
@@ -238,45 +233,33 @@ impl Fencing {
     /// the holder (0 without one). `pgfence run` exports it as `PGFENCE_TAG` for SQL callers.
     #[must_use]
     pub fn tag(&self) -> u16 {
-        let counter = self
-            .resource
-            .as_ref()
-            .map_or(0, |r| fold(fnv1a(r.counter_id()), COUNTER_BITS));
+        let counter = self.resource.as_ref().map_or(0, |r| {
+            fold(fnv1a(r.counter_id()), StoredFence::COUNTER_BITS)
+        });
         let holder = self
             .holder
             .as_deref()
-            .map_or(0, |h| fold(fnv1a(h), HOLDER_BITS));
-        (counter << HOLDER_BITS) | holder
+            .map_or(0, |h| fold(fnv1a(h), StoredFence::HOLDER_BITS));
+        (counter << StoredFence::HOLDER_BITS) | holder
     }
 
     /// The fence this lease's first write to a row stores: token and tag, sequence 0. This is
     /// the one value the repository's statements bind for the lease.
     #[must_use]
     pub fn lease_fence(&self) -> i64 {
-        (self.token.get() << TOKEN_SHIFT) | (i64::from(self.tag()) << SEQ_BITS)
+        self.stored().get()
+    }
+
+    /// [`Fencing::lease_fence`] as a [`StoredFence`].
+    pub(crate) fn stored(&self) -> StoredFence {
+        StoredFence::lease(self.token, self.tag())
     }
 
     /// How a stored `fence` relates to this lease.
     #[must_use]
     pub fn classify(&self, fence: i64) -> Relation {
-        let mine = self.lease_fence();
-        let sealed = mine + SEALED_SEQUENCE;
-        let theirs = FenceToken::of_fence(fence);
-        let other_counter = theirs > 0 && counter_bits(fence) != counter_bits(mine);
-        match theirs.cmp(&self.token.get()) {
-            std::cmp::Ordering::Less => Relation::Older,
-            std::cmp::Ordering::Greater => Relation::Newer { other_counter },
-            std::cmp::Ordering::Equal if other_counter => Relation::Newer { other_counter },
-            std::cmp::Ordering::Equal if (mine..sealed).contains(&fence) => Relation::Own,
-            std::cmp::Ordering::Equal if fence == sealed => Relation::Sealed,
-            std::cmp::Ordering::Equal => Relation::Duplicate,
-        }
+        StoredFence::from_raw(fence).relation_to(self.stored())
     }
-}
-
-/// The counter hash of a stored fence.
-fn counter_bits(fence: i64) -> i64 {
-    (fence >> COUNTER_SHIFT) & ((1 << COUNTER_BITS) - 1)
 }
 
 fn fnv1a(text: &str) -> u32 {

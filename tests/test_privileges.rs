@@ -376,23 +376,39 @@ async fn grant_gives_exactly_the_documented_privileges() {
         ("effect_finish", true),
         ("effect_status", true),
         ("failover_refusal", false),
+        // Every role: the fence layout's helpers (V12).
+        ("fence_counter", false),
+        ("fence_holder", false),
+        ("fence_lease", false),
+        ("fence_sequence", false),
+        ("fence_token", false),
         ("high_water", true),
         ("issuer_acquire", true),
         ("issuer_extend", true),
         ("issuer_release", true),
         ("issuer_status", true),
         ("lease_fence", false),
+        ("max_tag", false),
+        ("max_token", false),
         ("max_token_jump", false),
         ("next_fence", false),
+        ("next_step", false),
         ("note_timeline", true),
+        ("other_counter", false),
         ("record_rejection", false),
         ("refuse_token_jump", false),
         ("require_timeline", false),
         // Every role: which migrations are applied (V9), the poisoning bound (V10).
         ("schema_version", true),
+        ("sealed_fence", false),
+        ("sealed_sequence", false),
+        ("sequence_step", false),
         ("stop_unless", false),
+        ("tag_shift", false),
         // Every role: the database's timeline (V11; the repository's statements inline it).
         ("timeline", false),
+        ("token_fence", false),
+        ("token_shift", false),
         ("try_check", false),
         ("try_check", false),
     ]
@@ -424,16 +440,33 @@ async fn grant_gives_exactly_the_documented_privileges() {
     // record_rejection runs with the caller's rights; schema_version (V9) tells any role which
     // migrations are applied; the poisoning bound (V10) is read by the guard trigger's WHEN
     // clause as whoever writes; the database's timeline (V11) is read by the repository's
-    // statements as whoever writes.
+    // statements as whoever writes; the fence layout's helpers (V12) hold numbers only and are
+    // called by next_fence, admits and lease_fence, which run with the caller's rights.
     assert_eq!(
         public,
-        vec![
-            "max_token_jump".to_owned(),
-            "record_rejection".to_owned(),
-            "refuse_token_jump".to_owned(),
-            "schema_version".to_owned(),
-            "timeline".to_owned()
+        [
+            "fence_counter",
+            "fence_holder",
+            "fence_lease",
+            "fence_sequence",
+            "fence_token",
+            "max_tag",
+            "max_token",
+            "max_token_jump",
+            "next_step",
+            "other_counter",
+            "record_rejection",
+            "refuse_token_jump",
+            "schema_version",
+            "sealed_fence",
+            "sealed_sequence",
+            "sequence_step",
+            "tag_shift",
+            "timeline",
+            "token_fence",
+            "token_shift",
         ]
+        .map(str::to_owned)
     );
 
     // The schema's owner is refused: the revocations would strip its own privileges.

@@ -3,7 +3,10 @@
 
 mod support;
 
-use pgfence::{Error, FenceToken, Fencing, Repository, Resource, TableName, Upserted};
+use pgfence::{
+    Error, FenceToken, Fencing, Relation, Repository, Resource, RowOutcome, StoredFence, TableName,
+    Upserted,
+};
 use support::{Logs, TestDb, audit_count, token};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -510,4 +513,142 @@ async fn bad_declarations_and_tokens_are_typed_errors() {
         Err(Error::InvalidIdentifier { .. })
     ));
     assert_eq!(audit_count(&db.pool).await, 0);
+}
+
+#[derive(Debug, Clone)]
+struct Probe {
+    id: i32,
+    v: i32,
+}
+
+pgfence::fenced_table!(Probe { table: "layout_probe", key: id: i32, columns: [v] });
+
+/// Fences around `lease` and at the layout's corners: older, this lease's cycle and seal, the
+/// same token with another holder or counter, newer, the largest token.
+fn fences_around(lease: &Fencing) -> Vec<StoredFence> {
+    let mine = StoredFence::from_raw(lease.lease_fence());
+    let token = lease.token.get();
+    let mut fences = vec![
+        StoredFence::from_raw(0),
+        StoredFence::from_raw(42),
+        mine,
+        mine.next().unwrap(),
+        mine.next().unwrap().next().unwrap(),
+        StoredFence::from_raw(mine.get() + 4094),
+        mine.sealed(),
+        StoredFence::from_raw(StoredFence::MAX_TOKEN << StoredFence::TOKEN_SHIFT),
+        StoredFence::from_raw(i64::MAX),
+    ];
+    for tag in [
+        0_u16,
+        0xFF,
+        0x100,
+        0xFFF,
+        mine.tag() ^ 1,
+        mine.tag() ^ 0x100,
+    ] {
+        for t in [token - 1, token, token + 1] {
+            if let Ok(t) = FenceToken::new(t) {
+                let other = StoredFence::lease(t, tag);
+                fences.extend([other, other.next().unwrap(), other.sealed()]);
+            }
+        }
+    }
+    fences.sort();
+    fences.dedup();
+    fences
+}
+
+/// The repository's statements (single-row and batch, generated from StoredFence's constants)
+/// decide every corner fence exactly as Fencing::classify does, and store StoredFence::next.
+#[tokio::test]
+async fn the_generated_statements_decide_like_the_rust_layout() {
+    let db = TestDb::new().await;
+    // Not guarded: fences are set by hand here, and the repository needs only the column.
+    db.exec("CREATE TABLE layout_probe (id int PRIMARY KEY, v int NOT NULL, fence bigint NOT NULL DEFAULT 0)")
+        .await;
+    let repo = Repository::<Probe>::new(db.pool.clone()).unwrap();
+    let leases = [
+        Fencing::new(token(1)).holder("a"),
+        Fencing::new(token(2)).holder("b"),
+        Fencing::new(token(77))
+            .holder("c")
+            .resource(Resource::in_domain("billing", "account:1").unwrap()),
+        Fencing::new(FenceToken::new(pgfence::MAX_TOKEN).unwrap()).holder("d"),
+    ];
+    for lease in &leases {
+        let fences = fences_around(lease);
+        let ids: Vec<i32> = (0..i32::try_from(fences.len()).unwrap()).collect();
+        let raw: Vec<i64> = fences.iter().map(|f| f.get()).collect();
+        let reset = async || {
+            sqlx::query("DELETE FROM layout_probe")
+                .execute(&db.pool)
+                .await
+                .unwrap();
+            sqlx::query(
+                "INSERT INTO layout_probe SELECT i, 0, f FROM unnest($1::int[], $2::bigint[]) AS u(i, f)",
+            )
+            .bind(&ids)
+            .bind(&raw)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        };
+        let stored = async || -> Vec<i64> {
+            sqlx::query_scalar("SELECT fence FROM layout_probe ORDER BY id")
+                .fetch_all(&db.pool)
+                .await
+                .unwrap()
+        };
+        let written = |f: &StoredFence| match lease.classify(f.get()) {
+            Relation::Older => Some(lease.lease_fence()),
+            Relation::Own => f.next().map(StoredFence::get),
+            _ => None,
+        };
+
+        // Single-row updates.
+        reset().await;
+        for (id, f) in ids.iter().zip(&fences) {
+            let result = repo.update(&db.pool, lease, &Probe { id: *id, v: 1 }).await;
+            match (lease.classify(f.get()), result) {
+                (Relation::Older | Relation::Own, Ok(())) => {}
+                (
+                    Relation::Newer { other_counter },
+                    Err(Error::StaleToken {
+                        current,
+                        other_counter: o,
+                        ..
+                    }),
+                ) => {
+                    assert_eq!((current, o), (f.token(), other_counter), "{f:?} {lease:?}");
+                }
+                (Relation::Duplicate, Err(Error::DuplicateToken { .. }))
+                | (Relation::Sealed, Err(Error::RowSealed { .. })) => {}
+                (relation, result) => panic!("{f:?} for {lease:?}: {relation:?} but {result:?}"),
+            }
+        }
+        let expected: Vec<i64> = fences
+            .iter()
+            .map(|f| written(f).unwrap_or(f.get()))
+            .collect();
+        assert_eq!(stored().await, expected, "single-row writes of {lease:?}");
+
+        // One batch over the same fences.
+        reset().await;
+        let rows: Vec<Probe> = ids.iter().map(|id| Probe { id: *id, v: 2 }).collect();
+        let outcome = repo.update_many(&db.pool, lease, &rows).await.unwrap();
+        for (f, got) in fences.iter().zip(&outcome.rows) {
+            let want = match lease.classify(f.get()) {
+                Relation::Older | Relation::Own => RowOutcome::Applied,
+                Relation::Newer { other_counter } => RowOutcome::Stale {
+                    current: f.token(),
+                    other_counter,
+                },
+                Relation::Duplicate => RowOutcome::DuplicateToken,
+                Relation::Sealed => RowOutcome::Sealed,
+            };
+            assert_eq!(*got, want, "{f:?} for {lease:?}");
+        }
+        assert_eq!(stored().await, expected, "a batch of {lease:?}");
+    }
 }
