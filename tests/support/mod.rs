@@ -146,16 +146,26 @@ impl Drop for TestDb {
     }
 }
 
-/// Captured `tracing` output (JSON lines) for the current thread.
+/// Captured `tracing` output for the current thread: JSON lines, or the plain text an
+/// operator would tail.
 ///
-/// One global JSON subscriber is installed per test binary; its writer appends to the buffer
-/// of whichever test thread is capturing. (Scoped subscribers would race with tracing's
-/// per-callsite interest cache when tests run in parallel.)
+/// One global subscriber is installed per test binary, with a JSON and a plain fmt layer; each
+/// layer's writer appends to the buffer of whichever test thread captures in its format.
+/// (Scoped subscribers would race with tracing's per-callsite interest cache when tests run in
+/// parallel.)
 #[derive(Clone, Default)]
 pub struct Logs(Arc<Mutex<Vec<u8>>>);
 
+/// The format a thread captures in.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Json,
+    Plain,
+}
+
 thread_local! {
-    static CAPTURE: std::cell::RefCell<Option<Logs>> = const { std::cell::RefCell::new(None) };
+    static CAPTURE: std::cell::RefCell<Option<(Logs, Format)>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 /// Stops capturing on this thread when dropped.
@@ -167,13 +177,15 @@ impl Drop for CaptureGuard {
     }
 }
 
-/// Writes to the capturing thread's buffer, or nowhere.
-struct ThreadWriter;
+/// Writes to the capturing thread's buffer when it captures in this format, or nowhere.
+struct ThreadWriter(Format);
 
 impl Write for ThreadWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         CAPTURE.with(|c| {
-            if let Some(logs) = c.borrow().as_ref() {
+            if let Some((logs, format)) = c.borrow().as_ref()
+                && *format == self.0
+            {
                 logs.0.lock().unwrap().extend_from_slice(buf);
             }
         });
@@ -185,22 +197,45 @@ impl Write for ThreadWriter {
 }
 
 impl Logs {
-    /// Captures events emitted on this thread until the guard drops. Use with
+    /// Captures events emitted on this thread, as JSON lines, until the guard drops. Use with
     /// `#[tokio::test]` (current-thread runtime) so every await stays on this thread.
     pub fn capture() -> (Self, CaptureGuard) {
+        Self::capture_as(Format::Json)
+    }
+
+    /// Like [`Logs::capture`], in the plain (non-JSON, no ANSI colours) fmt output; read it
+    /// with [`Logs::text`].
+    pub fn capture_plain() -> (Self, CaptureGuard) {
+        Self::capture_as(Format::Plain)
+    }
+
+    fn capture_as(format: Format) -> (Self, CaptureGuard) {
         static INSTALL: std::sync::Once = std::sync::Once::new();
         INSTALL.call_once(|| {
-            let subscriber = tracing_subscriber::fmt()
-                .json()
-                .with_max_level(tracing::Level::INFO)
-                .with_writer(|| ThreadWriter)
-                .finish();
+            use tracing_subscriber::layer::SubscriberExt;
+            let subscriber = tracing_subscriber::registry()
+                .with(tracing_subscriber::filter::LevelFilter::INFO)
+                .with(
+                    tracing_subscriber::fmt::layer()
+                        .json()
+                        .with_writer(|| ThreadWriter(Format::Json)),
+                )
+                .with(
+                    tracing_subscriber::fmt::layer()
+                        .with_ansi(false)
+                        .with_writer(|| ThreadWriter(Format::Plain)),
+                );
             tracing::subscriber::set_global_default(subscriber)
                 .expect("no other global subscriber");
         });
         let logs = Logs::default();
-        CAPTURE.with(|c| *c.borrow_mut() = Some(logs.clone()));
+        CAPTURE.with(|c| *c.borrow_mut() = Some((logs.clone(), format)));
         (logs, CaptureGuard)
+    }
+
+    /// Everything captured, as text.
+    pub fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
     }
 
     /// Every captured event.

@@ -201,7 +201,7 @@ async fn guard_observe_enforce_and_tables_show_the_mode() {
 }
 
 /// A promotion as the timeline history shows it (the real failover is in the library's
-/// `test_pg_failover`): doctor exits non-zero with a `failed_over` finding until
+/// `postgres pg_failover::`): doctor exits non-zero with a `failed_over` finding until
 /// `--ack-failover`, which needs the owner and is recorded with who acknowledged.
 #[tokio::test]
 async fn doctor_reports_a_failover_until_it_is_acknowledged() {

@@ -1,0 +1,125 @@
+//! The lease semantics every issuer shares, checked through `Arc<dyn TokenIssuer>` (as a CLI
+//! or a service that picks its issuer from a URL holds it) on Redis: `lease_semantics` of the
+//! shared suite in `issuer_suite`, which `etcd_through_the_trait` (`etcd_issuer.rs`),
+//! `zk_through_the_trait` (`zk_issuer.rs`) and `pg_through_the_trait` (`pg_issuer.rs`) run on
+//! the other issuers. Also Redis's floor and recovery through the trait, bad prefixes and
+//! URLs, and keep-alive with a concrete issuer. The suite's other tests run on Redis in
+//! `issuer.rs`.
+
+use crate::issuer_suite;
+use crate::support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgfence::{
+    Error, IssuerKind, IssuerOptions, KeepAlive, ReleaseOutcome, TokenIssuer, connect_issuer,
+    connect_issuer_with,
+};
+use support::{TestDb, redis_url, unique_resource};
+use tokio::time::Instant;
+
+const SEC: Duration = Duration::from_secs(1);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_through_the_trait() {
+    let issuer = connect_issuer(&redis_url().await).await.unwrap();
+    assert_eq!(issuer.kind(), IssuerKind::Redis);
+    assert!(issuer.kind().can_reseed());
+    issuer_suite::lease_semantics(
+        issuer,
+        Duration::from_millis(300),
+        Duration::from_millis(700),
+    )
+    .await;
+}
+
+/// Redis's counter can go backwards, so raise_floor / recover_from / reseed act on it.
+#[tokio::test]
+async fn redis_floor_and_recovery_through_the_trait() {
+    let db = TestDb::new().await;
+    let issuer: Arc<dyn TokenIssuer> = Arc::new(support::issuer().await);
+    let resource = unique_resource("trait-floor");
+    assert_eq!(issuer.raise_floor(&resource, 41).await.unwrap(), 41);
+    assert_eq!(
+        issuer.raise_floor(&resource, 7).await.unwrap(),
+        41,
+        "never lowered"
+    );
+    let lease = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
+    assert_eq!(lease.token().get(), 42);
+    issuer.release(&lease).await.unwrap();
+    let stale = Error::StaleToken {
+        target: pgfence::StaleTarget::Resource(resource.to_string()),
+        presented: 42,
+        current: 100,
+        other_counter: false,
+    };
+    assert!(issuer.recover_from(&stale).await.unwrap());
+    assert!(
+        !issuer.recover_from(&stale).await.unwrap(),
+        "already raised"
+    );
+    assert_eq!(issuer.status(&resource).await.unwrap().counter, 100);
+    // reseed reads Postgres's high-water mark (none here): the counter stays.
+    assert_eq!(issuer.reseed(&db.pool, &resource).await.unwrap(), 100);
+}
+
+#[tokio::test]
+async fn bad_prefixes_and_urls_are_refused() {
+    let issuer = support::issuer().await;
+    let long = "x".repeat(pgfence::MAX_KEY_PREFIX_LEN + 1);
+    for bad in ["", "a b", "a{b", "b}", "tab\there", "nl\n", long.as_str()] {
+        let err = issuer.clone().with_key_prefix(bad).unwrap_err();
+        assert!(matches!(err, Error::InvalidKeyPrefix(_)), "{bad:?}: {err}");
+    }
+    let max = "y".repeat(pgfence::MAX_KEY_PREFIX_LEN);
+    for good in ["myapp", "my-app:prod", "a", max.as_str()] {
+        assert_eq!(
+            issuer.clone().with_key_prefix(good).unwrap().key_prefix(),
+            good
+        );
+    }
+    assert!(matches!(
+        connect_issuer("memcached://127.0.0.1").await,
+        Err(Error::InvalidIssuerUrl(_))
+    ));
+    assert!(matches!(
+        connect_issuer_with(&redis_url().await, IssuerOptions::new().key_prefix("{x}")).await,
+        Err(Error::InvalidKeyPrefix(_))
+    ));
+    #[cfg(not(feature = "etcd"))]
+    {
+        let err = connect_issuer("etcd://127.0.0.1:2379").await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::IssuerNotBuilt {
+                    feature: "etcd",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+}
+
+/// `Issuer::keep_alive` still works, and `KeepAlive::spawn` takes a concrete issuer too.
+#[tokio::test]
+async fn keep_alive_with_a_concrete_issuer() {
+    let issuer = support::issuer().await;
+    let resource = unique_resource("trait-keep");
+    let ttl = Duration::from_millis(300);
+    let lease = issuer.acquire(&resource, ttl).await.unwrap().unwrap();
+    let keep = issuer.keep_alive(&lease);
+    let also = KeepAlive::spawn(Arc::new(issuer.clone()), lease.clone());
+    let started = Instant::now();
+    tokio::time::sleep(ttl * 2).await;
+    assert!(keep.deadline().is_some_and(|d| d > started + ttl));
+    keep.stop();
+    also.stop();
+    assert_eq!(
+        issuer.release(&lease).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+}

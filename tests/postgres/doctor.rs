@@ -1,0 +1,321 @@
+//! `pgfence::doctor`: each problem it is meant to find, and a clean bill on a healthy setup.
+
+use crate::support;
+
+use std::time::Duration;
+
+use pgfence::{DoctorOptions, Finding, FindingKind, GuardMode, MAX_TOKEN, Severity, TableName};
+use support::{TestDb, issuer, unique_resource};
+
+fn t(name: &str) -> TableName {
+    TableName::parse(name).unwrap()
+}
+
+/// A migrated database with one guarded, populated table `jobs`.
+async fn healthy() -> TestDb {
+    let db = TestDb::new().await;
+    db.exec("CREATE TABLE jobs (id int PRIMARY KEY, state text); INSERT INTO jobs VALUES (1, 'new'), (2, 'new');")
+        .await;
+    pgfence::guard(&db.pool, &t("jobs")).await.unwrap();
+    db
+}
+
+fn problems(findings: &[Finding]) -> Vec<&Finding> {
+    findings.iter().filter(|f| f.is_problem()).collect()
+}
+
+fn kinds(findings: &[Finding]) -> Vec<FindingKind> {
+    problems(findings).iter().map(|f| f.kind).collect()
+}
+
+async fn run(db: &TestDb, options: &DoctorOptions) -> Vec<Finding> {
+    let issuer = issuer().await;
+    pgfence::doctor(&db.pool, Some(&issuer), options)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_healthy_setup_is_clean() {
+    let db = healthy().await;
+    // A lease checks a resource and writes a row: marks and counters agree.
+    let issuer = issuer().await;
+    let resource = unique_resource("doctor:healthy");
+    let lease = issuer
+        .acquire(&resource, Duration::from_secs(10))
+        .await
+        .unwrap()
+        .unwrap();
+    pgfence::Fence::new(db.pool.clone())
+        .check(&db.pool, &resource, &lease)
+        .await
+        .unwrap();
+    let findings = pgfence::doctor(
+        &db.pool,
+        Some(&issuer),
+        &DoctorOptions::default().audit_retention(Duration::from_secs(86_400)),
+    )
+    .await
+    .unwrap();
+    assert!(problems(&findings).is_empty(), "{findings:#?}");
+    // The highest token per table is reported as information.
+    assert!(
+        findings
+            .iter()
+            .any(|f| f.kind == FindingKind::HighestToken && f.object == "\"public\".\"jobs\""),
+        "{findings:#?}"
+    );
+    issuer.release(&lease).await.unwrap();
+
+    // Observe mode is information, not a problem.
+    pgfence::guard_with(&db.pool, &t("jobs"), GuardMode::Observe)
+        .await
+        .unwrap();
+    let findings = run(&db, &DoctorOptions::default()).await;
+    assert!(problems(&findings).is_empty(), "{findings:#?}");
+    assert!(findings.iter().any(|f| f.kind == FindingKind::ObserveMode));
+}
+
+#[tokio::test]
+async fn schema_not_migrated_or_behind_or_ahead() {
+    let db = TestDb::empty().await;
+    let findings = run(&db, &DoctorOptions::default()).await;
+    assert_eq!(kinds(&findings), vec![FindingKind::SchemaNotMigrated]);
+    assert_eq!(findings[0].severity, Severity::Error);
+    assert!(
+        findings[0]
+            .suggestion
+            .as_deref()
+            .unwrap()
+            .contains("pgfence migrate")
+    );
+
+    pgfence::migrate(&db.pool).await.unwrap();
+    assert!(problems(&run(&db, &DoctorOptions::default()).await).is_empty());
+    let last: i32 = sqlx::query_scalar("SELECT max(version) FROM pgfence.refinery_schema_history")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM pgfence.refinery_schema_history WHERE version = $1")
+        .bind(last)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let findings = run(&db, &DoctorOptions::default()).await;
+    assert_eq!(
+        kinds(&findings),
+        vec![FindingKind::SchemaBehind],
+        "{findings:#?}"
+    );
+    assert!(findings[0].message.contains(&format!("V{last}__")));
+
+    db.exec(&format!(
+        "INSERT INTO pgfence.refinery_schema_history (version, name, applied_on, checksum)
+         SELECT {last}, 'x', '2024-01-01T00:00:00Z', '1' UNION ALL
+         SELECT 999, 'from_the_future', '2030-01-01T00:00:00Z', '1'"
+    ))
+    .await;
+    let findings = run(&db, &DoctorOptions::default()).await;
+    assert_eq!(
+        kinds(&findings),
+        vec![FindingKind::SchemaAhead],
+        "{findings:#?}"
+    );
+}
+
+#[tokio::test]
+async fn disabled_and_missing_triggers() {
+    let db = healthy().await;
+    db.exec("CREATE TABLE other (id int PRIMARY KEY)").await;
+    pgfence::guard(&db.pool, &t("other")).await.unwrap();
+
+    db.exec("ALTER TABLE jobs DISABLE TRIGGER pgfence_guard")
+        .await;
+    let findings = run(&db, &DoctorOptions::default()).await;
+    assert_eq!(
+        kinds(&findings),
+        vec![FindingKind::TriggerDisabled],
+        "{findings:#?}"
+    );
+    assert_eq!(findings[0].object, "\"public\".\"jobs\"");
+    let listed = pgfence::guarded_tables_with_modes(&db.pool).await.unwrap();
+    assert!(
+        !listed
+            .iter()
+            .find(|g| g.table == t("jobs"))
+            .unwrap()
+            .enabled
+    );
+    // guard re-enables it.
+    assert!(pgfence::guard(&db.pool, &t("jobs")).await.unwrap());
+    assert!(problems(&run(&db, &DoctorOptions::default()).await).is_empty());
+
+    db.exec("DROP TRIGGER pgfence_guard ON other").await;
+    let findings = run(&db, &DoctorOptions::default()).await;
+    assert_eq!(
+        kinds(&findings),
+        vec![FindingKind::TriggerMissing],
+        "{findings:#?}"
+    );
+    assert_eq!(findings[0].object, "\"public\".\"other\"");
+    // unguard means "no longer guarded": nothing missing any more.
+    pgfence::unguard(&db.pool, &t("other"), false)
+        .await
+        .unwrap();
+    assert!(problems(&run(&db, &DoctorOptions::default()).await).is_empty());
+}
+
+#[tokio::test]
+async fn nullable_or_mistyped_fence_columns() {
+    let db = healthy().await;
+    db.exec("ALTER TABLE jobs ALTER COLUMN fence DROP NOT NULL")
+        .await;
+    let findings = run(&db, &DoctorOptions::default()).await;
+    assert_eq!(
+        kinds(&findings),
+        vec![FindingKind::FenceColumnNullable],
+        "{findings:#?}"
+    );
+    db.exec("ALTER TABLE jobs DISABLE TRIGGER pgfence_guard; UPDATE jobs SET fence = NULL WHERE id = 2; ALTER TABLE jobs ENABLE TRIGGER pgfence_guard")
+        .await;
+    let found = kinds(&run(&db, &DoctorOptions::default()).await);
+    assert!(found.contains(&FindingKind::FenceInvalid), "{found:?}");
+    pgfence::guard(&db.pool, &t("jobs")).await.unwrap();
+    assert!(problems(&run(&db, &DoctorOptions::default()).await).is_empty());
+
+    // A type change needs the trigger gone (it depends on the column).
+    db.exec("DROP TRIGGER pgfence_guard ON jobs; ALTER TABLE jobs ALTER COLUMN fence TYPE numeric")
+        .await;
+    let found = kinds(&run(&db, &DoctorOptions::default()).await);
+    assert!(found.contains(&FindingKind::FenceColumnType), "{found:?}");
+    assert!(found.contains(&FindingKind::TriggerMissing), "{found:?}");
+}
+
+#[tokio::test]
+async fn a_counter_below_the_mark_suggests_reseed() {
+    let db = healthy().await;
+    let issuer = issuer().await;
+    let resource = unique_resource("doctor:behind");
+    let lease = issuer
+        .acquire(&resource, Duration::from_secs(10))
+        .await
+        .unwrap()
+        .unwrap();
+    issuer.release(&lease).await.unwrap();
+    // Postgres saw a token far above the counter (the counter went backwards).
+    let mark = lease.token().get() + 50;
+    sqlx::query("SELECT pgfence.check($1, $2, 0)")
+        .bind(resource.as_str())
+        .bind(mark)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let findings = run(&db, &DoctorOptions::default()).await;
+    let below: Vec<_> = problems(&findings)
+        .into_iter()
+        .filter(|f| f.kind == FindingKind::CounterBelowMark)
+        .collect();
+    assert_eq!(below.len(), 1, "{findings:#?}");
+    assert_eq!(below[0].object, format!("resource {resource}"));
+    assert!(
+        below[0]
+            .suggestion
+            .as_deref()
+            .unwrap()
+            .contains("pgfence reseed")
+    );
+    assert!(below[0].message.contains(&mark.to_string()));
+
+    // Without Redis the counters are not compared (information only).
+    let findings = pgfence::doctor(&db.pool, None, &DoctorOptions::default())
+        .await
+        .unwrap();
+    assert!(problems(&findings).is_empty(), "{findings:#?}");
+    assert!(
+        findings
+            .iter()
+            .any(|f| f.kind == FindingKind::CountersNotChecked)
+    );
+
+    issuer.reseed(&db.pool, &resource).await.unwrap();
+    let findings = run(&db, &DoctorOptions::default()).await;
+    assert!(problems(&findings).is_empty(), "{findings:#?}");
+
+    // A table written with a token above every counter doctor read.
+    sqlx::query("UPDATE jobs SET fence = pgfence.next_fence(fence, $1, 0) WHERE id = 1")
+        .bind(mark + 1000)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let found = kinds(&run(&db, &DoctorOptions::default()).await);
+    assert_eq!(found, vec![FindingKind::TokenAboveCounters]);
+}
+
+#[tokio::test]
+async fn old_audit_rows_against_a_retention() {
+    let db = healthy().await;
+    db.exec(
+        "INSERT INTO pgfence.audit (at, resource, presented, current, operation)
+         VALUES (now() - interval '40 days', 'r', 1, 2, 'check'), (now(), 'r', 1, 2, 'check')",
+    )
+    .await;
+    let thirty = DoctorOptions::default().audit_retention(Duration::from_secs(30 * 86_400));
+    let findings = run(&db, &thirty).await;
+    assert_eq!(
+        kinds(&findings),
+        vec![FindingKind::AuditRetention],
+        "{findings:#?}"
+    );
+    assert_eq!(findings[0].severity, Severity::Warning);
+    assert!(
+        findings[0]
+            .message
+            .starts_with("1 audit row(s) are older than 30d")
+    );
+    assert!(
+        findings[0]
+            .suggestion
+            .as_deref()
+            .unwrap()
+            .contains("pgfence audit prune --older-than 30d")
+    );
+    let sixty = DoctorOptions::default().audit_retention(Duration::from_secs(60 * 86_400));
+    assert!(problems(&run(&db, &sixty).await).is_empty());
+    // Not checked unless asked.
+    assert!(problems(&run(&db, &DoctorOptions::default()).await).is_empty());
+}
+
+#[tokio::test]
+async fn huge_and_invalid_fences() {
+    let db = healthy().await;
+    sqlx::query("UPDATE jobs SET fence = pgfence.next_fence(fence, $1, 0) WHERE id = 1")
+        .bind(MAX_TOKEN - 10)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let options = DoctorOptions::default();
+    let found = kinds(&pgfence::doctor(&db.pool, None, &options).await.unwrap());
+    assert_eq!(found, vec![FindingKind::FenceNearLimit]);
+    // Not scanned when told not to.
+    let quick = DoctorOptions::default().scan_tables(false);
+    assert!(problems(&pgfence::doctor(&db.pool, None, &quick).await.unwrap()).is_empty());
+    // A smaller margin accepts it.
+    let narrow = DoctorOptions::default().limit_margin(5);
+    assert!(problems(&pgfence::doctor(&db.pool, None, &narrow).await.unwrap()).is_empty());
+
+    // A negative fence decodes to no token (inserts are not guarded).
+    db.exec("INSERT INTO jobs VALUES (3, 'forged', -5)").await;
+    let found = kinds(&pgfence::doctor(&db.pool, None, &options).await.unwrap());
+    assert!(found.contains(&FindingKind::FenceInvalid), "{found:?}");
+
+    // A resource mark near the limit.
+    let db = healthy().await;
+    sqlx::query("SELECT pgfence.check('doctor:huge', $1, 0)")
+        .bind(MAX_TOKEN - 1)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let findings = pgfence::doctor(&db.pool, None, &options).await.unwrap();
+    assert_eq!(kinds(&findings), vec![FindingKind::FenceNearLimit]);
+    assert_eq!(problems(&findings)[0].object, "resource doctor:huge");
+}

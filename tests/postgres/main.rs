@@ -1,0 +1,29 @@
+//! What pgfence does in PostgreSQL: fenced writes and their audit trail, guarded tables,
+//! migrations, privileges, doctor and verify, failover, poolers. One test binary, one module
+//! per feature; a new feature's tests are a new module here.
+//!
+//! Run one feature's tests with `cargo test --test postgres <module>::`, e.g.
+//! `cargo test --test postgres pg_failover::`.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod audit;
+mod batch;
+mod check;
+mod derive;
+mod doctor;
+mod effects;
+mod examples;
+mod guard;
+mod guard_under_load;
+mod migrate;
+mod observe;
+mod pg_failover;
+mod poolers;
+mod prefix_isolation;
+mod privileges;
+mod repository;
+mod security;
+mod unbreakable;
+mod verify;
