@@ -13,9 +13,11 @@
 //! handle (repository, fence, effects) last saw ([`Seen`]), so a statement that committed
 //! always ran on the timeline its lease is bound to. When that cached timeline is out of
 //! date (the database failed over since the handle last looked), the first statement of a
-//! lease bound from it is refused too, and the handle learns the new timeline from the
-//! refusal: a new lease is refused at most once per handle and failover, never let in on the
-//! wrong timeline. A lost connection makes the handle look again before its next binding.
+//! lease bound from it applies nothing; the handle learns the new timeline from the refusal,
+//! and since that statement was the only one the lease ever sent ([`Binding::rebind`]), the
+//! lease moves to the new timeline and the statement is sent again: a new lease is never
+//! refused for a failover it did not live through, nor let in on the wrong timeline. A lost
+//! connection makes the handle look again before its next binding.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};

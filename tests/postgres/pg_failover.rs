@@ -226,6 +226,18 @@ async fn an_async_promotion_that_lost_fenced_commits_keeps_every_older_lease_out
     assert_fenced_by_failover(&err, 2, before, before + 1);
     let err = fence.check(&pool, &resource, &b).await.unwrap_err();
     assert_fenced_by_failover(&err, 2, before, before + 1);
+    // The effect ledger records nothing for it either: no key for a late provider call.
+    let effects = pgfence::Effects::new(pool.clone());
+    let err = effects
+        .begin(&pool, &a, "invoice:1", "charge")
+        .await
+        .unwrap_err();
+    assert_fenced_by_failover(&err, 1, before, before + 1);
+    let recorded = effects
+        .status(&pool, &resource, "invoice:1", "charge")
+        .await
+        .unwrap();
+    assert!(recorded.is_none(), "{recorded:?}");
     // The shell path (a script under `pgfence run` passes PGFENCE_TIMELINE): the
     // non-raising forms refuse too, each with its audit row.
     let held: bool = sqlx::query_scalar("SELECT pgfence.try_check($1, 1, $2, $3)")
@@ -257,7 +269,7 @@ async fn an_async_promotion_that_lost_fenced_commits_keeps_every_older_lease_out
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(reasons.len(), 8, "{reasons:?}");
+    assert_eq!(reasons.len(), 9, "{reasons:?}");
     assert_eq!(
         reasons[0],
         (
