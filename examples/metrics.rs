@@ -7,7 +7,7 @@
 #![allow(clippy::print_stdout)]
 
 use metrics_exporter_prometheus::PrometheusBuilder;
-use pgfence::{FenceToken, Repository, TableName};
+use pgfence::{FenceToken, Repository, table::TableName};
 use tokio::io::AsyncWriteExt;
 
 #[derive(Clone)]
@@ -28,7 +28,7 @@ async fn main() -> anyhow::Result<()> {
     )
     .await?;
     let pool = sqlx::PgPool::connect(&url).await?;
-    pgfence::migrate(&pool).await?;
+    pgfence::admin::migrate(&pool).await?;
     let table = TableName::new("public", &format!("metrics_demo_{}", std::process::id()))?;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "DROP TABLE IF EXISTS {t}; CREATE TABLE {t} (id bigint PRIMARY KEY, balance bigint NOT NULL);
@@ -37,7 +37,7 @@ async fn main() -> anyhow::Result<()> {
     )))
     .execute(&pool)
     .await?;
-    pgfence::guard(&pool, &table).await?;
+    pgfence::guard::guard(&pool, &table).await?;
     let repo = Repository::<Account>::for_table(pool.clone(), table.clone())?;
     let (newer, older) = (FenceToken::new(2)?, FenceToken::new(1)?);
     repo.update(

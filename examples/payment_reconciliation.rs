@@ -25,7 +25,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use pgfence::{EffectOutcome, Effects, Error, Fence, Issuer, Lease, Resource};
+use pgfence::{Effects, Error, Fence, Issuer, Lease, Resource, effect::EffectOutcome};
 use pgfence_testkit::provider::charge;
 use pgfence_testkit::{Kind, Provider, url_or_start};
 use sqlx::PgPool;
@@ -44,7 +44,7 @@ async fn main() -> Result<()> {
     let (redis_url, _redis) =
         url_or_start(Kind::Redis, std::env::var("REDIS_URL").ok().as_deref()).await?;
     let pool = PgPool::connect(&pg_url).await?;
-    pgfence::migrate(&pool).await?;
+    pgfence::admin::migrate(&pool).await?;
     let schema = format!("recon_{:08x}", rand::random::<u32>());
     setup(&pool, &schema).await?;
     let issuer = Issuer::connect(&redis_url).await?;

@@ -25,7 +25,7 @@ cat > "$dir/src/main.rs" <<'RS'
 //! A service that depends on pgfence.
 fn main() {
     let token = pgfence::FenceToken::new(1).expect("a token");
-    let _check = pgfence::high_water::<&sqlx::PgPool>;
+    let _check = pgfence::admin::high_water::<&sqlx::PgPool>;
     println!("built against pgfence; token {token}");
 }
 RS

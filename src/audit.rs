@@ -358,8 +358,8 @@ impl AuditFilter {
     /// # Errors
     /// [`crate::Error::InvalidKeyPrefix`] for an invalid prefix.
     pub fn in_key_prefix(mut self, prefix: &str) -> Result<Self> {
-        let prefix = crate::check_key_prefix(prefix)?;
-        if prefix == crate::DEFAULT_KEY_PREFIX {
+        let prefix = crate::issuer::check_key_prefix(prefix)?;
+        if prefix == crate::issuer::DEFAULT_KEY_PREFIX {
             return Ok(self);
         }
         self.resource = self.resource.map(|pattern| {

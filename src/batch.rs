@@ -7,7 +7,7 @@
 //! As for single writes, a batch whose rows all applied costs that one statement; only when
 //! some rows were not applied does a second statement, about those rows only, tell stale
 //! from duplicate token from not found — and, on a pool, write one audit row per rejected row
-//! in that same statement (on a connection the [`Auditor`](crate::Auditor)'s pool writes them).
+//! in that same statement (on a connection the [`Auditor`](crate::audit::Auditor)'s pool writes them).
 //! Each rejected row is logged as its own WARN event with the usual fields.
 //!
 //! Rules: an empty batch is a no-op (no statement is sent); a batch naming one key twice is
@@ -416,7 +416,7 @@ impl<T: FencedTable> Repository<T> {
         ords: &[i64],
         fencing: &Fencing,
         own_transaction: bool,
-    ) -> Result<crate::PgQuery> {
+    ) -> Result<crate::table::PgQuery> {
         statement
             .bind_batch(source, ords, fencing, own_transaction)
             .ok_or_else(|| {

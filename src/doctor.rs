@@ -36,7 +36,11 @@ use std::time::Duration;
 use serde::Serialize;
 use sqlx::{Acquire, AssertSqlSafe, PgConnection, Postgres};
 
-use crate::{MAX_TOKEN, Resource, Result, StoredFence, TableName, TokenIssuer};
+use crate::{
+    Resource, Result, TokenIssuer,
+    table::TableName,
+    token::{MAX_TOKEN, StoredFence},
+};
 
 /// How close to [`MAX_TOKEN`] a token may come before doctor warns by default (2^20 tokens).
 pub const DEFAULT_LIMIT_MARGIN: i64 = 1 << 20;
@@ -341,7 +345,7 @@ async fn schema(pool: &mut PgConnection, findings: &mut Vec<Finding>) -> Result<
         }
         return Ok(true);
     }
-    let status = crate::migration_status(&mut *pool).await?;
+    let status = crate::admin::migration_status(&mut *pool).await?;
     let pending: Vec<String> = status
         .iter()
         .filter(|m| m.applied_on.is_none())
@@ -622,7 +626,7 @@ async fn counters(
             None => resource.clone(),
         };
         if !checks.iter().any(|(r, _)| *r == named) {
-            let mark = crate::high_water(&mut *pool, &named).await?;
+            let mark = crate::admin::high_water(&mut *pool, &named).await?;
             checks.push((named, mark));
         }
     }
@@ -652,7 +656,11 @@ async fn counters(
     let mut other_prefix = 0;
     for (named, mark) in &checks {
         // Only this issuer's key prefix's marks are compared with its counters.
-        if named.key_prefix().unwrap_or(crate::DEFAULT_KEY_PREFIX) != issuer.key_prefix() {
+        if named
+            .key_prefix()
+            .unwrap_or(crate::issuer::DEFAULT_KEY_PREFIX)
+            != issuer.key_prefix()
+        {
             other_prefix += 1;
             continue;
         }

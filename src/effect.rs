@@ -16,7 +16,7 @@ use sqlx::{PgExecutor, PgPool, Row};
 use crate::audit::{AuditRow, Auditor, Rejection};
 use crate::repository::Lent;
 use crate::timeline::{Seen, Verdict};
-use crate::{Error, Fencing, Resource, Result, StaleTarget, WriteExecutor};
+use crate::{Error, Fencing, Resource, Result, WriteExecutor, error::StaleTarget};
 
 /// The table the ledger lives in, as named in errors and audit rows.
 pub const EFFECT_TABLE: &str = "pgfence.effect";

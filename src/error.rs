@@ -146,7 +146,7 @@ pub enum Error {
     /// The guard trigger refused a bypass of the guard: `pgfence.bypass` was set without
     /// `pgfence.bypass(reason)` in the writing transaction (a plain `SET` would outlive its
     /// transaction), or by a role the schema owner did not allow
-    /// ([`allow_bypass`](crate::allow_bypass)). Nothing was written.
+    /// ([`allow_bypass`](crate::guard::allow_bypass)). Nothing was written.
     #[error("bypass of the guard on {table} refused for role {role} (reason {reason:?}): {why}")]
     BypassRefused {
         /// The quoted table.
@@ -225,8 +225,8 @@ pub enum Error {
         key: String,
     },
 
-    /// A fence token must be an integer in `1..=`[`MAX_TOKEN`](crate::MAX_TOKEN).
-    #[error("invalid fence token {0}: tokens are integers from 1 to {max}", max = crate::MAX_TOKEN)]
+    /// A fence token must be an integer in `1..=`[`MAX_TOKEN`](crate::token::MAX_TOKEN).
+    #[error("invalid fence token {0}: tokens are integers from 1 to {max}", max = crate::token::MAX_TOKEN)]
     InvalidToken(String),
 
     /// A resource name was rejected (see [`crate::Resource`]).
@@ -351,8 +351,8 @@ pub enum Error {
 
     /// Redis refused an issuer command for lack of an ACL permission (`NOPERM`, or a script's
     /// command or key refused). `rule` is what the ACL user needs
-    /// ([`redis_acl_rule`](crate::redis_acl_rule) for the issuer's key prefix, or
-    /// [`REDIS_SENTINEL_ACL_RULE`](crate::REDIS_SENTINEL_ACL_RULE) on a sentinel). Not
+    /// ([`redis_acl_rule`](crate::issuer::redis_acl_rule) for the issuer's key prefix, or
+    /// [`REDIS_SENTINEL_ACL_RULE`](crate::issuer::REDIS_SENTINEL_ACL_RULE) on a sentinel). Not
     /// retryable: fix the user's ACL.
     #[error(
         "Redis ACL user lacks a permission the issuer needs ({source}); {what} needs: ACL SETUSER <user> {rule} (README, \"Redis ACL\")"
@@ -393,12 +393,12 @@ pub enum Error {
     #[error("redis error: {0}")]
     Redis(#[source] redis::RedisError),
 
-    /// An etcd error (the [`EtcdIssuer`](crate::EtcdIssuer), feature `etcd`).
+    /// An etcd error (the [`EtcdIssuer`](crate::issuer::EtcdIssuer), feature `etcd`).
     #[cfg(feature = "etcd")]
     #[error("etcd error: {0}")]
     Etcd(#[source] etcd_client::Error),
 
-    /// A ZooKeeper error (the [`ZkIssuer`](crate::ZkIssuer), feature `zk`).
+    /// A ZooKeeper error (the [`ZkIssuer`](crate::issuer::ZkIssuer), feature `zk`).
     #[cfg(feature = "zk")]
     #[error("zookeeper error: {0}")]
     ZooKeeper(#[source] zookeeper_client::Error),
@@ -593,7 +593,7 @@ fn parse_failover_detail(detail: &str) -> Option<Error> {
 fn guard_table(pg: &sqlx::postgres::PgDatabaseError) -> String {
     pg.schema()
         .zip(pg.table())
-        .and_then(|(schema, table)| crate::TableName::new(schema, table).ok())
+        .and_then(|(schema, table)| crate::table::TableName::new(schema, table).ok())
         .map_or_else(|| "?".to_owned(), |t| t.quoted())
 }
 

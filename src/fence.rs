@@ -6,7 +6,7 @@ use sqlx::{PgExecutor, PgPool};
 
 use crate::audit::{AuditRow, Auditor, Rejection};
 use crate::timeline::{Seen, Verdict};
-use crate::{Error, Fencing, Resource, Result, StaleTarget, WriteExecutor};
+use crate::{Error, Fencing, Resource, Result, WriteExecutor, error::StaleTarget};
 
 /// A handle on a database with pgfence's schema: the transaction-scope check and high-water
 /// marks, audited through one [`Auditor`].

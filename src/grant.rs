@@ -2,7 +2,7 @@
 
 use sqlx::{Acquire, AssertSqlSafe, Postgres};
 
-use crate::{Error, Ident, Result};
+use crate::{Error, Result, table::Ident};
 
 /// The functions an application role may execute, with their argument types.
 const APP_FUNCTIONS: &[&str] = &[
@@ -65,7 +65,7 @@ const APP_FUNCTIONS: &[&str] = &[
 /// | the effect ledger's `effect_begin`, `effect_finish`, `effect_status` (owner's rights: fenced like a row write) | `EXECUTE` |
 /// | the PostgreSQL issuer's `issuer_acquire`, `issuer_release`, `issuer_extend`, `issuer_status` (owner's rights: take a free lock, release or extend one's own, never lower a counter) | `EXECUTE` |
 /// | `pgfence.tombstone` | `SELECT`, `INSERT`, `UPDATE (fence, deleted_at)`: a fenced delete writes its tombstone, an upsert reads it; a trigger refuses any update that lowers a tombstone's fence |
-/// | `pgfence.audit` | `INSERT` on the columns the library writes (not `id`, `at`, `db_user`), for the rows an [`Auditor`](crate::Auditor)'s pool writes; no `SELECT`, `UPDATE` or `DELETE` |
+/// | `pgfence.audit` | `INSERT` on the columns the library writes (not `id`, `at`, `db_user`), for the rows an [`Auditor`](crate::audit::Auditor)'s pool writes; no `SELECT`, `UPDATE` or `DELETE` |
 /// | `pgfence.resource_fence`, `guarded_tables`, `issuer_lock`, `issuer_counter`, `effect`, the migration history | nothing |
 /// | `guard`, `unguard`, `unpoison_resource` | nothing (owner and superusers only) |
 /// | `schema_version()` | `EXECUTE` (granted to every role: which migrations are applied) |
@@ -105,7 +105,7 @@ pub fn grant_sql(role: &Ident) -> String {
 
 /// Gives `role` exactly an application's privileges on pgfence's schema: runs
 /// [`grant_sql`] in one transaction (a savepoint inside the caller's). Run it as
-/// the owner of the `pgfence` schema or a superuser, after [`migrate`](crate::migrate).
+/// the owner of the `pgfence` schema or a superuser, after [`migrate`](crate::admin::migrate).
 ///
 /// # Errors
 /// [`Error::InvalidIdentifier`] when `role` owns the `pgfence` schema (it already has every

@@ -46,10 +46,10 @@ impl StoredFence {
     pub const TOKEN_SHIFT: u32 = Self::SEQUENCE_BITS + Self::TAG_BITS;
     /// Bits of the token: what is left of a positive `BIGINT`.
     pub const TOKEN_BITS: u32 = 63 - Self::TOKEN_SHIFT;
-    /// The largest token ([`MAX_TOKEN`](crate::MAX_TOKEN)).
+    /// The largest token ([`MAX_TOKEN`](crate::token::MAX_TOKEN)).
     pub const MAX_TOKEN: i64 = (1 << Self::TOKEN_BITS) - 1;
     /// The sequence of a sealed fence (all sequence bits set), and the modulus of the
-    /// sequence cycle ([`SEALED_SEQUENCE`](crate::SEALED_SEQUENCE)).
+    /// sequence cycle ([`SEALED_SEQUENCE`](crate::token::SEALED_SEQUENCE)).
     pub const SEALED_SEQUENCE: i64 = (1 << Self::SEQUENCE_BITS) - 1;
     /// The step of a lease's sequence on a row it writes again: coprime with 4095, so the
     /// cycle visits every value of `0..=4094`, and far from the small numbers a hand-written
@@ -140,7 +140,7 @@ impl StoredFence {
     }
 
     /// What the same lease's next write stores over this fence: the next step of its
-    /// sequence cycle ([`next_sequence`](crate::next_sequence)); `None` when sealed.
+    /// sequence cycle ([`next_sequence`](crate::token::next_sequence)); `None` when sealed.
     #[must_use]
     pub const fn next(self) -> Option<Self> {
         if self.is_sealed() {

@@ -76,7 +76,7 @@ pub(crate) fn latest_version() -> i32 {
     i32::try_from(MIGRATIONS.len()).unwrap_or(i32::MAX)
 }
 
-/// One migration, as reported by [`migrate`] and [`status`].
+/// One migration, as reported by [`migrate`] and [`migration_status`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MigrationInfo {
     /// Version number (the `N` of `V{N}__name.sql`).
@@ -102,7 +102,7 @@ pub struct MigrationInfo {
 /// nothing on the server connection.
 ///
 /// It checks before it writes: on a current schema it creates nothing and takes no lock, so a
-/// role without `CREATE` privileges (the application role of [`grant`](crate::grant)) may call
+/// role without `CREATE` privileges (the application role of [`grant`](crate::admin::grant)) may call
 /// it; on a schema that is behind, such a role gets [`Error::MigrationNotPermitted`].
 ///
 /// # Errors
@@ -270,12 +270,12 @@ async fn scalar(conn: &mut PgConnection, sql: &'static str) -> Result<bool> {
 /// Lists every embedded migration with its applied time (`None` when pending).
 ///
 /// Reads the history table (the schema owner's); a role without `SELECT` on it gets
-/// [`Error::Database`] (permission denied) — [`migrate`] and [`doctor`](crate::doctor) read
+/// [`Error::Database`] (permission denied) — [`migrate`] and [`doctor`](crate::admin::doctor) read
 /// `pgfence.schema_version()` instead.
 ///
 /// # Errors
 /// [`Error::Database`] when the database cannot be read.
-pub async fn status<'c, A>(conn: A) -> Result<Vec<MigrationInfo>>
+pub async fn migration_status<'c, A>(conn: A) -> Result<Vec<MigrationInfo>>
 where
     A: Acquire<'c, Database = Postgres>,
 {

@@ -13,7 +13,7 @@ use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 
 use crate::issuer::{FloorSource, fencing_name};
-use crate::{Error, Issuer, Resource, Result, counter_floor};
+use crate::{Error, Issuer, Resource, Result, admin::counter_floor};
 
 /// A database's high-water marks as an issuer's [`FloorSource`].
 #[derive(Clone, Debug)]

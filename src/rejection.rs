@@ -19,7 +19,7 @@ use crate::layout::StoredFence;
 use crate::repository::Lent;
 use crate::timeline::{Seen, Verdict};
 use crate::token::Relation;
-use crate::{Error, Fencing, Result, RowOutcome, StaleTarget};
+use crate::{Error, Fencing, Result, error::StaleTarget, repository::RowOutcome};
 
 /// What a write that changed nothing met, judged against its lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

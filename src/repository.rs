@@ -19,224 +19,18 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
-use sqlx::postgres::{PgArguments, PgRow};
+use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Postgres, Row};
 
 use crate::audit::Auditor;
 use crate::ident::{Ident, TableName};
 use crate::rejection::{Explained, Rejecting, audit_failure, judge};
 use crate::sql::{Source, Statement, Statements};
+use crate::table::FencedTable;
 use crate::timeline::Seen;
-use crate::verify::ColumnType;
 use crate::{Error, Fencing, Result};
 
-/// A query under construction, as handed to [`FencedTable`]'s bind methods.
-pub type PgQuery = sqlx::query::Query<'static, Postgres, PgArguments>;
-
-/// A table whose rows are written only with a fence token.
-///
-/// Implement it with `#[derive(FencedTable)]` (feature `derive`, on by default: the same
-/// struct can derive `sqlx::FromRow` to read rows) or [`fenced_table!`](crate::fenced_table);
-/// by hand, the bind methods must bind exactly the columns listed, in order.
-///
-/// ```
-/// #[derive(Debug, Clone, sqlx::FromRow, pgfence::FencedTable)]
-/// #[fenced(schema = "billing", table = "ledger_line")]
-/// struct Line {
-///     #[fenced(key)]
-///     batch: i64,
-///     #[fenced(key)]
-///     line: i32,
-///     #[sqlx(rename = "amount_cents")] // the column's name, for reads and writes
-///     amount: i64,
-///     #[fenced(skip)] // read by FromRow, never written
-///     fence: i64,
-/// }
-///
-/// use pgfence::FencedTable;
-/// assert_eq!(Line::KEY_COLUMNS, ["batch", "line"]);
-/// assert_eq!(Line::COLUMNS, ["amount_cents"]);
-/// let key: <Line as FencedTable>::Key = (7, 1); // (i64, i32), from the fields
-/// # let _ = key;
-/// ```
-pub trait FencedTable: Send + Sync + 'static {
-    /// The key, as passed to [`Repository::delete`]: a single value or a tuple.
-    type Key: Send + Sync;
-    /// Schema of the table (default `public`).
-    const SCHEMA: &'static str = "public";
-    /// Table name, as stored in the catalog.
-    const TABLE: &'static str;
-    /// Columns of the primary key (or another unique key, which `upsert` targets).
-    const KEY_COLUMNS: &'static [&'static str];
-    /// The other columns a write sets (not `fence`, which pgfence manages).
-    const COLUMNS: &'static [&'static str];
-    /// Binds this row's key columns, in [`Self::KEY_COLUMNS`] order.
-    fn bind_key(&self, query: PgQuery) -> PgQuery;
-    /// Binds this row's other columns, in [`Self::COLUMNS`] order.
-    fn bind_columns(&self, query: PgQuery) -> PgQuery;
-    /// Binds a bare key, in [`Self::KEY_COLUMNS`] order.
-    fn bind_key_value(key: &Self::Key, query: PgQuery) -> PgQuery;
-
-    /// Binds the key columns of `rows` as arrays, one per key column in
-    /// [`Self::KEY_COLUMNS`] order, for batch writes ([`Repository::update_many`]...).
-    /// [`fenced_table!`](crate::fenced_table) implements it; the default returns `None`, and
-    /// batch methods then fail with [`Error::InvalidBatch`].
-    fn bind_key_arrays(rows: &[&Self], query: PgQuery) -> Option<PgQuery> {
-        let _ = (rows, query);
-        None
-    }
-    /// Binds the other columns of `rows` as arrays, one per column in [`Self::COLUMNS`]
-    /// order. See [`FencedTable::bind_key_arrays`].
-    fn bind_column_arrays(rows: &[&Self], query: PgQuery) -> Option<PgQuery> {
-        let _ = (rows, query);
-        None
-    }
-    /// Binds bare keys as arrays, one per key column. See [`FencedTable::bind_key_arrays`].
-    fn bind_key_value_arrays(keys: &[&Self::Key], query: PgQuery) -> Option<PgQuery> {
-        let _ = (keys, query);
-        None
-    }
-
-    /// Binds this row's value of one data column, `column` (one of [`Self::COLUMNS`]), for
-    /// [`Repository::update_columns`]. The derive and [`fenced_table!`](crate::fenced_table)
-    /// implement it; the default returns `None`, and `update_columns` then fails with
-    /// [`Error::InvalidTable`] before sending anything.
-    fn bind_column(&self, column: &str, query: PgQuery) -> Option<PgQuery> {
-        let _ = (column, query);
-        None
-    }
-
-    /// The Rust types of the key columns, one per [`Self::KEY_COLUMNS`] entry, which
-    /// [`Repository::verify`] checks against the catalog. Empty (the default) leaves them
-    /// unchecked.
-    fn key_types() -> Vec<ColumnType> {
-        Vec::new()
-    }
-
-    /// The Rust types of the data columns, one per [`Self::COLUMNS`] entry, for
-    /// [`Repository::verify`]. The derive knows them; [`fenced_table!`](crate::fenced_table)
-    /// (which names only the columns) and the default return an empty list: unchecked.
-    fn column_types() -> Vec<ColumnType> {
-        Vec::new()
-    }
-}
-
-/// Binds the columns of tuple keys as arrays, one per element (for
-/// [`FencedTable::bind_key_value_arrays`] of composite keys; used by
-/// [`fenced_table!`](crate::fenced_table)).
-pub trait KeyArrays {
-    /// Binds `keys`' elements as one array per tuple position.
-    fn bind_arrays(keys: &[&Self], query: PgQuery) -> PgQuery;
-}
-
-macro_rules! key_arrays_for_tuples {
-    ($(($($t:ident . $i:tt),+))+) => {$(
-        impl<$($t),+> KeyArrays for ($($t,)+)
-        where
-            $($t: Clone, Vec<$t>: for<'q> sqlx::Encode<'q, Postgres> + sqlx::Type<Postgres> + Send + 'static,)+
-        {
-            fn bind_arrays(keys: &[&Self], query: PgQuery) -> PgQuery {
-                query $(.bind(keys.iter().map(|k| k.$i.clone()).collect::<Vec<$t>>()))+
-            }
-        }
-    )+};
-}
-
-key_arrays_for_tuples! {
-    (A.0)
-    (A.0, B.1)
-    (A.0, B.1, C.2)
-    (A.0, B.1, C.2, D.3)
-}
-
-/// Declares a struct as a fenced table: its field names are the column names.
-///
-/// ```
-/// #[derive(Debug, Clone)]
-/// struct Snapshot { sku: String, payload: String, qty: i32 }
-///
-/// pgfence::fenced_table!(Snapshot {
-///     table: "inventory_snapshot",
-///     key: sku: String,
-///     columns: [payload, qty],
-/// });
-///
-/// // Composite key, explicit schema:
-/// struct Line { batch: i64, line: i32, amount: i64 }
-/// pgfence::fenced_table!(Line {
-///     schema: "billing",
-///     table: "ledger_line",
-///     key: (batch: i64, line: i32),
-///     columns: [amount],
-/// });
-/// ```
-#[macro_export]
-macro_rules! fenced_table {
-    ($ty:ty { $(schema: $schema:literal,)? table: $table:literal,
-        key: ($($key:ident : $kty:ty),+ $(,)?), columns: [$($col:ident),* $(,)?] $(,)? }) => {
-        impl $crate::FencedTable for $ty {
-            type Key = ($($kty,)+);
-            $(const SCHEMA: &'static str = $schema;)?
-            const TABLE: &'static str = $table;
-            const KEY_COLUMNS: &'static [&'static str] = &[$(stringify!($key)),+];
-            const COLUMNS: &'static [&'static str] = &[$(stringify!($col)),*];
-            fn bind_key(&self, q: $crate::PgQuery) -> $crate::PgQuery { q $(.bind(&self.$key))+ }
-            fn bind_columns(&self, q: $crate::PgQuery) -> $crate::PgQuery { q $(.bind(&self.$col))* }
-            fn bind_key_value(key: &Self::Key, q: $crate::PgQuery) -> $crate::PgQuery {
-                #[allow(non_snake_case)]
-                let ($($key,)+) = key;
-                q $(.bind($key))+
-            }
-            fn bind_key_arrays(rows: &[&Self], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
-                Some(q $(.bind(rows.iter().map(|r| r.$key.clone()).collect::<Vec<_>>()))+)
-            }
-            fn bind_column_arrays(rows: &[&Self], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
-                Some(q $(.bind(rows.iter().map(|r| r.$col.clone()).collect::<Vec<_>>()))*)
-            }
-            fn bind_key_value_arrays(keys: &[&Self::Key], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
-                Some(<Self::Key as $crate::KeyArrays>::bind_arrays(keys, q))
-            }
-            fn bind_column(&self, column: &str, q: $crate::PgQuery) -> Option<$crate::PgQuery> {
-                $(if column == stringify!($col) { return Some(q.bind(&self.$col)); })*
-                let _ = (column, q);
-                None
-            }
-            fn key_types() -> ::std::vec::Vec<$crate::ColumnType> {
-                ::std::vec![$($crate::ColumnType::of::<$kty>()),+]
-            }
-        }
-    };
-    ($ty:ty { $(schema: $schema:literal,)? table: $table:literal,
-        key: $key:ident : $kty:ty, columns: [$($col:ident),* $(,)?] $(,)? }) => {
-        impl $crate::FencedTable for $ty {
-            type Key = $kty;
-            $(const SCHEMA: &'static str = $schema;)?
-            const TABLE: &'static str = $table;
-            const KEY_COLUMNS: &'static [&'static str] = &[stringify!($key)];
-            const COLUMNS: &'static [&'static str] = &[$(stringify!($col)),*];
-            fn bind_key(&self, q: $crate::PgQuery) -> $crate::PgQuery { q.bind(&self.$key) }
-            fn bind_columns(&self, q: $crate::PgQuery) -> $crate::PgQuery { q $(.bind(&self.$col))* }
-            fn bind_key_value(key: &Self::Key, q: $crate::PgQuery) -> $crate::PgQuery { q.bind(key) }
-            fn bind_key_arrays(rows: &[&Self], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
-                Some(q.bind(rows.iter().map(|r| r.$key.clone()).collect::<Vec<_>>()))
-            }
-            fn bind_column_arrays(rows: &[&Self], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
-                Some(q $(.bind(rows.iter().map(|r| r.$col.clone()).collect::<Vec<_>>()))*)
-            }
-            fn bind_key_value_arrays(keys: &[&Self::Key], q: $crate::PgQuery) -> Option<$crate::PgQuery> {
-                Some(q.bind(keys.iter().map(|k| (*k).clone()).collect::<Vec<$kty>>()))
-            }
-            fn bind_column(&self, column: &str, q: $crate::PgQuery) -> Option<$crate::PgQuery> {
-                $(if column == stringify!($col) { return Some(q.bind(&self.$col)); })*
-                let _ = (column, q);
-                None
-            }
-            fn key_types() -> ::std::vec::Vec<$crate::ColumnType> {
-                ::std::vec![$crate::ColumnType::of::<$kty>()]
-            }
-        }
-    };
-}
+pub use crate::batch::{BatchOutcome, BatchSummary, Claimed, MAX_BATCH_ROWS, RowOutcome};
 
 /// What a repository write runs on: `&PgPool` (each statement is a transaction of its own)
 /// or `&mut PgConnection` (a connection, or `&mut *tx` inside a transaction).
@@ -386,7 +180,7 @@ impl<T: FencedTable> Repository<T> {
     }
 
     /// Like [`Repository::new`] with a custom [`Auditor`] (a shorter audit timeout, an
-    /// [`AuditSink`](crate::AuditSink), audit rows in another database).
+    /// [`AuditSink`](crate::audit::AuditSink), audit rows in another database).
     ///
     /// # Errors
     /// As [`Repository::new`].

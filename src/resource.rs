@@ -1,8 +1,10 @@
 //! Resource names: what a lock protects, e.g. `payments:batch:42`.
 
+pub use crate::fence::Fence;
+
 use std::fmt;
 
-use crate::{DEFAULT_KEY_PREFIX, Error, Result};
+use crate::{Error, Result, issuer::DEFAULT_KEY_PREFIX};
 
 /// The longest resource name accepted, in bytes.
 pub const MAX_RESOURCE_LEN: usize = 200;
@@ -124,7 +126,7 @@ impl Resource {
     /// [`Error::InvalidKeyPrefix`] for an invalid prefix; [`Error::InvalidResource`] when the
     /// name would be longer than [`MAX_RESOURCE_LEN`], or `self` is another prefix's name.
     pub fn in_key_prefix(&self, prefix: &str) -> Result<Self> {
-        let prefix = crate::check_key_prefix(prefix)?;
+        let prefix = crate::issuer::check_key_prefix(prefix)?;
         if let Some(own) = self.key_prefix() {
             if own == prefix {
                 return Ok(self.clone());

@@ -18,11 +18,11 @@
 //! an older lease (`fence < L & ~0xFFFFFF`, the lease's token with tag and sequence cleared)
 //! or by this very lease and not sealed since (`L <= fence < L + 4095`). The write stores `L`
 //! for a lease's first write to the row, and the next step of the lease's sequence cycle
-//! after that (`L + (fence - L + 2731) % 4095`, [`crate::next_sequence`]): the only changes
+//! after that (`L + (fence - L + 2731) % 4095`, [`crate::token::next_sequence`]): the only changes
 //! the guard trigger lets through. A fence with the same token and another tag (a duplicate
 //! token), a sealed fence (`L + 4095`) and every newer lease's fence are not admitted.
 //!
-//! None of these numbers is typed here: they are [`StoredFence`](crate::StoredFence)'s
+//! None of these numbers is typed here: they are [`StoredFence`](crate::token::StoredFence)'s
 //! constants, formatted into the text when the statements are built (inline literals, so the
 //! plan is the same as with hand-typed ones), and a test reads them back out of every
 //! statement.
@@ -31,7 +31,7 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 use crate::ident::{Ident, TableName, quote_literal};
 use crate::layout::sql as layout;
-use crate::{FencedTable, Fencing, PgQuery, Result};
+use crate::{FencedTable, Fencing, Result, table::PgQuery};
 
 /// The catalog's operators, spelled so that `search_path` cannot substitute others.
 const EQ: &str = "OPERATOR(pg_catalog.=)";
@@ -1039,7 +1039,7 @@ mod tests {
 
     #[test]
     fn every_number_in_the_statements_is_a_layout_constant() {
-        use crate::StoredFence as F;
+        use crate::token::StoredFence as F;
         let layout = [
             F::TOKEN_MASK,
             F::SEALED_SEQUENCE,

@@ -156,7 +156,7 @@ impl Seen {
         let before = self.0.swap(now, Ordering::AcqRel);
         if (before != 0 && before != now) || (before == 0 && unacknowledged) {
             tracing::warn!(
-                target: crate::LOG_TARGET,
+                target: crate::audit::LOG_TARGET,
                 timeline = now,
                 previous = previous.unwrap_or(before),
                 unacknowledged,
@@ -175,7 +175,7 @@ impl Seen {
         let before = self.0.swap(timeline, Ordering::AcqRel);
         if before != 0 && before != timeline {
             tracing::warn!(
-                target: crate::LOG_TARGET,
+                target: crate::audit::LOG_TARGET,
                 timeline,
                 previous = before,
                 "PostgreSQL failover: the database is on timeline {timeline} (this process \

@@ -26,7 +26,7 @@
 //! * **holder** (8 bits): a hash of the holder id ([`Fencing::holder`]). Two leases that got
 //!   the same token from the same counter — a Redis failover that lost `INCR`s — almost
 //!   always differ here, and a write that meets the same token with another holder fails
-//!   with [`Error::DuplicateToken`](crate::Error::DuplicateToken) instead of letting both
+//!   with [`Error::DuplicateToken`] instead of letting both
 //!   progress.
 //! * **sequence** (12 bits): a lease's first write to a row stores sequence 0
 //!   ([`Fencing::lease_fence`]); each later write by the same lease steps it through a fixed
@@ -37,18 +37,18 @@
 //!   number of times. Sequence [`SEALED_SEQUENCE`] (4095) seals the row: it was changed
 //!   outside the protocol (an audited bypass, a write let through in observe mode) after the
 //!   lease that wrote it, whose next write is then rejected
-//!   ([`Error::RowSealed`](crate::Error::RowSealed)).
+//!   ([`Error::RowSealed`]).
 //!
 //! Resource checks store the lease fence itself and accept the same lease again without a
 //! sequence.
 //!
 //! The layout's numbers are defined once, as the constants of
-//! [`StoredFence`](crate::StoredFence), which also reads a stored value's parts; everything
+//! [`StoredFence`], which also reads a stored value's parts; everything
 //! here, the repository's SQL and the SQL helpers of migration V12 are built on it.
 
 use std::fmt;
 
-use crate::layout::StoredFence;
+pub use crate::layout::StoredFence;
 use crate::timeline::Binding;
 use crate::{Error, Resource, Result};
 
@@ -197,7 +197,7 @@ impl Fencing {
     /// on (`None` before that). After a promotion of the database (a failover, which starts a
     /// new timeline and may have lost commits), every fenced statement of a lease bound to
     /// an older timeline is refused with
-    /// [`Error::FencedByFailover`](crate::Error::FencedByFailover). Keep one `Fencing` (or the
+    /// [`Error::FencedByFailover`]. Keep one `Fencing` (or the
     /// [`Lease`](crate::Lease)) for the lease's whole job: clones share the binding, a
     /// `Fencing` built again from the bare token does not.
     #[must_use]

@@ -6,82 +6,13 @@
 //! SQL is not. [`Repository::verify`] reads the catalog once (at start-up, or in a test) and
 //! reports every mismatch at once, naming the columns.
 
-use std::fmt;
-
+use sqlx::postgres::PgRow;
 use sqlx::postgres::types::Oid;
-use sqlx::postgres::{PgRow, PgTypeInfo};
-use sqlx::{Column, Executor, Postgres, Row, Statement, TypeInfo};
+use sqlx::{Column, Executor, Row, Statement, TypeInfo};
 
 use crate::repository::WriteExecutor;
-use crate::{Error, FencedTable, Ident, Repository, Result};
-
-/// The Rust side of a column: the type a [`FencedTable`] binds and reads, and which
-/// Postgres types sqlx accepts for it ([`sqlx::Type::compatible`]). Returned by
-/// [`FencedTable::key_types`] and [`FencedTable::column_types`].
-#[derive(Clone)]
-pub struct ColumnType {
-    rust: &'static str,
-    type_info: PgTypeInfo,
-    compatible: fn(&PgTypeInfo) -> bool,
-}
-
-impl ColumnType {
-    /// The column type of the Rust type `R`.
-    #[must_use]
-    pub fn of<R: sqlx::Type<Postgres> + ?Sized>() -> Self {
-        Self {
-            rust: std::any::type_name::<R>(),
-            type_info: R::type_info(),
-            compatible: R::compatible,
-        }
-    }
-
-    /// The Rust type's name, without module paths (`Option<String>`).
-    #[must_use]
-    pub fn rust_name(&self) -> String {
-        short_type_name(self.rust)
-    }
-
-    /// The Postgres type sqlx binds the Rust type as.
-    #[must_use]
-    pub fn type_info(&self) -> &PgTypeInfo {
-        &self.type_info
-    }
-
-    /// Whether sqlx reads and writes the Rust type as a column of type `ty`. Types sqlx
-    /// names rather than numbers (enums, domains, extension types) are taken as compatible.
-    #[must_use]
-    pub fn is_compatible(&self, ty: &PgTypeInfo) -> bool {
-        (self.compatible)(ty)
-    }
-}
-
-impl fmt::Debug for ColumnType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ColumnType")
-            .field("rust", &self.rust)
-            .field("postgres", &self.type_info.name())
-            .finish()
-    }
-}
-
-/// `alloc::string::String` → `String`, `core::option::Option<alloc::string::String>` →
-/// `Option<String>`: every path keeps its last segment.
-fn short_type_name(full: &str) -> String {
-    let mut out = String::with_capacity(full.len());
-    let mut segment = String::new();
-    for ch in full.chars() {
-        if ch.is_alphanumeric() || ch == '_' || ch == ':' {
-            segment.push(ch);
-        } else {
-            out.push_str(segment.rsplit("::").next().unwrap_or(&segment));
-            segment.clear();
-            out.push(ch);
-        }
-    }
-    out.push_str(segment.rsplit("::").next().unwrap_or(&segment));
-    out
-}
+use crate::table::ColumnType;
+use crate::{Error, FencedTable, Repository, Result, table::Ident};
 
 /// One column of the table, as the catalog has it.
 struct CatalogColumn {

@@ -62,7 +62,7 @@ pub async fn connect_issuer(url: &str) -> Result<Arc<dyn TokenIssuer>> {
 /// * `zk://host:port[,host:port...][?session_timeout_ms=N]`: the ZooKeeper issuer (feature
 ///   `zk`; no TLS: `zks://` and the like fail with [`Error::TlsUnsupported`]);
 /// * `postgres://...` or `postgresql://...`: the PostgreSQL issuer
-///   ([`PgIssuer::connect`](crate::PgIssuer::connect)); the database needs pgfence's
+///   ([`PgIssuer::connect`](crate::issuer::PgIssuer::connect)); the database needs pgfence's
 ///   migrations.
 ///
 /// The TLS URLs take the query parameters `cacert=PATH`, `cert=PATH` and `key=PATH` (see

@@ -18,7 +18,7 @@ use super::token_issuer::IssuerKind;
 use super::url::host_list;
 use super::{Lease, LeaseState, LockStatus, ReleaseOutcome};
 use crate::tls::{TlsParams, has_scheme};
-use crate::{Error, FenceToken, MAX_TOKEN, Resource, Result};
+use crate::{Error, FenceToken, Resource, Result, token::MAX_TOKEN};
 
 /// The URL scheme that selects the etcd issuer: `etcd://host:2379[,host2:2379...]`.
 pub const ETCD_SCHEME: &str = "etcd://";
@@ -55,7 +55,7 @@ pub fn is_etcd_url(url: &str) -> bool {
 /// the Redis
 /// [`Issuer`](crate::Issuer), so a lease from either is fenced the same way by Postgres. The
 /// token is the etcd revision that created the lock key: strictly increasing across the whole
-/// cluster and across leader failovers, at most [`MAX_TOKEN`](crate::MAX_TOKEN) (an acquire
+/// cluster and across leader failovers, at most [`MAX_TOKEN`](crate::token::MAX_TOKEN) (an acquire
 /// that would exceed it fails with [`Error::InvalidToken`] and leaves no lock behind).
 /// Cloning is cheap; clones share the connections. It implements
 /// [`TokenIssuer`](crate::TokenIssuer), where [`raise_floor`](crate::TokenIssuer::raise_floor)
@@ -235,10 +235,10 @@ impl EtcdIssuer {
     /// server). `Ok(None)` when another owner holds it.
     ///
     /// # Errors
-    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::MIN_TTL)`..=`
-    /// [`MAX_TTL`](crate::MAX_TTL) (nothing is sent); [`Error::Etcd`] when etcd fails after
+    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::issuer::MIN_TTL)`..=`
+    /// [`MAX_TTL`](crate::issuer::MAX_TTL) (nothing is sent); [`Error::Etcd`] when etcd fails after
     /// retries; [`Error::InvalidToken`] when the cluster's revision reached
-    /// [`MAX_TOKEN`](crate::MAX_TOKEN) (refused before anything is written).
+    /// [`MAX_TOKEN`](crate::token::MAX_TOKEN) (refused before anything is written).
     pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
         policy::acquire(self, resource, ttl).await
     }
@@ -390,7 +390,7 @@ impl EtcdIssuer {
     }
 
     /// [`EtcdIssuer::extend`], re-sending after transport failures only until `until` (what
-    /// [`KeepAlive`](crate::KeepAlive) uses, with the lease's local deadline).
+    /// [`KeepAlive`](crate::issuer::KeepAlive) uses, with the lease's local deadline).
     ///
     /// # Errors
     /// As [`EtcdIssuer::extend`].
@@ -475,10 +475,10 @@ impl EtcdIssuer {
         policy::status(self, resource).await
     }
 
-    /// Keeps `lease` alive in the background; see [`KeepAlive`](crate::KeepAlive).
+    /// Keeps `lease` alive in the background; see [`KeepAlive`](crate::issuer::KeepAlive).
     #[must_use]
-    pub fn keep_alive(&self, lease: &Lease) -> crate::KeepAlive {
-        crate::KeepAlive::spawn(std::sync::Arc::new(self.clone()), lease.clone())
+    pub fn keep_alive(&self, lease: &Lease) -> crate::issuer::KeepAlive {
+        crate::issuer::KeepAlive::spawn(std::sync::Arc::new(self.clone()), lease.clone())
     }
 
     async fn get(&self, key: &str) -> Result<Option<KeyValue>> {

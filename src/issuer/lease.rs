@@ -90,8 +90,8 @@ impl Lease {
     /// ([`Resource::in_key_prefix`]: `P{R`, `{P{D}NAME`), so that prefixes sharing a database
     /// share no mark. [`Fencing`] (`&lease`) carries it: checks, audit rows, effects and the
     /// token tag use it. SQL callers pass it to `pgfence.check` (`pgfence run` exports it as
-    /// `PGFENCE_RESOURCE`); [`high_water`](crate::high_water) and
-    /// [`counter_floor`](crate::counter_floor) read its marks.
+    /// `PGFENCE_RESOURCE`); [`high_water`](crate::admin::high_water) and
+    /// [`counter_floor`](crate::admin::counter_floor) read its marks.
     #[must_use]
     pub fn fencing_resource(&self) -> &Resource {
         &self.fencing

@@ -50,7 +50,7 @@ const POOL_SIZE: u32 = 16;
 /// issued, and a restart or crash recovery moves both together. So
 /// [`TokenIssuer::raise_floor`](crate::TokenIssuer::raise_floor),
 /// [`recover_from`](crate::TokenIssuer::recover_from) and
-/// [`reseed`](crate::TokenIssuer::reseed) change nothing ([`IssuerKind::can_reseed`](crate::IssuerKind::can_reseed)
+/// [`reseed`](crate::TokenIssuer::reseed) change nothing ([`IssuerKind::can_reseed`](crate::issuer::IssuerKind::can_reseed)
 /// is false). A counter that does not exist yet starts above the high-water mark PostgreSQL
 /// recorded for the resource (or its domain), so switching a resource from another issuer
 /// keeps its checks working. One limit remains: an *asynchronous* standby promoted after the
@@ -153,9 +153,9 @@ impl PgIssuer {
     /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds it.
     ///
     /// # Errors
-    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::MIN_TTL)`..=`[`MAX_TTL`](crate::MAX_TTL)
+    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::issuer::MIN_TTL)`..=`[`MAX_TTL`](crate::issuer::MAX_TTL)
     /// (nothing is sent); [`Error::InvalidToken`] when the counter would pass
-    /// [`MAX_TOKEN`](crate::MAX_TOKEN) (nothing changes); [`Error::Database`].
+    /// [`MAX_TOKEN`](crate::token::MAX_TOKEN) (nothing changes); [`Error::Database`].
     pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
         policy::acquire(self, resource, ttl).await
     }

@@ -347,7 +347,7 @@ pub async fn extend<B: Backend>(
 }
 
 /// [`extend`], re-sending after failures in transit until `until` (what
-/// [`KeepAlive`](crate::KeepAlive) uses: the lease's local deadline). On
+/// [`KeepAlive`](crate::issuer::KeepAlive) uses: the lease's local deadline). On
 /// [`LeaseState::Held`] the lease's TTL and local deadline move; the deadline comes from the
 /// attempt that succeeded (an earlier one that arrives later only moves the server's expiry
 /// further out).
@@ -451,7 +451,7 @@ fn next_pause(pause: Duration, policy: &Resend) -> Duration {
     (pause * 2).clamp(policy.start, policy.max)
 }
 
-/// The refusal of an acquire whose token would pass [`MAX_TOKEN`](crate::MAX_TOKEN): the lock stays free and the
+/// The refusal of an acquire whose token would pass [`MAX_TOKEN`](crate::token::MAX_TOKEN): the lock stays free and the
 /// next acquire is refused the same way until the counter is repaired. Every issuer refuses
 /// before it writes (the counter as it was); `undone` says it wrote and undid it instead (a
 /// race with the limit on etcd and ZooKeeper, whose counters cannot be read before a write

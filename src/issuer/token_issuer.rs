@@ -12,7 +12,7 @@ use super::url::{EXPECTED_SCHEMES, scheme};
 use super::{Lease, LeaseState, LockStatus, ReleaseOutcome};
 use crate::{Error, Resource, Result};
 #[cfg(doc)]
-use crate::{Issuer, KeepAlive, connect_issuer};
+use crate::{Issuer, connect_issuer, issuer::KeepAlive};
 
 /// A boxed, `Send` future borrowing from `'a`: what [`TokenIssuer`]'s methods return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -30,7 +30,7 @@ pub enum IssuerKind {
     /// The ZooKeeper issuer (`ZkIssuer`, feature `zk`): tokens are the zxids that created the
     /// lock nodes, which never go backwards; reseeding is a no-op.
     ZooKeeper,
-    /// The PostgreSQL issuer ([`PgIssuer`](crate::PgIssuer)): a counter row that commits in
+    /// The PostgreSQL issuer ([`PgIssuer`](crate::issuer::PgIssuer)): a counter row that commits in
     /// the same WAL as the fences it protects; reseeding is a no-op.
     Postgres,
 }
@@ -105,10 +105,10 @@ impl std::fmt::Display for IssuerKind {
 /// them owner-safely, report a lock's state, and (where the counter can go backwards) raise
 /// the counter after a failover.
 ///
-/// Implemented by the Redis [`Issuer`] (any connection type), by [`PgIssuer`](crate::PgIssuer), by `EtcdIssuer` (feature
+/// Implemented by the Redis [`Issuer`] (any connection type), by [`PgIssuer`](crate::issuer::PgIssuer), by `EtcdIssuer` (feature
 /// `etcd`) and by `ZkIssuer` (feature `zk`). The methods have the same names and meaning as the issuers' own methods, which
 /// stay callable directly; this trait is for code that picks the issuer at run time
-/// ([`connect_issuer`]) or must work with either ([`KeepAlive`](crate::KeepAlive)).
+/// ([`connect_issuer`]) or must work with either ([`KeepAlive`](crate::issuer::KeepAlive)).
 ///
 /// # Why object-safe, with boxed futures
 ///
@@ -192,7 +192,7 @@ pub trait TokenIssuer: Send + Sync + std::fmt::Debug + 'static {
     ) -> BoxFuture<'a, Result<LeaseState>>;
 
     /// [`TokenIssuer::extend`], re-sending after transport failures only until `until` (what
-    /// [`KeepAlive`](crate::KeepAlive) uses, with the lease's local deadline). The default
+    /// [`KeepAlive`](crate::issuer::KeepAlive) uses, with the lease's local deadline). The default
     /// calls [`TokenIssuer::extend`].
     fn extend_until<'a>(
         &'a self,
@@ -225,20 +225,20 @@ pub trait TokenIssuer: Send + Sync + std::fmt::Debug + 'static {
         resource: &'a Resource,
     ) -> BoxFuture<'a, Result<i64>> {
         Box::pin(async move {
-            let mark = crate::counter_floor(pool, &self.fencing_resource(resource)?).await?;
+            let mark = crate::admin::counter_floor(pool, &self.fencing_resource(resource)?).await?;
             self.raise_floor(resource, mark).await
         })
     }
 
     /// The key prefix ([`Issuer::with_key_prefix`]; the default is
-    /// [`DEFAULT_KEY_PREFIX`](crate::DEFAULT_KEY_PREFIX), which this default method returns).
+    /// [`DEFAULT_KEY_PREFIX`](crate::issuer::DEFAULT_KEY_PREFIX), which this default method returns).
     fn key_prefix(&self) -> &str {
-        crate::DEFAULT_KEY_PREFIX
+        crate::issuer::DEFAULT_KEY_PREFIX
     }
 
     /// The name PostgreSQL fences `resource` under for this issuer's leases (their
     /// [`Lease::fencing_resource`]): see [`Resource::in_key_prefix`]. The name whose marks
-    /// [`crate::high_water`] and [`crate::counter_floor`] read for this issuer.
+    /// [`crate::admin::high_water`] and [`crate::admin::counter_floor`] read for this issuer.
     ///
     /// # Errors
     /// [`Error::InvalidResource`] when the name would be too long, or `resource` is already a

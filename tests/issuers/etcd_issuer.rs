@@ -13,7 +13,10 @@ use crate::support;
 use std::time::Duration;
 
 use issuer_suite::{Cluster, Profile};
-use pgfence::{EtcdIssuer, IssuerKind, ReleaseOutcome, Resource, connect_issuer, etcd_lock_key};
+use pgfence::{
+    Resource, connect_issuer,
+    issuer::{EtcdIssuer, IssuerKind, ReleaseOutcome, etcd_lock_key},
+};
 use pgfence_testkit::{EtcdCluster, etcd_installed};
 use support::unique_resource;
 use tokio::sync::OnceCell;

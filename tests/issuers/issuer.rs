@@ -7,8 +7,11 @@ use crate::support;
 
 use std::time::Duration;
 
-use pgfence::{Error, Fence, Issuer, LeaseLost, LeaseState, ReleaseOutcome, Resource};
-use pgfence::{counter_key, lock_key};
+use pgfence::issuer::{counter_key, lock_key};
+use pgfence::{
+    Error, Fence, Issuer, Resource,
+    issuer::{LeaseLost, LeaseState, ReleaseOutcome},
+};
 use pgfence_testkit::{RedisCluster, Server};
 use redis::AsyncCommands;
 use support::{TestDb, issuer, redis_url, unique_resource};
@@ -52,7 +55,7 @@ issuer_suite::lease_tests!(REDIS, skip, issuer);
 /// shared by this binary's tests): the same backend behind the connections that follow the
 /// master.
 mod through_sentinel {
-    use pgfence::{Issuer, SentinelConnections};
+    use pgfence::{Issuer, issuer::SentinelConnections};
     use pgfence_testkit::{SentinelConfig, SentinelSet, sentinel_installed};
     use tokio::sync::OnceCell;
 
@@ -297,7 +300,7 @@ async fn restarted_redis_recovers_automatically_with_a_floor_source() {
     // Partial loss on a row-only path: a rejected write tells recover_from what to raise to.
     let other = unique_resource("rows");
     let err = Error::StaleToken {
-        target: pgfence::StaleTarget::Row {
+        target: pgfence::error::StaleTarget::Row {
             table: "\"public\".\"t\"".into(),
             key: "[1]".into(),
             resource: Some(other.to_string()),

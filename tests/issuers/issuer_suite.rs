@@ -23,8 +23,9 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use pgfence::{
-    Error, IssuerOptions, KeepAlive, Lease, LeaseState, ReleaseOutcome, Repository, Resource,
-    TableName, TokenIssuer, connect_issuer_with,
+    Error, Lease, Repository, Resource, TokenIssuer,
+    issuer::{IssuerOptions, KeepAlive, LeaseState, ReleaseOutcome, connect_issuer_with},
+    table::TableName,
 };
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
@@ -349,7 +350,7 @@ pub async fn retried_acquire_by_the_same_owner_returns_the_same_token<I: TokenIs
     issuer: I,
 ) {
     let resource = unique_resource(&format!("{}-retry", p.name));
-    let owner = pgfence::new_owner_id();
+    let owner = pgfence::issuer::new_owner_id();
     let first = issuer
         .acquire_as(&resource, &owner, 5 * SEC)
         .await
@@ -367,7 +368,7 @@ pub async fn retried_acquire_by_the_same_owner_returns_the_same_token<I: TokenIs
         "no new token"
     );
     let other = issuer
-        .acquire_as(&resource, &pgfence::new_owner_id(), 5 * SEC)
+        .acquire_as(&resource, &pgfence::issuer::new_owner_id(), 5 * SEC)
         .await
         .unwrap();
     let retry_in = other.expect_err("another owner is refused");
@@ -507,7 +508,7 @@ pgfence::fenced_table!(Snapshot { table: "issuer_snapshot", key: sku: String, co
 async fn snapshot_table() -> (TestDb, Repository<Snapshot>) {
     let db = TestDb::new().await;
     db.exec("CREATE TABLE issuer_snapshot (sku text PRIMARY KEY, payload text NOT NULL); INSERT INTO issuer_snapshot VALUES ('A-1', 'initial');").await;
-    pgfence::guard(&db.pool, &TableName::parse("issuer_snapshot").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("issuer_snapshot").unwrap())
         .await
         .unwrap();
     let repo = Repository::<Snapshot>::new(db.pool.clone()).unwrap();
@@ -545,7 +546,7 @@ pub async fn paused_holder_is_fenced_by_postgres<I: TokenIssuer>(p: &Profile, is
         .unwrap();
     assert_eq!(payload, "B");
     // The rejection is audited with the lease's holder and name.
-    let audit = pgfence::list_audit(&db.pool, &Default::default())
+    let audit = pgfence::audit::list(&db.pool, &Default::default())
         .await
         .unwrap();
     assert_eq!(audit.len(), 1, "{audit:?}");
@@ -906,7 +907,7 @@ pub async fn floor_and_recovery_are_no_ops<I: TokenIssuer + ?Sized>(
         Err(Error::InvalidToken(_))
     ));
     let stale = Error::StaleToken {
-        target: pgfence::StaleTarget::Resource(resource.to_string()),
+        target: pgfence::error::StaleTarget::Resource(resource.to_string()),
         presented: 1,
         current: i64::MAX / 2,
         other_counter: false,

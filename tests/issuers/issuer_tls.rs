@@ -1,6 +1,6 @@
 //! The issuers' production connections, through real servers: Redis over TLS (standalone with
 //! a CA file and with required client certificates, Redis Cluster, Sentinel), etcd over mutual
-//! TLS, and the minimal Redis ACL (`pgfence::redis_acl_rule`) running the issuer's whole
+//! TLS, and the minimal Redis ACL (`pgfence::issuer::redis_acl_rule`) running the issuer's whole
 //! surface, with a refused permission named in the error.
 //!
 //! Every server is a throwaway one (`pgfence_testkit`) with per-run certificates; every call
@@ -12,8 +12,11 @@ use std::future::Future;
 use std::time::Duration;
 
 use pgfence::{
-    EtcdIssuer, Fence, Fencing, Issuer, IssuerKind, LeaseState, REDIS_SENTINEL_ACL_RULE,
-    ReleaseOutcome, Resource, SentinelConnections, TokenIssuer, connect_issuer, redis_acl_rule,
+    Fence, Fencing, Issuer, Resource, TokenIssuer, connect_issuer,
+    issuer::{
+        EtcdIssuer, IssuerKind, LeaseState, REDIS_SENTINEL_ACL_RULE, ReleaseOutcome,
+        SentinelConnections, redis_acl_rule,
+    },
 };
 use pgfence_testkit::{
     Certs, ClientAuth, EtcdCluster, RedisTls, RedisTlsCluster, SentinelConfig, SentinelSet,
@@ -425,7 +428,7 @@ async fn the_documented_acl_runs_the_whole_issuer() {
         assert_eq!(issuer.raise_floor(&resource, 50).await.unwrap(), 50);
         assert_eq!(issuer.reseed(&db.pool, &resource).await.unwrap(), 50);
         let stale = pgfence::Error::StaleToken {
-            target: pgfence::StaleTarget::Resource(resource.to_string()),
+            target: pgfence::error::StaleTarget::Resource(resource.to_string()),
             presented: 1,
             current: 70,
             other_counter: false,

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pgfence::{
-    Error, IssuerKind, IssuerOptions, KeepAlive, ReleaseOutcome, TokenIssuer, connect_issuer,
-    connect_issuer_with,
+    Error, TokenIssuer, connect_issuer,
+    issuer::{IssuerKind, IssuerOptions, KeepAlive, ReleaseOutcome, connect_issuer_with},
 };
 use support::{TestDb, redis_url, unique_resource};
 use tokio::time::Instant;
@@ -50,7 +50,7 @@ async fn redis_floor_and_recovery_through_the_trait() {
     assert_eq!(lease.token().get(), 42);
     issuer.release(&lease).await.unwrap();
     let stale = Error::StaleToken {
-        target: pgfence::StaleTarget::Resource(resource.to_string()),
+        target: pgfence::error::StaleTarget::Resource(resource.to_string()),
         presented: 42,
         current: 100,
         other_counter: false,
@@ -68,12 +68,12 @@ async fn redis_floor_and_recovery_through_the_trait() {
 #[tokio::test]
 async fn bad_prefixes_and_urls_are_refused() {
     let issuer = support::issuer().await;
-    let long = "x".repeat(pgfence::MAX_KEY_PREFIX_LEN + 1);
+    let long = "x".repeat(pgfence::issuer::MAX_KEY_PREFIX_LEN + 1);
     for bad in ["", "a b", "a{b", "b}", "tab\there", "nl\n", long.as_str()] {
         let err = issuer.clone().with_key_prefix(bad).unwrap_err();
         assert!(matches!(err, Error::InvalidKeyPrefix(_)), "{bad:?}: {err}");
     }
-    let max = "y".repeat(pgfence::MAX_KEY_PREFIX_LEN);
+    let max = "y".repeat(pgfence::issuer::MAX_KEY_PREFIX_LEN);
     for good in ["myapp", "my-app:prod", "a", max.as_str()] {
         assert_eq!(
             issuer.clone().with_key_prefix(good).unwrap().key_prefix(),

@@ -11,7 +11,10 @@ use crate::support;
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
-use pgfence::{Issuer, LeaseLost, LeaseState, ReleaseOutcome};
+use pgfence::{
+    Issuer,
+    issuer::{LeaseLost, LeaseState, ReleaseOutcome},
+};
 use pgfence_testkit::{Proxy, Server};
 use support::unique_resource;
 use tokio::time::{Instant, sleep, timeout};
@@ -39,7 +42,7 @@ async fn holder(server: &Server, resource: &pgfence::Resource) -> Option<String>
         .await
         .unwrap();
     redis::cmd("GET")
-        .arg(pgfence::lock_key(resource))
+        .arg(pgfence::issuer::lock_key(resource))
         .query_async(&mut conn)
         .await
         .unwrap()
@@ -223,7 +226,7 @@ async fn keep_alive_reports_a_long_stall_at_the_deadline() {
 }
 
 /// Waits until the keep-alive has just renewed the lease.
-async fn renewed(keep: &pgfence::KeepAlive) {
+async fn renewed(keep: &pgfence::issuer::KeepAlive) {
     let before = keep.deadline().expect("held");
     while keep.deadline().expect("held") == before {
         sleep(Duration::from_millis(2)).await;
@@ -287,7 +290,7 @@ async fn a_taken_lock_is_reported_taken_not_retried() {
         .await
         .unwrap();
     let () = redis::cmd("SET")
-        .arg(pgfence::lock_key(&resource))
+        .arg(pgfence::issuer::lock_key(&resource))
         .arg("someone-else:999")
         .query_async(&mut direct)
         .await

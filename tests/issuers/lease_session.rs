@@ -5,7 +5,9 @@
 
 use crate::support;
 
-use pgfence::{Error, Fence, Fencing, Repository, Resource, TableName, Upserted};
+use pgfence::{
+    Error, Fence, Fencing, Repository, Resource, repository::Upserted, table::TableName,
+};
 use support::{TestDb, assert_stale, audit_count, token};
 
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -32,7 +34,7 @@ async fn setup() -> (TestDb, Repository<Invoice>) {
          INSERT INTO invoices VALUES (1, 'open', 100), (2, 'open', 200);",
     )
     .await;
-    pgfence::guard(&db.pool, &TableName::parse("invoices").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("invoices").unwrap())
         .await
         .unwrap();
     let repo = Repository::new(db.pool.clone()).unwrap();
@@ -70,7 +72,7 @@ async fn one_lease_writes_the_same_row_many_times_in_many_transactions() {
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    let seq = (0..19).fold(0, |s, _| pgfence::next_sequence(s));
+    let seq = (0..19).fold(0, |s, _| pgfence::token::next_sequence(s));
     assert_eq!(fence, job.lease_fence() + seq);
     assert_eq!(audit_count(&db.pool).await, 0);
 }
@@ -254,7 +256,7 @@ async fn a_row_sealed_after_a_lease_wrote_it_rejects_that_lease_and_admits_a_new
     db.exec("ALTER TABLE invoices DISABLE TRIGGER pgfence_guard")
         .await;
     sqlx::query("UPDATE invoices SET fence = $1 WHERE id = 1")
-        .bind(job.lease_fence() + pgfence::SEALED_SEQUENCE)
+        .bind(job.lease_fence() + pgfence::token::SEALED_SEQUENCE)
         .execute(&db.pool)
         .await
         .unwrap();
@@ -324,8 +326,8 @@ async fn resources_that_write_the_same_rows_share_a_fencing_domain() {
         &in_domain("reports:daily"),
     ] {
         let _: () = redis::cmd("DEL")
-            .arg(pgfence::lock_key(r))
-            .arg(pgfence::counter_key(r))
+            .arg(pgfence::issuer::lock_key(r))
+            .arg(pgfence::issuer::counter_key(r))
             .query_async(&mut conn)
             .await
             .unwrap();
@@ -379,10 +381,13 @@ async fn resources_that_write_the_same_rows_share_a_fencing_domain() {
     let a = issuer.acquire(&account, ttl).await.unwrap().unwrap();
     let r = issuer.acquire(&report, ttl).await.unwrap().unwrap();
     assert_eq!(r.token().get(), a.token().get() + 1, "one counter");
-    assert_ne!(pgfence::lock_key(&account), pgfence::lock_key(&report));
+    assert_ne!(
+        pgfence::issuer::lock_key(&account),
+        pgfence::issuer::lock_key(&report)
+    );
     assert_eq!(
-        pgfence::counter_key(&account),
-        pgfence::counter_key(&report)
+        pgfence::issuer::counter_key(&account),
+        pgfence::issuer::counter_key(&report)
     );
     repo.update(&db.pool, &a, &invoice(2, "account job", 1))
         .await

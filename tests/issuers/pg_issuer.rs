@@ -16,8 +16,10 @@ use std::time::Duration;
 
 use issuer_suite::Profile;
 use pgfence::{
-    Error, Fence, FenceToken, IssuerKind, IssuerOptions, LeaseState, PgIssuer, ReleaseOutcome,
-    Resource, connect_issuer, connect_issuer_with,
+    Error, Fence, FenceToken, Resource, connect_issuer,
+    issuer::{
+        IssuerKind, IssuerOptions, LeaseState, PgIssuer, ReleaseOutcome, connect_issuer_with,
+    },
 };
 use pgfence_testkit::Server;
 use sqlx::postgres::PgPoolOptions;
@@ -289,7 +291,7 @@ async fn a_refused_acquire_at_the_token_limit_changes_nothing() {
     let lease = issuer.acquire(&resource, SEC).await.unwrap().unwrap();
     issuer.release(&lease).await.unwrap();
     sqlx::query("UPDATE pgfence.issuer_counter SET value = $1")
-        .bind(pgfence::MAX_TOKEN)
+        .bind(pgfence::token::MAX_TOKEN)
         .execute(&db.pool)
         .await
         .unwrap();
@@ -300,7 +302,7 @@ async fn a_refused_acquire_at_the_token_limit_changes_nothing() {
     assert_eq!(status.owner, None, "the lock stays free");
     assert_eq!(
         status.counter,
-        pgfence::MAX_TOKEN,
+        pgfence::token::MAX_TOKEN,
         "the counter is unchanged"
     );
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM pgfence.issuer_lock")
@@ -316,7 +318,9 @@ async fn a_refused_acquire_at_the_token_limit_changes_nothing() {
 async fn the_granted_application_role_leases_but_cannot_lower_or_steal() {
     let db = TestDb::new().await;
     let role = support::Role::create(&db, "pgfence_app", "").await;
-    pgfence::grant(&db.pool, &role.ident()).await.unwrap();
+    pgfence::admin::grant(&db.pool, &role.ident())
+        .await
+        .unwrap();
     let app = role.pool(&db).await;
     let issuer = PgIssuer::new(app.clone());
     let resource = unique_resource("pg-app");
@@ -365,7 +369,7 @@ async fn the_granted_application_role_leases_but_cannot_lower_or_steal() {
 async fn tokens_and_locks_survive_a_restart_and_killed_backends() {
     let mut server = Server::postgres().await.expect("throwaway PostgreSQL");
     let admin = sqlx::PgPool::connect(&server.url()).await.unwrap();
-    pgfence::migrate(&admin).await.unwrap();
+    pgfence::admin::migrate(&admin).await.unwrap();
     admin.close().await;
     let issuer = PgIssuer::connect(&server.url()).await.unwrap();
     let long = unique_resource("pg-restart-held");
@@ -490,7 +494,7 @@ async fn the_issuer_works_through_pgbouncer_in_transaction_and_session_mode() {
     }
     let server = Server::postgres().await.expect("throwaway PostgreSQL");
     let direct = sqlx::PgPool::connect(&server.url()).await.unwrap();
-    pgfence::migrate(&direct).await.unwrap();
+    pgfence::admin::migrate(&direct).await.unwrap();
     let bouncer = PgBouncer::start(server.port(), PoolMode::Transaction, 2)
         .await
         .expect("start PgBouncer");
@@ -574,9 +578,9 @@ async fn its_leases_fence_rows_audit_rejections_and_catch_duplicate_tokens() {
          INSERT INTO pg_issuer_account VALUES (1, 0);",
     )
     .await;
-    pgfence::guard(
+    pgfence::guard::guard(
         &db.pool,
-        &pgfence::TableName::parse("pg_issuer_account").unwrap(),
+        &pgfence::table::TableName::parse("pg_issuer_account").unwrap(),
     )
     .await
     .unwrap();

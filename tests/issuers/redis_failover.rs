@@ -14,7 +14,9 @@ use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use pgfence::{
-    Error, Fence, Issuer, Lease, LeaseState, Repository, Resource, SentinelConnections, TableName,
+    Error, Fence, Issuer, Lease, Repository, Resource,
+    issuer::{LeaseState, SentinelConnections},
+    table::TableName,
 };
 use pgfence_testkit::{SentinelConfig, SentinelSet, sentinel_installed};
 use tokio::time::Instant;
@@ -135,7 +137,7 @@ async fn setup_db() -> TestDb {
          BEGIN INSERT INTO history (id, old_fence, new_fence) VALUES (OLD.id, OLD.fence, NEW.fence); RETURN NEW; END $$;",
     )
     .await;
-    pgfence::guard(&db.pool, &TableName::parse("accounts").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("accounts").unwrap())
         .await
         .unwrap();
     db.exec(
@@ -301,7 +303,9 @@ async fn failover() {
     }
     let rows_counter_before = issuer.status(&rows).await.unwrap().counter;
     let check_counter_before = issuer.status(&checked).await.unwrap().counter;
-    let high_water_before = pgfence::high_water(&db.pool, &checked).await.unwrap();
+    let high_water_before = pgfence::admin::high_water(&db.pool, &checked)
+        .await
+        .unwrap();
     let fences_before = row_tokens(&db.pool).await;
     let behind_counter_before = issuer.status(&behind).await.unwrap().counter;
     assert_eq!(

@@ -17,7 +17,7 @@ use crate::support;
 
 use std::time::Duration;
 
-use pgfence::{Error, Issuer, MAX_TOKEN, PgIssuer, Resource};
+use pgfence::{Error, Issuer, Resource, issuer::PgIssuer, token::MAX_TOKEN};
 use pgfence_testkit::{RedisCluster, SentinelConfig, SentinelSet, sentinel_installed};
 use redis::AsyncCommands;
 use redis::aio::ConnectionLike;
@@ -266,7 +266,7 @@ async fn pg_issuer_refuses_at_the_limit_and_changes_nothing() {
 #[cfg(feature = "zk")]
 mod zk {
     use super::*;
-    use pgfence::ZkIssuer;
+    use pgfence::issuer::ZkIssuer;
     use pgfence_testkit::{ZkEnsemble, zk_installed};
 
     /// A standalone server whose zxid is `MAX_TOKEN`: every change from now on gets a zxid
@@ -350,7 +350,7 @@ mod zk {
 #[cfg(feature = "etcd")]
 mod etcd {
     use super::*;
-    use pgfence::EtcdIssuer;
+    use pgfence::issuer::EtcdIssuer;
     use pgfence_testkit::{EtcdCluster, etcd_installed};
 
     /// etcd's revision cannot be driven to 2^39 here; what a test can reach: an acquire

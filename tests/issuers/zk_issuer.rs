@@ -15,7 +15,10 @@ use crate::support;
 use std::time::Duration;
 
 use issuer_suite::{Cluster, Profile};
-use pgfence::{Error, IssuerKind, ReleaseOutcome, Resource, ZkIssuer, connect_issuer, zk_lock_dir};
+use pgfence::{
+    Error, Resource, connect_issuer,
+    issuer::{IssuerKind, ReleaseOutcome, ZkIssuer, zk_lock_dir},
+};
 use pgfence_testkit::{ZkEnsemble, zk_installed};
 use support::unique_resource;
 use tokio::sync::OnceCell;

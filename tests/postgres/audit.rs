@@ -9,7 +9,9 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use pgfence::{Auditor, Fencing, Repository, Resource, TableName, Upserted};
+use pgfence::{
+    Fencing, Repository, Resource, audit::Auditor, repository::Upserted, table::TableName,
+};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use support::{Logs, TestDb, assert_stale, audit_count, token};
@@ -29,7 +31,7 @@ async fn setup() -> TestDb {
          INSERT INTO account VALUES (1, 100), (2, 200);",
     )
     .await;
-    pgfence::guard(&db.pool, &TableName::parse("account").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("account").unwrap())
         .await
         .unwrap();
     // Rows 1 and 2 carry fence 10.
@@ -93,7 +95,7 @@ async fn outside_a_transaction_the_rejecting_statement_writes_the_audit_row() {
     assert_eq!(balances(&db).await, before, "a stale write changed data");
 
     // All three rows exist although the auditor's pool never connected.
-    let rows = pgfence::list_audit(&db.pool, &Default::default())
+    let rows = pgfence::audit::list(&db.pool, &Default::default())
         .await
         .unwrap();
     let ops: Vec<&str> = rows.iter().rev().map(|r| r.operation.as_str()).collect();
@@ -107,8 +109,8 @@ async fn outside_a_transaction_the_rejecting_statement_writes_the_audit_row() {
     assert_eq!(rows[0].key.as_deref(), Some("[2]"));
     assert_eq!(rows[2].key.as_deref(), Some("[1]"));
     // One WARN per rejection, no audit failure.
-    assert_eq!(logs.with(pgfence::LOG_TARGET, "WARN").len(), 3);
-    assert!(logs.with(pgfence::LOG_TARGET, "ERROR").is_empty());
+    assert_eq!(logs.with(pgfence::audit::LOG_TARGET, "WARN").len(), 3);
+    assert!(logs.with(pgfence::audit::LOG_TARGET, "ERROR").is_empty());
 
     // Control: with statement-written rows turned off, the same rejections have no row and
     // each one says so.
@@ -119,7 +121,7 @@ async fn outside_a_transaction_the_rejecting_statement_writes_the_audit_row() {
         10,
     );
     assert_eq!(audit_count(&db.pool).await, 3);
-    let errors = logs.with(pgfence::LOG_TARGET, "ERROR");
+    let errors = logs.with(pgfence::audit::LOG_TARGET, "ERROR");
     assert_eq!(errors.len(), 1, "{:?}", logs.events());
     assert_eq!(errors[0]["fields"]["operation"], "update");
 }
@@ -140,7 +142,7 @@ async fn inside_a_transaction_the_statement_leaves_the_row_to_the_auditor() {
     assert_stale(&err, 7, 10);
     tx.commit().await.unwrap();
     assert_eq!(audit_count(&db.pool).await, 0);
-    assert_eq!(logs.with(pgfence::LOG_TARGET, "ERROR").len(), 1);
+    assert_eq!(logs.with(pgfence::audit::LOG_TARGET, "ERROR").len(), 1);
 
     // With a working auditor the row is written outside the transaction and survives its
     // rollback.
@@ -152,7 +154,7 @@ async fn inside_a_transaction_the_statement_leaves_the_row_to_the_auditor() {
         .unwrap_err();
     assert_stale(&err, 7, 10);
     tx.rollback().await.unwrap();
-    let rows = pgfence::list_audit(&db.pool, &Default::default())
+    let rows = pgfence::audit::list(&db.pool, &Default::default())
         .await
         .unwrap();
     assert_eq!(rows.len(), 1);
@@ -198,7 +200,7 @@ async fn a_locked_audit_table_costs_a_rejection_the_timeout_not_its_error() {
         waited >= Duration::from_millis(250) && waited < Duration::from_secs(3),
         "{waited:?}"
     );
-    let errors = logs.with(pgfence::LOG_TARGET, "ERROR");
+    let errors = logs.with(pgfence::audit::LOG_TARGET, "ERROR");
     assert_eq!(errors.len(), 1, "{:?}", logs.events());
     let why = errors[0]["fields"]["error"].as_str().unwrap_or_default();
     assert!(why.contains("lock timeout"), "{why}");
@@ -211,7 +213,7 @@ async fn a_locked_audit_table_costs_a_rejection_the_timeout_not_its_error() {
     assert_stale(&err, 7, 10);
     assert!(waited < Duration::from_secs(3), "{waited:?}");
     tx.rollback().await.unwrap();
-    assert_eq!(logs.with(pgfence::LOG_TARGET, "ERROR").len(), 2);
+    assert_eq!(logs.with(pgfence::audit::LOG_TARGET, "ERROR").len(), 2);
 
     locker.rollback().await.unwrap();
     assert_eq!(audit_count(&db.pool).await, 0);
@@ -260,7 +262,7 @@ async fn a_role_that_may_not_write_the_audit_table_still_gets_its_stale_token() 
         .await
         .unwrap_err();
     assert_stale(&err, 7, 10);
-    let errors = logs.with(pgfence::LOG_TARGET, "ERROR");
+    let errors = logs.with(pgfence::audit::LOG_TARGET, "ERROR");
     assert_eq!(errors.len(), 1, "{:?}", logs.events());
     let why = errors[0]["fields"]["error"].as_str().unwrap_or_default();
     assert!(why.contains("permission denied"), "{why}");
@@ -292,12 +294,12 @@ async fn audit_list_filters_by_resource_prefix() {
         );
     }
     let list = |resource: &str| {
-        let filter = pgfence::AuditFilter {
+        let filter = pgfence::audit::AuditFilter {
             resource: Some(resource.to_owned()),
             ..Default::default()
         };
         let pool = db.pool.clone();
-        async move { pgfence::list_audit(&pool, &filter).await.unwrap() }
+        async move { pgfence::audit::list(&pool, &filter).await.unwrap() }
     };
     let mut prefixed: Vec<String> = list("billing:*")
         .await

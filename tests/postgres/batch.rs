@@ -3,7 +3,9 @@
 use crate::support;
 
 use pgfence::{
-    BatchOutcome, Error, Fencing, MAX_BATCH_ROWS, Repository, Resource, RowOutcome, TableName,
+    Error, Fencing, Repository, Resource,
+    repository::{BatchOutcome, MAX_BATCH_ROWS, RowOutcome},
+    table::TableName,
 };
 use support::{Logs, TestDb, audit_count, token};
 
@@ -44,7 +46,7 @@ async fn setup() -> (TestDb, Repository<Sku>) {
          INSERT INTO inventory SELECT 'S-' || g, 0 FROM generate_series(1, 1000) g;",
     )
     .await;
-    pgfence::guard(&db.pool, &TableName::parse("inventory").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("inventory").unwrap())
         .await
         .unwrap();
     let repo = Repository::new(db.pool.clone()).unwrap();
@@ -113,7 +115,7 @@ async fn a_mixed_batch_reports_applied_stale_and_missing_rows_in_input_order() {
             .await
             .unwrap();
     assert_eq!(keys, ["[\"S-2\"]", "[\"S-4\"]"]);
-    let warns = logs.with(pgfence::LOG_TARGET, "WARN");
+    let warns = logs.with(pgfence::audit::LOG_TARGET, "WARN");
     assert_eq!(warns.len(), 2);
     assert_eq!(warns[0]["fields"]["operation"], "update");
     assert_eq!(warns[0]["fields"]["presented"], 3);
@@ -336,7 +338,7 @@ async fn composite_keys_batch_too() {
         "CREATE TABLE ledger_line (batch bigint, line int, amount bigint NOT NULL, PRIMARY KEY (batch, line));",
     )
     .await;
-    pgfence::guard(&db.pool, &TableName::parse("ledger_line").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("ledger_line").unwrap())
         .await
         .unwrap();
     let repo = Repository::<Line>::new(db.pool.clone()).unwrap();

@@ -136,11 +136,11 @@ async fn a_duplicate_token_is_its_own_error_audited_and_logged() {
         "{err:?}"
     );
     assert!(err.is_duplicate() && !err.is_stale());
-    let warns = logs.with(pgfence::LOG_TARGET, "WARN");
+    let warns = logs.with(pgfence::audit::LOG_TARGET, "WARN");
     assert_eq!(warns.len(), 1);
     assert_eq!(warns[0]["fields"]["operation"], "check");
     assert_eq!(warns[0]["fields"]["resource"], "payments:batch:42");
-    let entry = &pgfence::list_audit(&db.pool, &Default::default())
+    let entry = &pgfence::audit::list(&db.pool, &Default::default())
         .await
         .unwrap()[0];
     assert_eq!(

@@ -4,7 +4,11 @@
 
 use crate::support;
 
-use pgfence::{Error, FencedTable, Fencing, PgQuery, Repository, RowOutcome, TableName, Upserted};
+use pgfence::{
+    Error, FencedTable, Fencing, Repository,
+    repository::{RowOutcome, Upserted},
+    table::{PgQuery, TableName},
+};
 use support::{TestDb, assert_stale, audit_count, token};
 
 /// A ledger line: composite key, a column renamed for reads and writes, a field that is no
@@ -50,7 +54,7 @@ async fn setup() -> (TestDb, Repository<Line>) {
              (2, 1, 300, 'open');",
     )
     .await;
-    pgfence::guard(&db.pool, &TableName::parse("billing.ledger_line").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("billing.ledger_line").unwrap())
         .await
         .unwrap();
     let repo = Repository::new(db.pool.clone()).unwrap();
@@ -167,7 +171,7 @@ async fn invoices() -> (TestDb, Repository<Invoice>) {
          INSERT INTO invoices VALUES (1, 'open', 100);",
     )
     .await;
-    pgfence::guard(&db.pool, &TableName::parse("invoices").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("invoices").unwrap())
         .await
         .unwrap();
     let repo = Repository::new(db.pool.clone()).unwrap();
@@ -235,7 +239,7 @@ async fn update_columns_is_fenced_like_update() {
         .unwrap_err();
     assert_stale(&err, 5, 6);
     assert_eq!(audit_count(&db.pool).await, 1);
-    let audit = pgfence::list_audit(&db.pool, &Default::default())
+    let audit = pgfence::audit::list(&db.pool, &Default::default())
         .await
         .unwrap();
     assert_eq!(

@@ -1,10 +1,15 @@
-//! `pgfence::doctor`: each problem it is meant to find, and a clean bill on a healthy setup.
+//! `pgfence::admin::doctor`: each problem it is meant to find, and a clean bill on a healthy setup.
 
 use crate::support;
 
 use std::time::Duration;
 
-use pgfence::{DoctorOptions, Finding, FindingKind, GuardMode, MAX_TOKEN, Severity, TableName};
+use pgfence::{
+    admin::{DoctorOptions, Finding, FindingKind, Severity},
+    guard::GuardMode,
+    table::TableName,
+    token::MAX_TOKEN,
+};
 use support::{TestDb, issuer, unique_resource};
 
 fn t(name: &str) -> TableName {
@@ -16,7 +21,7 @@ async fn healthy() -> TestDb {
     let db = TestDb::new().await;
     db.exec("CREATE TABLE jobs (id int PRIMARY KEY, state text); INSERT INTO jobs VALUES (1, 'new'), (2, 'new');")
         .await;
-    pgfence::guard(&db.pool, &t("jobs")).await.unwrap();
+    pgfence::guard::guard(&db.pool, &t("jobs")).await.unwrap();
     db
 }
 
@@ -30,7 +35,7 @@ fn kinds(findings: &[Finding]) -> Vec<FindingKind> {
 
 async fn run(db: &TestDb, options: &DoctorOptions) -> Vec<Finding> {
     let issuer = issuer().await;
-    pgfence::doctor(&db.pool, Some(&issuer), options)
+    pgfence::admin::doctor(&db.pool, Some(&issuer), options)
         .await
         .unwrap()
 }
@@ -50,7 +55,7 @@ async fn a_healthy_setup_is_clean() {
         .check(&db.pool, &resource, &lease)
         .await
         .unwrap();
-    let findings = pgfence::doctor(
+    let findings = pgfence::admin::doctor(
         &db.pool,
         Some(&issuer),
         &DoctorOptions::default().audit_retention(Duration::from_secs(86_400)),
@@ -68,7 +73,7 @@ async fn a_healthy_setup_is_clean() {
     issuer.release(&lease).await.unwrap();
 
     // Observe mode is information, not a problem.
-    pgfence::guard_with(&db.pool, &t("jobs"), GuardMode::Observe)
+    pgfence::guard::guard_with(&db.pool, &t("jobs"), GuardMode::Observe)
         .await
         .unwrap();
     let findings = run(&db, &DoctorOptions::default()).await;
@@ -90,7 +95,7 @@ async fn schema_not_migrated_or_behind_or_ahead() {
             .contains("pgfence migrate")
     );
 
-    pgfence::migrate(&db.pool).await.unwrap();
+    pgfence::admin::migrate(&db.pool).await.unwrap();
     assert!(problems(&run(&db, &DoctorOptions::default()).await).is_empty());
     let last: i32 = sqlx::query_scalar("SELECT max(version) FROM pgfence.refinery_schema_history")
         .fetch_one(&db.pool)
@@ -127,7 +132,7 @@ async fn schema_not_migrated_or_behind_or_ahead() {
 async fn disabled_and_missing_triggers() {
     let db = healthy().await;
     db.exec("CREATE TABLE other (id int PRIMARY KEY)").await;
-    pgfence::guard(&db.pool, &t("other")).await.unwrap();
+    pgfence::guard::guard(&db.pool, &t("other")).await.unwrap();
 
     db.exec("ALTER TABLE jobs DISABLE TRIGGER pgfence_guard")
         .await;
@@ -138,7 +143,9 @@ async fn disabled_and_missing_triggers() {
         "{findings:#?}"
     );
     assert_eq!(findings[0].object, "\"public\".\"jobs\"");
-    let listed = pgfence::guarded_tables_with_modes(&db.pool).await.unwrap();
+    let listed = pgfence::guard::guarded_tables_with_modes(&db.pool)
+        .await
+        .unwrap();
     assert!(
         !listed
             .iter()
@@ -147,7 +154,7 @@ async fn disabled_and_missing_triggers() {
             .enabled
     );
     // guard re-enables it.
-    assert!(pgfence::guard(&db.pool, &t("jobs")).await.unwrap());
+    assert!(pgfence::guard::guard(&db.pool, &t("jobs")).await.unwrap());
     assert!(problems(&run(&db, &DoctorOptions::default()).await).is_empty());
 
     db.exec("DROP TRIGGER pgfence_guard ON other").await;
@@ -159,7 +166,7 @@ async fn disabled_and_missing_triggers() {
     );
     assert_eq!(findings[0].object, "\"public\".\"other\"");
     // unguard means "no longer guarded": nothing missing any more.
-    pgfence::unguard(&db.pool, &t("other"), false)
+    pgfence::guard::unguard(&db.pool, &t("other"), false)
         .await
         .unwrap();
     assert!(problems(&run(&db, &DoctorOptions::default()).await).is_empty());
@@ -180,7 +187,7 @@ async fn nullable_or_mistyped_fence_columns() {
         .await;
     let found = kinds(&run(&db, &DoctorOptions::default()).await);
     assert!(found.contains(&FindingKind::FenceInvalid), "{found:?}");
-    pgfence::guard(&db.pool, &t("jobs")).await.unwrap();
+    pgfence::guard::guard(&db.pool, &t("jobs")).await.unwrap();
     assert!(problems(&run(&db, &DoctorOptions::default()).await).is_empty());
 
     // A type change needs the trigger gone (it depends on the column).
@@ -227,7 +234,7 @@ async fn a_counter_below_the_mark_suggests_reseed() {
     assert!(below[0].message.contains(&mark.to_string()));
 
     // Without Redis the counters are not compared (information only).
-    let findings = pgfence::doctor(&db.pool, None, &DoctorOptions::default())
+    let findings = pgfence::admin::doctor(&db.pool, None, &DoctorOptions::default())
         .await
         .unwrap();
     assert!(problems(&findings).is_empty(), "{findings:#?}");
@@ -294,18 +301,40 @@ async fn huge_and_invalid_fences() {
         .await
         .unwrap();
     let options = DoctorOptions::default();
-    let found = kinds(&pgfence::doctor(&db.pool, None, &options).await.unwrap());
+    let found = kinds(
+        &pgfence::admin::doctor(&db.pool, None, &options)
+            .await
+            .unwrap(),
+    );
     assert_eq!(found, vec![FindingKind::FenceNearLimit]);
     // Not scanned when told not to.
     let quick = DoctorOptions::default().scan_tables(false);
-    assert!(problems(&pgfence::doctor(&db.pool, None, &quick).await.unwrap()).is_empty());
+    assert!(
+        problems(
+            &pgfence::admin::doctor(&db.pool, None, &quick)
+                .await
+                .unwrap()
+        )
+        .is_empty()
+    );
     // A smaller margin accepts it.
     let narrow = DoctorOptions::default().limit_margin(5);
-    assert!(problems(&pgfence::doctor(&db.pool, None, &narrow).await.unwrap()).is_empty());
+    assert!(
+        problems(
+            &pgfence::admin::doctor(&db.pool, None, &narrow)
+                .await
+                .unwrap()
+        )
+        .is_empty()
+    );
 
     // A negative fence decodes to no token (inserts are not guarded).
     db.exec("INSERT INTO jobs VALUES (3, 'forged', -5)").await;
-    let found = kinds(&pgfence::doctor(&db.pool, None, &options).await.unwrap());
+    let found = kinds(
+        &pgfence::admin::doctor(&db.pool, None, &options)
+            .await
+            .unwrap(),
+    );
     assert!(found.contains(&FindingKind::FenceInvalid), "{found:?}");
 
     // A resource mark near the limit.
@@ -315,7 +344,9 @@ async fn huge_and_invalid_fences() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let findings = pgfence::doctor(&db.pool, None, &options).await.unwrap();
+    let findings = pgfence::admin::doctor(&db.pool, None, &options)
+        .await
+        .unwrap();
     assert_eq!(kinds(&findings), vec![FindingKind::FenceNearLimit]);
     assert_eq!(problems(&findings)[0].object, "resource doctor:huge");
 }

@@ -8,7 +8,8 @@ use crate::support;
 use std::time::Duration;
 
 use pgfence::{
-    EffectOutcome, Effects, Error, Fence, Fencing, Issuer, Lease, PgIssuer, Resource, StaleTarget,
+    Effects, Error, Fence, Fencing, Issuer, Lease, Resource, effect::EffectOutcome,
+    error::StaleTarget, issuer::PgIssuer,
 };
 use pgfence_testkit::Provider;
 use pgfence_testkit::provider::charge;
@@ -249,9 +250,12 @@ async fn in_the_callers_transaction_and_across_a_domain() {
          INSERT INTO fx_invoice VALUES (1, 'open');",
     )
     .await;
-    pgfence::guard(&db.pool, &pgfence::TableName::parse("fx_invoice").unwrap())
-        .await
-        .unwrap();
+    pgfence::guard::guard(
+        &db.pool,
+        &pgfence::table::TableName::parse("fx_invoice").unwrap(),
+    )
+    .await
+    .unwrap();
     let repo = pgfence::Repository::<Invoice>::new(db.pool.clone()).unwrap();
     let effects = Effects::new(db.pool.clone());
     let issuer = issuer().await;
@@ -331,7 +335,9 @@ async fn in_the_callers_transaction_and_across_a_domain() {
 async fn the_application_role_uses_the_ledger_but_not_its_table() {
     let db = TestDb::new().await;
     let role = support::Role::create(&db, "pgfence_fx", "").await;
-    pgfence::grant(&db.pool, &role.ident()).await.unwrap();
+    pgfence::admin::grant(&db.pool, &role.ident())
+        .await
+        .unwrap();
     let app = role.pool(&db).await;
     // The PostgreSQL issuer, as the same role: no Redis at all.
     let issuer = PgIssuer::new(app.clone());
@@ -388,7 +394,7 @@ async fn a_paused_zombie_does_not_charge_twice_with_the_ledgers_key() {
             .unwrap()
             .unwrap();
         let ea = effects.begin(&db.pool, &a, &item, "charge").await.unwrap();
-        let key_for = |effect: &pgfence::Effect, lease: &Lease| {
+        let key_for = |effect: &pgfence::effect::Effect, lease: &Lease| {
             if keyed {
                 effect.idempotency_key().to_owned()
             } else {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 
-use pgfence::{Error, Repository, TableName};
+use pgfence::{Error, Repository, table::TableName};
 use rand::Rng;
 use support::TestDb;
 use tokio::time::Instant;
@@ -127,7 +127,7 @@ async fn guard_under_load(rows: i64, writers: usize) -> (TestDb, Figures) {
 
     tokio::time::sleep(Duration::from_millis(400)).await;
     let guard_start = Instant::now();
-    let changed = pgfence::guard(&db.pool, &TableName::parse("big").unwrap())
+    let changed = pgfence::guard::guard(&db.pool, &TableName::parse("big").unwrap())
         .await
         .unwrap();
     let guard_end = Instant::now();
@@ -238,7 +238,7 @@ async fn guard_a_populated_table_under_load_is_metadata_only() {
             .unwrap();
     assert_eq!(with_fence, 200_000);
     assert!(zero >= 200_000 - i64::try_from(f.fenced_accepted).unwrap());
-    let guarded = pgfence::guarded_tables(&db.pool).await.unwrap();
+    let guarded = pgfence::guard::guarded_tables(&db.pool).await.unwrap();
     assert_eq!(guarded, vec![TableName::parse("big").unwrap()]);
 }
 

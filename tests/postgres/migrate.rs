@@ -2,26 +2,29 @@
 
 use crate::support;
 
-use pgfence::{FenceToken, MAX_TOKEN, Relation, StoredFence};
+use pgfence::{
+    FenceToken,
+    token::{MAX_TOKEN, Relation, StoredFence},
+};
 use support::TestDb;
 
 #[tokio::test]
 async fn second_run_is_a_no_op() {
     let db = TestDb::empty().await;
-    let first = pgfence::migrate(&db.pool).await.unwrap();
+    let first = pgfence::admin::migrate(&db.pool).await.unwrap();
     assert_eq!(
         first.iter().map(|m| m.version).collect::<Vec<_>>(),
         vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
     );
-    assert!(pgfence::migrate(&db.pool).await.unwrap().is_empty());
-    let status = pgfence::migration_status(&db.pool).await.unwrap();
+    assert!(pgfence::admin::migrate(&db.pool).await.unwrap().is_empty());
+    let status = pgfence::admin::migration_status(&db.pool).await.unwrap();
     assert!(status.iter().all(|m| m.applied_on.is_some()));
 }
 
 #[tokio::test]
 async fn status_before_migrating_lists_pending() {
     let db = TestDb::empty().await;
-    let status = pgfence::migration_status(&db.pool).await.unwrap();
+    let status = pgfence::admin::migration_status(&db.pool).await.unwrap();
     assert!(!status.is_empty() && status.iter().all(|m| m.applied_on.is_none()));
 }
 
@@ -31,7 +34,7 @@ async fn concurrent_runs_all_succeed_and_one_applies() {
     let runs: Vec<_> = (0..4)
         .map(|_| {
             let pool = db.pool.clone();
-            tokio::spawn(async move { pgfence::migrate(&pool).await })
+            tokio::spawn(async move { pgfence::admin::migrate(&pool).await })
         })
         .collect();
     let mut applied = 0;
@@ -75,7 +78,7 @@ async fn existing_database_is_untouched() {
         (history, orders, columns)
     };
     let before = snapshot().await;
-    pgfence::migrate(&db.pool).await.unwrap();
+    pgfence::admin::migrate(&db.pool).await.unwrap();
     assert_eq!(snapshot().await, before);
     let ours: i64 = sqlx::query_scalar("SELECT count(*) FROM pgfence.refinery_schema_history")
         .fetch_one(&db.pool)
@@ -84,9 +87,12 @@ async fn existing_database_is_untouched() {
     assert_eq!(ours, 12);
 
     // Guarding adds only the column and the trigger.
-    pgfence::guard(&db.pool, &pgfence::TableName::parse("orders").unwrap())
-        .await
-        .unwrap();
+    pgfence::guard::guard(
+        &db.pool,
+        &pgfence::table::TableName::parse("orders").unwrap(),
+    )
+    .await
+    .unwrap();
     let (history, orders, columns) = snapshot().await;
     assert_eq!((history, orders), (before.0, before.1));
     assert_eq!(columns.len(), before.2.len() + 1);
@@ -105,7 +111,7 @@ async fn migrate_in_a_transaction_gives_the_search_path_back() {
             .execute(&mut *tx)
             .await
             .unwrap();
-        let applied = pgfence::migrate(&mut *tx).await.unwrap();
+        let applied = pgfence::admin::migrate(&mut *tx).await.unwrap();
         assert_eq!(applied.is_empty(), round == 1, "round {round}");
         let path: String = sqlx::query_scalar("SELECT current_setting('search_path')")
             .fetch_one(&mut *tx)
@@ -267,7 +273,7 @@ fn check_decisions(
 async fn the_guard_trigger_carries_the_layout_as_literals() {
     let db = TestDb::new().await;
     db.exec("CREATE TABLE t (id int PRIMARY KEY)").await;
-    pgfence::guard(&db.pool, &pgfence::TableName::parse("t").unwrap())
+    pgfence::guard::guard(&db.pool, &pgfence::table::TableName::parse("t").unwrap())
         .await
         .unwrap();
     let (def, jump): (String, i64) = sqlx::query_as(

@@ -3,7 +3,7 @@
 
 use crate::support;
 
-use pgfence::{Error, GuardMode, TableName};
+use pgfence::{Error, guard::GuardMode, table::TableName};
 use sqlx::{Connection, PgConnection};
 use support::TestDb;
 
@@ -89,12 +89,14 @@ async fn balance(db: &TestDb, id: i32) -> (i32, i64) {
 async fn observe_lets_an_unfenced_update_through_and_audits_who_wrote() {
     let db = setup().await;
     assert!(
-        pgfence::guard_with(&db.pool, &accounts(), GuardMode::Observe)
+        pgfence::guard::guard_with(&db.pool, &accounts(), GuardMode::Observe)
             .await
             .unwrap()
     );
     assert_eq!(
-        pgfence::guard_mode(&db.pool, &accounts()).await.unwrap(),
+        pgfence::guard::guard_mode(&db.pool, &accounts())
+            .await
+            .unwrap(),
         Some(GuardMode::Observe)
     );
     let app = Role::new(&db, "app").await;
@@ -107,7 +109,7 @@ async fn observe_lets_an_unfenced_update_through_and_audits_who_wrote() {
     conn.close().await.unwrap();
     assert_eq!(
         balance(&db, 1).await,
-        (100, pgfence::SEALED_SEQUENCE),
+        (100, pgfence::token::SEALED_SEQUENCE),
         "let through and sealed against every earlier lease"
     );
 
@@ -127,7 +129,7 @@ async fn observe_lets_an_unfenced_update_through_and_audits_who_wrote() {
     );
     assert!(rows[0].db_user.is_some(), "the login role is recorded too");
     // The audit trail lists it like a rejection.
-    let listed = pgfence::list_audit(&db.pool, &pgfence::AuditFilter::default())
+    let listed = pgfence::audit::list(&db.pool, &pgfence::audit::AuditFilter::default())
         .await
         .unwrap();
     assert_eq!(listed[0].operation, "observe");
@@ -146,9 +148,11 @@ async fn observe_lets_an_unfenced_update_through_and_audits_who_wrote() {
 #[tokio::test]
 async fn enforce_rejects_and_modes_switch_both_ways() {
     let db = setup().await;
-    assert!(pgfence::guard(&db.pool, &accounts()).await.unwrap());
+    assert!(pgfence::guard::guard(&db.pool, &accounts()).await.unwrap());
     assert_eq!(
-        pgfence::guard_mode(&db.pool, &accounts()).await.unwrap(),
+        pgfence::guard::guard_mode(&db.pool, &accounts())
+            .await
+            .unwrap(),
         Some(GuardMode::Enforce),
         "plain guard enforces"
     );
@@ -158,19 +162,21 @@ async fn enforce_rejects_and_modes_switch_both_ways() {
 
     // To observe: the trigger is replaced, the same write passes and is audited.
     assert!(
-        pgfence::guard_with(&db.pool, &accounts(), GuardMode::Observe)
+        pgfence::guard::guard_with(&db.pool, &accounts(), GuardMode::Observe)
             .await
             .unwrap()
     );
     assert!(
-        !pgfence::guard_with(&db.pool, &accounts(), GuardMode::Observe)
+        !pgfence::guard::guard_with(&db.pool, &accounts(), GuardMode::Observe)
             .await
             .unwrap(),
         "already observing"
     );
     sqlx::query(raw).execute(&db.pool).await.unwrap();
     assert_eq!(support::audit_count(&db.pool).await, 1);
-    let listed = pgfence::guarded_tables_with_modes(&db.pool).await.unwrap();
+    let listed = pgfence::guard::guarded_tables_with_modes(&db.pool)
+        .await
+        .unwrap();
     assert_eq!(listed.len(), 1);
     assert_eq!(
         (listed[0].mode, listed[0].enabled),
@@ -178,23 +184,25 @@ async fn enforce_rejects_and_modes_switch_both_ways() {
     );
     assert_eq!(listed[0].table, accounts());
     assert_eq!(
-        pgfence::guarded_tables(&db.pool).await.unwrap(),
+        pgfence::guard::guarded_tables(&db.pool).await.unwrap(),
         vec![accounts()]
     );
 
     // Back to enforcing, explicitly and through plain guard.
     assert!(
-        pgfence::guard_with(&db.pool, &accounts(), GuardMode::Enforce)
+        pgfence::guard::guard_with(&db.pool, &accounts(), GuardMode::Enforce)
             .await
             .unwrap()
     );
     assert!(sqlx::query(raw).execute(&db.pool).await.is_err());
-    pgfence::guard_with(&db.pool, &accounts(), GuardMode::Observe)
+    pgfence::guard::guard_with(&db.pool, &accounts(), GuardMode::Observe)
         .await
         .unwrap();
-    assert!(pgfence::guard(&db.pool, &accounts()).await.unwrap());
+    assert!(pgfence::guard::guard(&db.pool, &accounts()).await.unwrap());
     assert_eq!(
-        pgfence::guard_mode(&db.pool, &accounts()).await.unwrap(),
+        pgfence::guard::guard_mode(&db.pool, &accounts())
+            .await
+            .unwrap(),
         Some(GuardMode::Enforce)
     );
     assert!(sqlx::query(raw).execute(&db.pool).await.is_err());
@@ -214,7 +222,7 @@ async fn enforce_rejects_and_modes_switch_both_ways() {
     .await
     .unwrap();
     assert_eq!(
-        pgfence::guard_mode(&db.pool, &TableName::parse("nope").unwrap())
+        pgfence::guard::guard_mode(&db.pool, &TableName::parse("nope").unwrap())
             .await
             .unwrap(),
         None
@@ -223,7 +231,7 @@ async fn enforce_rejects_and_modes_switch_both_ways() {
 
 #[tokio::test]
 async fn observe_mode_sql_can_be_emitted() {
-    let sql = pgfence::guard_migration_sql_with(&accounts(), GuardMode::Observe).unwrap();
+    let sql = pgfence::guard::guard_migration_sql_with(&accounts(), GuardMode::Observe).unwrap();
     assert!(
         sql.contains("SELECT pgfence.guard('public', 'accounts', 'observe');"),
         "{sql}"
@@ -231,7 +239,9 @@ async fn observe_mode_sql_can_be_emitted() {
     let db = setup().await;
     db.exec(&sql).await;
     assert_eq!(
-        pgfence::guard_mode(&db.pool, &accounts()).await.unwrap(),
+        pgfence::guard::guard_mode(&db.pool, &accounts())
+            .await
+            .unwrap(),
         Some(GuardMode::Observe)
     );
 }
@@ -239,7 +249,7 @@ async fn observe_mode_sql_can_be_emitted() {
 #[tokio::test]
 async fn bypass_by_an_allowed_role_is_audited_and_seals_the_row() {
     let db = setup().await;
-    pgfence::guard(&db.pool, &accounts()).await.unwrap();
+    pgfence::guard::guard(&db.pool, &accounts()).await.unwrap();
     // A lease (token 5) wrote row 1.
     sqlx::query("UPDATE accounts SET fence = pgfence.next_fence(fence, 5, 0) WHERE id = 1")
         .execute(&db.pool)
@@ -247,12 +257,22 @@ async fn bypass_by_an_allowed_role_is_audited_and_seals_the_row() {
         .unwrap();
     let admin = Role::new(&db, "admin").await;
     let other = Role::new(&db, "other").await;
-    assert!(pgfence::allow_bypass(&db.pool, &admin.name).await.unwrap());
-    assert!(!pgfence::allow_bypass(&db.pool, &admin.name).await.unwrap());
+    assert!(
+        pgfence::guard::allow_bypass(&db.pool, &admin.name)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !pgfence::guard::allow_bypass(&db.pool, &admin.name)
+            .await
+            .unwrap()
+    );
 
     let mut conn = connect_as(&db, &admin, "admin-console").await;
     let mut tx = conn.begin().await.unwrap();
-    pgfence::bypass(&mut tx, "refund #123").await.unwrap();
+    pgfence::guard::bypass(&mut tx, "refund #123")
+        .await
+        .unwrap();
     sqlx::query("UPDATE accounts SET balance = balance + 100 WHERE id = 1")
         .execute(&mut *tx)
         .await
@@ -302,7 +322,9 @@ async fn bypass_by_an_allowed_role_is_audited_and_seals_the_row() {
     // Another role: refused, saying who and why; nothing audited or written.
     let mut conn = connect_as(&db, &other, "sneaky").await;
     let mut tx = conn.begin().await.unwrap();
-    pgfence::bypass(&mut tx, "just because").await.unwrap();
+    pgfence::guard::bypass(&mut tx, "just because")
+        .await
+        .unwrap();
     let err = sqlx::query("UPDATE accounts SET balance = 0 WHERE id = 2")
         .execute(&mut *tx)
         .await
@@ -333,7 +355,7 @@ async fn bypass_by_an_allowed_role_is_audited_and_seals_the_row() {
 
     // Superusers get no free pass either (the tests run as one).
     let mut tx = db.pool.begin().await.unwrap();
-    pgfence::bypass(&mut tx, "superuser").await.unwrap();
+    pgfence::guard::bypass(&mut tx, "superuser").await.unwrap();
     assert!(
         sqlx::query("UPDATE accounts SET balance = 0 WHERE id = 2")
             .execute(&mut *tx)
@@ -344,13 +366,15 @@ async fn bypass_by_an_allowed_role_is_audited_and_seals_the_row() {
 
     // Disallowed again: the admin is rejected too.
     assert!(
-        pgfence::disallow_bypass(&db.pool, &admin.name)
+        pgfence::guard::disallow_bypass(&db.pool, &admin.name)
             .await
             .unwrap()
     );
     let mut conn = connect_as(&db, &admin, "admin-console").await;
     let mut tx = conn.begin().await.unwrap();
-    let err = pgfence::bypass(&mut tx, "refund #124").await.unwrap_err();
+    let err = pgfence::guard::bypass(&mut tx, "refund #124")
+        .await
+        .unwrap_err();
     assert!(
         err.to_string().contains("permission denied"),
         "disallow_bypass took pgfence.bypass back: {err}"
@@ -373,7 +397,7 @@ async fn bypass_by_an_allowed_role_is_audited_and_seals_the_row() {
     assert_eq!(balance(&db, 2).await.0, 0);
 
     // Unknown roles are refused.
-    let err = pgfence::allow_bypass(&db.pool, "pgfence_no_such_role_x")
+    let err = pgfence::guard::allow_bypass(&db.pool, "pgfence_no_such_role_x")
         .await
         .unwrap_err();
     assert!(err.to_string().contains("does not exist"), "{err}");
@@ -384,13 +408,13 @@ async fn bypass_by_an_allowed_role_is_audited_and_seals_the_row() {
 #[tokio::test]
 async fn observe_mode_records_a_refused_bypass_but_lets_the_write_through() {
     let db = setup().await;
-    pgfence::guard_with(&db.pool, &accounts(), GuardMode::Observe)
+    pgfence::guard::guard_with(&db.pool, &accounts(), GuardMode::Observe)
         .await
         .unwrap();
     let other = Role::new(&db, "other").await;
     let mut conn = connect_as(&db, &other, "tool").await;
     let mut tx = conn.begin().await.unwrap();
-    pgfence::bypass(&mut tx, "fix").await.unwrap();
+    pgfence::guard::bypass(&mut tx, "fix").await.unwrap();
     sqlx::query("UPDATE accounts SET balance = 5 WHERE id = 2")
         .execute(&mut *tx)
         .await

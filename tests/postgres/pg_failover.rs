@@ -11,7 +11,7 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use pgfence::{Error, Fence, FenceToken, Fencing, Repository, Resource, StaleTarget};
+use pgfence::{Error, Fence, FenceToken, Fencing, Repository, Resource, error::StaleTarget};
 use pgfence_testkit::{PgReplicaSet, Replication};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -39,7 +39,7 @@ async fn setup(set: &PgReplicaSet) -> PgPool {
         .connect(&set.url())
         .await
         .expect("connect through the proxy");
-    pgfence::migrate(&pool).await.unwrap();
+    pgfence::admin::migrate(&pool).await.unwrap();
     sqlx::raw_sql(
         "CREATE TABLE accounts (id bigint PRIMARY KEY, balance bigint NOT NULL);
          INSERT INTO accounts VALUES (1, 0);",
@@ -47,9 +47,12 @@ async fn setup(set: &PgReplicaSet) -> PgPool {
     .execute(&pool)
     .await
     .unwrap();
-    pgfence::guard(&pool, &pgfence::TableName::parse("accounts").unwrap())
-        .await
-        .unwrap();
+    pgfence::guard::guard(
+        &pool,
+        &pgfence::table::TableName::parse("accounts").unwrap(),
+    )
+    .await
+    .unwrap();
     pool
 }
 
@@ -157,7 +160,10 @@ async fn an_async_promotion_that_lost_fenced_commits_keeps_every_older_lease_out
     assert_eq!(failover.new_timeline, before + 1);
     let (balance, token) = after_failover(|| try_row(&pool)).await.unwrap();
     assert_eq!((balance, token), (100, 1), "the promotion lost B's write");
-    assert_eq!(pgfence::high_water(&pool, &resource).await.unwrap(), 1);
+    assert_eq!(
+        pgfence::admin::high_water(&pool, &resource).await.unwrap(),
+        1
+    );
 
     // The control: what 0.2 did. The row is A's again, so a write without a timeline (the
     // shell functions' older form) is admitted — the zombie would be back in.
@@ -305,12 +311,12 @@ async fn an_async_promotion_that_lost_fenced_commits_keeps_every_older_lease_out
     );
 
     // doctor reports the failover until it is acknowledged.
-    let findings = pgfence::doctor(&pool, None, &pgfence::DoctorOptions::default())
+    let findings = pgfence::admin::doctor(&pool, None, &pgfence::admin::DoctorOptions::default())
         .await
         .unwrap();
     let failed_over: Vec<_> = findings
         .iter()
-        .filter(|f| f.kind == pgfence::FindingKind::FailedOver)
+        .filter(|f| f.kind == pgfence::admin::FindingKind::FailedOver)
         .collect();
     assert_eq!(failed_over.len(), 1, "{findings:?}");
     assert!(failed_over[0].is_problem());
@@ -322,16 +328,18 @@ async fn an_async_promotion_that_lost_fenced_commits_keeps_every_older_lease_out
         failed_over[0]
     );
     assert_eq!(
-        pgfence::acknowledge_failover(&pool, "test").await.unwrap(),
+        pgfence::admin::acknowledge_failover(&pool, "test")
+            .await
+            .unwrap(),
         1
     );
-    let findings = pgfence::doctor(&pool, None, &pgfence::DoctorOptions::default())
+    let findings = pgfence::admin::doctor(&pool, None, &pgfence::admin::DoctorOptions::default())
         .await
         .unwrap();
     assert!(
         findings
             .iter()
-            .all(|f| f.kind != pgfence::FindingKind::FailedOver),
+            .all(|f| f.kind != pgfence::admin::FindingKind::FailedOver),
         "{findings:?}"
     );
     // Acknowledging changes nothing about fencing: A stays out.
@@ -464,7 +472,7 @@ async fn the_redis_counter_is_never_lowered_to_marks_a_promotion_rolled_back() {
     fence.check(&pool, &resource, &b).await.unwrap();
 
     set.fail_over().await.unwrap();
-    let mark = after_failover(|| pgfence::high_water(&pool, &resource))
+    let mark = after_failover(|| pgfence::admin::high_water(&pool, &resource))
         .await
         .unwrap();
     assert_eq!(mark, a.token().get(), "the promotion lost B's mark");

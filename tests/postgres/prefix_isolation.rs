@@ -5,7 +5,7 @@ use crate::support;
 
 use std::time::Duration;
 
-use pgfence::{AuditFilter, Effects, Fence, Fencing, Issuer, Resource, TokenIssuer};
+use pgfence::{Effects, Fence, Fencing, Issuer, Resource, TokenIssuer, audit::AuditFilter};
 use redis::AsyncCommands;
 use support::{TestDb, redis_url, unique_resource};
 
@@ -110,7 +110,7 @@ async fn audit_rows_carry_the_prefix_name() {
             }
             .in_key_prefix(prefix)
             .unwrap();
-            pgfence::list_audit(&pool, &filter)
+            pgfence::audit::list(&pool, &filter)
                 .await
                 .unwrap()
                 .into_iter()
@@ -130,7 +130,7 @@ async fn audit_rows_carry_the_prefix_name() {
     .in_key_prefix("app_a")
     .unwrap();
     assert_eq!(filter.resource.as_deref(), Some("app_a{iso-audit:*"));
-    let listed = pgfence::list_audit(&db.pool, &filter).await.unwrap();
+    let listed = pgfence::audit::list(&db.pool, &filter).await.unwrap();
     assert_eq!(listed.len(), 1, "{listed:?}");
 }
 
@@ -163,15 +163,25 @@ async fn floor_source_reads_its_own_prefix_marks() {
             a.release(&lease).await.unwrap();
         }
         let named = resource.in_key_prefix("app_a").unwrap();
-        assert_eq!(pgfence::counter_floor(&db.pool, &named).await.unwrap(), 3);
         assert_eq!(
-            pgfence::counter_floor(&db.pool, &resource.in_key_prefix("app_b").unwrap())
+            pgfence::admin::counter_floor(&db.pool, &named)
+                .await
+                .unwrap(),
+            3
+        );
+        assert_eq!(
+            pgfence::admin::counter_floor(&db.pool, &resource.in_key_prefix("app_b").unwrap())
                 .await
                 .unwrap(),
             6
         );
         // Nothing under the bare name: neither prefix is the default.
-        assert_eq!(pgfence::counter_floor(&db.pool, resource).await.unwrap(), 0);
+        assert_eq!(
+            pgfence::admin::counter_floor(&db.pool, resource)
+                .await
+                .unwrap(),
+            0
+        );
         // A loses its counter: the floor source restarts it above A's marks (3), not B's (6).
         let _: () = redis::Client::open(url.as_str())
             .unwrap()
@@ -290,31 +300,33 @@ async fn doctor_reads_each_prefix_s_marks_against_its_own_counters() {
         .await
         .unwrap();
     let _: () = redis.del(a.counter_key(&resource)).await.unwrap();
-    let options = pgfence::DoctorOptions::default();
-    let findings = pgfence::doctor(&db.pool, Some(&a), &options).await.unwrap();
+    let options = pgfence::admin::DoctorOptions::default();
+    let findings = pgfence::admin::doctor(&db.pool, Some(&a), &options)
+        .await
+        .unwrap();
     assert!(
         findings
             .iter()
-            .any(|f| f.kind == pgfence::FindingKind::CounterBelowMark
+            .any(|f| f.kind == pgfence::admin::FindingKind::CounterBelowMark
                 && f.object == format!("resource {resource} (key prefix app_a)")),
         "{findings:?}"
     );
     // The default prefix's issuer does not compare app_a's mark with its own counter.
     let default = Issuer::connect(&redis_url().await).await.unwrap();
-    let findings = pgfence::doctor(&db.pool, Some(&default), &options)
+    let findings = pgfence::admin::doctor(&db.pool, Some(&default), &options)
         .await
         .unwrap();
     assert!(
         !findings
             .iter()
-            .any(|f| f.kind == pgfence::FindingKind::CounterBelowMark),
+            .any(|f| f.kind == pgfence::admin::FindingKind::CounterBelowMark),
         "{findings:?}"
     );
     assert!(
-        findings
-            .iter()
-            .any(|f| f.kind == pgfence::FindingKind::CountersNotChecked
-                && f.message.contains("another key prefix")),
+        findings.iter().any(
+            |f| f.kind == pgfence::admin::FindingKind::CountersNotChecked
+                && f.message.contains("another key prefix")
+        ),
         "{findings:?}"
     );
 }
@@ -330,12 +342,12 @@ async fn the_postgres_issuer_seeds_a_new_counter_from_its_own_prefix_marks() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let a = pgfence::PgIssuer::new(db.pool.clone())
+    let a = pgfence::issuer::PgIssuer::new(db.pool.clone())
         .with_key_prefix("app_a")
         .unwrap();
     let lease = a.acquire(&resource, TTL).await.unwrap().unwrap();
     assert_eq!(lease.token().get(), 8, "above app_a's mark 7");
-    let default = pgfence::PgIssuer::new(db.pool.clone());
+    let default = pgfence::issuer::PgIssuer::new(db.pool.clone());
     let lease = default.acquire(&resource, TTL).await.unwrap().unwrap();
     assert_eq!(
         lease.token().get(),

@@ -1,4 +1,4 @@
-//! Least privilege: a non-superuser application role, set up by `pgfence::grant`, can do
+//! Least privilege: a non-superuser application role, set up by `pgfence::admin::grant`, can do
 //! everything the library does (checks, repository writes, audit rows for its rejections)
 //! and nothing that weakens fencing (lower a mark, change or delete audit rows, unguard).
 //! Also: migrations under a hostile search_path, `pgfence.try_check`, and recovery from a
@@ -8,7 +8,11 @@ use crate::support;
 
 use std::collections::BTreeSet;
 
-use pgfence::{Error, Fence, Fencing, Ident, Repository, Resource, TableName, Upserted};
+use pgfence::{
+    Error, Fence, Fencing, Repository, Resource,
+    repository::Upserted,
+    table::{Ident, TableName},
+};
 use sqlx::{Connection, PgConnection, PgPool};
 use support::{Role, TestDb, token};
 
@@ -35,7 +39,7 @@ fn sqlstate<T: std::fmt::Debug>(outcome: Result<T, sqlx::Error>) -> String {
 }
 
 /// A migrated database (owned by the test's superuser), a guarded table owned by that
-/// superuser, and an application role with DML on the table and `pgfence::grant`'s privileges.
+/// superuser, and an application role with DML on the table and `pgfence::admin::grant`'s privileges.
 async fn with_app() -> (TestDb, Role, PgPool) {
     let db = TestDb::new().await;
     db.exec(
@@ -43,7 +47,7 @@ async fn with_app() -> (TestDb, Role, PgPool) {
          INSERT INTO acct VALUES (1, 100), (2, 200);",
     )
     .await;
-    pgfence::guard(&db.pool, &TableName::parse("acct").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("acct").unwrap())
         .await
         .unwrap();
     let app = Role::create(&db, "pgfence_app", "NOSUPERUSER NOCREATEDB NOCREATEROLE").await;
@@ -52,7 +56,7 @@ async fn with_app() -> (TestDb, Role, PgPool) {
         app.quoted()
     ))
     .await;
-    pgfence::grant(&db.pool, &app.ident()).await.unwrap();
+    pgfence::admin::grant(&db.pool, &app.ident()).await.unwrap();
     let pool = app.pool(&db).await;
     (db, app, pool)
 }
@@ -100,7 +104,10 @@ async fn an_app_role_can_do_everything_the_library_does() {
     let domain = Resource::in_domain("privdom", "a").unwrap();
     fence.check(&pool, &domain, token(7)).await.unwrap();
     let other = Resource::in_domain("privdom", "b").unwrap();
-    assert_eq!(pgfence::counter_floor(&pool, &other).await.unwrap(), 7);
+    assert_eq!(
+        pgfence::admin::counter_floor(&pool, &other).await.unwrap(),
+        7
+    );
 
     // Repository writes on a pool: applied, stale (audit row from the explaining statement).
     let repo = Repository::<Acct>::new(pool.clone()).unwrap();
@@ -271,13 +278,16 @@ async fn an_app_role_cannot_lower_marks_touch_audit_rows_or_unguard() {
     assert_eq!(state, "PF001");
 
     // Nothing moved.
-    assert_eq!(pgfence::high_water(&db.pool, &res).await.unwrap(), 50);
+    assert_eq!(
+        pgfence::admin::high_water(&db.pool, &res).await.unwrap(),
+        50
+    );
     let tomb: i64 = sqlx::query_scalar("SELECT fence >> 24 FROM pgfence.tombstone")
         .fetch_one(&db.pool)
         .await
         .unwrap();
     assert_eq!(tomb, 50);
-    let guarded = pgfence::guarded_tables(&db.pool).await.unwrap();
+    let guarded = pgfence::guard::guarded_tables(&db.pool).await.unwrap();
     assert_eq!(guarded, vec![TableName::parse("acct").unwrap()]);
     let fence_of_1: i64 = sqlx::query_scalar("SELECT fence >> 24 FROM acct WHERE id = 1")
         .fetch_one(&db.pool)
@@ -303,11 +313,11 @@ async fn grant_gives_exactly_the_documented_privileges() {
         r = app.quoted()
     ))
     .await;
-    let sql = pgfence::grant_sql(&app.ident());
+    let sql = pgfence::admin::grant_sql(&app.ident());
     assert!(sql.contains(&format!("TO {};", app.quoted())), "{sql}");
     // Applying twice is the same as once.
     db.exec(&sql).await;
-    pgfence::grant(&db.pool, &app.ident()).await.unwrap();
+    pgfence::admin::grant(&db.pool, &app.ident()).await.unwrap();
 
     let tables: BTreeSet<String> = sqlx::query_scalar(
         "SELECT c.relname || ':' || a.privilege_type
@@ -476,12 +486,12 @@ async fn grant_gives_exactly_the_documented_privileges() {
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    let err = pgfence::grant(&db.pool, &Ident::new(owner).unwrap())
+    let err = pgfence::admin::grant(&db.pool, &Ident::new(owner).unwrap())
         .await
         .unwrap_err();
     assert!(matches!(err, Error::InvalidIdentifier { .. }), "{err:?}");
     // A role that does not exist is the database's error.
-    let err = pgfence::grant(&db.pool, &Ident::new("pgfence no such role").unwrap())
+    let err = pgfence::admin::grant(&db.pool, &Ident::new("pgfence no such role").unwrap())
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Database(_)), "{err:?}");
@@ -559,8 +569,8 @@ async fn migrations_ignore_a_hostile_search_path() {
         .unwrap();
     assert_eq!(shadowed, 42, "the shadows are reachable");
 
-    let applied = pgfence::migrate(&pool).await.unwrap();
-    let shipped = pgfence::migration_status(&db.pool).await.unwrap();
+    let applied = pgfence::admin::migrate(&pool).await.unwrap();
+    let shipped = pgfence::admin::migration_status(&db.pool).await.unwrap();
     assert_eq!(applied.len(), shipped.len());
     let owned_by: String = sqlx::query_scalar(
         "SELECT nspowner::regrole::text FROM pg_namespace WHERE nspname = 'pgfence'",
@@ -601,7 +611,7 @@ async fn migrations_ignore_a_hostile_search_path() {
         r = app.quoted()
     ))
     .await;
-    pgfence::grant(&pool, &app.ident()).await.unwrap();
+    pgfence::admin::grant(&pool, &app.ident()).await.unwrap();
     let app_pool = app.pool(&db).await;
     let app_fence = Fence::new(app_pool.clone());
     app_fence.check(&app_pool, &res, token(4)).await.unwrap();
@@ -700,7 +710,7 @@ async fn try_check_records_sql_side_rejections() {
     );
     // The mark is the admitted lease's.
     assert_eq!(
-        pgfence::high_water(&db.pool, &Resource::new("sql:job").unwrap())
+        pgfence::admin::high_water(&db.pool, &Resource::new("sql:job").unwrap())
             .await
             .unwrap(),
         10
@@ -722,7 +732,7 @@ async fn the_owner_can_unpoison_a_resource_and_a_row() {
     // mark (the poisoning bound), refused and audited.
     let audited = support::audit_count(&db.pool).await;
     let err = fence
-        .check(&pool, &res, token(pgfence::MAX_TOKEN))
+        .check(&pool, &res, token(pgfence::token::MAX_TOKEN))
         .await
         .unwrap_err();
     assert!(
@@ -742,7 +752,7 @@ async fn the_owner_can_unpoison_a_resource_and_a_row() {
     // until the owner unpoisons it.
     db.exec(&format!(
         "UPDATE pgfence.resource_fence SET fence = pgfence.lease_fence({}, 0) WHERE resource = 'poison:me'",
-        pgfence::MAX_TOKEN
+        pgfence::token::MAX_TOKEN
     ))
     .await;
     let err = fence.check(&pool, &res, token(12)).await.unwrap_err();
@@ -777,7 +787,7 @@ async fn the_owner_can_unpoison_a_resource_and_a_row() {
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(was, Some(pgfence::MAX_TOKEN));
+    assert_eq!(was, Some(pgfence::token::MAX_TOKEN));
     assert_eq!(fence.high_water(&res).await.unwrap(), 10);
     // Token 10 itself stays refused, whatever its tag; 11 is admitted.
     let err = fence.check(&pool, &res, token(10)).await.unwrap_err();
@@ -810,7 +820,7 @@ async fn the_owner_can_unpoison_a_resource_and_a_row() {
             (
                 Some("poison:me".into()),
                 10,
-                Some(pgfence::MAX_TOKEN),
+                Some(pgfence::token::MAX_TOKEN),
                 Some(owner.clone())
             ),
             (Some("poison:me".into()), 0, Some(11), Some(owner)),

@@ -4,8 +4,10 @@
 use crate::support;
 
 use pgfence::{
-    Error, FenceToken, Fencing, Relation, Repository, Resource, RowOutcome, StoredFence, TableName,
-    Upserted,
+    Error, FenceToken, Fencing, Repository, Resource,
+    repository::{RowOutcome, Upserted},
+    table::TableName,
+    token::{Relation, StoredFence},
 };
 use support::{Logs, TestDb, audit_count, token};
 
@@ -31,7 +33,7 @@ async fn setup() -> (TestDb, Repository<Snapshot>) {
     db.exec("CREATE TABLE inventory_snapshot (sku text PRIMARY KEY, payload text NOT NULL, qty int NOT NULL);
              INSERT INTO inventory_snapshot VALUES ('A-1', 'initial', 0);")
         .await;
-    pgfence::guard(&db.pool, &TableName::parse("inventory_snapshot").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("inventory_snapshot").unwrap())
         .await
         .unwrap();
     let repo = Repository::new(db.pool.clone()).unwrap();
@@ -89,7 +91,7 @@ async fn seed_race_stale_holder_is_rejected_audited_and_logged() {
     assert_eq!(row(&db, "A-1").await, Some(("written by B".into(), 2)));
 
     // The audit row survived A's rollback.
-    let audit = pgfence::list_audit(&db.pool, &Default::default())
+    let audit = pgfence::audit::list(&db.pool, &Default::default())
         .await
         .unwrap();
     assert_eq!(audit.len(), 1);
@@ -106,7 +108,7 @@ async fn seed_race_stale_holder_is_rejected_audited_and_logged() {
     assert_eq!(entry.operation, "update");
 
     // And one WARN event with the stable target and fields was emitted.
-    let warns = logs.with(pgfence::LOG_TARGET, "WARN");
+    let warns = logs.with(pgfence::audit::LOG_TARGET, "WARN");
     assert_eq!(warns.len(), 1, "{:?}", logs.events());
     let fields = &warns[0]["fields"];
     assert_eq!(fields["presented"], 1);
@@ -239,7 +241,11 @@ async fn raw_sql_that_does_not_advance_the_fence_fails_with_the_documented_sqlst
             .as_database_error()
             .and_then(|e| e.code())
             .map(|c| c.into_owned());
-        assert_eq!(code.as_deref(), Some(pgfence::SQLSTATE_STALE), "{sql}");
+        assert_eq!(
+            code.as_deref(),
+            Some(pgfence::error::SQLSTATE_STALE),
+            "{sql}"
+        );
         match Error::from(err) {
             Error::StaleToken {
                 current: 10,
@@ -250,7 +256,7 @@ async fn raw_sql_that_does_not_advance_the_fence_fails_with_the_documented_sqlst
                 assert!(presented <= 10);
                 assert_eq!(
                     target,
-                    pgfence::StaleTarget::Table("\"public\".\"inventory_snapshot\"".into())
+                    pgfence::error::StaleTarget::Table("\"public\".\"inventory_snapshot\"".into())
                 );
             }
             other => panic!("{sql}: expected StaleToken, got {other:?}"),
@@ -324,7 +330,7 @@ pgfence::fenced_table!(Line { schema: "billing", table: "ledger_line", key: (bat
 async fn composite_keys_and_schemas() {
     let db = TestDb::new().await;
     db.exec("CREATE SCHEMA billing; CREATE TABLE billing.ledger_line (batch bigint, line int, amount bigint, PRIMARY KEY (batch, line));").await;
-    pgfence::guard(&db.pool, &TableName::parse("billing.ledger_line").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("billing.ledger_line").unwrap())
         .await
         .unwrap();
     let repo = Repository::<Line>::new(db.pool.clone()).unwrap();
@@ -392,13 +398,13 @@ impl pgfence::FencedTable for Hostile {
     const TABLE: &'static str = "weird\"; DROP TABLE victim; --";
     const KEY_COLUMNS: &'static [&'static str] = &["id\" = id OR 1=1 --"];
     const COLUMNS: &'static [&'static str] = &["välue 'quoted'"];
-    fn bind_key(&self, q: pgfence::PgQuery) -> pgfence::PgQuery {
+    fn bind_key(&self, q: pgfence::table::PgQuery) -> pgfence::table::PgQuery {
         q.bind(self.id)
     }
-    fn bind_columns(&self, q: pgfence::PgQuery) -> pgfence::PgQuery {
+    fn bind_columns(&self, q: pgfence::table::PgQuery) -> pgfence::table::PgQuery {
         q.bind(&self.value)
     }
-    fn bind_key_value(key: &i32, q: pgfence::PgQuery) -> pgfence::PgQuery {
+    fn bind_key_value(key: &i32, q: pgfence::table::PgQuery) -> pgfence::table::PgQuery {
         q.bind(*key)
     }
 }
@@ -413,7 +419,7 @@ async fn hostile_identifiers_are_quoted_not_executed() {
     )
     .await;
     let table = TableName::new("public", Hostile::TABLE_NAME).unwrap();
-    assert!(pgfence::guard(&db.pool, &table).await.unwrap());
+    assert!(pgfence::guard::guard(&db.pool, &table).await.unwrap());
     let repo = Repository::<Hostile>::new(db.pool.clone()).unwrap();
     repo.update(
         &db.pool,
@@ -467,13 +473,13 @@ impl pgfence::FencedTable for Overlong {
         "a_table_name_that_is_much_longer_than_sixty_three_bytes_and_would_be_truncated";
     const KEY_COLUMNS: &'static [&'static str] = &["id"];
     const COLUMNS: &'static [&'static str] = &[];
-    fn bind_key(&self, q: pgfence::PgQuery) -> pgfence::PgQuery {
+    fn bind_key(&self, q: pgfence::table::PgQuery) -> pgfence::table::PgQuery {
         q
     }
-    fn bind_columns(&self, q: pgfence::PgQuery) -> pgfence::PgQuery {
+    fn bind_columns(&self, q: pgfence::table::PgQuery) -> pgfence::table::PgQuery {
         q
     }
-    fn bind_key_value(_: &i32, q: pgfence::PgQuery) -> pgfence::PgQuery {
+    fn bind_key_value(_: &i32, q: pgfence::table::PgQuery) -> pgfence::table::PgQuery {
         q
     }
 }
@@ -484,13 +490,13 @@ impl pgfence::FencedTable for DeclaresFence {
     const TABLE: &'static str = "t";
     const KEY_COLUMNS: &'static [&'static str] = &["id"];
     const COLUMNS: &'static [&'static str] = &["fence"];
-    fn bind_key(&self, q: pgfence::PgQuery) -> pgfence::PgQuery {
+    fn bind_key(&self, q: pgfence::table::PgQuery) -> pgfence::table::PgQuery {
         q
     }
-    fn bind_columns(&self, q: pgfence::PgQuery) -> pgfence::PgQuery {
+    fn bind_columns(&self, q: pgfence::table::PgQuery) -> pgfence::table::PgQuery {
         q
     }
-    fn bind_key_value(_: &i32, q: pgfence::PgQuery) -> pgfence::PgQuery {
+    fn bind_key_value(_: &i32, q: pgfence::table::PgQuery) -> pgfence::table::PgQuery {
         q
     }
 }
@@ -574,7 +580,7 @@ async fn the_generated_statements_decide_like_the_rust_layout() {
         Fencing::new(token(77))
             .holder("c")
             .resource(Resource::in_domain("billing", "account:1").unwrap()),
-        Fencing::new(FenceToken::new(pgfence::MAX_TOKEN).unwrap()).holder("d"),
+        Fencing::new(FenceToken::new(pgfence::token::MAX_TOKEN).unwrap()).holder("d"),
     ];
     for lease in &leases {
         let fences = fences_around(lease);

@@ -7,8 +7,10 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use pgfence::{
-    Error, Fence, Fencing, Lease, LeaseState, ReleaseOutcome, Repository, Resource, TableName,
-    Upserted,
+    Error, Fence, Fencing, Lease, Repository, Resource,
+    issuer::{LeaseState, ReleaseOutcome},
+    repository::Upserted,
+    table::TableName,
 };
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -153,13 +155,13 @@ async fn shadow_calls(db: &TestDb) -> Vec<String> {
 async fn sql_functions_and_trigger_ignore_shadowing_objects() {
     let (db, pool) = hijacked().await;
     let table = TableName::parse("acct").unwrap();
-    assert!(pgfence::guard(&pool, &table).await.unwrap());
+    assert!(pgfence::guard::guard(&pool, &table).await.unwrap());
     assert!(
-        !pgfence::guard(&pool, &table).await.unwrap(),
+        !pgfence::guard::guard(&pool, &table).await.unwrap(),
         "guarding twice is a no-op"
     );
     // The wrong-type refusal still works (a shadow format_type saying "bigint" is ignored).
-    let err = pgfence::guard(&pool, &TableName::parse("plain").unwrap())
+    let err = pgfence::guard::guard(&pool, &TableName::parse("plain").unwrap())
         .await
         .unwrap_err();
     assert!(
@@ -192,7 +194,7 @@ async fn sql_functions_and_trigger_ignore_shadowing_objects() {
     support::assert_stale(&err, 2, 3);
     assert_eq!(fence.high_water(&res).await.unwrap(), 3);
     assert!(fence.check(&pool, &res, token(4)).await.is_ok());
-    assert!(pgfence::unguard(&pool, &table, false).await.unwrap());
+    assert!(pgfence::guard::unguard(&pool, &table, false).await.unwrap());
 
     assert_eq!(
         shadow_calls(&db).await,
@@ -211,7 +213,7 @@ async fn sql_functions_and_trigger_ignore_shadowing_objects() {
 #[tokio::test]
 async fn repository_statements_ignore_shadowing_objects() {
     let (db, pool) = hijacked().await;
-    pgfence::guard(&pool, &TableName::parse("acct").unwrap())
+    pgfence::guard::guard(&pool, &TableName::parse("acct").unwrap())
         .await
         .unwrap();
     sqlx::query("TRUNCATE public.shadow_calls")
@@ -247,7 +249,7 @@ async fn repository_statements_ignore_shadowing_objects() {
         err.is_stale(),
         "a stale upsert cannot resurrect a deleted row: {err:?}"
     );
-    pgfence::migrate(&pool).await.unwrap();
+    pgfence::admin::migrate(&pool).await.unwrap();
     let rows: Vec<(i32, i64, i64)> =
         sqlx::query_as("SELECT id, balance, fence >> 24 FROM acct ORDER BY id")
             .fetch_all(&db.pool)
@@ -267,7 +269,7 @@ async fn repository_statements_ignore_shadowing_objects() {
 #[tokio::test]
 async fn lying_key_operator_cannot_widen_a_fenced_update() {
     let (db, pool) = hijacked().await;
-    pgfence::guard(&pool, &TableName::parse("acct").unwrap())
+    pgfence::guard::guard(&pool, &TableName::parse("acct").unwrap())
         .await
         .unwrap();
     db.exec(
@@ -294,7 +296,7 @@ async fn lying_key_operator_cannot_widen_a_fenced_update() {
 #[tokio::test]
 async fn default_search_path_does_not_reach_a_public_jsonb_build_array() {
     let (db, _hijacked) = hijacked().await;
-    pgfence::guard(&db.pool, &TableName::parse("acct").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("acct").unwrap())
         .await
         .unwrap();
     let repo = Repository::<Acct>::new(db.pool.clone()).unwrap();
@@ -330,7 +332,7 @@ async fn only_the_owner_can_release_or_extend() {
         .await
         .unwrap()
         .unwrap();
-    let expect_held = |status: pgfence::LockStatus, holder: &Lease| {
+    let expect_held = |status: pgfence::issuer::LockStatus, holder: &Lease| {
         assert_eq!(status.owner.as_deref(), Some(holder.owner()));
         assert_eq!(status.token, Some(holder.token().get()));
         assert!(status.ttl_ms.unwrap() > 20_000, "TTL untouched: {status:?}");
@@ -403,7 +405,7 @@ async fn only_the_owner_can_release_or_extend() {
 
 #[tokio::test]
 async fn owner_ids_are_unpredictable() {
-    let ids: Vec<String> = (0..1000).map(|_| pgfence::new_owner_id()).collect();
+    let ids: Vec<String> = (0..1000).map(|_| pgfence::issuer::new_owner_id()).collect();
     let unique: HashSet<&String> = ids.iter().collect();
     assert_eq!(unique.len(), 1000, "owner ids repeat");
     let values: Vec<u128> = ids
@@ -473,7 +475,7 @@ async fn hostile_keys_and_holders_cannot_forge_log_lines() {
     let db = TestDb::new().await;
     db.exec("CREATE TABLE note (k text PRIMARY KEY, body text NOT NULL)")
         .await;
-    pgfence::guard(&db.pool, &TableName::parse("note").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("note").unwrap())
         .await
         .unwrap();
     let forged =
@@ -547,7 +549,7 @@ async fn hostile_keys_and_holders_cannot_forge_log_lines() {
     }
 
     // The audit table keeps the exact values for forensics.
-    let rows = pgfence::list_audit(&db.pool, &Default::default())
+    let rows = pgfence::audit::list(&db.pool, &Default::default())
         .await
         .unwrap();
     assert_eq!(rows.len(), 2);

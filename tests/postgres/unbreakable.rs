@@ -5,7 +5,7 @@
 
 use crate::support;
 
-use pgfence::{Error, Fencing, Repository, Resource, TableName};
+use pgfence::{Error, Fencing, Repository, Resource, table::TableName};
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
 use support::{TestDb, assert_stale, audit_count, token};
 
@@ -32,7 +32,7 @@ async fn setup() -> (TestDb, Repository<Account>) {
          INSERT INTO accounts VALUES (14, 0), (15, 0);",
     )
     .await;
-    pgfence::guard(&db.pool, &accounts()).await.unwrap();
+    pgfence::guard::guard(&db.pool, &accounts()).await.unwrap();
     let repo = Repository::new(db.pool.clone()).unwrap();
     (db, repo)
 }
@@ -192,7 +192,7 @@ async fn a_copied_fence_of_a_newer_lease_fences_out_every_earlier_lease() {
 #[tokio::test]
 async fn observe_mode_seals_a_lease_less_write_against_the_lease() {
     let (db, repo) = setup().await;
-    pgfence::guard_with(&db.pool, &accounts(), pgfence::GuardMode::Observe)
+    pgfence::guard::guard_with(&db.pool, &accounts(), pgfence::guard::GuardMode::Observe)
         .await
         .unwrap();
     let job = lease(5, "billing-run");
@@ -283,7 +283,7 @@ async fn a_leader_lease_renewed_for_hours_keeps_writing_its_state_row() {
                 .extend(&mut lease, std::time::Duration::from_secs(30))
                 .await
                 .unwrap();
-            assert_eq!(state, pgfence::LeaseState::Held);
+            assert_eq!(state, pgfence::issuer::LeaseState::Held);
         }
         repo.update(&db.pool, &fencing, &acct(14, second))
             .await
@@ -318,7 +318,11 @@ async fn a_bypass_lives_only_in_its_transaction() {
         admin.quoted()
     ))
     .await;
-    assert!(pgfence::allow_bypass(&db.pool, &admin.name).await.unwrap());
+    assert!(
+        pgfence::guard::allow_bypass(&db.pool, &admin.name)
+            .await
+            .unwrap()
+    );
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .connect_with(db.options.clone().username(&admin.name))
@@ -363,7 +367,9 @@ async fn a_bypass_lives_only_in_its_transaction() {
         .unwrap();
 
     let mut tx = pool.begin().await.unwrap();
-    pgfence::bypass(&mut tx, "refund #123").await.unwrap();
+    pgfence::guard::bypass(&mut tx, "refund #123")
+        .await
+        .unwrap();
     sqlx::query("UPDATE accounts SET balance = balance + 50 WHERE id = 14")
         .execute(&mut *tx)
         .await
@@ -405,7 +411,7 @@ async fn audit_rows_name_the_operation_and_the_table_one_way() {
         .await
         .unwrap_err();
     assert_stale(&err, 5, 7);
-    pgfence::guard_with(&db.pool, &accounts(), pgfence::GuardMode::Observe)
+    pgfence::guard::guard_with(&db.pool, &accounts(), pgfence::guard::GuardMode::Observe)
         .await
         .unwrap();
     raw(&db, "UPDATE accounts SET balance = 5 WHERE id = 15")
@@ -521,7 +527,7 @@ async fn a_0_2_database_upgrades_in_place() {
     .await
     .expect("0.2 rule");
 
-    let applied = pgfence::migrate(&mut conn).await.unwrap();
+    let applied = pgfence::admin::migrate(&mut conn).await.unwrap();
     assert_eq!(
         applied.iter().map(|m| m.version).collect::<Vec<_>>(),
         [10, 11, 12],
@@ -619,7 +625,7 @@ async fn apply_0_2_migrations(conn: &mut PgConnection) {
 #[tokio::test]
 async fn a_token_absurdly_far_ahead_is_refused_and_audited() {
     let (db, repo) = setup().await;
-    let max = pgfence::MAX_TOKEN;
+    let max = pgfence::token::MAX_TOKEN;
     repo.update(&db.pool, &lease(5, "job"), &acct(14, 1))
         .await
         .unwrap();
@@ -695,13 +701,14 @@ async fn a_token_absurdly_far_ahead_is_refused_and_audited() {
           WHERE resource = 'billing:run'"
     ))
     .await;
-    let findings = pgfence::doctor(&db.pool, None, &pgfence::DoctorOptions::default())
-        .await
-        .unwrap();
+    let findings =
+        pgfence::admin::doctor(&db.pool, None, &pgfence::admin::DoctorOptions::default())
+            .await
+            .unwrap();
     assert!(
         findings
             .iter()
-            .any(|f| f.kind == pgfence::FindingKind::FenceNearLimit
+            .any(|f| f.kind == pgfence::admin::FindingKind::FenceNearLimit
                 && f.object.contains("billing:run")),
         "{findings:?}"
     );
@@ -709,7 +716,7 @@ async fn a_token_absurdly_far_ahead_is_refused_and_audited() {
     // bound.
     db.exec("DELETE FROM pgfence.refinery_schema_history WHERE version >= 10")
         .await;
-    let applied = pgfence::migrate(&db.pool).await.unwrap();
+    let applied = pgfence::admin::migrate(&db.pool).await.unwrap();
     assert_eq!(applied.len(), 3);
     let bound: i64 = sqlx::query_scalar("SELECT pgfence.max_token_jump()")
         .fetch_one(&db.pool)
@@ -743,7 +750,7 @@ async fn a_row_taken_over_by_another_resource_of_the_domain_says_which() {
     let err = repo.update(&db.pool, &old, &acct(14, 3)).await.unwrap_err();
     match &err {
         Error::StaleToken {
-            target: pgfence::StaleTarget::Row { held_by, .. },
+            target: pgfence::error::StaleTarget::Row { held_by, .. },
             presented: 1,
             current: 2,
             other_counter: false,

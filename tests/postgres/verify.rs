@@ -4,7 +4,7 @@
 
 use crate::support;
 
-use pgfence::{Error, Repository, TableName};
+use pgfence::{Error, Repository, table::TableName};
 use support::{TestDb, token};
 
 #[derive(Debug, Clone, sqlx::FromRow, pgfence::FencedTable)]
@@ -20,7 +20,7 @@ async fn db_with(sql: &str, guarded: &[&str]) -> TestDb {
     let db = TestDb::new().await;
     db.exec(sql).await;
     for table in guarded {
-        pgfence::guard(&db.pool, &TableName::parse(table).unwrap())
+        pgfence::guard::guard(&db.pool, &TableName::parse(table).unwrap())
             .await
             .unwrap();
     }
@@ -158,7 +158,7 @@ async fn an_unguarded_table_is_refused() {
     );
 
     // Guarded, then the trigger disabled for maintenance and left so.
-    pgfence::guard(&db.pool, &TableName::parse("invoices").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("invoices").unwrap())
         .await
         .unwrap();
     repo.verify(&db.pool).await.unwrap();

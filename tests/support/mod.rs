@@ -58,7 +58,7 @@ impl TestDb {
     /// A new database with pgfence's migrations applied.
     pub async fn new() -> Self {
         let db = Self::empty().await;
-        pgfence::migrate(&db.pool).await.expect("migrate");
+        pgfence::admin::migrate(&db.pool).await.expect("migrate");
         db
     }
 
@@ -308,7 +308,7 @@ pub struct Role {
 impl Role {
     pub async fn create(db: &TestDb, prefix: &str, attributes: &str) -> Self {
         let name = format!("{prefix}_{}_{}", std::process::id(), rand::random::<u32>());
-        let quoted = pgfence::Ident::new(name.as_str()).unwrap().quoted();
+        let quoted = pgfence::table::Ident::new(name.as_str()).unwrap().quoted();
         db.exec(&format!("CREATE ROLE {quoted} LOGIN {attributes}"))
             .await;
         Self {
@@ -317,8 +317,8 @@ impl Role {
         }
     }
 
-    pub fn ident(&self) -> pgfence::Ident {
-        pgfence::Ident::new(self.name.as_str()).unwrap()
+    pub fn ident(&self) -> pgfence::table::Ident {
+        pgfence::table::Ident::new(self.name.as_str()).unwrap()
     }
 
     pub fn quoted(&self) -> String {

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use pgfence::IssuerKind;
+use pgfence::issuer::IssuerKind;
 use serde::Serialize;
 use sqlx::postgres::PgConnectOptions;
 
@@ -308,8 +308,8 @@ impl Config {
             if self.batch_min_rows == 0 || self.batch_min_rows > self.batch_max_rows {
                 return bad("batch rows: need 1 <= min <= max");
             }
-            if self.batch_max_rows > pgfence::MAX_BATCH_ROWS {
-                return bad("batch rows: at most pgfence::MAX_BATCH_ROWS per unit");
+            if self.batch_max_rows > pgfence::repository::MAX_BATCH_ROWS {
+                return bad("batch rows: at most pgfence::repository::MAX_BATCH_ROWS per unit");
             }
         }
         if self.mode == Mode::LeaselessMix {
@@ -329,7 +329,7 @@ impl Config {
         {
             return bad("outage retry: at most 120 s");
         }
-        pgfence::check_ttl(self.ttl)?;
+        pgfence::issuer::check_ttl(self.ttl)?;
         Ok(())
     }
 
@@ -357,10 +357,10 @@ impl Config {
 pub struct Target {
     /// The database.
     pub database: PgConnectOptions,
-    /// The issuer's URL; its scheme picks the issuer ([`pgfence::connect_issuer_with`]):
+    /// The issuer's URL; its scheme picks the issuer ([`pgfence::issuer::connect_issuer_with`]):
     /// `redis://` (also `rediss://`, `redis+unix://`), `redis+sentinel://host:port,.../master`,
     /// `etcd://host:port,...`, `zk://host:port,...`, or `postgres://` / `postgresql://` for
-    /// the [`PgIssuer`](pgfence::PgIssuer) — meant to be `database` itself
+    /// the [`PgIssuer`](pgfence::issuer::PgIssuer) — meant to be `database` itself
     /// ([`Target::postgres`]), so that its restarts and killed backends hit the issuer too.
     pub issuer_url: String,
 }
@@ -373,7 +373,7 @@ impl Target {
     /// [`ChaosError::Config`] when `database_url` is not a `postgres://` or `postgresql://`
     /// URL or does not parse (the URL is not echoed: it may hold a password).
     pub fn postgres(database_url: &str) -> Result<Self, ChaosError> {
-        if !pgfence::is_postgres_url(database_url) {
+        if !pgfence::issuer::is_postgres_url(database_url) {
             return Err(ChaosError::Config(
                 "the postgres issuer takes the database's postgres:// or postgresql:// URL".into(),
             ));

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use pgfence::IssuerKind;
+use pgfence::issuer::IssuerKind;
 use pgfence_testkit::{EtcdCluster, SentinelConfig, SentinelSet, Server, ZkEnsemble};
 use tokio::time::Instant;
 
@@ -34,7 +34,7 @@ pub fn parse_issuer(name: &str) -> Result<IssuerKind, String> {
     }
 }
 
-/// The issuer `url`'s scheme selects, as [`pgfence::connect_issuer_with`] picks it (`None`
+/// The issuer `url`'s scheme selects, as [`pgfence::issuer::connect_issuer_with`] picks it (`None`
 /// for a scheme it does not know).
 #[must_use]
 pub fn issuer_of_url(url: &str) -> Option<IssuerKind> {

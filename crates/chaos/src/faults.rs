@@ -22,7 +22,11 @@ pub(crate) async fn reset_counters(ctx: &Ctx) {
     let Some(conn) = &ctx.redis else {
         return;
     };
-    let keys: Vec<String> = ctx.resources.iter().map(pgfence::counter_key).collect();
+    let keys: Vec<String> = ctx
+        .resources
+        .iter()
+        .map(pgfence::issuer::counter_key)
+        .collect();
     let mut conn = conn.clone();
     let mark = FaultMark {
         name: "counter_reset".into(),

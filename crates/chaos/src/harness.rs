@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pgfence::{
-    Auditor, Effects, Fence, IssuerKind, IssuerOptions, Repository, Resource, TokenIssuer,
+    Effects, Fence, Repository, Resource, TokenIssuer,
+    audit::Auditor,
+    issuer::{IssuerKind, IssuerOptions},
 };
 use pgfence_testkit::Provider;
 use redis::aio::ConnectionManager;
@@ -186,7 +188,7 @@ impl Harness {
     /// [`SCHEMA`](crate::SCHEMA), the fenced one guarded) and this run's counter rows.
     ///
     /// The issuer is picked by [`Target::issuer_url`]'s scheme
-    /// ([`pgfence::connect_issuer_with`]) and used as an `Arc<dyn TokenIssuer>`. With Redis it
+    /// ([`pgfence::issuer::connect_issuer_with`]) and used as an `Arc<dyn TokenIssuer>`. With Redis it
     /// gets the audit pool as its floor source when [`Config::recovery`] says so (etcd and
     /// ZooKeeper tokens never go backwards: nothing to reseed).
     ///
@@ -246,7 +248,7 @@ impl Harness {
             Some(app) => with_application_name(&target.issuer_url, app),
             None => target.issuer_url.clone(),
         };
-        let issuer = pgfence::connect_issuer_with(&issuer_url, options).await?;
+        let issuer = pgfence::issuer::connect_issuer_with(&issuer_url, options).await?;
         let redis = if cfg.reset_counters_at.is_empty() {
             None
         } else {
@@ -473,11 +475,13 @@ async fn connect(target: &Target, application_name: &str, max: u32) -> Result<Pg
 /// is set up.
 fn check_counter_resets(url: &str) -> Result<(), ChaosError> {
     match crate::issuer_of_url(url) {
-        Some(IssuerKind::Redis) if pgfence::is_sentinel_url(url) => Err(ChaosError::Config(
-            "counter resets need a redis:// URL (they DEL the counters on that server), not \
+        Some(IssuerKind::Redis) if pgfence::issuer::is_sentinel_url(url) => {
+            Err(ChaosError::Config(
+                "counter resets need a redis:// URL (they DEL the counters on that server), not \
              redis+sentinel://"
-                .into(),
-        )),
+                    .into(),
+            ))
+        }
         Some(IssuerKind::Redis) | None => Ok(()),
         Some(IssuerKind::Postgres) => Err(ChaosError::Config(
             "counter resets delete Redis counter keys: the postgres issuer has none, and its \

@@ -137,7 +137,7 @@ impl BatchRows {
     }
 }
 
-/// One row's outcome in a batch statement (pgfence's [`pgfence::RowOutcome`], recorded).
+/// One row's outcome in a batch statement (pgfence's [`pgfence::repository::RowOutcome`], recorded).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum RowResult {
@@ -168,9 +168,9 @@ impl RowResult {
     }
 }
 
-impl From<pgfence::RowOutcome> for RowResult {
-    fn from(o: pgfence::RowOutcome) -> Self {
-        use pgfence::RowOutcome as O;
+impl From<pgfence::repository::RowOutcome> for RowResult {
+    fn from(o: pgfence::repository::RowOutcome) -> Self {
+        use pgfence::repository::RowOutcome as O;
         match o {
             O::Stale { current, .. } => RowResult::Stale { current },
             O::DuplicateToken => RowResult::Duplicate,
@@ -271,7 +271,7 @@ pub enum LeaselessKind {
     /// ([`pgfence::Error::LeaselessWrite`], SQLSTATE `PF007`).
     FencePlusOne,
     /// `BEGIN; SELECT pgfence.bypass('chaos'); UPDATE ... SET value = value + 1; COMMIT` as a
-    /// role allowed with [`pgfence::allow_bypass`]: goes through (audited) and seals the row
+    /// role allowed with [`pgfence::guard::allow_bypass`]: goes through (audited) and seals the row
     /// against the lease that wrote it before.
     Bypass,
 }

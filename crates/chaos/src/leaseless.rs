@@ -90,7 +90,7 @@ async fn write(
                     .await
                     .map_err(db("begin"))?;
             }
-            pgfence::bypass(&mut tx, BYPASS_REASON)
+            pgfence::guard::bypass(&mut tx, BYPASS_REASON)
                 .await
                 .map_err(|e| ("begin", e))?;
             WRITE_BYPASS

@@ -32,7 +32,7 @@
 //!
 //! # Issuers
 //!
-//! [`Target::issuer_url`] picks the issuer ([`pgfence::connect_issuer_with`]): `redis://`,
+//! [`Target::issuer_url`] picks the issuer ([`pgfence::issuer::connect_issuer_with`]): `redis://`,
 //! `redis+sentinel://host:port,.../master`, `etcd://host:port,...`, `zk://host:port,...` or
 //! `postgres://`. The workers only see the [`pgfence::TokenIssuer`] trait; [`Deployment`]
 //! starts throwaway servers for the first three, a single server or a replicated deployment
@@ -50,7 +50,7 @@
 //!   leases count whole seconds, so its runs use a 1 s TTL and longer stalls
 //!   ([`Config::for_issuer`]); the ZooKeeper issuer ends a lock when its TTL runs out, to the
 //!   millisecond, like Redis.
-//! * **PostgreSQL** ([`pgfence::PgIssuer`]) runs on the harness's own database
+//! * **PostgreSQL** ([`pgfence::issuer::PgIssuer`]) runs on the harness's own database
 //!   ([`Target::postgres`]): locks and counters are rows there, expiring by the database's
 //!   clock, and the counter commits in the same WAL as the fences, so it never goes backwards
 //!   on one server (the Redis-only settings are refused, and it has no leader of its own to
@@ -181,7 +181,7 @@
 //!   with [`Effects::begin`](pgfence::Effects::begin) on the pool (committed before the call,
 //!   so a holder that takes over sees the key; refused with `StaleToken` once a newer lease
 //!   recorded it); unless a holder recorded it done, call the provider with
-//!   [`Effect::idempotency_key`](pgfence::Effect::idempotency_key); then in one transaction
+//!   [`Effect::idempotency_key`](pgfence::effect::Effect::idempotency_key); then in one transaction
 //!   [`Effects::finish`](pgfence::Effects::finish) with the answer, the fenced increment
 //!   (invoice paid, `last_unit` set) and its history row. Stalls fall mostly between the begin
 //!   and the call (the dangerous spot: the zombie calls late, after a newer holder took the
@@ -216,7 +216,7 @@
 //!   ([`pgfence::Error::LeaselessWrite`], `PF007`); one that goes through is a violation.
 //! * `BEGIN; SET LOCAL ROLE pgfence_chaos_bypass; SELECT pgfence.bypass(reason); UPDATE ...
 //!   SET value = value + 1; <history row>; COMMIT` — an audited bypass by a role allowed with
-//!   [`pgfence::allow_bypass`] (created `NOLOGIN` at setup; superusers are not exempt from the
+//!   [`pgfence::guard::allow_bypass`] (created `NOLOGIN` at setup; superusers are not exempt from the
 //!   guard). It goes through, writes an audit row (operation `bypass`) and seals the row: the
 //!   lease that claimed it before gets [`RowSealed`](pgfence::Error::RowSealed) on its next
 //!   write, which the worker treats like a stale rejection (nothing written, the try recorded
@@ -271,7 +271,7 @@
 //! # Counting rejections
 //!
 //! pgfence reports every rejection, and every rejection whose audit row could not be written,
-//! to the [`AuditSink`](pgfence::AuditSink) registered on its [`Auditor`](pgfence::Auditor)
+//! to the [`AuditSink`](pgfence::audit::AuditSink) registered on its [`Auditor`](pgfence::audit::Auditor)
 //! (in addition to its `tracing` events at WARN and ERROR). [`Harness::new`] registers an
 //! [`AuditCounter`] on the auditor its fence and repository share; it counts the typed
 //! events per resource, and the summary reports those of the run's resources (their names

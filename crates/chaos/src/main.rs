@@ -10,7 +10,7 @@
 //! scheme, else Redis). Without `--database-url` / `--issuer-url` / `--redis-url` (or
 //! `DATABASE_URL` / `PGFENCE_ISSUER_URL` / `REDIS_URL`) it starts throwaway PostgreSQL and
 //! issuer servers from the installed binaries, which the restart and failover faults need.
-//! `--issuer postgres` is the [`pgfence::PgIssuer`] on the harness's own database (no other
+//! `--issuer postgres` is the [`pgfence::issuer::PgIssuer`] on the harness's own database (no other
 //! server): `--restart-postgres-at` restarts the issuer with the database, and
 //! `--kill-every-ms` terminates the issuer's backends along with the workers'. The Redis-only
 //! faults and `--failover-at` are refused for it:
@@ -96,7 +96,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use clap::parser::ValueSource;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser};
-use pgfence::IssuerKind;
+use pgfence::issuer::IssuerKind;
 use pgfence_chaos::{
     Config, Control, Deployment, FailoverEvent, Harness, Mode, PgFailoverEvent, Recovery,
     ReseedCounter, Summary, Target, issuer_of_url, parse_issuer, pg_failover_at,

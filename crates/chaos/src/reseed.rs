@@ -2,7 +2,7 @@
 //!
 //! pgfence reports a reseed only as a `tracing` INFO event (fields `resource`, `lost_token`,
 //! `high_water`, `token`); it has no typed hook for it as it has for rejections
-//! ([`pgfence::AuditSink`]). So this one figure still needs a `tracing` layer, which the
+//! ([`pgfence::audit::AuditSink`]). So this one figure still needs a `tracing` layer, which the
 //! caller installs (the harness installs no subscriber of its own): without one, a run
 //! reports `reseed_events` as `null`.
 

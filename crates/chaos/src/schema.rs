@@ -240,7 +240,7 @@ pub(crate) const RECORD_LEASELESS_SQL: &str = "INSERT INTO pgfence_chaos.history
 /// Leaseless mode: the role the bypasses run as (`SET LOCAL ROLE` in their transaction).
 pub(crate) const BYPASS_ROLE: &str = "pgfence_chaos_bypass";
 
-/// Leaseless mode: a role that may bypass the guard ([`pgfence::allow_bypass`]) and write the
+/// Leaseless mode: a role that may bypass the guard ([`pgfence::guard::allow_bypass`]) and write the
 /// harness's tables. [`BYPASS_ROLE`] (created `NOLOGIN` if missing) when the connecting role
 /// may create it and `SET ROLE` to it — `Some(role)`, the bypasses then `SET LOCAL ROLE` to
 /// it; otherwise the connecting role itself (`None`). Superusers are not exempt from the
@@ -286,7 +286,7 @@ pub(crate) async fn setup_bypass_role(admin: &PgPool) -> Result<Option<String>, 
             .fetch_one(&mut *tx)
             .await?
     };
-    pgfence::allow_bypass(&mut *tx, &role).await?;
+    pgfence::guard::allow_bypass(&mut *tx, &role).await?;
     tx.commit().await?;
     Ok(can_create.then_some(role))
 }
@@ -294,7 +294,7 @@ pub(crate) async fn setup_bypass_role(admin: &PgPool) -> Result<Option<String>, 
 /// Applies pgfence's migrations if needed, creates the harness's tables (the fenced one
 /// guarded) and `rows` fresh counter rows for `run` in both counter tables.
 pub(crate) async fn setup(admin: &PgPool, run: &str, rows: i32) -> Result<(), ChaosError> {
-    pgfence::migrate(admin).await?;
+    pgfence::admin::migrate(admin).await?;
     let mut tx = admin.begin().await?;
     create_tables(&mut tx).await?;
     for table in [CounterTable::Guarded, CounterTable::Plain] {
@@ -318,6 +318,6 @@ async fn create_tables(conn: &mut PgConnection) -> Result<(), ChaosError> {
         .execute(&mut *conn)
         .await?;
     sqlx::raw_sql(SETUP_SQL).execute(&mut *conn).await?;
-    pgfence::guard(&mut *conn, &pgfence::TableName::new(SCHEMA, "cell")?).await?;
+    pgfence::guard::guard(&mut *conn, &pgfence::table::TableName::new(SCHEMA, "cell")?).await?;
     Ok(())
 }

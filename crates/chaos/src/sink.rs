@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use pgfence::{AuditEvent, AuditSink};
+use pgfence::audit::{AuditEvent, AuditSink};
 use serde::Serialize;
 
 use crate::util::lock;

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use sqlx::{PgPool, Row};
 
-use pgfence::IssuerKind;
+use pgfence::issuer::IssuerKind;
 
 use crate::faults::Kills;
 use crate::report::{

@@ -14,7 +14,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use pgfence::{Claimed, EffectOutcome, Error, Lease, ReleaseOutcome, Resource, StaleTarget};
+use pgfence::{
+    Error, Lease, Resource, effect::EffectOutcome, error::StaleTarget, issuer::ReleaseOutcome,
+    repository::Claimed,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sqlx::{PgConnection, Postgres, Transaction};
@@ -48,7 +51,7 @@ pub(crate) struct Plan {
 /// Where the effects modes' provider call takes its idempotency key from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Keys {
-    /// [`pgfence::Effect::idempotency_key`]: the same for every holder of the work item.
+    /// [`pgfence::effect::Effect::idempotency_key`]: the same for every holder of the work item.
     Ledger,
     /// `<item>-<token>`: the classic mistake, a key per lease (a retry of the same lease
     /// reuses it; the holder that takes the work over does not).

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::time::Duration;
 
-use pgfence::{Error, Fence, Issuer, IssuerKind, Repository, Resource, TableName};
+use pgfence::{Error, Fence, Issuer, Repository, Resource, issuer::IssuerKind, table::TableName};
 use pgfence_chaos::{
     ChaosError, Config, Deployment, FailoverEvent, FailoverFigures, Harness, LeaselessOutcome,
     Mode, Outcome, PgFailoverFigures, Recovery, Report, ReseedCounter, Target, pg_failover_at,
@@ -1491,7 +1491,7 @@ async fn counter_db() -> (TestDb, Fence, Repository<CounterRow>) {
     let db = TestDb::new().await;
     db.exec("CREATE TABLE counter (id int PRIMARY KEY, value bigint NOT NULL); INSERT INTO counter VALUES (1, 0);")
         .await;
-    pgfence::guard(&db.pool, &TableName::parse("counter").unwrap())
+    pgfence::guard::guard(&db.pool, &TableName::parse("counter").unwrap())
         .await
         .unwrap();
     let fence = Fence::new(db.pool.clone());
@@ -1741,7 +1741,7 @@ async fn killed_connection_is_retryable_stale_is_not_and_work_is_all_or_nothing(
 /// in one transaction.
 async fn bypass_increment(db: &TestDb) {
     let mut tx = db.pool.begin().await.unwrap();
-    pgfence::bypass(&mut tx, "chaos test").await.unwrap();
+    pgfence::guard::bypass(&mut tx, "chaos test").await.unwrap();
     sqlx::query("UPDATE counter SET value = value + 1 WHERE id = 1")
         .execute(&mut *tx)
         .await
@@ -1763,7 +1763,7 @@ async fn a_bypass_seals_out_the_lease_that_claimed_the_row_not_one_that_only_rea
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    pgfence::allow_bypass(&db.pool, &me).await.unwrap();
+    pgfence::guard::allow_bypass(&db.pool, &me).await.unwrap();
 
     // The lease-less `fence + 1` is refused.
     let raw = sqlx::query("UPDATE counter SET value = value + 1, fence = fence + 1 WHERE id = 1")

@@ -5,7 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use pgfence::{Issuer, IssuerKind, IssuerOptions, Lease, Resource, TokenIssuer};
+use pgfence::{
+    Issuer, Lease, Resource, TokenIssuer,
+    issuer::{IssuerKind, IssuerOptions},
+};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use tokio::time::Instant;
@@ -44,7 +47,7 @@ impl Conn {
         match self.key_prefix.as_deref() {
             None => Ok(None),
             Some(prefix) => Ok(Some(
-                pgfence::check_key_prefix(prefix)
+                pgfence::issuer::check_key_prefix(prefix)
                     .context("bad --key-prefix / PGFENCE_KEY_PREFIX")?,
             )),
         }
@@ -168,7 +171,7 @@ pub async fn connect_pg_with(url: &str, max: u32) -> Result<PgPool> {
 /// (`host=db.internal port=5432 dbname=app user=app sslmode=verify-full`).
 pub fn pg_options(url: &str) -> Result<PgConnectOptions> {
     let trimmed = url.trim();
-    if pgfence::is_postgres_url(trimmed) {
+    if pgfence::issuer::is_postgres_url(trimmed) {
         return PgConnectOptions::from_str(trimmed)
             .map_err(|e| anyhow!("{}", crate::util::scrub(&e.to_string())));
     }
@@ -361,8 +364,8 @@ pub async fn require_schema(conn: &mut PgConnection) -> Result<()> {
     Ok(())
 }
 
-/// The issuer `url` names ([`pgfence::IssuerKind::of_url`]: the library's table, which
-/// [`pgfence::connect_issuer_with`] dispatches on), for the choices made before connecting.
+/// The issuer `url` names ([`pgfence::issuer::IssuerKind::of_url`]: the library's table, which
+/// [`pgfence::issuer::connect_issuer_with`] dispatches on), for the choices made before connecting.
 pub fn issuer_kind(url: &str) -> Result<IssuerKind> {
     Ok(IssuerKind::of_url(url)?)
 }
@@ -379,13 +382,19 @@ fn store_name(kind: IssuerKind) -> &'static str {
 
 /// Whether `url` names a standalone Redis (not Sentinel, not another store).
 pub fn is_plain_redis(url: &str) -> bool {
-    IssuerKind::of_url(url).is_ok_and(|k| k == IssuerKind::Redis) && !pgfence::is_sentinel_url(url)
+    IssuerKind::of_url(url).is_ok_and(|k| k == IssuerKind::Redis)
+        && !pgfence::issuer::is_sentinel_url(url)
 }
 
-/// The issuer `url` names ([`pgfence::connect_issuer_with`]), giving up after a few seconds.
+/// The issuer `url` names ([`pgfence::issuer::connect_issuer_with`]), giving up after a few seconds.
 pub async fn connect_issuer(url: &str, options: IssuerOptions) -> Result<Arc<dyn TokenIssuer>> {
     let what = store_name(issuer_kind(url)?);
-    match tokio::time::timeout(CONNECT_TIMEOUT, pgfence::connect_issuer_with(url, options)).await {
+    match tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        pgfence::issuer::connect_issuer_with(url, options),
+    )
+    .await
+    {
         Ok(Ok(issuer)) => Ok(issuer),
         // Not a connection problem: say what to do.
         Ok(Err(e @ pgfence::Error::IssuerNotBuilt { feature, .. })) => Err(anyhow!(
@@ -424,10 +433,10 @@ pub async fn take_lock(
     ttl: Duration,
     wait: Option<Duration>,
 ) -> Result<Lease> {
-    pgfence::check_ttl(ttl)?;
+    pgfence::issuer::check_ttl(ttl)?;
     let started = Instant::now();
     let give_up = wait.map(|w| started.checked_add(w).unwrap_or_else(far_future));
-    let owner = pgfence::new_owner_id();
+    let owner = pgfence::issuer::new_owner_id();
     let mut backoff = FIRST_BACKOFF;
     let mut logged = false;
     loop {

@@ -40,11 +40,11 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 /// bad TTL gets the same one-line usage error.
 pub fn parse_ttl(s: &str) -> Result<Duration, String> {
     let d = parse_duration(s)?;
-    pgfence::check_ttl(d).map_err(|_| {
+    pgfence::issuer::check_ttl(d).map_err(|_| {
         format!(
             "a lease TTL must be between {} and {}h",
-            fmt_duration(pgfence::MIN_TTL),
-            pgfence::MAX_TTL.as_secs() / 3600
+            fmt_duration(pgfence::issuer::MIN_TTL),
+            pgfence::issuer::MAX_TTL.as_secs() / 3600
         )
     })
 }
@@ -439,14 +439,14 @@ pub fn resource(name: &str) -> Result<pgfence::Resource> {
 }
 
 /// `name` (`table` or `schema.table`) as a table name, or an error quoting it.
-pub fn table(name: &str) -> Result<pgfence::TableName> {
-    pgfence::TableName::parse(name)
+pub fn table(name: &str) -> Result<pgfence::table::TableName> {
+    pgfence::table::TableName::parse(name)
         .with_context(|| format!("bad table name {:?}", cell(&shorten(name))))
 }
 
 /// A role name as SQL reads it: `"Name"` as written (with `""` for a quote), an unquoted
 /// name with ASCII letters folded to lower case.
-pub fn role(name: &str) -> Result<pgfence::Ident> {
+pub fn role(name: &str) -> Result<pgfence::table::Ident> {
     let bad = || format!("bad role name {:?}", cell(&shorten(name)));
     let folded = match name.strip_prefix('"').and_then(|n| n.strip_suffix('"')) {
         Some(inner) if !inner.replace("\"\"", "").contains('"') => inner.replace("\"\"", "\""),
@@ -454,7 +454,7 @@ pub fn role(name: &str) -> Result<pgfence::Ident> {
         None if name.contains('"') => anyhow::bail!("{}: stray quote", bad()),
         None => name.to_ascii_lowercase(),
     };
-    pgfence::Ident::new(folded).with_context(bad)
+    pgfence::table::Ident::new(folded).with_context(bad)
 }
 
 #[cfg(test)]

@@ -15,8 +15,9 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use pgfence::{
-    Error, Fence, FenceToken, FencedTable, Fencing, Issuer, PgQuery, Repository, Resource,
-    TableName, counter_key, lock_key,
+    Error, Fence, FenceToken, FencedTable, Fencing, Issuer, Repository, Resource,
+    issuer::{counter_key, lock_key},
+    table::{PgQuery, TableName},
 };
 use redis::AsyncCommands;
 use sqlx::postgres::PgPoolOptions;
@@ -213,8 +214,8 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
     .await;
     let pool = &db.pool;
     let victim = TableName::parse("victim").unwrap();
-    pgfence::guard(pool, &victim).await.unwrap();
-    pgfence::guard(pool, &TableName::parse("acct").unwrap())
+    pgfence::guard::guard(pool, &victim).await.unwrap();
+    pgfence::guard::guard(pool, &TableName::parse("acct").unwrap())
         .await
         .unwrap();
     // The row as token 5's lease writes it (a stored fence packs token, tag and sequence).
@@ -272,7 +273,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "table name with `; DROP TABLE`",
         async {
-            pgfence::guard(
+            pgfence::guard::guard(
                 p,
                 &TableName::new("public", "victim; DROP TABLE victim; --")?,
             )
@@ -285,7 +286,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "table name breaking out of its quotes",
         async {
-            pgfence::guard(
+            pgfence::guard::guard(
                 p,
                 &TableName::new("public", "victim\"; DROP TABLE victim; --")?,
             )
@@ -304,7 +305,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "table name with an SQL comment",
         async {
-            pgfence::guard(p, &TableName::new("public", "victim/**/--")?)
+            pgfence::guard::guard(p, &TableName::new("public", "victim/**/--")?)
                 .await
                 .map(drop)
         },
@@ -314,7 +315,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "schema name with an injected statement",
         async {
-            pgfence::guard(
+            pgfence::guard::guard(
                 p,
                 &TableName::new("public; DROP SCHEMA public CASCADE; --", "victim")?,
             )
@@ -327,7 +328,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "unicode homoglyph of an existing table (Cyrillic i)",
         async {
-            pgfence::guard(p, &TableName::new("public", "v\u{0456}ctim")?)
+            pgfence::guard::guard(p, &TableName::new("public", "v\u{0456}ctim")?)
                 .await
                 .map(drop)
         },
@@ -337,7 +338,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "right-to-left override in a table name",
         async {
-            pgfence::guard(p, &TableName::new("public", "victim\u{202e}")?)
+            pgfence::guard::guard(p, &TableName::new("public", "victim\u{202e}")?)
                 .await
                 .map(drop)
         },
@@ -383,7 +384,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "guard a view",
         async {
-            pgfence::guard(p, &TableName::parse("victim_view")?)
+            pgfence::guard::guard(p, &TableName::parse("victim_view")?)
                 .await
                 .map(drop)
         },
@@ -393,20 +394,20 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "guard a system catalog",
         async {
-            pgfence::guard(p, &TableName::parse("pg_catalog.pg_class")?)
+            pgfence::guard::guard(p, &TableName::parse("pg_catalog.pg_class")?)
                 .await
                 .map(drop)
         },
         Error::InvalidTable { .. }
     );
     case!(cases, "guard a table whose fence column is text",
-        async { pgfence::guard(p, &TableName::parse("textfence")?).await.map(drop) },
+        async { pgfence::guard::guard(p, &TableName::parse("textfence")?).await.map(drop) },
         Error::FenceColumnType { found, .. } if found == "text");
     case!(
         cases,
         "guard a table that does not exist",
         async {
-            pgfence::guard(p, &TableName::parse("nope")?)
+            pgfence::guard::guard(p, &TableName::parse("nope")?)
                 .await
                 .map(drop)
         },
@@ -416,7 +417,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "unguard a table that does not exist",
         async {
-            pgfence::unguard(p, &TableName::parse("nope")?, true)
+            pgfence::guard::unguard(p, &TableName::parse("nope")?, true)
                 .await
                 .map(drop)
         },
@@ -902,7 +903,7 @@ async fn guarding_pgfence_own_tables_is_refused() {
         "information_schema.sql_features",
     ] {
         let before = pg_snapshot(&db.pool).await;
-        let outcome = pgfence::guard(&db.pool, &TableName::parse(table).unwrap()).await;
+        let outcome = pgfence::guard::guard(&db.pool, &TableName::parse(table).unwrap()).await;
         let after = pg_snapshot(&db.pool).await;
         assert!(
             matches!(outcome, Err(Error::InvalidTable { .. })),

@@ -40,7 +40,7 @@ async fn doctor_exit_codes_lines_and_json() {
     );
     assert!(lines[0].contains("pgfence migrate"), "{text}");
 
-    pgfence::migrate(&db.pool).await.unwrap();
+    pgfence::admin::migrate(&db.pool).await.unwrap();
     db.exec(
         "CREATE TABLE jobs (id int PRIMARY KEY, state text); INSERT INTO jobs VALUES (1, 'new')",
     )

@@ -303,8 +303,11 @@ async fn lost_counter_is_recovered_from_postgres() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let _: () = rconn.set(pgfence::counter_key(&res), "3").await.unwrap();
-    let _: () = rconn.del(pgfence::counter_key(&res)).await.unwrap();
+    let _: () = rconn
+        .set(pgfence::issuer::counter_key(&res), "3")
+        .await
+        .unwrap();
+    let _: () = rconn.del(pgfence::issuer::counter_key(&res)).await.unwrap();
     let out = pgfence(
         &db.url(),
         &redis,
@@ -334,7 +337,7 @@ async fn lost_counter_is_recovered_from_postgres() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let _: () = rconn.del(pgfence::counter_key(&res)).await.unwrap();
+    let _: () = rconn.del(pgfence::issuer::counter_key(&res)).await.unwrap();
     let out = pgfence(
         &db.url(),
         &redis,
@@ -428,7 +431,7 @@ async fn waiting_on_a_lock_without_expiry_backs_off_and_says_so() {
         .unwrap();
     let res = pgfence::Resource::new("stuck").unwrap();
     let _: () = rconn
-        .set(pgfence::lock_key(&res), "someone-else:5")
+        .set(pgfence::issuer::lock_key(&res), "someone-else:5")
         .await
         .unwrap();
     let commands = |info: String| -> u64 {

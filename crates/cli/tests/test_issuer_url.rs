@@ -199,19 +199,22 @@ async fn key_prefix_separates_locks_and_counters() {
         assert!(err.contains("invalid key prefix"), "{bad:?}: {err}");
     }
     let _: () = conn
-        .del(&[format!("cli-app:{{{r}}}:fence"), pgfence::counter_key(&res)])
+        .del(&[
+            format!("cli-app:{{{r}}}:fence"),
+            pgfence::issuer::counter_key(&res),
+        ])
         .await
         .unwrap();
 }
 
 /// The binary links the same pgfence as this test (one build), so this says what it has.
-fn built(kind: pgfence::IssuerKind) -> bool {
+fn built(kind: pgfence::issuer::IssuerKind) -> bool {
     kind.is_built()
 }
 
 #[tokio::test]
 async fn etcd_url_without_the_feature_says_how_to_enable_it() {
-    if built(pgfence::IssuerKind::Etcd) {
+    if built(pgfence::issuer::IssuerKind::Etcd) {
         eprintln!("SKIPPED etcd_url_without_the_feature: this build has the etcd issuer");
         return;
     }
@@ -237,7 +240,7 @@ async fn etcd_url_without_the_feature_says_how_to_enable_it() {
 #[tokio::test]
 async fn lock_run_and_reseed_with_etcd() {
     use pgfence_testkit::{EtcdCluster, etcd_installed};
-    if !built(pgfence::IssuerKind::Etcd) {
+    if !built(pgfence::issuer::IssuerKind::Etcd) {
         eprintln!("SKIPPED lock_run_and_reseed_with_etcd: this build has no etcd issuer");
         return;
     }
@@ -294,7 +297,7 @@ async fn lock_run_and_reseed_with_etcd() {
 #[tokio::test]
 async fn run_status_and_reseed_with_zookeeper() {
     use pgfence_testkit::{ZkEnsemble, zk_installed};
-    if !built(pgfence::IssuerKind::ZooKeeper) {
+    if !built(pgfence::issuer::IssuerKind::ZooKeeper) {
         eprintln!("SKIPPED run_status_and_reseed_with_zookeeper: this build has no zk issuer");
         return;
     }

@@ -430,7 +430,7 @@ async fn the_application_role_at_run_time() {
     );
     assert!(out.contains("up to date"), "{out}");
     let pool = app.pool(&db).await;
-    assert!(pgfence::migrate(&pool).await.unwrap().is_empty());
+    assert!(pgfence::admin::migrate(&pool).await.unwrap().is_empty());
     // `doctor` says what it could not check, and why — not "migration failed".
     let out = run(&app_env, &["doctor", "--no-redis", "--json"]);
     let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
@@ -451,7 +451,7 @@ async fn the_application_role_at_run_time() {
           WHERE version = (SELECT max(version) FROM pgfence.refinery_schema_history)",
     )
     .await;
-    let err = pgfence::migrate(&pool).await.unwrap_err();
+    let err = pgfence::admin::migrate(&pool).await.unwrap_err();
     assert!(
         matches!(err, pgfence::Error::MigrationNotPermitted { .. }),
         "{err:?}"
@@ -463,7 +463,7 @@ async fn the_application_role_at_run_time() {
     assert!(err.contains("owner of schema pgfence"), "{err}");
     // The owner brings it back.
     ok(&run(&owner_env, &["migrate"]), "migrate as owner");
-    assert!(pgfence::migrate(&pool).await.unwrap().is_empty());
+    assert!(pgfence::admin::migrate(&pool).await.unwrap().is_empty());
 }
 
 /// Functions and operators in schema `evil` with the names pgfence's statements use, each

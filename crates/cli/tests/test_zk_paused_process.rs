@@ -137,7 +137,7 @@ fn read(path: &Path) -> String {
 async fn a_paused_zookeeper_holder_loses_the_lock_and_its_late_write_is_fenced() {
     use pgfence_testkit::{ZkEnsemble, zk_installed};
     let name = "a_paused_zookeeper_holder_loses_the_lock_and_its_late_write_is_fenced";
-    if !pgfence::IssuerKind::ZooKeeper.is_built() {
+    if !pgfence::issuer::IssuerKind::ZooKeeper.is_built() {
         eprintln!("SKIPPED {name}: this build has no zk issuer (--features pgfence/zk)");
         return;
     }
@@ -156,9 +156,12 @@ async fn a_paused_zookeeper_holder_loses_the_lock_and_its_late_write_is_fenced()
          INSERT INTO invoices VALUES (42, 'open');",
     )
     .await;
-    pgfence::guard(&db.pool, &pgfence::TableName::parse("invoices").unwrap())
-        .await
-        .unwrap();
+    pgfence::guard::guard(
+        &db.pool,
+        &pgfence::table::TableName::parse("invoices").unwrap(),
+    )
+    .await
+    .unwrap();
     let res = unique_resource("zk-paused");
     let r = res.as_str();
     // The new holder's issuer: its own session, opened before the pause.
@@ -404,7 +407,7 @@ async fn a_paused_zookeeper_holder_loses_the_lock_and_its_late_write_is_fenced()
     );
     assert_eq!(
         issuer.release(&new_lease).await.unwrap(),
-        pgfence::ReleaseOutcome::Released
+        pgfence::issuer::ReleaseOutcome::Released
     );
     eprintln!("whole test: {:?}", test_started.elapsed());
 }

@@ -230,19 +230,19 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
             const KEY_COLUMNS: &'static [&'static str] = &[#(#key_names),*];
             const COLUMNS: &'static [&'static str] = &[#(#col_names),*];
 
-            fn bind_key(&self, q: #krate::PgQuery) -> #krate::PgQuery {
+            fn bind_key(&self, q: #krate::table::PgQuery) -> #krate::table::PgQuery {
                 q #(.bind(&self.#key_fields))*
             }
-            fn bind_columns(&self, q: #krate::PgQuery) -> #krate::PgQuery {
+            fn bind_columns(&self, q: #krate::table::PgQuery) -> #krate::table::PgQuery {
                 q #(.bind(&self.#col_fields))*
             }
-            fn bind_key_value(key: &Self::Key, q: #krate::PgQuery) -> #krate::PgQuery {
+            fn bind_key_value(key: &Self::Key, q: #krate::table::PgQuery) -> #krate::table::PgQuery {
                 #bind_key_value
             }
             fn bind_key_arrays(
                 rows: &[&Self],
-                q: #krate::PgQuery,
-            ) -> ::core::option::Option<#krate::PgQuery> {
+                q: #krate::table::PgQuery,
+            ) -> ::core::option::Option<#krate::table::PgQuery> {
                 ::core::option::Option::Some(q #(.bind(
                     rows.iter()
                         .map(|r| ::core::clone::Clone::clone(&r.#key_fields))
@@ -251,8 +251,8 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
             }
             fn bind_column_arrays(
                 rows: &[&Self],
-                q: #krate::PgQuery,
-            ) -> ::core::option::Option<#krate::PgQuery> {
+                q: #krate::table::PgQuery,
+            ) -> ::core::option::Option<#krate::table::PgQuery> {
                 #unused_rows
                 ::core::option::Option::Some(q #(.bind(
                     rows.iter()
@@ -262,22 +262,22 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
             }
             fn bind_key_value_arrays(
                 keys: &[&Self::Key],
-                q: #krate::PgQuery,
-            ) -> ::core::option::Option<#krate::PgQuery> {
+                q: #krate::table::PgQuery,
+            ) -> ::core::option::Option<#krate::table::PgQuery> {
                 ::core::option::Option::Some(#bind_key_value_arrays)
             }
             fn bind_column(
                 &self,
                 column: &str,
-                q: #krate::PgQuery,
-            ) -> ::core::option::Option<#krate::PgQuery> {
+                q: #krate::table::PgQuery,
+            ) -> ::core::option::Option<#krate::table::PgQuery> {
                 #bind_column
             }
-            fn key_types() -> ::std::vec::Vec<#krate::ColumnType> {
-                ::std::vec![#(#krate::ColumnType::of::<#key_tys>()),*]
+            fn key_types() -> ::std::vec::Vec<#krate::table::ColumnType> {
+                ::std::vec![#(#krate::table::ColumnType::of::<#key_tys>()),*]
             }
-            fn column_types() -> ::std::vec::Vec<#krate::ColumnType> {
-                ::std::vec![#(#krate::ColumnType::of::<#col_tys>()),*]
+            fn column_types() -> ::std::vec::Vec<#krate::table::ColumnType> {
+                ::std::vec![#(#krate::table::ColumnType::of::<#col_tys>()),*]
             }
         }
     })
@@ -463,7 +463,7 @@ fn str_value(expr: &Expr) -> Option<String> {
     }
 }
 
-/// The checks `pgfence::Ident::new` makes at run time, made at compile time.
+/// The checks `pgfence::table::Ident::new` makes at run time, made at compile time.
 fn check_name(name: &str, span: Span, errors: &mut Errors) {
     let reason = if name.is_empty() {
         Some("an empty name")

@@ -30,7 +30,7 @@ pub const REDIS_SENTINEL_ACL_RULE: &str = "-@all +sentinel|get-master-addr-by-na
 
 /// The Redis ACL key pattern of an issuer with key prefix `prefix`: `~PREFIX:*` (`~pgfence:*`
 /// by default), with the glob characters of the prefix escaped. Every lock and counter key of
-/// the issuer matches it ([`lock_key`](crate::lock_key), [`counter_key`](crate::counter_key)).
+/// the issuer matches it ([`lock_key`](crate::issuer::lock_key), [`counter_key`](crate::issuer::counter_key)).
 #[must_use]
 pub fn redis_acl_key_pattern(prefix: &str) -> String {
     let mut pattern = String::with_capacity(prefix.len() + 3);
@@ -46,7 +46,7 @@ pub fn redis_acl_key_pattern(prefix: &str) -> String {
 }
 
 /// The minimal Redis ACL for the issuer's user with key prefix `prefix`
-/// ([`DEFAULT_KEY_PREFIX`](crate::DEFAULT_KEY_PREFIX) unless
+/// ([`DEFAULT_KEY_PREFIX`](crate::issuer::DEFAULT_KEY_PREFIX) unless
 /// [`Issuer::with_key_prefix`](crate::Issuer::with_key_prefix) sets another): its keys
 /// ([`redis_acl_key_pattern`]), no Pub/Sub channel, and [`REDIS_ACL_COMMANDS`]. The rules go
 /// after the user's name and password:

@@ -40,9 +40,9 @@ use super::lease::ttl_millis;
 use super::policy::{self, Ask, Attempt, AttemptTimeout, Backend, Renewal, Resend, limit_refused};
 use super::token_issuer::IssuerKind;
 use super::{KeepAlive, Lease, LeaseState, LockStatus, ReleaseOutcome};
-use crate::{Error, FenceToken, MAX_TOKEN, Resource, Result, StaleTarget};
 #[cfg(doc)]
-use crate::{MAX_KEY_PREFIX_LEN, MAX_TTL, MIN_TTL};
+use crate::issuer::{MAX_KEY_PREFIX_LEN, MAX_TTL, MIN_TTL};
+use crate::{Error, FenceToken, Resource, Result, error::StaleTarget, token::MAX_TOKEN};
 
 /// Where an issuer reads the mark a fresh counter must start above (Postgres's high-water
 /// mark, through [`Issuer::with_floor_source`]): the issuer's only view of the database.

@@ -34,7 +34,7 @@ pub use url::{ZK_SCHEME, is_zk_url};
 ///
 /// The same methods and [`Lease`] / [`ReleaseOutcome`] / [`LeaseState`] / [`LockStatus`] as
 /// the Redis [`Issuer`](crate::Issuer) and the `EtcdIssuer`, and it implements
-/// [`TokenIssuer`](crate::TokenIssuer) ([`IssuerKind::ZooKeeper`](crate::IssuerKind::ZooKeeper)),
+/// [`TokenIssuer`](crate::TokenIssuer) ([`IssuerKind::ZooKeeper`](crate::issuer::IssuerKind::ZooKeeper)),
 /// where [`raise_floor`](crate::TokenIssuer::raise_floor) and
 /// [`recover_from`](crate::TokenIssuer::recover_from) are no-ops: zxids never go backwards.
 /// Cloning is cheap; clones share one ZooKeeper session.
@@ -60,7 +60,7 @@ pub use url::{ZK_SCHEME, is_zk_url};
 /// lock node's `czxid` (the zxid of its creation), **not** its sequence suffix: the suffix is a
 /// signed 32-bit counter that wraps, and it is per parent node.
 ///
-/// Tokens are at most [`MAX_TOKEN`](crate::MAX_TOKEN) = 2^39 − 1, so this issuer works while the
+/// Tokens are at most [`MAX_TOKEN`](crate::token::MAX_TOKEN) = 2^39 − 1, so this issuer works while the
 /// ensemble's epoch is below 128 (an ensemble starts at epoch 1, and each leader election adds
 /// one). An acquire whose zxid would exceed it fails with [`Error::InvalidToken`] and leaves no
 /// lock behind. Like the etcd issuer, zxids are ensemble-wide, so tokens compare across
@@ -225,10 +225,10 @@ impl ZkIssuer {
     /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds it.
     ///
     /// # Errors
-    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::MIN_TTL)`..=`
-    /// [`MAX_TTL`](crate::MAX_TTL) (nothing is sent); [`Error::ZooKeeper`] when ZooKeeper fails
+    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::issuer::MIN_TTL)`..=`
+    /// [`MAX_TTL`](crate::issuer::MAX_TTL) (nothing is sent); [`Error::ZooKeeper`] when ZooKeeper fails
     /// after retries; [`Error::InvalidToken`] when the ensemble's zxid reached
-    /// [`MAX_TOKEN`](crate::MAX_TOKEN) (no lock node is left behind).
+    /// [`MAX_TOKEN`](crate::token::MAX_TOKEN) (no lock node is left behind).
     pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
         policy::acquire(self, resource, ttl).await
     }
@@ -296,7 +296,7 @@ impl ZkIssuer {
     }
 
     /// [`ZkIssuer::extend`], re-sending after transport failures only until `until` (what
-    /// [`KeepAlive`](crate::KeepAlive) uses, with the lease's local deadline).
+    /// [`KeepAlive`](crate::issuer::KeepAlive) uses, with the lease's local deadline).
     ///
     /// # Errors
     /// As [`ZkIssuer::extend`].
@@ -320,9 +320,9 @@ impl ZkIssuer {
         policy::status(self, resource).await
     }
 
-    /// Keeps `lease` alive in the background; see [`KeepAlive`](crate::KeepAlive).
+    /// Keeps `lease` alive in the background; see [`KeepAlive`](crate::issuer::KeepAlive).
     #[must_use]
-    pub fn keep_alive(&self, lease: &Lease) -> crate::KeepAlive {
-        crate::KeepAlive::spawn(Arc::new(self.clone()), lease.clone())
+    pub fn keep_alive(&self, lease: &Lease) -> crate::issuer::KeepAlive {
+        crate::issuer::KeepAlive::spawn(Arc::new(self.clone()), lease.clone())
     }
 }

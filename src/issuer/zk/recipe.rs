@@ -14,7 +14,11 @@ use super::names::{is_owners, owner_stem, queue};
 use super::session::{create_lock_node, delete, list, timed};
 use crate::issuer::policy::{self, Ask, Attempt, Backend, PATIENT, Renewal, Resend, resend};
 use crate::issuer::token_issuer::IssuerKind;
-use crate::{Error, FenceToken, Lease, LockStatus, MAX_TOKEN, ReleaseOutcome, Resource, Result};
+use crate::{
+    Error, FenceToken, Lease, Resource, Result,
+    issuer::{LockStatus, ReleaseOutcome},
+    token::MAX_TOKEN,
+};
 
 /// Zxids never go backwards: nothing to raise, nothing to reseed (the defaults).
 impl Backend for ZkIssuer {

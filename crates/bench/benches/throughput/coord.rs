@@ -125,7 +125,7 @@ macro_rules! cycle_issuer {
             fn release(
                 &self,
                 lease: &Lease,
-            ) -> impl Future<Output = pgfence::Result<pgfence::ReleaseOutcome>> + Send {
+            ) -> impl Future<Output = pgfence::Result<pgfence::issuer::ReleaseOutcome>> + Send {
                 <$ty>::release(self, lease)
             }
         }
@@ -133,10 +133,10 @@ macro_rules! cycle_issuer {
 }
 
 #[cfg(feature = "etcd")]
-cycle_issuer!(pgfence::EtcdIssuer);
+cycle_issuer!(pgfence::issuer::EtcdIssuer);
 #[cfg(feature = "zk")]
-cycle_issuer!(pgfence::ZkIssuer);
-cycle_issuer!(pgfence::PgIssuer);
+cycle_issuer!(pgfence::issuer::ZkIssuer);
+cycle_issuer!(pgfence::issuer::PgIssuer);
 
 /// Acquire of a fresh resource each time; the leases are kept for a release after the
 /// measurement.

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Result;
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
-use pgfence::{EtcdIssuer, Issuer};
+use pgfence::{Issuer, issuer::EtcdIssuer};
 use pgfence_testkit::{EtcdCluster, ServerError};
 
 use crate::LEASE_TTL;

@@ -52,7 +52,7 @@
 //!
 //! Servers: `DATABASE_URL` / `REDIS_URL` when set, else throwaway servers
 //! ([`pgfence_testkit::Server`]). A fresh database is created (and dropped at the end) and
-//! migrated with [`pgfence::migrate`].
+//! migrated with [`pgfence::admin::migrate`].
 //!
 //! Settings (environment): `PGFENCE_BENCH_SECS` (3), `PGFENCE_BENCH_WARMUP` (1),
 //! `PGFENCE_BENCH_TASKS` (16), `PGFENCE_BENCH_POOL` (= tasks), `PGFENCE_BENCH_ROWS` (10000),

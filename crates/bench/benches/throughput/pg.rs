@@ -51,7 +51,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use pgfence::{Issuer, PgIssuer, Resource};
+use pgfence::{Issuer, Resource, issuer::PgIssuer};
 use sqlx::PgPool;
 
 use crate::LEASE_TTL;
@@ -411,7 +411,7 @@ impl<I: CycleIssuer> Workload for SharedCycle<I> {
     async fn op(&self, (): &mut Self::State) -> Outcome {
         match self.issuer.acquire(&self.resource, LEASE_TTL).await {
             Ok(Some(lease)) => match self.issuer.release(&lease).await {
-                Ok(pgfence::ReleaseOutcome::Released) => Outcome::Applied,
+                Ok(pgfence::issuer::ReleaseOutcome::Released) => Outcome::Applied,
                 Ok(state) => Outcome::Failed(format!("release found {state:?}")),
                 Err(e) => Outcome::Failed(e.to_string()),
             },
@@ -488,7 +488,7 @@ impl Workload for LeaseCycle {
     }
 
     async fn op(&self, (resource, last): &mut Self::State) -> Outcome {
-        let owner = pgfence::new_owner_id();
+        let owner = pgfence::issuer::new_owner_id();
         let ttl_secs = LEASE_TTL.as_secs_f64();
         let run = async {
             let token: Option<i64> = sqlx::query_scalar(LEASE_ACQUIRE_SQL)
@@ -546,7 +546,7 @@ impl Workload for PreparedFunctions {
     }
 
     async fn op(&self, resource: &mut Self::State) -> Outcome {
-        let owner = pgfence::new_owner_id();
+        let owner = pgfence::issuer::new_owner_id();
         let ttl_ms = i64::try_from(LEASE_TTL.as_millis()).expect("ttl fits i64");
         let run = async {
             let (acquired, token): (bool, Option<i64>) = sqlx::query_as(

@@ -6,7 +6,7 @@ use std::str::FromStr;
 use std::sync::atomic::Ordering;
 
 use anyhow::{Context, Result};
-use pgfence::{FenceToken, Repository, TableName};
+use pgfence::{FenceToken, Repository, table::TableName};
 use pgfence_testkit::{Kind, Server, url_or_start};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
@@ -141,7 +141,7 @@ impl Env {
             .max_connections(2)
             .connect_with(db.clone())
             .await?;
-        pgfence::migrate(&admin).await?;
+        pgfence::admin::migrate(&admin).await?;
         find_postmaster(&admin).await;
         create_tables(&admin, cfg.rows).await?;
         let (repo_sql, repo_sql_prepared) = repository_sql(&db).await?;
@@ -240,7 +240,7 @@ async fn create_tables(admin: &PgPool, rows: i32) -> Result<()> {
         .await?;
     }
     for table in ["bench_guarded", "bench_jobs"] {
-        pgfence::guard(admin, &TableName::parse(table)?).await?;
+        pgfence::guard::guard(admin, &TableName::parse(table)?).await?;
     }
     run_sql(
         admin,

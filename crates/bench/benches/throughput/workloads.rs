@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use pgfence::{Fencing, Issuer, Lease, ReleaseOutcome, Repository, Resource};
+use pgfence::{Fencing, Issuer, Lease, Repository, Resource, issuer::ReleaseOutcome};
 use sqlx::{PgPool, SqlStr};
 
 use crate::measure::{BatchKeys, Keys, Outcome, Workload, next_token, stale_token};
@@ -308,7 +308,7 @@ impl<I: CycleIssuer> Workload for IssuerCycle<I> {
     async fn op(&self, resource: &mut Self::State) -> Outcome {
         match self.issuer.acquire(resource, LEASE_TTL).await {
             Ok(Some(lease)) => match self.issuer.release(&lease).await {
-                Ok(pgfence::ReleaseOutcome::Released) => Outcome::Applied,
+                Ok(pgfence::issuer::ReleaseOutcome::Released) => Outcome::Applied,
                 Ok(state) => Outcome::Failed(format!("release found {state:?}")),
                 Err(e) => Outcome::Failed(e.to_string()),
             },
@@ -350,7 +350,7 @@ impl Workload for JobCycle {
         row.id = keys.next();
         let written: Outcome = self.repo.update(&self.pool, &lease, row).await.into();
         match self.issuer.release(&lease).await {
-            Ok(pgfence::ReleaseOutcome::Released) => written,
+            Ok(pgfence::issuer::ReleaseOutcome::Released) => written,
             Ok(state) => Outcome::Failed(format!("release found {state:?}")),
             Err(e) => Outcome::Failed(e.to_string()),
         }

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use pgfence::{Issuer, Resource, ZkIssuer};
+use pgfence::{Issuer, Resource, issuer::ZkIssuer};
 use pgfence_testkit::{ServerError, ZkEnsemble};
 use zookeeper_client::{Acls, Client, CreateMode};
 
@@ -65,7 +65,7 @@ impl LocalServer for ZkEnsemble {
 /// The connect string of a `zk://` URL (`host:port,...`), for the raw client: the scheme, a
 /// trailing `/` and the query are dropped; a host without a port gets 2181.
 fn hosts(url: &str) -> String {
-    let rest = url.get(pgfence::ZK_SCHEME.len()..).unwrap_or("");
+    let rest = url.get(pgfence::issuer::ZK_SCHEME.len()..).unwrap_or("");
     let hosts = rest.split('?').next().unwrap_or("");
     hosts
         .trim_end_matches('/')
@@ -95,7 +95,7 @@ impl Workload for RawZkCycle {
     type State = (String, String);
 
     fn state(&self, task: usize) -> Self::State {
-        let owner = pgfence::new_owner_id();
+        let owner = pgfence::issuer::new_owner_id();
         (format!("{}/{task}/lock-{owner}-", self.base), owner)
     }
 

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use pgfence::AuditFilter;
+use pgfence::audit::AuditFilter;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
@@ -137,7 +137,7 @@ pub async fn list(
 }
 
 /// One followed audit row: a JSON object, or one human line.
-fn print_follow_line(r: &pgfence::AuditEntry, json: bool) -> Result<()> {
+fn print_follow_line(r: &pgfence::audit::AuditEntry, json: bool) -> Result<()> {
     use std::io::Write;
     let line = if json {
         serde_json::to_string(r)?
@@ -169,7 +169,7 @@ fn print_follow_line(r: &pgfence::AuditEntry, json: bool) -> Result<()> {
 /// writer chooses its `application_name`: a newline in it cannot start a line of its own, nor
 /// a `reason=` in it pass for the reason). Empty when neither is recorded (or both are empty:
 /// a client that sets no `application_name` records `''`).
-fn details(r: &pgfence::AuditEntry) -> String {
+fn details(r: &pgfence::audit::AuditEntry) -> String {
     [("app", &r.application_name), ("reason", &r.reason)]
         .into_iter()
         .filter_map(|(name, v)| {
@@ -182,9 +182,12 @@ fn details(r: &pgfence::AuditEntry) -> String {
 }
 
 /// One read of the audit table, in a [`Session`] of its own (each poll of `--follow` too).
-async fn list_rows(pool: &sqlx::PgPool, filter: &AuditFilter) -> Result<Vec<pgfence::AuditEntry>> {
+async fn list_rows(
+    pool: &sqlx::PgPool,
+    filter: &AuditFilter,
+) -> Result<Vec<pgfence::audit::AuditEntry>> {
     let mut session = Session::begin(pool).await?;
-    let rows = pgfence::list_audit(session.conn(), filter).await?;
+    let rows = pgfence::audit::list(session.conn(), filter).await?;
     session.commit().await?;
     Ok(rows)
 }
@@ -193,7 +196,7 @@ async fn list_rows(pool: &sqlx::PgPool, filter: &AuditFilter) -> Result<Vec<pgfe
 pub async fn prune(conn: &Conn, older_than: Duration) -> Result<ExitCode> {
     let cutoff = ago("--older-than", older_than)?;
     let mut session = conn.session_migrated().await?;
-    let n = pgfence::prune_audit(session.conn(), cutoff).await?;
+    let n = pgfence::audit::prune(session.conn(), cutoff).await?;
     session.commit().await?;
     println!(
         "pruned {n} audit row(s) older than {}",

@@ -1,5 +1,5 @@
 //! `pgfence doctor`: checks the setup and exits non-zero when anything but information was
-//! found (see [`pgfence::doctor`] for the checks).
+//! found (see [`pgfence::admin::doctor`] for the checks).
 
 // Printing the findings is the command's job.
 #![allow(clippy::print_stdout)]
@@ -7,7 +7,7 @@
 use std::process::ExitCode;
 
 use anyhow::Result;
-use pgfence::{DoctorOptions, Finding, FindingKind, Severity};
+use pgfence::admin::{DoctorOptions, Finding, FindingKind, Severity};
 use serde_json::json;
 
 use crate::cli::{Conn, DoctorArgs};
@@ -55,13 +55,13 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
     if args.ack_failover {
         let mut session = Session::begin(&pool).await?;
         let who = format!("pgfence doctor --ack-failover ({})", whoami());
-        let n = pgfence::acknowledge_failover(session.conn(), &who).await?;
+        let n = pgfence::admin::acknowledge_failover(session.conn(), &who).await?;
         session.commit().await?;
         eprintln!("pgfence: acknowledged {n} failover(s) of the database");
     }
     // One read-only transaction: behind a transaction-mode pooler nothing is left behind.
     let mut session = Session::begin(&pool).await?;
-    let mut findings = pgfence::doctor(session.conn(), issuer.as_deref(), &options).await?;
+    let mut findings = pgfence::admin::doctor(session.conn(), issuer.as_deref(), &options).await?;
     session.commit().await?;
     findings.splice(0..0, early);
     // Without an issuer, doctor reports the counters it could not compare; the Redis error

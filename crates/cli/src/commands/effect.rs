@@ -7,7 +7,7 @@
 use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
-use pgfence::{EffectOutcome, Effects, FenceToken, Lease, Resource};
+use pgfence::{Effects, FenceToken, Lease, Resource, effect::EffectOutcome};
 use serde_json::json;
 
 use crate::cli::{Conn, EffectLease};
@@ -36,7 +36,9 @@ pub fn named_resource(conn: &Conn, name: &str) -> Result<(Resource, String)> {
         (Some(own), _) => Ok((named.without_key_prefix(), own.to_owned())),
         (None, given) => Ok((
             named,
-            given.unwrap_or(pgfence::DEFAULT_KEY_PREFIX).to_owned(),
+            given
+                .unwrap_or(pgfence::issuer::DEFAULT_KEY_PREFIX)
+                .to_owned(),
         )),
     }
 }

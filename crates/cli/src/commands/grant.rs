@@ -15,14 +15,14 @@ use crate::util::{self, cell};
 pub async fn grant(conn: &Conn, role: &str) -> Result<ExitCode> {
     let role = util::role(role)?;
     let mut session = conn.session_migrated().await?;
-    pgfence::grant(session.conn(), &role).await?;
+    pgfence::admin::grant(session.conn(), &role).await?;
     session.commit().await?;
     println!(
         "granted {} an application's privileges on pgfence (after revoking any others):",
         cell(&role.quoted())
     );
     // The statements that granted, one per privilege, as run.
-    let sql = pgfence::grant_sql(&role);
+    let sql = pgfence::admin::grant_sql(&role);
     let mut statement = String::new();
     for line in sql.lines().filter(|l| !l.starts_with("--")) {
         statement.push_str(line.trim());

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use pgfence::TableName;
+use pgfence::table::TableName;
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -26,7 +26,7 @@ const LOCK_ATTEMPTS: u32 = 3;
 /// What to do to the table under `lock_timeout`.
 #[derive(Clone, Copy)]
 enum Op {
-    Guard(pgfence::GuardMode),
+    Guard(pgfence::guard::GuardMode),
     Unguard { drop_column: bool },
 }
 
@@ -62,9 +62,9 @@ async fn with_lock_timeout(
             .execute(session.conn())
             .await?;
         let outcome = match op {
-            Op::Guard(mode) => pgfence::guard_with(session.conn(), table, mode).await,
+            Op::Guard(mode) => pgfence::guard::guard_with(session.conn(), table, mode).await,
             Op::Unguard { drop_column } => {
-                pgfence::unguard(session.conn(), table, drop_column).await
+                pgfence::guard::unguard(session.conn(), table, drop_column).await
             }
         };
         match outcome {
@@ -105,7 +105,7 @@ pub async fn guard(
     conn: &Conn,
     table: &str,
     emit: Option<&Path>,
-    mode: pgfence::GuardMode,
+    mode: pgfence::guard::GuardMode,
     lock_timeout: Duration,
 ) -> Result<ExitCode> {
     let table = util::table(table)?;
@@ -124,7 +124,11 @@ pub async fn guard(
 }
 
 /// Writes `V{n}__guard_<table>.sql` after the highest version in a refinery folder.
-fn emit_migration(dir: &Path, table: &TableName, mode: pgfence::GuardMode) -> Result<PathBuf> {
+fn emit_migration(
+    dir: &Path,
+    table: &TableName,
+    mode: pgfence::guard::GuardMode,
+) -> Result<PathBuf> {
     let entries = std::fs::read_dir(dir)
         .with_context(|| format!("cannot read migrations folder {}", dir.display()))?;
     let mut highest: u64 = 0;
@@ -153,7 +157,7 @@ fn emit_migration(dir: &Path, table: &TableName, mode: pgfence::GuardMode) -> Re
         .collect();
     let safe = safe.strip_prefix("public_").unwrap_or(&safe).to_owned();
     let path = dir.join(format!("V{}__guard_{safe}.sql", highest + 1));
-    let sql = pgfence::guard_migration_sql_with(table, mode)?;
+    let sql = pgfence::guard::guard_migration_sql_with(table, mode)?;
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -184,7 +188,7 @@ pub async fn unguard(
 /// Lists the guarded tables, one per line or as a JSON array.
 pub async fn tables(conn: &Conn, json: bool) -> Result<ExitCode> {
     let mut session = conn.session_migrated().await?;
-    let tables = pgfence::guarded_tables_with_modes(session.conn()).await?;
+    let tables = pgfence::guard::guarded_tables_with_modes(session.conn()).await?;
     session.commit().await?;
     if json {
         let list: Vec<_> = tables

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use pgfence::{FenceToken, Lease, ReleaseOutcome};
+use pgfence::{FenceToken, Lease, issuer::ReleaseOutcome};
 use serde_json::json;
 
 use crate::cli::Conn;
@@ -18,7 +18,11 @@ use crate::util::{cell, fmt_duration};
 /// prefix (`PGFENCE_RESOURCE` of `pgfence run --key-prefix P`: `P{R`).
 fn lock_resource(conn: &Conn, name: &str) -> Result<pgfence::Resource> {
     let (resource, prefix) = super::effect::named_resource(conn, name)?;
-    if prefix != conn.key_prefix()?.unwrap_or(pgfence::DEFAULT_KEY_PREFIX) {
+    if prefix
+        != conn
+            .key_prefix()?
+            .unwrap_or(pgfence::issuer::DEFAULT_KEY_PREFIX)
+    {
         anyhow::bail!(
             "{:?} is resource {:?} under key prefix {prefix:?}: pass --key-prefix {prefix}",
             cell(name),
@@ -37,9 +41,9 @@ pub async fn acquire(
     json: bool,
 ) -> Result<ExitCode> {
     let resource = lock_resource(conn, resource)?;
-    pgfence::check_ttl(ttl)?;
+    pgfence::issuer::check_ttl(ttl)?;
     let issuer = conn.lock_issuer().await?;
-    if issuer.kind() == pgfence::IssuerKind::ZooKeeper {
+    if issuer.kind() == pgfence::issuer::IssuerKind::ZooKeeper {
         // Its lock node is ephemeral: it would be gone as soon as this command exits.
         anyhow::bail!(
             "a ZooKeeper lock lives only as long as the process that took it, so `lock acquire` cannot hand one to a later command: run the work under `pgfence run --resource {resource} -- CMD` instead"

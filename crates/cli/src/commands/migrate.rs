@@ -19,7 +19,7 @@ pub async fn migrate(conn: &Conn, status_only: bool) -> Result<ExitCode> {
     // connection (no session lock, no setting, no prepared statement).
     let mut session = Session::begin(&pool).await?;
     if !status_only {
-        let applied = pgfence::migrate(session.conn()).await?;
+        let applied = pgfence::admin::migrate(session.conn()).await?;
         session.commit().await?;
         if applied.is_empty() {
             println!("pgfence schema is up to date");
@@ -29,7 +29,7 @@ pub async fn migrate(conn: &Conn, status_only: bool) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let status = pgfence::migration_status(session.conn()).await;
+    let status = pgfence::admin::migration_status(session.conn()).await;
     session.commit().await?;
     let rows: Vec<Vec<String>> = status?
         .into_iter()

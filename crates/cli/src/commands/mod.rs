@@ -45,9 +45,9 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
             lock_timeout,
         } => {
             let mode = if observe {
-                pgfence::GuardMode::Observe
+                pgfence::guard::GuardMode::Observe
             } else {
-                pgfence::GuardMode::Enforce
+                pgfence::guard::GuardMode::Enforce
             };
             guard::guard(&conn, &table, emit_migration.as_deref(), mode, lock_timeout).await
         }

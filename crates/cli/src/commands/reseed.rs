@@ -22,10 +22,10 @@ pub async fn reseed(
     match floor {
         Some(f) if f < 0 => bail!("--floor must not be negative"),
         // The next token would be out of range: every acquire would fail.
-        Some(f) if f >= pgfence::MAX_TOKEN => {
+        Some(f) if f >= pgfence::token::MAX_TOKEN => {
             bail!(
                 "--floor must be below {} (the largest token)",
-                pgfence::MAX_TOKEN
+                pgfence::token::MAX_TOKEN
             )
         }
         _ => {}
@@ -53,7 +53,7 @@ pub async fn reseed(
             let mut session = conn.session_migrated().await?;
             // Under the issuer's key prefix's names (the default prefix's are the plain ones).
             let named = issuer.fencing_resource(&resource)?;
-            let floor = pgfence::counter_floor(session.conn(), &named).await?;
+            let floor = pgfence::admin::counter_floor(session.conn(), &named).await?;
             session.commit().await?;
             ("postgres high-water mark", floor)
         }

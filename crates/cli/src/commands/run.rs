@@ -37,7 +37,7 @@ pub const CHILD_ENV: &[ChildVar] = &[
         value: |l| {
             l.fencing_resource()
                 .key_prefix()
-                .unwrap_or(pgfence::DEFAULT_KEY_PREFIX)
+                .unwrap_or(pgfence::issuer::DEFAULT_KEY_PREFIX)
                 .to_owned()
         },
     },
@@ -114,7 +114,7 @@ pub async fn run(
     command: &[String],
 ) -> Result<ExitCode> {
     let resource = util::resource(resource)?;
-    pgfence::check_ttl(ttl)?;
+    pgfence::issuer::check_ttl(ttl)?;
     let Some(program) = command.first() else {
         bail!("no command given after --")
     };
@@ -139,7 +139,7 @@ pub async fn run(
 
     // The command is under way: say now what was held back (it may run for hours).
     util::flush_warnings();
-    let mut keep = pgfence::KeepAlive::spawn(issuer.clone(), lease.clone());
+    let mut keep = pgfence::issuer::KeepAlive::spawn(issuer.clone(), lease.clone());
     let mut term = signal(SignalKind::terminate())?;
     let mut hup = signal(SignalKind::hangup())?;
     let mut int = signal(SignalKind::interrupt())?;

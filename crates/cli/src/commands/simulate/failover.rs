@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use pgfence::{
-    AuditFilter, Error, Fence, FenceToken, Fencing, Lease, PgIssuer, Repository, Resource,
-    TableName, TokenIssuer,
+    Error, Fence, FenceToken, Fencing, Lease, Repository, Resource, TokenIssuer,
+    audit::AuditFilter, issuer::PgIssuer, table::TableName,
 };
 use pgfence_testkit::{Kind, PgReplicaSet, Replication, url_or_start};
 use sqlx::{AssertSqlSafe, PgPool};
@@ -259,7 +259,7 @@ pub async fn simulate_failover(conn: &Conn, args: &SimulateArgs) -> Result<ExitC
     // 5. The audit trail and the final row.
     say.line(String::new());
     let audit = retrying(|| async {
-        pgfence::list_audit(
+        pgfence::audit::list(
             &demo.pool,
             &AuditFilter {
                 resource: Some(demo.resource.to_string()),
@@ -336,7 +336,7 @@ async fn setup(pool: PgPool) -> Result<Demo> {
     let suffix = format!("{:08x}", rand::random::<u32>());
     let table = TableName::new("public", &format!("pgfence_demo_{suffix}"))?;
     let resource = Resource::new(format!("demo:payments:batch-42:{suffix}"))?;
-    pgfence::migrate(&pool).await?;
+    pgfence::admin::migrate(&pool).await?;
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE TABLE {t} (batch text PRIMARY KEY, status text NOT NULL, paid_by text NOT NULL);
          INSERT INTO {t} VALUES ('{BATCH}', 'pending', 'nobody');",
@@ -344,7 +344,7 @@ async fn setup(pool: PgPool) -> Result<Demo> {
     )))
     .execute(&pool)
     .await?;
-    pgfence::guard(&pool, &table).await?;
+    pgfence::guard::guard(&pool, &table).await?;
     Ok(Demo {
         fence: Fence::new(pool.clone()),
         repo: Repository::for_table(pool.clone(), table.clone())?,

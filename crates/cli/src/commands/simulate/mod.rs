@@ -24,7 +24,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Result, bail};
-use pgfence::AuditFilter;
+use pgfence::audit::AuditFilter;
 
 use self::render::{Narrator, Outcome};
 use self::servers::Servers;
@@ -34,7 +34,7 @@ use crate::util::fmt_duration;
 /// Sets up the servers and the demo table, runs the race, prints what happened; succeeds if
 /// the outcome is the one the mode predicts.
 pub async fn simulate(conn: &Conn, args: &SimulateArgs) -> Result<ExitCode> {
-    pgfence::check_ttl(args.ttl)?;
+    pgfence::issuer::check_ttl(args.ttl)?;
     if args.pg_failover {
         return failover::simulate_failover(conn, args).await;
     }
@@ -84,7 +84,7 @@ pub async fn simulate(conn: &Conn, args: &SimulateArgs) -> Result<ExitCode> {
 
     let tokens = race::race(stage.clone(), args.ttl, args.pause).await;
     let final_row = race::final_row(&stage).await;
-    let audit = pgfence::list_audit(
+    let audit = pgfence::audit::list(
         &stage.pool,
         &AuditFilter {
             resource: Some(stage.resource.to_string()),

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use pgfence::{
-    EffectOutcome, Effects, Error, FenceToken, Lease, ReleaseOutcome, Repository, Resource,
-    TableName, TokenIssuer,
+    Effects, Error, FenceToken, Lease, Repository, Resource, TokenIssuer, effect::EffectOutcome,
+    issuer::ReleaseOutcome, table::TableName,
 };
 use pgfence_testkit::Provider;
 use sqlx::{AssertSqlSafe, PgPool};

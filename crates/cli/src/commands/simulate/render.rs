@@ -5,7 +5,7 @@
 
 use std::fmt::Write as _;
 
-use pgfence::AuditEntry;
+use pgfence::audit::AuditEntry;
 
 use super::events::{Event, What};
 use super::race::FinalRow;

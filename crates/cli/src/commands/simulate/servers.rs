@@ -4,7 +4,11 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use pgfence::{IssuerOptions, PgIssuer, Repository, Resource, TableName, TokenIssuer};
+use pgfence::{
+    Repository, Resource, TokenIssuer,
+    issuer::{IssuerOptions, PgIssuer},
+    table::TableName,
+};
 use pgfence_testkit::{Kind, Server, ServerError, url_or_start};
 use sqlx::AssertSqlSafe;
 
@@ -166,7 +170,7 @@ pub async fn setup(servers: &Servers, fenced: bool, say: &Narrator) -> Result<Ar
             (connect_issuer(url, options).await?, None)
         }
     };
-    let applied = pgfence::migrate(&pool).await?;
+    let applied = pgfence::admin::migrate(&pool).await?;
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE TABLE {t} (batch text PRIMARY KEY, status text NOT NULL, paid_by text NOT NULL);
          INSERT INTO {t} VALUES ('batch-42', 'pending', 'nobody');",
@@ -175,7 +179,7 @@ pub async fn setup(servers: &Servers, fenced: bool, say: &Narrator) -> Result<Ar
     .execute(&pool)
     .await?;
     if fenced {
-        pgfence::guard(&pool, &table).await?;
+        pgfence::guard::guard(&pool, &table).await?;
     }
     say.line(format!(
         "  setup:    pgfence schema {}; demo table {} created{}",
@@ -231,7 +235,7 @@ pub async fn cleanup(stage: &Stage) {
         .execute(&stage.pool)
         .await;
     // The PostgreSQL issuer's rows for the demo's own resource (as for its Redis keys below).
-    if stage.issuer.kind() == pgfence::IssuerKind::Postgres {
+    if stage.issuer.kind() == pgfence::issuer::IssuerKind::Postgres {
         for sql in [
             "DELETE FROM pgfence.issuer_lock WHERE resource = $1",
             "DELETE FROM pgfence.issuer_counter WHERE counter = $1",
