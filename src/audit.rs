@@ -350,7 +350,7 @@ impl AuditFilter {
     /// first character).
     ///
     /// ```
-    /// let f = pgfence::AuditFilter { resource: Some("billing:*".into()), ..Default::default() };
+    /// let f = pgfence::audit::AuditFilter { resource: Some("billing:*".into()), ..Default::default() };
     /// let f = f.in_key_prefix("app_a").unwrap();
     /// assert_eq!(f.resource.as_deref(), Some("app_a{billing:*"));
     /// ```

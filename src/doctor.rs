@@ -220,8 +220,8 @@ impl DoctorOptions {
 /// ```no_run
 /// # async fn f(pool: sqlx::PgPool, issuer: pgfence::Issuer) -> pgfence::Result<()> {
 /// use std::time::Duration;
-/// let options = pgfence::DoctorOptions::default().audit_retention(Duration::from_secs(30 * 86_400));
-/// for finding in pgfence::doctor(&pool, Some(&issuer), &options).await? {
+/// let options = pgfence::admin::DoctorOptions::default().audit_retention(Duration::from_secs(30 * 86_400));
+/// for finding in pgfence::admin::doctor(&pool, Some(&issuer), &options).await? {
 ///     println!("{:?} {}: {}", finding.severity, finding.object, finding.message);
 /// }
 /// # Ok(()) }
@@ -298,7 +298,7 @@ async fn schema(pool: &mut PgConnection, findings: &mut Vec<Finding>) -> Result<
         findings.push(
             Finding::new(Severity::Error, FindingKind::SchemaNotMigrated, object)
                 .says("pgfence's schema is not migrated in this database (other checks skipped)")
-                .fix("run `pgfence migrate` (or pgfence::migrate)"),
+                .fix("run `pgfence migrate` (or pgfence::admin::migrate)"),
         );
         return Ok(false);
     }
@@ -374,7 +374,7 @@ async fn schema(pool: &mut PgConnection, findings: &mut Vec<Finding>) -> Result<
                 "pgfence's schema is behind: {} not applied (other checks skipped)",
                 pending.join(", ")
             ))
-            .fix("run `pgfence migrate` (or pgfence::migrate)"),
+            .fix("run `pgfence migrate` (or pgfence::admin::migrate)"),
     );
     Ok(false)
 }

@@ -145,7 +145,7 @@ pub struct EffectRecord {
 /// ```no_run
 /// # async fn charge(key: &str) -> serde_json::Value { serde_json::json!({}) }
 /// # async fn f(pool: sqlx::PgPool, lease: pgfence::Lease) -> pgfence::Result<()> {
-/// use pgfence::{EffectOutcome, Effects};
+/// use pgfence::{Effects, effect::EffectOutcome};
 /// let effects = Effects::new(pool.clone());
 /// // 1. Record the effect before calling: committed at once (on the pool), so a holder that
 /// //    takes over sees its key. A lease that is already fenced out stops here (StaleToken).

@@ -84,6 +84,57 @@ impl fmt::Display for StaleTarget {
     }
 }
 
+/// What kind of failure an [`Error`] is, for callers that act on the kind rather than on
+/// each variant: [`Error::kind`]. New variants join one of these kinds.
+///
+/// ```
+/// use pgfence::error::ErrorKind;
+///
+/// fn next_step(e: &pgfence::Error) -> &'static str {
+///     match e.kind() {
+///         ErrorKind::Fenced => "stop: this lease is over; take a new one",
+///         ErrorKind::Transient => "retry the same operation",
+///         ErrorKind::NotFound => "nothing to write",
+///         ErrorKind::Invalid | ErrorKind::Setup => "fix the input or the deployment",
+///         _ => "log and fail the job",
+///     }
+/// }
+/// let e = pgfence::Resource::new("").unwrap_err();
+/// assert_eq!(next_step(&e), "fix the input or the deployment");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The lease is fenced out and nothing was applied: a newer lease wrote or checked
+    /// ([`Error::StaleToken`]), the counter handed the token out twice
+    /// ([`Error::DuplicateToken`]), the row changed outside the protocol
+    /// ([`Error::RowSealed`]), the token is implausibly far ahead ([`Error::TokenJump`]), or
+    /// the database failed over since the lease first wrote ([`Error::FencedByFailover`]).
+    /// Never retry with the same lease.
+    Fenced,
+    /// The guard refused a write made without a lease ([`Error::LeaselessWrite`]) or a bypass
+    /// it does not allow ([`Error::BypassRefused`]).
+    Refused,
+    /// The row ([`Error::NotFound`]) or table ([`Error::TableNotFound`]) does not exist.
+    NotFound,
+    /// Input refused before anything was sent: a token, resource, owner, identifier, table
+    /// declaration, batch, duration, effect, key prefix, issuer URL ([`Error::InvalidIssuerUrl`],
+    /// for every issuer) or TLS setting.
+    Invalid,
+    /// The deployment must change: a feature not built ([`Error::IssuerNotBuilt`]), TLS an
+    /// issuer cannot do ([`Error::TlsUnsupported`]), a missing Redis ACL permission
+    /// ([`Error::RedisPermission`]), a schema this role may not migrate
+    /// ([`Error::MigrationNotPermitted`]), or a `fence` column of the wrong type
+    /// ([`Error::FenceColumnType`]).
+    Setup,
+    /// Transient: the same operation may be retried as is ([`Error::is_retryable`]): a
+    /// concurrent change ([`Error::Contended`]), a lost connection, a serialization failure,
+    /// a lock service failing over.
+    Transient,
+    /// Any other error of PostgreSQL, a migration or a lock service.
+    Backend,
+}
+
 /// `Result` with pgfence's [`Error`] as the default error type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -405,6 +456,39 @@ pub enum Error {
 }
 
 impl Error {
+    /// The kind of failure: what a caller does about it ([`ErrorKind`]).
+    #[must_use]
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::StaleToken { .. }
+            | Error::DuplicateToken { .. }
+            | Error::RowSealed { .. }
+            | Error::TokenJump { .. }
+            | Error::FencedByFailover { .. } => ErrorKind::Fenced,
+            Error::BypassRefused { .. } | Error::LeaselessWrite { .. } => ErrorKind::Refused,
+            Error::NotFound { .. } | Error::TableNotFound(_) => ErrorKind::NotFound,
+            Error::InvalidToken(_)
+            | Error::InvalidResource(_)
+            | Error::InvalidOwner(_)
+            | Error::InvalidIdentifier { .. }
+            | Error::InvalidTable { .. }
+            | Error::InvalidBatch { .. }
+            | Error::InvalidDuration(_)
+            | Error::InvalidEffect(_)
+            | Error::InvalidKeyPrefix(_)
+            | Error::InvalidIssuerUrl(_)
+            | Error::InvalidTls(_)
+            | Error::TlsFile { .. } => ErrorKind::Invalid,
+            Error::IssuerNotBuilt { .. }
+            | Error::TlsUnsupported { .. }
+            | Error::RedisPermission { .. }
+            | Error::MigrationNotPermitted { .. }
+            | Error::FenceColumnType { .. } => ErrorKind::Setup,
+            _ if self.is_retryable() => ErrorKind::Transient,
+            _ => ErrorKind::Backend,
+        }
+    }
+
     /// True when a write was rejected because a newer lease had written or checked.
     #[must_use]
     pub fn is_stale(&self) -> bool {
@@ -647,6 +731,72 @@ fn parse_fence_detail(code: &str, detail: &str) -> Option<Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kinds_group_the_variants() {
+        let target = || StaleTarget::Resource("r".into());
+        let cases = [
+            (
+                Error::StaleToken {
+                    target: target(),
+                    presented: 1,
+                    current: 2,
+                    other_counter: false,
+                },
+                ErrorKind::Fenced,
+            ),
+            (
+                Error::FencedByFailover {
+                    target: target(),
+                    presented: 1,
+                    lease_timeline: 1,
+                    timeline: 2,
+                },
+                ErrorKind::Fenced,
+            ),
+            (
+                Error::LeaselessWrite {
+                    table: "t".into(),
+                    old: 1,
+                    new: 2,
+                },
+                ErrorKind::Refused,
+            ),
+            (Error::TableNotFound("t".into()), ErrorKind::NotFound),
+            (Error::InvalidIssuerUrl("x".into()), ErrorKind::Invalid),
+            (Error::InvalidToken("0".into()), ErrorKind::Invalid),
+            (
+                Error::IssuerNotBuilt {
+                    scheme: "zk://",
+                    feature: "zk",
+                },
+                ErrorKind::Setup,
+            ),
+            (
+                Error::Contended {
+                    table: "t".into(),
+                    operation: "update",
+                },
+                ErrorKind::Transient,
+            ),
+            (
+                Error::Database(sqlx::Error::PoolTimedOut),
+                ErrorKind::Transient,
+            ),
+            (
+                Error::Database(sqlx::Error::RowNotFound),
+                ErrorKind::Backend,
+            ),
+        ];
+        for (error, kind) in cases {
+            assert_eq!(error.kind(), kind, "{error}");
+            assert_eq!(
+                error.kind() == ErrorKind::Transient,
+                error.is_retryable(),
+                "{error}"
+            );
+        }
+    }
 
     #[test]
     fn parses_token_jump_detail() {

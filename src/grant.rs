@@ -81,7 +81,7 @@ const APP_FUNCTIONS: &[&str] = &[
 ///
 /// # Example
 /// ```
-/// let sql = pgfence::grant_sql(&pgfence::Ident::new("billing_app").unwrap());
+/// let sql = pgfence::admin::grant_sql(&pgfence::table::Ident::new("billing_app").unwrap());
 /// assert!(sql.contains("GRANT USAGE ON SCHEMA pgfence TO \"billing_app\";"));
 /// ```
 #[must_use]
@@ -116,7 +116,7 @@ pub fn grant_sql(role: &Ident) -> String {
 /// # Example
 /// ```no_run
 /// # async fn f(pool: sqlx::PgPool) -> pgfence::Result<()> {
-/// pgfence::grant(&pool, &pgfence::Ident::new("billing_app")?).await?;
+/// pgfence::admin::grant(&pool, &pgfence::table::Ident::new("billing_app")?).await?;
 /// # Ok(()) }
 /// ```
 pub async fn grant<'c, A>(conn: A, role: &Ident) -> Result<()>

@@ -18,8 +18,8 @@ use crate::ident::{Ident, TableName, quote_literal};
 /// # Example
 /// ```no_run
 /// # async fn f(pool: sqlx::PgPool) -> pgfence::Result<()> {
-/// let table = pgfence::TableName::parse("inventory_snapshot")?;
-/// pgfence::guard(&pool, &table).await?;
+/// let table = pgfence::table::TableName::parse("inventory_snapshot")?;
+/// pgfence::guard::guard(&pool, &table).await?;
 /// # Ok(()) }
 /// ```
 ///
@@ -86,11 +86,11 @@ impl std::fmt::Display for GuardMode {
 /// # Example
 /// ```no_run
 /// # async fn f(pool: sqlx::PgPool) -> pgfence::Result<()> {
-/// use pgfence::{GuardMode, TableName};
+/// use pgfence::{guard::GuardMode, table::TableName};
 /// let table = TableName::parse("accounts")?;
-/// pgfence::guard_with(&pool, &table, GuardMode::Observe).await?; // roll out: report only
+/// pgfence::guard::guard_with(&pool, &table, GuardMode::Observe).await?; // roll out: report only
 /// // ... once `pgfence audit` shows no more `observe` rows for it:
-/// pgfence::guard_with(&pool, &table, GuardMode::Enforce).await?;
+/// pgfence::guard::guard_with(&pool, &table, GuardMode::Enforce).await?;
 /// # Ok(()) }
 /// ```
 pub async fn guard_with<'c, E: PgExecutor<'c>>(
@@ -287,7 +287,7 @@ pub async fn disallow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &str) -> Resu
 /// ```no_run
 /// # async fn f(pool: sqlx::PgPool) -> pgfence::Result<()> {
 /// let mut tx = pool.begin().await?;
-/// pgfence::bypass(&mut tx, "refund #123, ticket OPS-7").await?;
+/// pgfence::guard::bypass(&mut tx, "refund #123, ticket OPS-7").await?;
 /// sqlx::query("UPDATE accounts SET balance = balance + 100 WHERE id = 14")
 ///     .execute(&mut *tx)
 ///     .await?;

@@ -17,7 +17,7 @@ use crate::token::Relation;
 /// with [`StoredFence::lease`].
 ///
 /// ```
-/// use pgfence::{FenceToken, StoredFence};
+/// use pgfence::{FenceToken, token::StoredFence};
 /// let lease = StoredFence::lease(FenceToken::new(5).unwrap(), 0x3_07);
 /// assert_eq!(lease.token(), 5);
 /// assert_eq!((lease.counter(), lease.holder(), lease.sequence()), (3, 7, 0));

@@ -113,7 +113,7 @@ pub struct MigrationInfo {
 /// # Example
 /// ```no_run
 /// # async fn f(pool: sqlx::PgPool) -> pgfence::Result<()> {
-/// let applied = pgfence::migrate(&pool).await?;
+/// let applied = pgfence::admin::migrate(&pool).await?;
 /// println!("applied {} migration(s)", applied.len());
 /// # Ok(()) }
 /// ```

@@ -295,18 +295,25 @@ pub(crate) fn not_built(scheme: &'static str) -> Error {
     }
 }
 
+/// A URL redis-rs refused to parse, as the one invalid-URL error every issuer reports. (The
+/// client is only built here; nothing has been sent.) redis-rs's message names what is wrong,
+/// never the password.
+fn bad_redis_url(e: redis::RedisError) -> Error {
+    Error::InvalidIssuerUrl(format!("Redis URL did not parse: {e}"))
+}
+
 /// A redis-rs client for `url` (`redis://`, `rediss://`, `redis+unix://`, `unix://`), with
 /// pgfence's TLS parameters applied ([`TlsParams`]).
 ///
 /// # Errors
 /// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters;
-/// [`Error::IssuerNotBuilt`] for `rediss://` without the `tls` feature; [`Error::Redis`] for a
-/// URL redis-rs rejects.
+/// [`Error::IssuerNotBuilt`] for `rediss://` without the `tls` feature;
+/// [`Error::InvalidIssuerUrl`] for a URL redis-rs rejects.
 pub(crate) fn redis_client(url: &str) -> Result<redis::Client> {
     let (url, params) = TlsParams::split(url)?;
     if !has_scheme(&url, "rediss://") {
         params.refuse_on_plain("a redis:// URL", "rediss://")?;
-        return Ok(redis::Client::open(url)?);
+        return redis::Client::open(url).map_err(bad_redis_url);
     }
     if cfg!(not(feature = "tls")) {
         // Before reading any file: the build cannot use them.
@@ -327,7 +334,7 @@ pub(crate) fn redis_tls_client(
 ) -> Result<redis::Client> {
     ensure_crypto_provider();
     if files.ca.is_none() && files.identity.is_none() {
-        return Ok(redis::Client::open(info)?);
+        return redis::Client::open(info).map_err(bad_redis_url);
     }
     Ok(redis::Client::build_with_tls(info, redis_certs(files))?)
 }
@@ -369,7 +376,7 @@ pub(crate) fn redis_cluster_client(nodes: &[String]) -> Result<redis::cluster::C
     let params = params.unwrap_or_default();
     if !urls.iter().any(|u| has_scheme(u, "rediss://")) {
         params.refuse_on_plain("a redis:// node URL", "rediss://")?;
-        return Ok(redis::cluster::ClusterClient::new(urls)?);
+        return redis::cluster::ClusterClient::new(urls).map_err(bad_redis_url);
     }
     #[cfg(not(feature = "tls"))]
     {

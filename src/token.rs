@@ -76,7 +76,7 @@ pub const fn next_sequence(sequence: i64) -> i64 {
 /// assert_eq!(FenceToken::new(42).unwrap().get(), 42);
 /// assert!(FenceToken::new(0).is_err());
 /// assert!(FenceToken::new(-1).is_err());
-/// assert!(FenceToken::new(pgfence::MAX_TOKEN + 1).is_err());
+/// assert!(FenceToken::new(pgfence::token::MAX_TOKEN + 1).is_err());
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FenceToken(i64);

@@ -120,11 +120,11 @@ impl<T: FencedTable> Repository<T> {
             ));
         }
         if !migrated {
-            problems.push("pgfence is not migrated: run pgfence::migrate".to_owned());
+            problems.push("pgfence is not migrated: run pgfence::admin::migrate".to_owned());
         }
         match guard.as_deref() {
             None => problems.push(format!(
-                "not guarded: no pgfence_guard trigger (run pgfence::guard or `pgfence guard {}`)",
+                "not guarded: no pgfence_guard trigger (run pgfence::guard::guard or `pgfence guard {}`)",
                 table.quoted()
             )),
             Some("D" | "R") => problems.push(
@@ -134,9 +134,8 @@ impl<T: FencedTable> Repository<T> {
             Some(_) => {}
         }
         match columns.iter().find(|c| c.name == "fence") {
-            None => {
-                problems.push("column \"fence\" does not exist (pgfence::guard adds it)".to_owned())
-            }
+            None => problems
+                .push("column \"fence\" does not exist (pgfence::guard::guard adds it)".to_owned()),
             Some(fence) if fence.oid != Oid(20) || !fence.not_null => problems.push(format!(
                 "column \"fence\" is {}{}; pgfence needs bigint NOT NULL",
                 fence.type_name,

@@ -200,6 +200,40 @@ mod tests {
         }
     }
 
+    /// A malformed URL is the same error whatever the issuer, and never echoes the password.
+    /// Nothing listens on these ports: each fails while parsing, before connecting.
+    #[tokio::test]
+    async fn malformed_urls_are_one_error_for_every_issuer() {
+        let mut bad = vec![
+            "redis://:hunter2@127.0.0.1:notaport",
+            "redis://:hunter2@[::1",
+            "redis+sentinel://:hunter2@127.0.0.1:1",
+            "redis+sentinel://:hunter2@127.0.0.1:x/m",
+            "redis+sentinel:///m",
+            "postgres://u:hunter2@127.0.0.1:notaport/db",
+            "nope://u:hunter2@h",
+        ];
+        if cfg!(feature = "etcd") {
+            bad.extend(["etcd://", "etcd://u:hunter2@127.0.0.1:x", "etcd://h:1?x=1"]);
+        }
+        if cfg!(feature = "zk") {
+            bad.extend(["zk://", "zk://127.0.0.1:x"]);
+        }
+        for url in bad {
+            let err = connect_issuer(url).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{url}: {err:?}");
+            assert_eq!(err.kind(), crate::error::ErrorKind::Invalid, "{url}");
+            assert!(!err.to_string().contains("hunter2"), "{url}: {err}");
+        }
+        // A Redis Cluster node list goes through the same check.
+        let nodes = [
+            "redis://127.0.0.1:x".to_owned(),
+            "redis://127.0.0.1:2".into(),
+        ];
+        let err = crate::Issuer::connect_cluster(&nodes).await.unwrap_err();
+        assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err:?}");
+    }
+
     #[tokio::test]
     async fn tls_urls_are_routed_and_checked_before_connecting() {
         // Nothing listens on port 1: each of these fails before any connection is tried.

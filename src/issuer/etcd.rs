@@ -65,7 +65,7 @@ pub fn is_etcd_url(url: &str) -> bool {
 /// ```no_run
 /// # async fn f() -> pgfence::Result<()> {
 /// use std::time::Duration;
-/// let issuer = pgfence::EtcdIssuer::connect("etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379").await?;
+/// let issuer = pgfence::issuer::EtcdIssuer::connect("etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379").await?;
 /// let resource = pgfence::Resource::new("payments:batch:42")?;
 /// if let Some(lease) = issuer.acquire(&resource, Duration::from_secs(30)).await? {
 ///     println!("token {}", lease.token()); // an etcd revision
@@ -155,7 +155,8 @@ impl EtcdIssuer {
     /// ```
     ///
     /// # Errors
-    /// [`Error::Etcd`] for a malformed URL (invalid arguments) or an unreachable cluster;
+    /// [`Error::InvalidIssuerUrl`] for a malformed URL; [`Error::Etcd`] for an unreachable
+    /// cluster;
     /// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters;
     /// [`Error::IssuerNotBuilt`] for `etcd+https://` without the `tls` feature.
     pub async fn connect(url: &str) -> Result<Self> {
@@ -683,9 +684,9 @@ struct EtcdUrl {
 /// TLS parameters `cacert`, `cert` and `key` → credentials, endpoints and TLS parameters.
 fn parse_url(url: &str) -> Result<EtcdUrl> {
     let invalid = |why: &str| {
-        Error::Etcd(etcd_client::Error::InvalidArgs(format!(
-            "{why} (expected etcd://host:port[,host:port...] or etcd+https://host:port[,host:port...][?cacert=PATH&cert=PATH&key=PATH])"
-        )))
+        Error::InvalidIssuerUrl(format!(
+            "etcd URL: {why} (expected etcd://host:port[,host:port...] or etcd+https://host:port[,host:port...][?cacert=PATH&cert=PATH&key=PATH])"
+        ))
     };
     let (scheme_len, tls) = if has_scheme(url, ETCD_SCHEME) {
         (ETCD_SCHEME.len(), false)

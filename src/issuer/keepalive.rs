@@ -80,7 +80,7 @@ impl KeepAlive {
     /// let resource = pgfence::Resource::new("reports:nightly")?;
     /// let ttl = std::time::Duration::from_secs(30);
     /// if let Some(lease) = issuer.acquire(&resource, ttl).await? {
-    ///     let keep = pgfence::KeepAlive::spawn(issuer.clone(), lease.clone());
+    ///     let keep = pgfence::issuer::KeepAlive::spawn(issuer.clone(), lease.clone());
     ///     // ... work, fenced with lease.token() ...
     ///     keep.stop();
     ///     issuer.release(&lease).await?;

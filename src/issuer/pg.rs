@@ -67,7 +67,7 @@ const POOL_SIZE: u32 = 16;
 /// ```no_run
 /// # async fn f() -> pgfence::Result<()> {
 /// use std::time::Duration;
-/// let issuer = pgfence::PgIssuer::connect("postgres://app@127.0.0.1/billing").await?;
+/// let issuer = pgfence::issuer::PgIssuer::connect("postgres://app@127.0.0.1/billing").await?;
 /// let resource = pgfence::Resource::new("payments:batch:42")?;
 /// if let Some(lease) = issuer.acquire(&resource, Duration::from_secs(30)).await? {
 ///     // ... fenced writes with lease.token() ...

@@ -750,19 +750,19 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "Issuer::connect(\"not a url\")",
         async { Issuer::connect("not a url").await.map(drop) },
-        Error::Redis(_)
+        Error::InvalidIssuerUrl(_)
     );
     case!(
         cases,
         "Issuer::connect(\"\")",
         async { Issuer::connect("").await.map(drop) },
-        Error::Redis(_)
+        Error::InvalidIssuerUrl(_)
     );
     case!(
         cases,
         "Redis URL with port 99999",
         async { Issuer::connect("redis://127.0.0.1:99999").await.map(drop) },
-        Error::Redis(_)
+        Error::InvalidIssuerUrl(_)
     );
     case!(
         cases,
@@ -774,13 +774,13 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "Redis URL with a newline and a command in the database number",
         async { Issuer::connect(&inject_url).await.map(drop) },
-        Error::Redis(_)
+        Error::InvalidIssuerUrl(_)
     );
     case!(
         cases,
         "Redis cluster with no nodes",
         async { Issuer::connect_cluster(&[]).await.map(drop) },
-        Error::Redis(_)
+        Error::InvalidIssuerUrl(_)
     );
     case!(
         cases,

@@ -62,7 +62,7 @@ pub fn redis_acl_key_pattern(prefix: &str) -> String {
 ///
 /// ```
 /// assert_eq!(
-///     pgfence::redis_acl_rule("billing"),
+///     pgfence::issuer::redis_acl_rule("billing"),
 ///     "resetkeys ~billing:* resetchannels -@all +evalsha +script|load +get +set +pexpire +pttl +incr +del +ping +role +select +cluster|slots +asking"
 /// );
 /// ```

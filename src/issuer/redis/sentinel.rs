@@ -181,21 +181,17 @@ fn host_port(host: &str, port: u16) -> String {
 
 /// Never echoes the URL itself: it may carry a password.
 fn invalid(why: &str) -> Error {
-    Error::Redis(RedisError::from((
-        ErrorKind::InvalidClientConfig,
-        "invalid redis+sentinel URL",
-        format!(
-            "{why} (expected {SENTINEL_SCHEME}:// or {SENTINEL_TLS_SCHEME}://[user:pass@]host1:port1[,host2:port2...]/<master-name>[/db])"
-        ),
-    )))
+    Error::InvalidIssuerUrl(format!(
+        "redis+sentinel URL: {why} (expected {SENTINEL_SCHEME}:// or {SENTINEL_TLS_SCHEME}://[user:pass@]host1:port1[,host2:port2...]/<master-name>[/db])"
+    ))
 }
 
 impl SentinelUrl {
     /// Parses a `redis+sentinel://` or `rediss+sentinel://` URL.
     ///
     /// # Errors
-    /// [`Error::Redis`] (kind `InvalidClientConfig`) for another scheme, no sentinel, a bad
-    /// port, no master name, or a database that is not a non-negative number;
+    /// [`Error::InvalidIssuerUrl`] for another scheme, no sentinel, a bad port, no master
+    /// name, or a database that is not a non-negative number;
     /// [`Error::InvalidTls`] for TLS parameters on `redis+sentinel://`, or `cert` without
     /// `key`.
     pub fn parse(url: &str) -> Result<Self> {
@@ -877,6 +873,7 @@ mod tests {
             "redis+sentinel://u:p%zz@h:1/m",
         ] {
             let err = SentinelUrl::parse(bad).unwrap_err();
+            assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{bad}: {err}");
             assert!(!err.to_string().contains("p%zz"), "{err}");
         }
         assert!(is_sentinel_url("redis+sentinel://h/m"));

@@ -42,7 +42,7 @@ pub use url::{ZK_SCHEME, is_zk_url};
 /// ```no_run
 /// # async fn f() -> pgfence::Result<()> {
 /// use std::time::Duration;
-/// let issuer = pgfence::ZkIssuer::connect("zk://10.0.0.1:2181,10.0.0.2:2181,10.0.0.3:2181").await?;
+/// let issuer = pgfence::issuer::ZkIssuer::connect("zk://10.0.0.1:2181,10.0.0.2:2181,10.0.0.3:2181").await?;
 /// let resource = pgfence::Resource::new("payments:batch:42")?;
 /// if let Some(lease) = issuer.acquire(&resource, Duration::from_secs(30)).await? {
 ///     println!("token {}", lease.token()); // the zxid that created the lock node
