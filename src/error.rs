@@ -1,4 +1,7 @@
-//! The library's error type: every rejection, however it was detected, is [`Error::StaleToken`].
+//! The library's error type, [`Error`]: every rejection, however it was detected (the
+//! repository, the guard trigger, `pgfence.check`), is the same typed variant, and
+//! [`Error::kind`] groups the variants into what a caller does about them ([`ErrorKind`]).
+//! The `SQLSTATE_*` constants are the codes pgfence's SQL raises.
 
 use std::fmt;
 

@@ -14,6 +14,10 @@
 //! row a newer token deleted through [`Repository::delete`] left a tombstone and still
 //! reports stale to `upsert`; a row deleted by raw SQL in between reports not found — the
 //! write was rejected either way and nothing was written.
+//!
+//! Batches ([`Repository::update_many`], `upsert_many`, `delete_many`, `claim_many`) write up
+//! to [`MAX_BATCH_ROWS`] rows in one statement and report one [`RowOutcome`] per row in a
+//! [`BatchOutcome`]. The writes run on a [`WriteExecutor`]: `&pool`, `&mut *tx` or `&mut conn`.
 
 use std::collections::HashMap;
 use std::marker::PhantomData;

@@ -1,4 +1,7 @@
-//! Resource names: what a lock protects, e.g. `payments:batch:42`.
+//! Resources: what a lock protects, e.g. `payments:batch:42` ([`Resource`], with its fencing
+//! domain), and [`Fence`], the check that fences work on a resource rather than on one row:
+//! the first statement of each transaction records the lease's token as the resource's
+//! high-water mark, and an older lease's check fails.
 
 pub use crate::fence::Fence;
 

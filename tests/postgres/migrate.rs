@@ -122,6 +122,47 @@ async fn migrate_in_a_transaction_gives_the_search_path_back() {
     }
 }
 
+/// After migrating, only the layout's helpers spell its numbers: no other function of schema
+/// pgfence holds the largest token, a shift by the token's position, the low mask, the
+/// counter mask or the sequence step (V12; the PostgreSQL issuer's token limit was the last).
+#[tokio::test]
+async fn only_the_layout_helpers_spell_the_layout() {
+    let db = TestDb::new().await;
+    let shift = StoredFence::TOKEN_SHIFT;
+    let literals = [
+        MAX_TOKEN.to_string(),
+        StoredFence::LOW_MASK.to_string(),
+        (0xF_i64 << 20).to_string(),
+        StoredFence::SEQUENCE_STEP.to_string(),
+        // `>> 24` and `OPERATOR(pg_catalog.>>) 24`.
+        format!(">>\\)? *{shift}\\M"),
+        format!("<<\\)? *{shift}\\M"),
+    ];
+    let pattern = format!("({})", literals.join("|"));
+    let spelled: Vec<String> = sqlx::query_scalar(
+        "SELECT p.proname::text FROM pg_proc p
+          WHERE p.pronamespace = 'pgfence'::regnamespace AND p.prosrc ~ $1
+            AND p.proname NOT IN ('token_shift', 'tag_shift', 'max_tag', 'sealed_sequence',
+                                  'sequence_step', 'max_token')
+          ORDER BY 1",
+    )
+    .bind(&pattern)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(spelled, Vec::<String>::new(), "pattern {pattern}");
+    // The pattern finds what it looks for: the helper that defines the step holds it.
+    let step: bool = sqlx::query_scalar(
+        "SELECT prosrc ~ $1 FROM pg_proc
+          WHERE proname = 'sequence_step' AND pronamespace = 'pgfence'::regnamespace",
+    )
+    .bind(&pattern)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(step);
+}
+
 /// Fences that cover the layout's corners: no lease, pre-0.2 plain tokens, the first and the
 /// largest token, every counter and holder bit, the sequence cycle's ends and the seal.
 fn corner_fences() -> Vec<StoredFence> {
