@@ -14,7 +14,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, PgPool, Row};
 
 use crate::audit::{AuditRow, Auditor, Rejection};
-use crate::repository::Lent;
+use crate::executor::Lent;
 use crate::timeline::{Seen, Verdict};
 use crate::{Error, Fencing, Resource, Result, WriteExecutor, error::StaleTarget};
 

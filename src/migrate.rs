@@ -69,6 +69,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V12__fence_layout",
         include_str!("../migrations/V12__fence_layout.sql"),
     ),
+    (
+        "V13__issuer_token_limit",
+        include_str!("../migrations/V13__issuer_token_limit.sql"),
+    ),
 ];
 
 /// The newest migration this version ships.

@@ -15,11 +15,12 @@ use sqlx::Row;
 use sqlx::postgres::PgRow;
 
 use crate::audit::{AuditRow, Auditor, Rejection};
+use crate::executor::Lent;
 use crate::layout::StoredFence;
-use crate::repository::Lent;
+use crate::outcome::RowOutcome;
 use crate::timeline::{Seen, Verdict};
 use crate::token::Relation;
-use crate::{Error, Fencing, Result, error::StaleTarget, repository::RowOutcome};
+use crate::{Error, Fencing, Result, error::StaleTarget};
 
 /// What a write that changed nothing met, judged against its lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use sqlx::postgres::PgRow;
 use sqlx::postgres::types::Oid;
 use sqlx::{Column, Executor, Row, Statement, TypeInfo};
 
-use crate::repository::WriteExecutor;
+use crate::executor::WriteExecutor;
 use crate::table::ColumnType;
 use crate::{Error, FencedTable, Repository, Result, table::Ident};
 

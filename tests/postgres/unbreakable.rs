@@ -530,8 +530,8 @@ async fn a_0_2_database_upgrades_in_place() {
     let applied = pgfence::admin::migrate(&mut conn).await.unwrap();
     assert_eq!(
         applied.iter().map(|m| m.version).collect::<Vec<_>>(),
-        [10, 11, 12],
-        "only V10, V11 and V12 are new"
+        [10, 11, 12, 13],
+        "only V10 to V13 are new"
     );
     conn.close().await.unwrap();
     let repo = Repository::<Account>::new(db.pool.clone()).unwrap();
@@ -712,12 +712,12 @@ async fn a_token_absurdly_far_ahead_is_refused_and_audited() {
                 && f.object.contains("billing:run")),
         "{findings:?}"
     );
-    // V10, V11 and V12 apply again over themselves (a repaired history) and keep the owner's
+    // V10 to V13 apply again over themselves (a repaired history) and keep the owner's
     // bound.
     db.exec("DELETE FROM pgfence.refinery_schema_history WHERE version >= 10")
         .await;
     let applied = pgfence::admin::migrate(&db.pool).await.unwrap();
-    assert_eq!(applied.len(), 3);
+    assert_eq!(applied.len(), 4);
     let bound: i64 = sqlx::query_scalar("SELECT pgfence.max_token_jump()")
         .fetch_one(&db.pool)
         .await
