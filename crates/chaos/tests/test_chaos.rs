@@ -1882,45 +1882,56 @@ fn assert_pg_failover_safe(report: &Report) -> &PgFailoverFigures {
 /// writes the new primary kept, and the leases from before the promotion that came back
 /// after it are refused with `FencedByFailover` — on 0.2's code they got back in (zombie
 /// writes, the control this test was written against).
+///
+/// Whether a lease from before the kill tries again after it depends on where the workers'
+/// stalls fall, so a run where none did proves nothing about zombies: it is still checked for
+/// safety, and the scenario runs again with the next seed (at most three runs). With seed 61
+/// alone, one of three full test runs on a 2-core machine had no lease cross.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_failover_loses_writes_but_lets_no_zombie_back_in() {
-    tokio::time::timeout(Duration::from_secs(120), async {
-        let cfg = Config {
-            workers: 8,
-            rows: 4,
-            units: 600,
-            outage_retry: Some(Duration::from_secs(10)),
-            // More leases stalled inside their transaction when the primary dies.
-            pause_probability: 0.2,
-            seed: 61,
-            ..Config::default()
-        };
-        let report = run_with_pg_failover(cfg, 300, Some(redis_url().await)).await;
-        let s = &report.summary;
-        let p = assert_pg_failover_safe(&report);
-        assert!(
-            p.acknowledged_lost >= 1 && p.units_lost >= 1,
-            "the promotion lost acknowledged writes: {s}"
-        );
-        assert!(
-            p.leases_across >= 1,
-            "leases from before the kill came back: {s}"
-        );
-        assert!(
-            p.fenced_by_failover >= 1 && p.leases_fenced >= 1,
-            "fencing refused the leases from before the promotion: {s}"
-        );
-        assert!(p.first_refusal_ms.is_some(), "{s}");
-        assert!(!p.issuer_rolled_back, "{s}");
-        let refused = report
-            .attempts
-            .iter()
-            .filter(|a| matches!(a.outcome, Outcome::Rejected { failover: true, .. }))
-            .count();
-        assert_eq!(pgfence_chaos_count(refused), p.fenced_by_failover);
+    tokio::time::timeout(Duration::from_secs(300), async {
+        let mut runs = Vec::new();
+        for seed in [61, 71, 83] {
+            let cfg = Config {
+                workers: 8,
+                rows: 4,
+                units: 600,
+                outage_retry: Some(Duration::from_secs(10)),
+                // More leases stalled inside their transaction when the primary dies.
+                pause_probability: 0.2,
+                seed,
+                ..Config::default()
+            };
+            let report = run_with_pg_failover(cfg, 300, Some(redis_url().await)).await;
+            let s = &report.summary;
+            let p = assert_pg_failover_safe(&report);
+            assert!(!p.issuer_rolled_back, "{s}");
+            runs.push((seed, p.leases_across));
+            if p.leases_across == 0 {
+                eprintln!("seed {seed}: no lease from before the kill came back; next seed");
+                continue;
+            }
+            assert!(
+                p.acknowledged_lost >= 1 && p.units_lost >= 1,
+                "the promotion lost acknowledged writes: {s}"
+            );
+            assert!(
+                p.fenced_by_failover >= 1 && p.leases_fenced >= 1,
+                "fencing refused the leases from before the promotion: {s}"
+            );
+            assert!(p.first_refusal_ms.is_some(), "{s}");
+            let refused = report
+                .attempts
+                .iter()
+                .filter(|a| matches!(a.outcome, Outcome::Rejected { failover: true, .. }))
+                .count();
+            assert_eq!(pgfence_chaos_count(refused), p.fenced_by_failover);
+            return;
+        }
+        panic!("no run had a lease from before the kill come back (seed, leases): {runs:?}");
     })
     .await
-    .expect("the database failover run is bounded to 120 s");
+    .expect("the database failover runs are bounded to 300 s");
 }
 
 /// The PostgreSQL issuer on the failed-over database: its counters roll back with the
