@@ -326,15 +326,19 @@ pub(crate) fn redis_client(url: &str) -> Result<redis::Client> {
 /// and client certificate of `files` (the system trust store without a CA).
 ///
 /// # Errors
-/// [`Error::IssuerNotBuilt`] without the `tls` feature; [`Error::Redis`].
+/// [`Error::IssuerNotBuilt`] without the `tls` feature; [`Error::InvalidIssuerUrl`] for a URL
+/// redis-rs rejects; [`Error::Redis`] for certificates it refuses.
 #[cfg(feature = "tls")]
 pub(crate) fn redis_tls_client(
     info: impl redis::IntoConnectionInfo,
     files: &TlsFiles,
 ) -> Result<redis::Client> {
     ensure_crypto_provider();
+    // The URL first, so that a malformed one is the invalid-URL error with or without
+    // certificates; what redis-rs refuses after that is about the certificates.
+    let info = info.into_connection_info().map_err(bad_redis_url)?;
     if files.ca.is_none() && files.identity.is_none() {
-        return redis::Client::open(info).map_err(bad_redis_url);
+        return Ok(redis::Client::open(info)?);
     }
     Ok(redis::Client::build_with_tls(info, redis_certs(files))?)
 }
@@ -374,6 +378,10 @@ pub(crate) fn redis_cluster_client(nodes: &[String]) -> Result<redis::cluster::C
         urls.push(url);
     }
     let params = params.unwrap_or_default();
+    // Every node URL first: a malformed one is the invalid-URL error, TLS or not.
+    for url in &urls {
+        redis::IntoConnectionInfo::into_connection_info(url.as_str()).map_err(bad_redis_url)?;
+    }
     if !urls.iter().any(|u| has_scheme(u, "rediss://")) {
         params.refuse_on_plain("a redis:// node URL", "rediss://")?;
         return redis::cluster::ClusterClient::new(urls).map_err(bad_redis_url);

@@ -232,6 +232,29 @@ mod tests {
         ];
         let err = crate::Issuer::connect_cluster(&nodes).await.unwrap_err();
         assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err:?}");
+        // With TLS certificates too: the URL is checked before them (this PEM decodes but is
+        // no certificate, so building a client with it would fail on its own).
+        #[cfg(feature = "tls")]
+        {
+            let pem = std::env::temp_dir().join(format!("pgfence-ca-{}.pem", std::process::id()));
+            std::fs::write(
+                &pem,
+                "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+            )
+            .unwrap();
+            let ca = pem.display();
+            let url = format!("rediss://:hunter2@127.0.0.1:notaport?cacert={ca}");
+            let err = connect_issuer(&url).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{url}: {err:?}");
+            assert!(!err.to_string().contains("hunter2"), "{err}");
+            let nodes = [
+                format!("rediss://127.0.0.1:x?cacert={ca}"),
+                "rediss://127.0.0.1:2".into(),
+            ];
+            let err = crate::Issuer::connect_cluster(&nodes).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err:?}");
+            std::fs::remove_file(&pem).unwrap();
+        }
     }
 
     #[tokio::test]
