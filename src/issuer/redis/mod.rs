@@ -184,8 +184,9 @@ impl Issuer<RedisConnections> {
     /// For the user's ACL, see [`redis_acl_rule`].
     ///
     /// # Errors
-    /// [`Error::Redis`] for a malformed URL or an unreachable server (a certificate refused by
-    /// either side is not [retryable](Error::is_retryable)); [`Error::InvalidTls`] and
+    /// [`Error::InvalidIssuerUrl`] for a malformed URL; [`Error::Redis`] for an unreachable
+    /// server (a certificate refused by either side is not
+    /// [retryable](Error::is_retryable)); [`Error::InvalidTls`] and
     /// [`Error::TlsFile`] for the TLS parameters; [`Error::IssuerNotBuilt`] for `rediss://`
     /// without the `tls` feature.
     pub async fn connect(url: &str) -> Result<Self> {
@@ -208,7 +209,8 @@ impl Issuer<redis::cluster_async::ClusterConnection> {
     ///
     /// # Errors
     /// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters;
-    /// [`Error::IssuerNotBuilt`] for `rediss://` without the `tls` feature; [`Error::Redis`].
+    /// [`Error::IssuerNotBuilt`] for `rediss://` without the `tls` feature;
+    /// [`Error::InvalidIssuerUrl`] for a malformed node URL or no nodes; [`Error::Redis`].
     pub async fn connect_cluster(nodes: &[String]) -> Result<Self> {
         let client = crate::tls::redis_cluster_client(nodes)?;
         Ok(Self::new(client.get_async_connection().await?))

@@ -412,7 +412,8 @@ impl SentinelConnections {
     /// asks the sentinels for the master and opens [`default_connections`] connections to it.
     ///
     /// # Errors
-    /// [`Error::Redis`] for a malformed URL, or when no sentinel names a reachable master
+    /// [`Error::InvalidIssuerUrl`] for a malformed URL; [`Error::Redis`] when no sentinel
+    /// names a reachable master
     /// within [`DEFAULT_FAILOVER_WAIT`]; [`Error::RedisPermission`] at once when a sentinel or
     /// the master refuses the issuer's user (the rule it names is for the default key prefix);
     /// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters;
