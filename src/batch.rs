@@ -122,14 +122,32 @@ impl<T: FencedTable> Repository<T> {
             self.seen.bind(&fencing.timeline, lent.conn()).await?;
             let query = self.bound(&self.sql.batch.claim, &source, &[], &fencing, false)?;
             let mut outcomes = vec![None; keys.len()];
-            for row in query.fetch_all(lent.conn()).await? {
-                if row.try_get::<i64, _>("pgfence_dups")? > 0 {
-                    return Err(self.invalid("the same key appears more than once in the batch"));
+            // The claim and the decoding of its rows are one transaction (a savepoint inside
+            // the caller's): when a row does not decode into `R`, no row is claimed.
+            let mut tx = sqlx::Connection::begin(lent.conn()).await?;
+            let rows = match query.fetch_all(&mut *tx).await {
+                Ok(rows) => rows,
+                Err(e) => {
+                    let _ = tx.rollback().await;
+                    return Err(e.into());
                 }
-                if let Some(ord) = row.try_get::<Option<i64>, _>("pgfence_ord")? {
-                    let i = index(ord, keys.len())?;
-                    claimed[i] = Some(R::from_row(&row)?);
-                    outcomes[i] = Some(RowOutcome::Applied);
+            };
+            let decoded = decode_claimed(&rows, &mut claimed, &mut outcomes, keys.len());
+            match decoded {
+                Ok(()) => tx.commit().await?,
+                Err(e) => {
+                    tx.rollback().await?;
+                    return Err(match e {
+                        Decoding::Duplicate => {
+                            self.invalid("the same key appears more than once in the batch")
+                        }
+                        Decoding::Row(source) => Error::Decode {
+                            table: self.table().quoted(),
+                            operation: "claim_many",
+                            source,
+                        },
+                        Decoding::Other(e) => e,
+                    });
                 }
             }
             let Some(outcome) = self
@@ -372,4 +390,44 @@ fn index(ord: i64, len: usize) -> Result<usize> {
                 "batch statement returned position {ord} for a batch of {len}"
             )))
         })
+}
+
+/// Why a batch claim's rows could not be taken.
+enum Decoding {
+    /// The same key more than once.
+    Duplicate,
+    /// A row does not decode into the caller's type.
+    Row(sqlx::Error),
+    /// Anything else.
+    Other(Error),
+}
+
+/// Decodes a batch claim's rows into `claimed` (by their position in the batch) and marks
+/// them applied in `outcomes`.
+fn decode_claimed<R>(
+    rows: &[PgRow],
+    claimed: &mut [Option<R>],
+    outcomes: &mut [Option<RowOutcome>],
+    len: usize,
+) -> std::result::Result<(), Decoding>
+where
+    R: for<'r> sqlx::FromRow<'r, PgRow>,
+{
+    for row in rows {
+        let dups: i64 = row
+            .try_get("pgfence_dups")
+            .map_err(|e| Decoding::Other(e.into()))?;
+        if dups > 0 {
+            return Err(Decoding::Duplicate);
+        }
+        let ord: Option<i64> = row
+            .try_get("pgfence_ord")
+            .map_err(|e| Decoding::Other(e.into()))?;
+        if let Some(ord) = ord {
+            let i = index(ord, len).map_err(Decoding::Other)?;
+            claimed[i] = Some(R::from_row(row).map_err(Decoding::Row)?);
+            outcomes[i] = Some(RowOutcome::Applied);
+        }
+    }
+    Ok(())
 }

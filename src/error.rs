@@ -33,6 +33,27 @@ pub const SQLSTATE_TOKEN_JUMP: &str = "PF008";
 /// commits): the lease is fenced out.
 pub const SQLSTATE_FAILED_OVER: &str = "PF009";
 
+const TOKEN_AS_FENCE_NOTE: &str = " (the statement set the fence to a fence token, not a fence: hand-written SQL sets fence = Lease::fence() / $PGFENCE_FENCE; docs/sql.md, \"Porting hand-written fenced SQL\")";
+
+/// The text of [`Error::LeaselessWrite`]: what the statement did to the fence and what to
+/// write instead.
+fn leaseless_message(table: &str, old: i64, new: i64) -> String {
+    let fix = "under a lease set fence = Lease::fence() / $PGFENCE_FENCE (or pgfence.next_fence), or bypass the guard with pgfence.bypass(reason) as an allowed role";
+    if old == new {
+        format!(
+            "lease-less write refused on {table}: the UPDATE did not set fence (every UPDATE of a guarded table is a lease's write or an audited bypass); {fix}"
+        )
+    } else if new > 0 && crate::token::FenceToken::of_fence(new) == 0 {
+        format!(
+            "lease-less write refused on {table}: fence {old} -> {new} sets the fence to a fence token, not a fence (a stored fence is token << 24 | tag << 12 | sequence); {fix}; docs/sql.md, \"Porting hand-written fenced SQL\""
+        )
+    } else {
+        format!(
+            "lease-less write refused on {table}: fence {old} -> {new} is not a lease's write (fence = fence + n is not one); {fix}"
+        )
+    }
+}
+
 const OTHER_COUNTER_NOTE: &str = " (the current token came from another resource's counter: resources that write the same rows must share a fencing domain)";
 
 /// What a rejected write or check addressed, as structured data.
@@ -82,6 +103,9 @@ impl fmt::Display for StaleTarget {
                 ..
             } => write!(f, "{table} {key} (taken over by resource {by})"),
             StaleTarget::Row { table, key, .. } => write!(f, "{table} {key}"),
+            StaleTarget::Table(t) if t == "?" => f.write_str(
+                "a row of a table pgfence.next_fence was not told (pass the table as its 4th argument)",
+            ),
             StaleTarget::Resource(r) | StaleTarget::Table(r) => f.write_str(r),
         }
     }
@@ -152,7 +176,7 @@ pub enum Error {
     /// (`current > presented`). The write was not applied. Do not retry with the same lease.
     #[error(
         "stale fence token on {target}: presented {presented}, current {current}{}",
-        if *other_counter { OTHER_COUNTER_NOTE } else { "" }
+        if *other_counter { OTHER_COUNTER_NOTE } else if *presented == 0 { TOKEN_AS_FENCE_NOTE } else { "" }
     )]
     StaleToken {
         /// What the write targeted.
@@ -238,9 +262,7 @@ pub enum Error {
     /// lease's next write and been overwritten by it. Write under a lease (`pgfence run`,
     /// `pgfence.next_fence`) or bypass (`pgfence.bypass(reason)`). Not audited: the trigger's
     /// transaction rolls back; the PostgreSQL server log has it.
-    #[error(
-        "lease-less write refused on {table}: fence {old} -> {new} is not a lease's write; write under a lease (pgfence run) or bypass with pgfence.bypass(reason)"
-    )]
+    #[error("{}", leaseless_message(table, *old, *new))]
     LeaselessWrite {
         /// The quoted table.
         table: String,
@@ -423,9 +445,11 @@ pub enum Error {
 
     /// pgfence's schema is behind this version and the connected role may not migrate it (no
     /// `CREATE` on schema `pgfence`): a deploy-time job for the schema's owner.
-    #[error(
-        "pgfence's schema is behind (applied V{applied}, this version ships V{latest}) and role {role:?} may not migrate it: run `pgfence migrate` as the owner of schema pgfence (deploy time), then start the application"
-    )]
+    #[error("{}", if !*installed {
+        format!("pgfence's schema is not installed in this database and role {role:?} may not create it: run `pgfence migrate` (pgfence::admin::migrate) once as the database owner or a role with CREATE on the database (deploy time), then `pgfence grant {role}`, then start the application")
+    } else {
+        format!("pgfence's schema is behind (applied V{applied}, this version ships V{latest}) and role {role:?} may not migrate it: run `pgfence migrate` as the owner of schema pgfence (deploy time), then start the application")
+    })]
     MigrationNotPermitted {
         /// The connected role.
         role: String,
@@ -433,14 +457,49 @@ pub enum Error {
         applied: i32,
         /// The newest migration this version ships.
         latest: i32,
+        /// Whether the `pgfence` schema exists at all (a first deploy when not).
+        installed: bool,
+    },
+
+    /// A deploy-time call (`guard`, `unguard`, `grant`, `allow_bypass`, `acknowledge_failover`,
+    /// `audit::prune`...) made by a role that may not make it: PostgreSQL refused a privilege.
+    /// `run_as` says who runs it (deploy time is the schema or table owner; run time, the
+    /// granted application role, never needs these calls).
+    #[error(
+        "{command} refused: {message}; {command} is a deploy-time call: run it as {run_as}, not as the application's role"
+    )]
+    NotPermitted {
+        /// The library call or CLI command, e.g. `pgfence guard`.
+        command: &'static str,
+        /// Who may run it.
+        run_as: &'static str,
+        /// PostgreSQL's message.
+        message: String,
+    },
+
+    /// A claimed row did not decode into the type the caller asked for (a column name or
+    /// type that does not match the table, a NULL in a non-`Option` field). The claim was
+    /// rolled back: the row is as it was.
+    #[error(
+        "{operation} on {table} rolled back, nothing changed: the row does not decode into the requested type ({})",
+        describe_sqlx(source)
+    )]
+    Decode {
+        /// The quoted table.
+        table: String,
+        /// `claim` or `claim_many`.
+        operation: &'static str,
+        /// sqlx's decoding error (it names the column and the types).
+        #[source]
+        source: sqlx::Error,
     },
 
     /// A migration failed.
-    #[error("migration failed: {0}")]
+    #[error("migration failed: {}", without_source_lines(&.0.to_string()))]
     Migration(#[source] Box<refinery_core::Error>),
 
     /// Any other database error.
-    #[error("database error: {0}")]
+    #[error("database error: {}", describe_sqlx(.0))]
     Database(#[source] sqlx::Error),
 
     /// A Redis error.
@@ -481,11 +540,13 @@ impl Error {
             | Error::InvalidKeyPrefix(_)
             | Error::InvalidIssuerUrl(_)
             | Error::InvalidTls(_)
+            | Error::Decode { .. }
             | Error::TlsFile { .. } => ErrorKind::Invalid,
             Error::IssuerNotBuilt { .. }
             | Error::TlsUnsupported { .. }
             | Error::RedisPermission { .. }
             | Error::MigrationNotPermitted { .. }
+            | Error::NotPermitted { .. }
             | Error::FenceColumnType { .. } => ErrorKind::Setup,
             _ if self.is_retryable() => ErrorKind::Transient,
             _ => ErrorKind::Backend,
@@ -536,6 +597,90 @@ impl Error {
             _ => false,
         }
     }
+}
+
+/// The error of a deploy-time call (`command`, run as `run_as`): a privilege PostgreSQL
+/// refused (SQLSTATE `42501`) is [`Error::NotPermitted`], naming the call and who runs it;
+/// anything else maps as usual.
+pub(crate) fn deploy_time(
+    command: &'static str,
+    run_as: &'static str,
+) -> impl FnOnce(sqlx::Error) -> Error {
+    move |e| {
+        if let sqlx::Error::Database(db) = &e
+            && db.code().as_deref() == Some("42501")
+        {
+            return Error::NotPermitted {
+                command,
+                run_as,
+                message: db.message().to_owned(),
+            };
+        }
+        Error::from(e)
+    }
+}
+
+/// Who runs the calls that change pgfence's schema or its guarded tables.
+pub(crate) const SCHEMA_OWNER: &str =
+    "the owner of schema pgfence (the role that ran `pgfence migrate`) or a superuser";
+/// Who runs `guard` / `unguard`: the table's owner, who must also own schema pgfence's
+/// functions' rights to install the trigger.
+pub(crate) const TABLE_OWNER: &str = "the owner of the table who also owns schema pgfence (the role that ran `pgfence migrate`), or a superuser";
+
+/// A sqlx error as a user reads it: a database error's message with its SQLSTATE, detail
+/// and hint — not sqlx's `at line NNNN`, which is a line of PostgreSQL's C source, not of the
+/// caller's SQL.
+pub(crate) fn describe_sqlx(e: &sqlx::Error) -> String {
+    match e {
+        sqlx::Error::Database(db) => {
+            let mut text = db.message().to_owned();
+            if let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+                text.push_str(&format!(" (SQLSTATE {})", pg.code()));
+                if let Some(detail) = pg.detail() {
+                    text.push_str(&format!("; {detail}"));
+                }
+                if let Some(hint) = pg.hint() {
+                    text.push_str(&format!("; hint: {hint}"));
+                }
+                if pg.code() == "08P01"
+                    && let Some(param) = pg.r#where().and_then(|w| w.strip_prefix("unnamed portal "))
+                {
+                    // A binary value of another width than the statement's parameter type.
+                    text.push_str(&format!(
+                        ": the Rust type bound as {param} does not match its column's SQL type \
+                         (declare the table's key and columns with matching types, e.g. i64 for bigint)"
+                    ));
+                }
+            }
+            text
+        }
+        sqlx::Error::PoolTimedOut => {
+            "no connection within the pool's acquire timeout (the server did not answer, or every connection was busy)".to_owned()
+        }
+        other => without_source_lines(&other.to_string()),
+    }
+}
+
+/// Drops sqlx's ` at line NNNN` (PostgreSQL's C source line) from a message that embeds a
+/// database error's text (refinery's, for one).
+fn without_source_lines(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(" at line ") {
+        let digits = rest[at + 9..]
+            .bytes()
+            .take_while(u8::is_ascii_digit)
+            .count();
+        if digits == 0 {
+            out.push_str(&rest[..at + 9]);
+            rest = &rest[at + 9..];
+            continue;
+        }
+        out.push_str(&rest[..at]);
+        rest = &rest[at + 9 + digits..];
+    }
+    out.push_str(rest);
+    out
 }
 
 fn is_transient_sqlx(e: &sqlx::Error) -> bool {

@@ -136,6 +136,25 @@ where
         });
     }
     let mut conn = conn.begin().await?;
+    // GRANT and REVOKE by a role without the right only warn ("no privileges were granted"):
+    // a grant run as the application role would change nothing without a word.
+    let may_grant: bool = sqlx::query_scalar(
+        "SELECT pg_catalog.pg_has_role(n.nspowner, 'USAGE') OR r.rolsuper \
+           FROM pg_catalog.pg_namespace n, pg_catalog.pg_roles r \
+          WHERE n.nspname OPERATOR(pg_catalog.=) 'pgfence' \
+            AND r.rolname OPERATOR(pg_catalog.=) CURRENT_USER",
+    )
+    .persistent(false)
+    .fetch_optional(&mut *conn)
+    .await?
+    .unwrap_or(false);
+    if !may_grant {
+        return Err(Error::NotPermitted {
+            command: "pgfence grant",
+            run_as: crate::error::SCHEMA_OWNER,
+            message: "the connected role does not own schema pgfence (or it is not installed: run `pgfence migrate` first)".to_owned(),
+        });
+    }
     let owns_schema: Option<bool> = sqlx::query_scalar(
         "SELECT n.nspowner OPERATOR(pg_catalog.=) r.oid FROM pg_catalog.pg_roles r \
          JOIN pg_catalog.pg_namespace n ON n.nspname OPERATOR(pg_catalog.=) 'pgfence' \
@@ -154,7 +173,11 @@ where
     // The role name is quoted by `Ident::quoted`; everything else is constant text.
     sqlx::raw_sql(AssertSqlSafe(grant_sql(role)))
         .execute(&mut *conn)
-        .await?;
+        .await
+        .map_err(crate::error::deploy_time(
+            "pgfence grant",
+            crate::error::SCHEMA_OWNER,
+        ))?;
     conn.commit().await?;
     Ok(())
 }

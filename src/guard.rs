@@ -5,6 +5,7 @@ use serde::Serialize;
 use sqlx::PgExecutor;
 
 use crate::Result;
+use crate::error::{SCHEMA_OWNER, TABLE_OWNER, deploy_time};
 use crate::ident::{Ident, TableName, quote_literal};
 
 /// Guards `table`: adds `fence BIGINT NOT NULL DEFAULT 0` if missing (metadata-only, no table
@@ -105,7 +106,8 @@ pub async fn guard_with<'c, E: PgExecutor<'c>>(
         mode.as_str()
     )
     .fetch_one(exec)
-    .await?;
+    .await
+    .map_err(deploy_time("pgfence guard", TABLE_OWNER))?;
     Ok(changed)
 }
 
@@ -181,7 +183,8 @@ pub async fn unguard<'c, E: PgExecutor<'c>>(
         drop_column
     )
     .fetch_one(exec)
-    .await?;
+    .await
+    .map_err(deploy_time("pgfence unguard", TABLE_OWNER))?;
     Ok(changed)
 }
 
@@ -253,7 +256,8 @@ pub async fn allow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &str) -> Result<
         role.as_str()
     )
     .fetch_one(exec)
-    .await?;
+    .await
+    .map_err(deploy_time("pgfence::guard::allow_bypass", SCHEMA_OWNER))?;
     Ok(changed)
 }
 
@@ -269,7 +273,8 @@ pub async fn disallow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &str) -> Resu
         role.as_str()
     )
     .fetch_one(exec)
-    .await?;
+    .await
+    .map_err(deploy_time("pgfence::guard::disallow_bypass", SCHEMA_OWNER))?;
     Ok(changed)
 }
 

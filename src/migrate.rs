@@ -73,6 +73,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V13__issuer_token_limit",
         include_str!("../migrations/V13__issuer_token_limit.sql"),
     ),
+    (
+        "V14__raw_sql",
+        include_str!("../migrations/V14__raw_sql.sql"),
+    ),
 ];
 
 /// The newest migration this version ships.
@@ -147,9 +151,20 @@ where
                 role,
                 applied: version,
                 latest: latest_version(),
+                installed: true,
             });
         }
-        Applied::Behind { .. } | Applied::Missing | Applied::Readable => {}
+        Applied::Missing => {
+            if let Some(role) = may_not_install(&mut tx).await? {
+                return Err(Error::MigrationNotPermitted {
+                    role,
+                    applied: 0,
+                    latest: latest_version(),
+                    installed: false,
+                });
+            }
+        }
+        Applied::Behind { .. } | Applied::Readable => {}
     }
     // The key is a constant: the literal needs no quoting.
     sqlx::raw_sql(AssertSqlSafe(format!(
@@ -261,6 +276,23 @@ async fn may_migrate(conn: &mut PgConnection) -> Result<bool> {
         "SELECT pg_catalog.has_schema_privilege('pgfence', 'CREATE')",
     )
     .await
+}
+
+/// For a database without pgfence's history: the connected role when it may not install
+/// pgfence (no `pgfence` schema and no `CREATE` on the database, or a schema it may not
+/// create objects in); `None` when it may.
+async fn may_not_install(conn: &mut PgConnection) -> Result<Option<String>> {
+    let row = sqlx::query(
+        "SELECT CASE WHEN pg_catalog.to_regnamespace('pgfence') IS NULL
+                     THEN pg_catalog.has_database_privilege(pg_catalog.current_database(), 'CREATE')
+                     ELSE pg_catalog.has_schema_privilege('pgfence', 'CREATE') END,
+                CURRENT_USER::pg_catalog.text",
+    )
+    .persistent(false)
+    .fetch_one(&mut *conn)
+    .await?;
+    let may: bool = row.try_get(0)?;
+    Ok((!may).then(|| row.try_get(1)).transpose()?)
 }
 
 /// A boolean from a constant statement, sent unnamed.

@@ -338,12 +338,34 @@ impl<T: FencedTable> Repository<T> {
         loop {
             self.seen.bind(&fencing.timeline, lent.conn()).await?;
             let write = self.sql.claim.bind(source, &fencing, false);
-            let claimed = self
-                .written(write.fetch_optional(lent.conn()).await, &fencing, "claim")
-                .await?;
+            // The claim and the decoding of its row are one transaction (a savepoint inside
+            // the caller's): a row that does not decode into `R` is left as it was.
+            let mut tx = sqlx::Connection::begin(lent.conn()).await?;
+            let claimed = match write.fetch_optional(&mut *tx).await {
+                Ok(claimed) => claimed,
+                Err(e) => {
+                    // The statement's own error is the answer, whatever the rollback says.
+                    let _ = tx.rollback().await;
+                    return Err(self.write_error(e, &fencing, "claim").await);
+                }
+            };
             if let Some(row) = claimed {
-                return Ok(R::from_row(&row)?);
+                return match R::from_row(&row) {
+                    Ok(decoded) => {
+                        tx.commit().await?;
+                        Ok(decoded)
+                    }
+                    Err(e) => {
+                        tx.rollback().await?;
+                        Err(Error::Decode {
+                            table: self.table.quoted(),
+                            operation: "claim",
+                            source: e,
+                        })
+                    }
+                };
             }
+            tx.commit().await?;
             match self
                 .refusal(
                     &self.sql.explain_claim,
@@ -531,12 +553,22 @@ impl<T: FencedTable> Repository<T> {
         fencing: &Fencing,
         operation: &'static str,
     ) -> Result<R> {
-        let err = match result {
-            Ok(done) => return Ok(done),
-            Err(e) => Error::from(e),
-        };
+        match result {
+            Ok(done) => Ok(done),
+            Err(e) => Err(self.write_error(e, fencing, operation).await),
+        }
+    }
+
+    /// A write statement's error, as [`written`](Self::written) reports it.
+    async fn write_error(
+        &self,
+        e: sqlx::Error,
+        fencing: &Fencing,
+        operation: &'static str,
+    ) -> Error {
+        let err = Error::from(e);
         self.seen.forget_on(&err);
-        Err(self.rejecting(fencing, operation).write_failed(err).await)
+        self.rejecting(fencing, operation).write_failed(err).await
     }
 
     /// The rejection context of one write.

@@ -243,8 +243,36 @@ impl Fencing {
         (counter << StoredFence::HOLDER_BITS) | holder
     }
 
+    /// The value hand-written SQL compares and sets, in the write-up's statement:
+    ///
+    /// ```sql
+    /// UPDATE inventory_snapshot SET payload = $1, fence = $2 WHERE sku = $3 AND fence < $2
+    /// ```
+    ///
+    /// with `$2` = `fence()`. It lies above every fence this lease stores and below every
+    /// newer lease's, so the statement updates the row for this lease's every write (the
+    /// guard stores the lease's next fence in its place) and 0 rows for an older lease. It
+    /// is not a [`FenceToken`]: `fence < $token` compares a token with a stored fence
+    /// (`token << 24 | ...`) and updates 0 rows for a newer, legitimate lease. `pgfence run`
+    /// exports it as `PGFENCE_FENCE`; [`Lease::fence`](crate::Lease::fence) is the same
+    /// value. See docs/sql.md, "Porting hand-written fenced SQL".
+    ///
+    /// ```
+    /// use pgfence::{FenceToken, Fencing};
+    /// let older = Fencing::new(FenceToken::new(4).unwrap());
+    /// let lease = Fencing::new(FenceToken::new(5).unwrap());
+    /// assert!(older.fence() < lease.fence());
+    /// // Every fence the lease stores on a row is below its `fence()`.
+    /// assert!(pgfence::token::StoredFence::lease(lease.token, lease.tag()).get() < lease.fence());
+    /// ```
+    #[must_use]
+    pub fn fence(&self) -> i64 {
+        self.stored().sealed().get()
+    }
+
     /// The fence this lease's first write to a row stores: token and tag, sequence 0. This is
-    /// the one value the repository's statements bind for the lease.
+    /// the one value the repository's statements bind for the lease (not a value for
+    /// hand-written SQL: that is [`Fencing::fence`]).
     #[must_use]
     pub fn lease_fence(&self) -> i64 {
         self.stored().get()

@@ -109,6 +109,15 @@ impl Lease {
         self.token
     }
 
+    /// The fence value for hand-written SQL in the write-up's form, `SET fence = $f ... WHERE
+    /// ... AND fence < $f`: [`Fencing::fence`] of this lease (`pgfence run` exports it as
+    /// `PGFENCE_FENCE`). Not [`Lease::token`]: a token compared with a stored fence updates 0
+    /// rows for a newer, legitimate lease.
+    #[must_use]
+    pub fn fence(&self) -> i64 {
+        Fencing::from(self).fence()
+    }
+
     /// The TTL the lease was granted (or last extended) with.
     #[must_use]
     pub fn ttl(&self) -> Duration {

@@ -73,7 +73,10 @@ async fn one_lease_writes_the_same_row_many_times_in_many_transactions() {
         .await
         .unwrap();
     let seq = (0..19).fold(0, |s, _| pgfence::token::next_sequence(s));
-    assert_eq!(fence, job.lease_fence() + seq);
+    assert_eq!(
+        fence,
+        pgfence::token::StoredFence::lease(job.token, job.tag()).get() + seq
+    );
     assert_eq!(audit_count(&db.pool).await, 0);
 }
 
@@ -256,7 +259,7 @@ async fn a_row_sealed_after_a_lease_wrote_it_rejects_that_lease_and_admits_a_new
     db.exec("ALTER TABLE invoices DISABLE TRIGGER pgfence_guard")
         .await;
     sqlx::query("UPDATE invoices SET fence = $1 WHERE id = 1")
-        .bind(job.lease_fence() + pgfence::token::SEALED_SEQUENCE)
+        .bind(job.fence()) // the lease's fence, sealed
         .execute(&db.pool)
         .await
         .unwrap();

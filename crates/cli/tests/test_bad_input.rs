@@ -14,6 +14,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
+use pgfence::token::StoredFence;
 use pgfence::{
     Error, Fence, FenceToken, FencedTable, Fencing, Issuer, Repository, Resource,
     issuer::{counter_key, lock_key},
@@ -219,14 +220,14 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         .await
         .unwrap();
     // The row as token 5's lease writes it (a stored fence packs token, tag and sequence).
-    let fence_5 = Fencing::new(tok(5)).lease_fence();
+    let fence_5 = StoredFence::lease(tok(5), 0).get();
     db.exec(&format!(
         "UPDATE acct SET balance = 90, fence = {fence_5} WHERE id = 1"
     ))
     .await;
     let lower_to_4 = format!(
         "UPDATE acct SET balance = 0, fence = {} WHERE id = 1",
-        Fencing::new(tok(4)).lease_fence()
+        StoredFence::lease(tok(4), 0).get()
     );
     Fence::new(pool.clone())
         .check(pool, &Resource::new("bad:checked").unwrap(), tok(5))

@@ -22,8 +22,13 @@ pub struct ChildVar {
 /// builds the environment and is shown by `pgfence run --help`.
 pub const CHILD_ENV: &[ChildVar] = &[
     ChildVar {
+        name: "PGFENCE_FENCE",
+        about: "the fence for hand-written SQL in the write-up's form: SET fence = $PGFENCE_FENCE ... WHERE ... AND fence < $PGFENCE_FENCE (every write of the lease; 0 rows when a newer lease wrote the row)",
+        value: |l| l.fence().to_string(),
+    },
+    ChildVar {
         name: "PGFENCE_TOKEN",
-        about: "the lease's fencing token (pass it with every fenced write)",
+        about: "the lease's fencing token, for pgfence.check / try_check / next_fence / admits (a token is not a fence: never compare it with the fence column)",
         value: |l| l.token().to_string(),
     },
     ChildVar {
