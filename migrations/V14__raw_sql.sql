@@ -77,7 +77,7 @@ BEGIN
         END IF;
     ELSIF NOT v_observe THEN
         IF NEW.fence = OLD.fence THEN
-            RAISE EXCEPTION 'pgfence: lease-less write refused on %: the UPDATE did not set fence (every UPDATE of a guarded table is a lease''s write or an audited bypass); this rejection is recorded only in the PostgreSQL server log',
+            RAISE EXCEPTION 'pgfence: lease-less write refused on %: the UPDATE left fence as it was (every UPDATE of a guarded table is a lease''s write, which advances it, or an audited bypass); this rejection is recorded only in the PostgreSQL server log',
                     v_table
                 USING ERRCODE = 'PF007',
                       DETAIL = format('old=%s new=%s table=%s', OLD.fence, NEW.fence, v_table),
@@ -86,8 +86,8 @@ BEGIN
         END IF;
         IF pgfence.fence_token(NEW.fence) = 0 AND NEW.fence > 0 THEN
             -- SET fence = <a token>: tokens are not fences (the write-up's `fence < $token`
-            -- compares a token with the stored fence, which holds token << 24 and more).
-            RAISE EXCEPTION 'pgfence: % on %: fence % is a fence token, not a fence (a stored fence is token << 24 | tag << 12 | sequence); this rejection is recorded only in the PostgreSQL server log',
+            -- compares a token with the stored fence, which packs the token with more).
+            RAISE EXCEPTION 'pgfence: % on %: fence % is a fence token, not a fence (a stored fence packs the token with a tag and a sequence); this rejection is recorded only in the PostgreSQL server log',
                     CASE WHEN v_advanced THEN 'lease-less write refused' ELSE 'stale fence' END,
                     v_table, NEW.fence
                 USING ERRCODE = CASE WHEN v_advanced THEN 'PF007' ELSE 'PF001' END,
@@ -291,3 +291,37 @@ BEGIN
     END LOOP;
 END
 $$;
+
+-- The rejecting statement's own audit row names a duplicate token or a sealed row in its
+-- `reason`, as the library's does (NULL for a plain stale rejection).
+DROP FUNCTION IF EXISTS pgfence.record_rejection(text, text, text, bigint, bigint, text, text, integer, boolean);
+CREATE OR REPLACE FUNCTION pgfence.record_rejection(
+    p_resource text,
+    p_table text,
+    p_key text,
+    p_presented bigint,
+    p_current bigint,
+    p_holder text,
+    p_operation text,
+    p_lock_timeout_ms integer,
+    p_other_counter boolean,
+    p_reason text
+) RETURNS text
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- Bounds the wait for the audit table. Local to the calling statement's transaction,
+    -- which is that statement alone.
+    PERFORM pg_catalog.set_config('lock_timeout', p_lock_timeout_ms::pg_catalog.text, true);
+    PERFORM pgfence.append_audit(p_resource, p_table, p_key, p_presented, p_current, p_holder,
+                                 p_operation, p_other_counter, p_reason);
+    RETURN '';
+END
+$$;
+REVOKE ALL ON FUNCTION
+    pgfence.record_rejection(text, text, text, bigint, bigint, text, text, integer, boolean, text)
+    FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION
+    pgfence.record_rejection(text, text, text, bigint, bigint, text, text, integer, boolean, text)
+    TO PUBLIC;

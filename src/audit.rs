@@ -49,9 +49,95 @@ pub struct Rejection {
     /// `current` came from another token counter (another resource or fencing domain).
     pub other_counter: bool,
     /// Why, when it is not the tokens alone: a failover refusal says `failover: lease
-    /// timeline N, database timeline M` ([`Error::FencedByFailover`](crate::Error::FencedByFailover)).
+    /// timeline N, database timeline M` ([`Error::FencedByFailover`](crate::Error::FencedByFailover));
+    /// a duplicate token, a sealed row and a token jump say so too
+    /// ([`RejectionKind::reason`]). `NULL` in the audit table for a plain stale rejection.
     pub reason: Option<String>,
+    /// What kind of rejection it is: the log event's `kind` field and message, and the
+    /// audit row's `reason`, say it.
+    pub kind: RejectionKind,
 }
+
+/// What kind of rejection a [`Rejection`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RejectionKind {
+    /// A newer lease wrote or checked ([`Error::StaleToken`](crate::Error::StaleToken)).
+    Stale,
+    /// Another lease presented the same token ([`Error::DuplicateToken`](crate::Error::DuplicateToken)).
+    Duplicate,
+    /// The row changed outside the protocol after this lease wrote it
+    /// ([`Error::RowSealed`](crate::Error::RowSealed)).
+    Sealed,
+    /// The token is implausibly far ahead ([`Error::TokenJump`](crate::Error::TokenJump)).
+    TokenJump,
+    /// The lease wrote before a failover of the database
+    /// ([`Error::FencedByFailover`](crate::Error::FencedByFailover)).
+    Failover,
+}
+
+impl RejectionKind {
+    /// The log event's `kind` field: `stale`, `duplicate`, `sealed`, `token_jump`,
+    /// `failover`.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stale => "stale",
+            Self::Duplicate => "duplicate",
+            Self::Sealed => "sealed",
+            Self::TokenJump => "token_jump",
+            Self::Failover => "failover",
+        }
+    }
+
+    /// The log event's message.
+    #[must_use]
+    pub fn message(self) -> &'static str {
+        match self {
+            Self::Stale => "stale write rejected",
+            Self::Duplicate => "write rejected: duplicate fence token",
+            Self::Sealed => "write rejected: row sealed",
+            Self::TokenJump => "write rejected: token too far ahead",
+            Self::Failover => "write rejected: fenced by a database failover",
+        }
+    }
+
+    /// The audit row's `reason` for this kind (a failover's names its timelines and is built
+    /// where it is refused; a stale rejection has none).
+    #[must_use]
+    pub fn reason(self) -> Option<String> {
+        match self {
+            Self::Stale | Self::Failover => None,
+            Self::Duplicate => Some(DUPLICATE_REASON.to_owned()),
+            Self::Sealed => Some(SEALED_REASON.to_owned()),
+            Self::TokenJump => Some(
+                "token jump: more than pgfence.max_token_jump() above the current token (forged or corrupted?)"
+                    .to_owned(),
+            ),
+        }
+    }
+
+    /// The kind of a fenced-out error, `None` for any other error.
+    #[must_use]
+    pub fn of(err: &crate::Error) -> Option<Self> {
+        Some(match err {
+            crate::Error::StaleToken { .. } => Self::Stale,
+            crate::Error::DuplicateToken { .. } => Self::Duplicate,
+            crate::Error::RowSealed { .. } => Self::Sealed,
+            crate::Error::TokenJump { .. } => Self::TokenJump,
+            crate::Error::FencedByFailover { .. } => Self::Failover,
+            _ => return None,
+        })
+    }
+}
+
+/// The audit `reason` of a duplicate-token rejection (also written by the rejecting
+/// statement itself: `sql.rs`).
+pub(crate) const DUPLICATE_REASON: &str =
+    "duplicate token: another lease presented the same token (the counter went backwards; reseed it)";
+/// The audit `reason` of a sealed-row rejection (also written by the rejecting statement).
+pub(crate) const SEALED_REASON: &str =
+    "sealed: the row changed outside the fencing protocol after this lease wrote it";
 
 /// What the audit path reports to an [`AuditSink`]: every rejection, and every rejection
 /// whose audit row could not be written.
@@ -174,7 +260,9 @@ impl Auditor {
             operation = r.operation,
             other_counter = r.other_counter,
             reason = r.reason.as_deref(),
-            "stale write rejected"
+            kind = r.kind.as_str(),
+            "{}",
+            r.kind.message()
         );
         crate::metrics::rejection(r.table.as_deref(), r.resource.as_deref(), r.operation);
         if let Some(sink) = &self.sink {

@@ -13,7 +13,7 @@
 use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, PgPool, Row};
 
-use crate::audit::{AuditRow, Auditor, Rejection};
+use crate::audit::{AuditRow, Auditor, Rejection, RejectionKind};
 use crate::executor::Lent;
 use crate::timeline::{Seen, Verdict};
 use crate::{Error, Fencing, Resource, Result, WriteExecutor, error::StaleTarget};
@@ -416,6 +416,7 @@ impl Effects {
                 operation,
                 other_counter: false,
                 reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
+                kind: RejectionKind::Failover,
             };
             self.auditor.record_beside(&rejection, lent).await;
             return Err(Error::FencedByFailover {
@@ -475,6 +476,7 @@ impl Effects {
                 other_counter,
             },
         };
+        let kind = RejectionKind::of(&err).unwrap_or(RejectionKind::Stale);
         let rejection = Rejection {
             resource: Some(resource.to_string()),
             table: Some(EFFECT_TABLE.to_owned()),
@@ -484,7 +486,8 @@ impl Effects {
             holder: fencing.holder.clone(),
             operation,
             other_counter,
-            reason: None,
+            reason: kind.reason(),
+            kind,
         };
         self.auditor.record(&rejection, AuditRow::Pending).await;
         err

@@ -41,7 +41,7 @@ fn leaseless_message(table: &str, old: i64, new: i64) -> String {
     let fix = "under a lease set fence = Lease::fence() / $PGFENCE_FENCE (or pgfence.next_fence), or bypass the guard with pgfence.bypass(reason) as an allowed role";
     if old == new {
         format!(
-            "lease-less write refused on {table}: the UPDATE did not set fence (every UPDATE of a guarded table is a lease's write or an audited bypass); {fix}"
+            "lease-less write refused on {table}: the UPDATE left fence as it was (every UPDATE of a guarded table is a lease's write, which advances it, or an audited bypass); {fix}"
         )
     } else if new > 0 && crate::token::FenceToken::of_fence(new) == 0 {
         format!(

@@ -4,7 +4,7 @@
 
 use sqlx::{PgExecutor, PgPool};
 
-use crate::audit::{AuditRow, Auditor, Rejection};
+use crate::audit::{AuditRow, Auditor, Rejection, RejectionKind};
 use crate::timeline::{Seen, Verdict};
 use crate::{Error, Fencing, Resource, Result, WriteExecutor, error::StaleTarget};
 
@@ -127,6 +127,7 @@ impl Fence {
                         operation: "check",
                         other_counter: false,
                         reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
+                        kind: RejectionKind::Failover,
                     };
                     self.auditor.record_beside(&rejection, &mut lent).await;
                     return Err(Error::FencedByFailover {
@@ -150,6 +151,7 @@ impl Fence {
             Error::TokenJump { current, .. } => (*current, false),
             _ => return Err(err),
         };
+        let kind = RejectionKind::of(&err).unwrap_or(RejectionKind::Stale);
         let rejection = Rejection {
             resource: Some(resource.as_str().to_owned()),
             table: None,
@@ -159,7 +161,8 @@ impl Fence {
             holder: fencing.holder.clone(),
             operation: "check",
             other_counter,
-            reason: None,
+            reason: kind.reason(),
+            kind,
         };
         self.auditor.record(&rejection, AuditRow::Pending).await;
         Err(err)

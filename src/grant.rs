@@ -32,7 +32,8 @@ const APP_FUNCTIONS: &[&str] = &[
     "pgfence.domain_high_water(pg_catalog.text)",
     "pgfence.domain_mark_holder(pg_catalog.text, pg_catalog.int8)",
     "pgfence.record_rejection(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
-     pg_catalog.int8, pg_catalog.text, pg_catalog.text, pg_catalog.int4, pg_catalog.bool)",
+     pg_catalog.int8, pg_catalog.text, pg_catalog.text, pg_catalog.int4, pg_catalog.bool, \
+     pg_catalog.text)",
     "pgfence.append_audit(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
      pg_catalog.int8, pg_catalog.text, pg_catalog.text, pg_catalog.bool)",
     "pgfence.issuer_acquire(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8)",

@@ -283,10 +283,16 @@ async fn may_migrate(conn: &mut PgConnection) -> Result<bool> {
 /// create objects in); `None` when it may.
 async fn may_not_install(conn: &mut PgConnection) -> Result<Option<String>> {
     let row = sqlx::query(
-        "SELECT CASE WHEN pg_catalog.to_regnamespace('pgfence') IS NULL
+        // A scan of pg_namespace, not to_regnamespace: a name looked up and not found stays
+        // "not found" in this session's catalog cache until it takes a lock on a relation,
+        // and a concurrent run may create the schema while this one waits for the advisory
+        // lock.
+        "SELECT CASE WHEN n.oid IS NULL
                      THEN pg_catalog.has_database_privilege(pg_catalog.current_database(), 'CREATE')
-                     ELSE pg_catalog.has_schema_privilege('pgfence', 'CREATE') END,
-                CURRENT_USER::pg_catalog.text",
+                     ELSE pg_catalog.has_schema_privilege(n.oid, 'CREATE') END,
+                CURRENT_USER::pg_catalog.text
+           FROM (SELECT) AS one
+           LEFT JOIN pg_catalog.pg_namespace n ON n.nspname OPERATOR(pg_catalog.=) 'pgfence'",
     )
     .persistent(false)
     .fetch_one(&mut *conn)

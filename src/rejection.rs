@@ -14,7 +14,7 @@
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use crate::audit::{AuditRow, Auditor, Rejection};
+use crate::audit::{AuditRow, Auditor, Rejection, RejectionKind};
 use crate::executor::Lent;
 use crate::layout::StoredFence;
 use crate::outcome::RowOutcome;
@@ -126,6 +126,7 @@ impl Rejecting<'_> {
             operation: self.operation,
             other_counter: false,
             reason: None,
+            kind: RejectionKind::Stale,
         }
     }
 
@@ -144,7 +145,9 @@ impl Rejecting<'_> {
     /// trigger's own audit row would roll back with the statement.
     pub(crate) async fn write_failed(&self, err: Error) -> Error {
         if let Error::TokenJump { current, .. } = &err {
-            let rejection = self.rejection(None, Some(*current));
+            let mut rejection = self.rejection(None, Some(*current));
+            rejection.kind = RejectionKind::TokenJump;
+            rejection.reason = RejectionKind::TokenJump.reason();
             self.auditor.record(&rejection, AuditRow::Pending).await;
         }
         err
@@ -180,6 +183,7 @@ impl Rejecting<'_> {
             .map(|f| StoredFence::from_raw(f).token());
         let mut rejection = self.rejection(Some(explained.key()), current);
         rejection.reason = Some(crate::timeline::failover_reason(lease_timeline, timeline));
+        rejection.kind = RejectionKind::Failover;
         self.auditor.record_beside(&rejection, lent).await;
         Err(Error::FencedByFailover {
             target: self.target(explained.key(), None),
@@ -201,6 +205,12 @@ impl Rejecting<'_> {
                 other_counter: true
             }
         );
+        rejection.kind = match refusal {
+            Refusal::Stale { .. } => RejectionKind::Stale,
+            Refusal::Duplicate => RejectionKind::Duplicate,
+            Refusal::Sealed => RejectionKind::Sealed,
+        };
+        rejection.reason = rejection.kind.reason();
         self.auditor.record(&rejection, out.audit_row()?).await;
         Ok(())
     }

@@ -29,6 +29,7 @@
 
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
+use crate::audit::{DUPLICATE_REASON, SEALED_REASON};
 use crate::ident::{Ident, TableName, quote_literal};
 use crate::layout::sql as layout;
 use crate::{FencedTable, Fencing, Result, table::PgQuery};
@@ -778,6 +779,7 @@ impl BatchStatements {
 /// `pgfence.record_rejection`, which writes the audit row in that same statement and returns
 /// `''` (if it cannot, the statement fails and is explained again without it); NULL
 /// otherwise, and then the `Auditor` writes the row through its own pool.
+/// (The reasons are constants without quotes: they are pasted as SQL literals.)
 fn audit_column(
     p: &mut Params,
     table_literal: &str,
@@ -797,16 +799,28 @@ fn audit_column(
         "CASE WHEN {own_transaction}::pg_catalog.bool AND {rejected} \
          THEN pgfence.record_rejection({resource}::pg_catalog.text, {table_literal}, c.row_key, \
          {token}::pg_catalog.int8, {current_token}, {holder}::pg_catalog.text, '{operation}', {ms}, \
-         {current_token} {GT} 0 AND ({current} {AND} {counter}) {NE} ({lease} {AND} {counter})) END",
+         {current_token} {GT} 0 AND ({current} {AND} {counter}) {NE} ({lease} {AND} {counter}), \
+         CASE WHEN {current} {EQ} ({lease} {PLUS} {sealed}) THEN '{SEALED_REASON}' \
+         WHEN {current_token} {EQ} {lease_token} AND ({current} {AND} {counter}) {EQ} ({lease} {AND} {counter}) \
+         THEN '{DUPLICATE_REASON}' END) END",
         rejected = rejects(current, lease),
         current_token = layout::token_of(current),
+        lease_token = layout::token_of(lease),
         counter = layout::counter_mask(),
+        sealed = layout::sealed_sequence(),
     )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn audit_reasons_paste_as_literals() {
+        for reason in [DUPLICATE_REASON, SEALED_REASON] {
+            assert!(!reason.contains(['\'', '\\', '$']), "{reason}");
+        }
+    }
 
     fn build(table: &str, keys: &[&str], cols: &[&str]) -> Statements {
         let idents = |names: &[&str]| names.iter().map(|n| Ident::new(*n).unwrap()).collect();

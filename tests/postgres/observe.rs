@@ -158,7 +158,7 @@ async fn enforce_rejects_and_modes_switch_both_ways() {
     );
     let raw = "UPDATE accounts SET balance = balance + 1 WHERE id = 1";
     let err = Error::from(sqlx::query(raw).execute(&db.pool).await.unwrap_err());
-    assert!(matches!(err, Error::StaleToken { .. }), "{err:?}");
+    assert!(matches!(err, Error::LeaselessWrite { .. }), "{err:?}");
 
     // To observe: the trigger is replaced, the same write passes and is audited.
     assert!(
@@ -286,7 +286,7 @@ async fn bypass_by_an_allowed_role_is_audited_and_seals_the_row() {
         .unwrap_err();
     assert_eq!(
         err.as_database_error().unwrap().code().as_deref(),
-        Some("PF001")
+        Some("PF007")
     );
     conn.close().await.unwrap();
 

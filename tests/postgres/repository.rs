@@ -231,55 +231,42 @@ async fn raw_sql_that_does_not_advance_the_fence_fails_with_the_documented_sqlst
         .await
         .unwrap();
 
+    // An UPDATE that leaves the fence as it was is a lease-less write (PF007), not a stale
+    // one: it names no lease.
     for sql in [
         "UPDATE inventory_snapshot SET payload = 'raw' WHERE sku = 'A-1'", // keeps the fence
-        "UPDATE inventory_snapshot SET payload = 'raw', fence = 9 WHERE sku = 'A-1'", // lowers it
         "UPDATE inventory_snapshot SET payload = 'raw', fence = fence WHERE sku = 'A-1'", // equal
     ] {
         let err = sqlx::query(sql).execute(&db.pool).await.unwrap_err();
-        let code = err
-            .as_database_error()
-            .and_then(|e| e.code())
-            .map(|c| c.into_owned());
-        assert_eq!(
-            code.as_deref(),
-            Some(pgfence::error::SQLSTATE_STALE),
-            "{sql}"
-        );
+        let code = err.as_database_error().and_then(|e| e.code()).map(|c| c.into_owned());
+        assert_eq!(code.as_deref(), Some(pgfence::error::SQLSTATE_LEASELESS), "{sql}");
         match Error::from(err) {
-            Error::StaleToken {
-                current: 10,
-                presented,
-                target,
-                ..
-            } => {
-                assert!(presented <= 10);
-                assert_eq!(
-                    target,
-                    pgfence::error::StaleTarget::Table("\"public\".\"inventory_snapshot\"".into())
-                );
+            Error::LeaselessWrite { table, old, new } => {
+                assert_eq!(old, new);
+                assert_eq!(table, "\"public\".\"inventory_snapshot\"");
             }
-            other => panic!("{sql}: expected StaleToken, got {other:?}"),
+            other => panic!("{sql}: expected LeaselessWrite, got {other:?}"),
         }
     }
-    assert_eq!(row(&db, "A-1").await, Some(("ten".into(), 10)));
-    // Advancing it through raw SQL is allowed: the trigger enforces order, not the library.
-    // `pgfence.next_fence` computes the fence a lease's write stores (and refuses stale ones).
-    sqlx::query(
-        "UPDATE inventory_snapshot SET payload = 'raw', fence = pgfence.next_fence(fence, 11) WHERE sku = 'A-1'",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    assert_eq!(row(&db, "A-1").await, Some(("raw".into(), 11)));
-    let err = sqlx::query(
-        "UPDATE inventory_snapshot SET payload = 'zombie', fence = pgfence.next_fence(fence, 10, 0, 'inventory_snapshot') WHERE sku = 'A-1'",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap_err();
-    support::assert_stale(&Error::from(err), 10, 11);
-    assert_eq!(row(&db, "A-1").await, Some(("raw".into(), 11)));
+    // One that lowers it (here to a bare token, 9) is stale: PF001.
+    let sql = "UPDATE inventory_snapshot SET payload = 'raw', fence = 9 WHERE sku = 'A-1'";
+    let err = sqlx::query(sql).execute(&db.pool).await.unwrap_err();
+    let code = err.as_database_error().and_then(|e| e.code()).map(|c| c.into_owned());
+    assert_eq!(code.as_deref(), Some(pgfence::error::SQLSTATE_STALE), "{sql}");
+    match Error::from(err) {
+        Error::StaleToken {
+            current: 10,
+            presented: 0,
+            target,
+            ..
+        } => {
+            assert_eq!(
+                target,
+                pgfence::error::StaleTarget::Table("\"public\".\"inventory_snapshot\"".into())
+            );
+        }
+        other => panic!("{sql}: expected StaleToken, got {other:?}"),
+    }
 }
 
 /// Many holders racing on one row: the highest token wins; every loser is classified stale

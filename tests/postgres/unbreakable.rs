@@ -381,7 +381,7 @@ async fn a_bypass_lives_only_in_its_transaction() {
         .execute(&pool)
         .await
         .unwrap_err();
-    assert_eq!(sqlstate(&err), "PF001", "{err}");
+    assert_eq!(sqlstate(&err), "PF007", "{err}");
     assert_eq!(balance(&db, 14).await, 51);
     let bypasses: i64 =
         sqlx::query_scalar("SELECT count(*) FROM pgfence.audit WHERE operation = 'bypass'")
