@@ -133,8 +133,7 @@ impl RejectionKind {
 
 /// The audit `reason` of a duplicate-token rejection (also written by the rejecting
 /// statement itself: `sql.rs`).
-pub(crate) const DUPLICATE_REASON: &str =
-    "duplicate token: another lease presented the same token (the counter went backwards; reseed it)";
+pub(crate) const DUPLICATE_REASON: &str = "duplicate token: another lease presented the same token (the counter went backwards; reseed it)";
 /// The audit `reason` of a sealed-row rejection (also written by the rejecting statement).
 pub(crate) const SEALED_REASON: &str =
     "sealed: the row changed outside the fencing protocol after this lease wrote it";

@@ -447,6 +447,8 @@ pub enum Error {
     /// `CREATE` on schema `pgfence`): a deploy-time job for the schema's owner.
     #[error("{}", if !*installed {
         format!("pgfence's schema is not installed in this database and role {role:?} may not create it: run `pgfence migrate` (pgfence::admin::migrate) once as the database owner or a role with CREATE on the database (deploy time), then `pgfence grant {role}`, then start the application")
+    } else if *applied == 0 {
+        format!("role {role:?} may not read pgfence's schema (it was not granted) and may not migrate it: run `pgfence migrate` as the owner of schema pgfence (deploy time), then `pgfence grant {role}`, then start the application")
     } else {
         format!("pgfence's schema is behind (applied V{applied}, this version ships V{latest}) and role {role:?} may not migrate it: run `pgfence migrate` as the owner of schema pgfence (deploy time), then start the application")
     })]

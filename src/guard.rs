@@ -218,26 +218,41 @@ pub fn guard_migration_sql(table: &TableName) -> Result<String> {
 /// # Errors
 /// As [`guard_migration_sql`].
 pub fn guard_migration_sql_with(table: &TableName, mode: GuardMode) -> Result<String> {
-    if mode == GuardMode::Observe {
-        return Ok(format!(
+    let (schema, name) = (
+        quote_literal(table.schema().as_str())?,
+        quote_literal(table.name().as_str())?,
+    );
+    let (about, call) = if mode == GuardMode::Observe {
+        (
             "-- Guard a table with pgfence in observe mode: adds `fence bigint NOT NULL DEFAULT 0` (if\n\
              -- missing) and the trigger, which lets updates that do not advance a row's fence through\n\
              -- and records them in pgfence.audit. Switch to enforcing with\n\
-             -- SELECT pgfence.guard(schema, table, 'enforce'). Needs `pgfence migrate` first.\n\
-             SELECT pgfence.guard({}, {}, 'observe');\n",
-            quote_literal(table.schema().as_str())?,
-            quote_literal(table.name().as_str())?
-        ));
-    }
-    Ok(format!(
-        "-- Guard a table with pgfence: adds `fence bigint NOT NULL DEFAULT 0` (if missing) and the\n\
-         -- trigger that rejects updates which do not advance a row's fence.\n\
-         -- Needs pgfence's own schema (`pgfence migrate`) to be applied first.\n\
-         SELECT pgfence.guard({}, {});\n",
-        quote_literal(table.schema().as_str())?,
-        quote_literal(table.name().as_str())?
-    ))
+             -- SELECT pgfence.guard(schema, table, 'enforce').\n",
+            format!("SELECT pgfence.guard({schema}, {name}, 'observe');\n"),
+        )
+    } else {
+        (
+            "-- Guard a table with pgfence: adds `fence bigint NOT NULL DEFAULT 0` (if missing) and the\n\
+             -- trigger that rejects updates which do not advance a row's fence.\n",
+            format!("SELECT pgfence.guard({schema}, {name});\n"),
+        )
+    };
+    Ok(format!("{about}{NEEDS_PGFENCE}{call}"))
 }
+
+/// The first statement of an emitted guard migration: pgfence keeps its own migration
+/// history, so a service's migrations can run before `pgfence migrate`; this one then stops
+/// with a message that says what to run first, instead of `schema "pgfence" does not exist`.
+const NEEDS_PGFENCE: &str = "-- Needs pgfence's own schema: run `pgfence migrate` (or pgfence::admin::migrate) first.\n\
+DO $pgfence$\n\
+BEGIN\n    \
+    IF pg_catalog.to_regprocedure('pgfence.guard(text,text,text)') IS NULL THEN\n        \
+        RAISE EXCEPTION 'pgfence is not installed in this database: run `pgfence migrate` (or pgfence::admin::migrate) before this migration'\n            \
+            USING ERRCODE = '55000',\n                  \
+                  HINT = 'pgfence keeps its own migration history (schema pgfence): apply it first at deploy time, e.g. pgfence migrate && <your migrations>';\n    \
+    END IF;\n\
+END\n\
+$pgfence$;\n";
 
 /// Allows the role named `role` (and its members) to bypass the guard of every guarded table
 /// with [`bypass`] (`SELECT pgfence.bypass('<reason>')`) in a transaction, and grants it

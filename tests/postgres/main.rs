@@ -16,6 +16,7 @@ mod derive;
 mod doctor;
 mod effects;
 mod examples;
+mod first_deploy;
 mod guard;
 mod guard_under_load;
 mod migrate;

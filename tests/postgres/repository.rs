@@ -238,8 +238,15 @@ async fn raw_sql_that_does_not_advance_the_fence_fails_with_the_documented_sqlst
         "UPDATE inventory_snapshot SET payload = 'raw', fence = fence WHERE sku = 'A-1'", // equal
     ] {
         let err = sqlx::query(sql).execute(&db.pool).await.unwrap_err();
-        let code = err.as_database_error().and_then(|e| e.code()).map(|c| c.into_owned());
-        assert_eq!(code.as_deref(), Some(pgfence::error::SQLSTATE_LEASELESS), "{sql}");
+        let code = err
+            .as_database_error()
+            .and_then(|e| e.code())
+            .map(|c| c.into_owned());
+        assert_eq!(
+            code.as_deref(),
+            Some(pgfence::error::SQLSTATE_LEASELESS),
+            "{sql}"
+        );
         match Error::from(err) {
             Error::LeaselessWrite { table, old, new } => {
                 assert_eq!(old, new);
@@ -251,8 +258,15 @@ async fn raw_sql_that_does_not_advance_the_fence_fails_with_the_documented_sqlst
     // One that lowers it (here to a bare token, 9) is stale: PF001.
     let sql = "UPDATE inventory_snapshot SET payload = 'raw', fence = 9 WHERE sku = 'A-1'";
     let err = sqlx::query(sql).execute(&db.pool).await.unwrap_err();
-    let code = err.as_database_error().and_then(|e| e.code()).map(|c| c.into_owned());
-    assert_eq!(code.as_deref(), Some(pgfence::error::SQLSTATE_STALE), "{sql}");
+    let code = err
+        .as_database_error()
+        .and_then(|e| e.code())
+        .map(|c| c.into_owned());
+    assert_eq!(
+        code.as_deref(),
+        Some(pgfence::error::SQLSTATE_STALE),
+        "{sql}"
+    );
     match Error::from(err) {
         Error::StaleToken {
             current: 10,

@@ -187,7 +187,14 @@ async fn sql_functions_and_trigger_ignore_shadowing_objects() {
     // The lease's first fence again: the UPDATE leaves the fence as it was, a lease-less
     // write (the lease's next write sets its next fence: Lease::fence() or next_fence).
     assert!(
-        matches!(err, Error::LeaselessWrite { old: 83886080, new: 83886080, .. }),
+        matches!(
+            err,
+            Error::LeaselessWrite {
+                old: 83886080,
+                new: 83886080,
+                ..
+            }
+        ),
         "{err:?}"
     );
 
