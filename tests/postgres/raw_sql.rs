@@ -14,6 +14,36 @@ const WRITE_UP: &str = "UPDATE inventory_snapshot
 SET    payload = $1, fence = $2
 WHERE  sku = $3 AND fence < $2;";
 
+/// The many-writes form, as docs/sql.md prints it.
+const MANY_WRITES: &str = "UPDATE inventory_snapshot
+   SET payload = $1, fence = pgfence.next_fence(fence, $2, $3, 'inventory_snapshot')
+ WHERE sku = $4";
+
+/// The audited form, as docs/sql.md prints it.
+const AUDITED: &str = "UPDATE inventory_snapshot
+   SET payload = $1, fence = pgfence.next_fence(fence, $2, $3, 'inventory_snapshot')
+ WHERE sku = $4 AND pgfence.admits(fence, $2, $3, 'inventory_snapshot', $5)";
+
+/// Its stop, as docs/sql.md prints it.
+const STOP: &str = "SELECT pgfence.stop_unless(false, 'inventory_snapshot [\"A-1\"]')";
+
+/// The statements these tests run are the ones docs/sql.md shows, to the character.
+#[test]
+fn the_porting_section_shows_the_statements_these_tests_run() {
+    let doc = include_str!("../../docs/sql.md");
+    let section = doc
+        .split("## Porting hand-written fenced SQL")
+        .nth(1)
+        .expect("docs/sql.md has the porting section");
+    for sql in [WRITE_UP, MANY_WRITES, AUDITED, STOP] {
+        assert!(
+            section.contains(&format!("```sql\n{sql}\n```")),
+            "docs/sql.md does not show, as a block:\n{sql}"
+        );
+    }
+    assert!(section.contains("+   .bind(lease.fence())"));
+}
+
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 struct Snapshot {
     sku: String,
@@ -215,12 +245,7 @@ async fn control_the_token_in_the_write_up_statement_loses_the_live_holders_writ
 async fn the_many_writes_and_audited_forms_work_as_documented() {
     let db = setup().await;
     let (one, two) = (lease(1, "worker-a"), lease(2, "worker-b"));
-    let many = "UPDATE inventory_snapshot
-   SET payload = $1, fence = pgfence.next_fence(fence, $2, $3, 'inventory_snapshot')
- WHERE sku = $4";
-    let audited = "UPDATE inventory_snapshot
-   SET payload = $1, fence = pgfence.next_fence(fence, $2, $3, 'inventory_snapshot')
- WHERE sku = $4 AND pgfence.admits(fence, $2, $3, 'inventory_snapshot', $5)";
+    let (many, audited) = (MANY_WRITES, AUDITED);
     // One connection, as psql has: stop_unless reads what admits noted in the session.
     let conn = std::sync::Arc::new(tokio::sync::Mutex::new(db.pool.acquire().await.unwrap()));
     let run = |sql: &'static str, f: &Fencing, payload: &'static str| {
@@ -257,7 +282,7 @@ async fn the_many_writes_and_audited_forms_work_as_documented() {
         "admits audits the zombie"
     );
     // stop_unless turns the audited 0 rows into an error naming the rejection.
-    let err = sqlx::query("SELECT pgfence.stop_unless(false, 'inventory_snapshot [\"A-1\"]')")
+    let err = sqlx::query(STOP)
         .execute(&mut **conn.lock().await)
         .await
         .map_err(Error::from)

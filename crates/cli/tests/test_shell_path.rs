@@ -198,3 +198,93 @@ mod tempdir {
         }
     }
 }
+
+/// The write-up's statement under `pgfence run`, with `$PGFENCE_FENCE`: lease 1 writes with
+/// `next_fence`, lease 2 (the next `pgfence run`) takes the row over with the write-up's
+/// statement, twice; lease 1's write-up statement afterwards updates 0 rows. The control:
+/// the same statement with `$PGFENCE_TOKEN` updates 0 rows for the live lease 2.
+#[tokio::test]
+async fn the_write_ups_statement_under_pgfence_run_uses_pgfence_fence() {
+    let (db, dir) = setup().await;
+    let redis = redis_url().await;
+    let resource = format!("writeup{}:42", rand::random::<u32>());
+    let psql = |sql: &str| {
+        format!(
+            "psql \"$DATABASE_URL\" -X -q -t -A -v ON_ERROR_STOP=1 -c \"{sql}\"",
+            sql = sql.replace('"', "\\\"")
+        )
+    };
+    let first = psql(
+        "UPDATE accounts SET balance = 1, fence = pgfence.next_fence(fence, $PGFENCE_TOKEN, $PGFENCE_TAG, 'accounts') WHERE id = 42 RETURNING balance",
+    );
+    let run = |script: String| {
+        Command::new(BIN)
+            .args([
+                "run",
+                "--resource",
+                &resource,
+                "--ttl",
+                "30s",
+                "--",
+                "sh",
+                "-c",
+            ])
+            .arg(format!(
+                "set -e\n{script}\nprintf '%s %s' \"$PGFENCE_TOKEN\" \"$PGFENCE_FENCE\" > lease"
+            ))
+            .current_dir(dir.path())
+            .env("DATABASE_URL", db.url())
+            .env("REDIS_URL", &redis)
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run pgfence")
+    };
+    let lease = || -> (String, String) {
+        let text = std::fs::read_to_string(dir.path().join("lease")).unwrap();
+        let (token, fence) = text.split_once(' ').unwrap();
+        (token.to_owned(), fence.to_owned())
+    };
+    let out = run(first);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let (token_1, fence_1) = lease();
+    assert_eq!(balance(&db).await, 1);
+
+    // The write-up's statement, as written, with lease 2's PGFENCE_FENCE, twice.
+    let write_up = |value: &str, var: &str| {
+        psql(&format!(
+            "UPDATE accounts SET balance = {value}, fence = ${var} WHERE id = 42 AND fence < ${var}"
+        ))
+        .replace("-q -t -A", "-t -A")
+    };
+    let out = run(format!(
+        "{}\n{}",
+        write_up("2", "PGFENCE_FENCE"),
+        write_up("3", "PGFENCE_FENCE")
+    ));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert_eq!(stdout.matches("UPDATE 1").count(), 2, "{stdout}");
+    assert_eq!(balance(&db).await, 3);
+    let (token_2, _) = lease();
+    assert_ne!(token_1, token_2);
+
+    // Lease 1, now a zombie, with its own PGFENCE_FENCE: 0 rows, the row keeps lease 2's.
+    let zombie = Command::new("sh")
+        .args(["-c", &write_up("99", "PGFENCE_FENCE")])
+        .current_dir(dir.path())
+        .env("DATABASE_URL", db.url())
+        .env("PGFENCE_FENCE", &fence_1)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&zombie.stdout).contains("UPDATE 0"));
+    assert_eq!(balance(&db).await, 3);
+
+    // The control: the live lease 3 with PGFENCE_TOKEN in the write-up's statement updates
+    // 0 rows (the fence packs more than the token), which is why the docs give PGFENCE_FENCE.
+    let out = run(write_up("4", "PGFENCE_TOKEN"));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("UPDATE 0"), "{stdout}");
+    assert_eq!(balance(&db).await, 3);
+}
