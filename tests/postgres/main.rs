@@ -25,5 +25,6 @@ mod prefix_isolation;
 mod privileges;
 mod repository;
 mod security;
+mod squash;
 mod unbreakable;
 mod verify;
