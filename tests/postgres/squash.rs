@@ -253,15 +253,28 @@ async fn assert_same_database(pg_dump: &Path, chain: &TestDb, squash: &TestDb) {
     );
 }
 
-/// How many times each pgfence function is (re)defined by `sql`.
-fn definitions(sql: &str) -> usize {
-    sql.lines()
-        .filter(|l| {
-            let l = l.trim_start();
-            l.starts_with("CREATE FUNCTION pgfence.")
-                || l.starts_with("CREATE OR REPLACE FUNCTION pgfence.")
-        })
-        .count()
+/// The functions `sql` (re)defines, one entry per definition: name and parameters as written
+/// (whitespace collapsed), e.g. `pgfence.check(p_resource text, p_token bigint, p_tag integer
+/// DEFAULT 0)`.
+fn definitions(sql: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut rest = sql;
+    while let Some(at) = rest.find("FUNCTION pgfence.") {
+        let line_start = rest[..at].rfind('\n').map_or(0, |i| i + 1);
+        let head = rest[line_start..at].trim();
+        let from = at + "FUNCTION ".len();
+        let to = from + rest[from..].find(')').unwrap() + 1;
+        if head == "CREATE" || head == "CREATE OR REPLACE" {
+            found.push(
+                rest[from..to]
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            );
+        }
+        rest = &rest[to..];
+    }
+    found
 }
 
 macro_rules! pg_dump_or_skip {
@@ -285,8 +298,30 @@ async fn an_empty_database_gets_from_the_squash_what_the_chain_gave() {
     let pg_dump = pg_dump_or_skip!();
     let squash_sql = &shipped()[6].1;
     assert_eq!(shipped().len(), 7, "0.3 ships V1..V6 and one migration");
-    // Each function once: the squash defines each signature one time.
-    assert!(definitions(squash_sql) < pre_squash().iter().map(|(_, s)| definitions(s)).sum());
+    // Each function once, in its final form: the squash defines every function the chain
+    // defined (70 definitions of 59 functions), one time each.
+    let mut chain_defs: Vec<String> = pre_squash()
+        .iter()
+        .flat_map(|(_, sql)| definitions(sql))
+        .collect();
+    assert_eq!(chain_defs.len(), 70);
+    let name = |d: &String| d[..d.find('(').unwrap()].to_owned();
+    let arity = |d: &String| d.matches(',').count();
+    chain_defs.sort_by_key(|d| (name(d), arity(d)));
+    chain_defs.dedup_by_key(|d| (name(d), arity(d)));
+    let mut squash_defs = definitions(squash_sql);
+    squash_defs.sort_by_key(|d| (name(d), arity(d)));
+    assert_eq!(
+        squash_defs
+            .iter()
+            .map(|d| (name(d), arity(d)))
+            .collect::<Vec<_>>(),
+        chain_defs
+            .iter()
+            .map(|d| (name(d), arity(d)))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(squash_defs.len(), 59);
 
     let chain = TestDb::empty().await;
     let mut conn = PgConnection::connect_with(&chain.options).await.unwrap();
