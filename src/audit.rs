@@ -325,7 +325,7 @@ impl Auditor {
     async fn write_row(&self, r: &Rejection) -> std::result::Result<(), String> {
         if r.reason.is_some() {
             // Through the owner's function: an application role may insert every column of
-            // the audit table but `reason` (V11).
+            // the audit table but `reason` (migration V7).
             let insert = append_audit(
                 "SELECT pgfence.append_audit($1, $2, $3, $4, $5, $6, $7, $8, $9)",
                 r,

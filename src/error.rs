@@ -496,6 +496,20 @@ pub enum Error {
         source: sqlx::Error,
     },
 
+    /// pgfence's migration history holds migrations of an unreleased 0.3 build: V7 to V13 of
+    /// `main` before they were squashed into one migration, `V7__pgfence_0_3`, for the release.
+    /// Nothing was changed. The fix, as the owner of schema `pgfence`: delete those history rows
+    /// and migrate again (`V7__pgfence_0_3` applies over the objects they created and leaves
+    /// the schema a 0.3 database has), or recreate the database.
+    #[error(
+        "pgfence's migration history holds {} of an unreleased 0.3 build (squashed into V7__pgfence_0_3 before the release); nothing was changed: as the owner of schema pgfence run `DELETE FROM pgfence.refinery_schema_history WHERE version BETWEEN 7 AND 13`, then `pgfence migrate` again (V7 applies over what they created), or recreate the database",
+        versions.iter().map(|v| format!("V{v}")).collect::<Vec<_>>().join(", ")
+    )]
+    UnreleasedMigrations {
+        /// The versions recorded by the unreleased build.
+        versions: Vec<i32>,
+    },
+
     /// A migration failed.
     #[error("migration failed: {}", without_source_lines(&.0.to_string()))]
     Migration(#[source] Box<refinery_core::Error>),
@@ -549,6 +563,7 @@ impl Error {
             | Error::RedisPermission { .. }
             | Error::MigrationNotPermitted { .. }
             | Error::NotPermitted { .. }
+            | Error::UnreleasedMigrations { .. }
             | Error::FenceColumnType { .. } => ErrorKind::Setup,
             _ if self.is_retryable() => ErrorKind::Transient,
             _ => ErrorKind::Backend,

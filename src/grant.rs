@@ -12,7 +12,7 @@ const APP_FUNCTIONS: &[&str] = &[
     "pgfence.try_check(pg_catalog.text, pg_catalog.int8, pg_catalog.int4, pg_catalog.int8)",
     "pgfence.admits(pg_catalog.int8, pg_catalog.int8, pg_catalog.int4, pg_catalog.regclass, \
      pg_catalog.text, pg_catalog.int8)",
-    // Failover fencing (V11): the repository records the timeline it writes on, checks a
+    // Failover fencing (migration V7): the repository records the timeline it writes on, checks a
     // lease's, and audits a refusal with its reason.
     "pgfence.note_timeline()",
     "pgfence.require_timeline(pg_catalog.int8, pg_catalog.int8, pg_catalog.text)",

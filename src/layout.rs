@@ -2,7 +2,7 @@
 //!
 //! Everything else reads the layout from here: [`Fencing`](crate::Fencing) and
 //! [`FenceToken`](crate::FenceToken), the repository's generated SQL (`sql.rs` formats these
-//! constants into its statements), `doctor`, and the SQL helpers of migration V12
+//! constants into its statements), `doctor`, and the SQL helpers of migration V7
 //! (`pgfence.fence_token`, `pgfence.sealed_sequence`...), which tests compare with this type
 //! value by value. The layout itself is explained in the token module's docs ("What a token
 //! means").

@@ -49,35 +49,39 @@ const MIGRATIONS: &[(&str, &str)] = &[
         include_str!("../migrations/V6__observe_mode.sql"),
     ),
     (
-        "V7__pg_issuer",
-        include_str!("../migrations/V7__pg_issuer.sql"),
-    ),
-    ("V8__effects", include_str!("../migrations/V8__effects.sql")),
-    (
-        "V9__schema_version",
-        include_str!("../migrations/V9__schema_version.sql"),
-    ),
-    (
-        "V10__fences_people_cannot_break",
-        include_str!("../migrations/V10__fences_people_cannot_break.sql"),
-    ),
-    (
-        "V11__failover_fencing",
-        include_str!("../migrations/V11__failover_fencing.sql"),
-    ),
-    (
-        "V12__fence_layout",
-        include_str!("../migrations/V12__fence_layout.sql"),
-    ),
-    (
-        "V13__issuer_token_limit",
-        include_str!("../migrations/V13__issuer_token_limit.sql"),
-    ),
-    (
-        "V14__raw_sql",
-        include_str!("../migrations/V14__raw_sql.sql"),
+        "V7__pgfence_0_3",
+        include_str!("../migrations/V7__pgfence_0_3.sql"),
     ),
 ];
+
+/// The history rows of an unreleased 0.3 build: main recorded migrations V7 to V13 under these
+/// names before they were squashed into one migration, `V7__pgfence_0_3`, for the release. A
+/// database that ran them is not a 0.2.0 database and not a 0.3 one: [`migrate`] refuses it
+/// with [`Error::UnreleasedMigrations`] instead of refinery's "divergent version".
+const UNRELEASED_0_3_HISTORY: &[(i32, &str)] = &[
+    (7, "pg_issuer"),
+    (8, "effects"),
+    (9, "schema_version"),
+    (10, "fences_people_cannot_break"),
+    (11, "failover_fencing"),
+    (12, "fence_layout"),
+    (13, "issuer_token_limit"),
+];
+
+/// [`Error::UnreleasedMigrations`] when the applied history holds rows of an unreleased 0.3
+/// build ([`UNRELEASED_0_3_HISTORY`]).
+fn refuse_unreleased_history(applied: &[Migration]) -> Result<()> {
+    let versions: Vec<i32> = applied
+        .iter()
+        .filter(|m| UNRELEASED_0_3_HISTORY.contains(&(m.version(), m.name())))
+        .map(Migration::version)
+        .collect();
+    if versions.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::UnreleasedMigrations { versions })
+    }
+}
 
 /// The newest migration this version ships.
 pub(crate) fn latest_version() -> i32 {
@@ -115,8 +119,10 @@ pub struct MigrationInfo {
 ///
 /// # Errors
 /// [`Error::Migration`] when a migration fails or the applied history diverges from the
-/// embedded migrations; [`Error::MigrationNotPermitted`] when the schema is behind and this
-/// role may not migrate it; [`Error::Database`] when the database cannot be reached.
+/// embedded migrations; [`Error::UnreleasedMigrations`] when the history holds migrations of
+/// an unreleased 0.3 build (V7 to V13 before they were squashed);
+/// [`Error::MigrationNotPermitted`] when the schema is behind and this role may not migrate
+/// it; [`Error::Database`] when the database cannot be reached.
 ///
 /// # Example
 /// ```no_run
@@ -164,7 +170,14 @@ where
                 });
             }
         }
-        Applied::Behind { .. } | Applied::Readable => {}
+        Applied::Readable => {
+            let applied = runner(&migrations)
+                .get_applied_migrations_async(&mut RefineryConn(&mut tx))
+                .await
+                .map_err(|e| Error::Migration(Box::new(e)))?;
+            refuse_unreleased_history(&applied)?;
+        }
+        Applied::Behind { .. } => {}
     }
     // The key is a constant: the literal needs no quoting.
     sqlx::raw_sql(AssertSqlSafe(format!(
@@ -214,7 +227,7 @@ enum Applied {
 }
 
 /// Reads how far the schema is without privileges on the history table when this role has
-/// none: `pgfence.schema_version()` (migration V9, any role with `USAGE` on the schema).
+/// none: `pgfence.schema_version()` (migration V7, any role with `USAGE` on the schema).
 async fn applied_state(conn: &mut PgConnection) -> Result<Applied> {
     // From the catalog, which every role reads: `to_regclass` would fail with "permission
     // denied for schema" for a role without USAGE on it. CASE: privileges are asked of objects
@@ -316,7 +329,8 @@ async fn scalar(conn: &mut PgConnection, sql: &'static str) -> Result<bool> {
 /// `pgfence.schema_version()` instead.
 ///
 /// # Errors
-/// [`Error::Database`] when the database cannot be read.
+/// [`Error::Database`] when the database cannot be read; [`Error::UnreleasedMigrations`] when
+/// the history holds migrations of an unreleased 0.3 build (its V7 would read as applied).
 pub async fn migration_status<'c, A>(conn: A) -> Result<Vec<MigrationInfo>>
 where
     A: Acquire<'c, Database = Postgres>,
@@ -336,6 +350,7 @@ where
     } else {
         Vec::new()
     };
+    refuse_unreleased_history(&applied)?;
     Ok(migrations
         .iter()
         .map(|m| MigrationInfo {

@@ -44,7 +44,7 @@
 //!
 //! The layout's numbers are defined once, as the constants of
 //! [`StoredFence`], which also reads a stored value's parts; everything
-//! here, the repository's SQL and the SQL helpers of migration V12 are built on it.
+//! here, the repository's SQL and the SQL helpers of migration V7 are built on it.
 
 use std::fmt;
 

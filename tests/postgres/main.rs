@@ -29,5 +29,6 @@ mod privileges;
 mod raw_sql;
 mod repository;
 mod security;
+mod squash;
 mod unbreakable;
 mod verify;

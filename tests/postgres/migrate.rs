@@ -14,7 +14,7 @@ async fn second_run_is_a_no_op() {
     let first = pgfence::admin::migrate(&db.pool).await.unwrap();
     assert_eq!(
         first.iter().map(|m| m.version).collect::<Vec<_>>(),
-        (1..=13).collect::<Vec<_>>()
+        (1..=7).collect::<Vec<_>>()
     );
     assert!(pgfence::admin::migrate(&db.pool).await.unwrap().is_empty());
     let status = pgfence::admin::migration_status(&db.pool).await.unwrap();
@@ -45,7 +45,7 @@ async fn concurrent_runs_all_succeed_and_one_applies() {
             .expect("every concurrent run succeeds")
             .len();
     }
-    assert_eq!(applied, 13, "exactly one run applies V1 to V13");
+    assert_eq!(applied, 7, "exactly one run applies V1 to V7");
 }
 
 /// A user's populated database with its own refinery history: only pgfence's schema appears.
@@ -84,7 +84,7 @@ async fn existing_database_is_untouched() {
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(ours, 13);
+    assert_eq!(ours, 7);
 
     // Guarding adds only the column and the trigger.
     pgfence::guard::guard(
@@ -124,8 +124,8 @@ async fn migrate_in_a_transaction_gives_the_search_path_back() {
 
 /// After migrating, only the layout's helpers spell its numbers: no other function of schema
 /// pgfence holds the largest token, a shift by the token's position, the low mask, the
-/// counter mask or the sequence step (V12; V13 took the PostgreSQL issuer's token limit, the
-/// last one spelled out).
+/// counter mask or the sequence step (the helpers are section 1 of the 0.3 migration; the
+/// PostgreSQL issuer's token limit, among others, is read from them).
 #[tokio::test]
 async fn only_the_layout_helpers_spell_the_layout() {
     let db = TestDb::new().await;
@@ -185,7 +185,7 @@ fn corner_fences() -> Vec<StoredFence> {
     fences
 }
 
-/// The SQL helpers of V12 and StoredFence are one layout: the same parts, the same next step,
+/// The SQL layout helpers (migration V7) and StoredFence are one layout: the same parts, the same next step,
 /// the same lease fence, for every corner fence; and next_fence (PL/pgSQL, on the helpers)
 /// decides like Fencing::classify.
 #[tokio::test]

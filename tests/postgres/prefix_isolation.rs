@@ -331,7 +331,7 @@ async fn doctor_reads_each_prefix_s_marks_against_its_own_counters() {
     );
 }
 
-/// The PostgreSQL issuer starts a new counter above its own prefix's marks (migration V10).
+/// The PostgreSQL issuer starts a new counter above its own prefix's marks (0.3).
 #[tokio::test]
 async fn the_postgres_issuer_seeds_a_new_counter_from_its_own_prefix_marks() {
     let db = TestDb::new().await;

@@ -386,7 +386,7 @@ async fn grant_gives_exactly_the_documented_privileges() {
         ("effect_finish", true),
         ("effect_status", true),
         ("failover_refusal", false),
-        // Every role: the fence layout's helpers (V12).
+        // Every role: the fence layout's helpers.
         ("fence_counter", false),
         ("fence_holder", false),
         ("fence_lease", false),
@@ -408,14 +408,14 @@ async fn grant_gives_exactly_the_documented_privileges() {
         ("record_rejection", false),
         ("refuse_token_jump", false),
         ("require_timeline", false),
-        // Every role: which migrations are applied (V9), the poisoning bound (V10).
+        // Every role: which migrations are applied, the poisoning bound.
         ("schema_version", true),
         ("sealed_fence", false),
         ("sealed_sequence", false),
         ("sequence_step", false),
         ("stop_unless", false),
         ("tag_shift", false),
-        // Every role: the database's timeline (V11; the repository's statements inline it).
+        // Every role: the database's timeline (the repository's statements inline it).
         ("timeline", false),
         ("token_fence", false),
         ("token_shift", false),
@@ -447,11 +447,11 @@ async fn grant_gives_exactly_the_documented_privileges() {
     .unwrap();
     let mut public = public;
     public.sort();
-    // record_rejection runs with the caller's rights; schema_version (V9) tells any role which
-    // migrations are applied; the poisoning bound (V10) is read by the guard trigger's WHEN
-    // clause as whoever writes; the database's timeline (V11) is read by the repository's
-    // statements as whoever writes; the fence layout's helpers (V12) hold numbers only and are
-    // called by next_fence, admits and lease_fence, which run with the caller's rights.
+    // record_rejection runs with the caller's rights; schema_version tells any role which
+    // migrations are applied; the poisoning bound is read by the guard trigger's WHEN clause
+    // as whoever writes; the database's timeline is read by the repository's statements as
+    // whoever writes; the fence layout's helpers hold numbers only and are called by
+    // next_fence, admits and lease_fence, which run with the caller's rights.
     assert_eq!(
         public,
         [

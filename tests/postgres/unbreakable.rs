@@ -479,13 +479,13 @@ async fn the_readme_documents_the_detail_keys_the_product_writes() {
     );
 }
 
-/// A database that 0.2 (migrations V1..V9) guarded and wrote upgrades in place: fences keep
+/// A database that 0.2.0 (migrations V1..V6) guarded and wrote upgrades in place: fences keep
 /// their meaning, the guard triggers get the new rule, audit table names one spelling.
 #[tokio::test]
 async fn a_0_2_database_upgrades_in_place() {
     let db = TestDb::empty().await;
     let mut conn = PgConnection::connect_with(&db.options).await.unwrap();
-    apply_0_2_migrations(&mut conn).await;
+    crate::squash::apply_0_2_0(&mut conn).await;
     db.exec(
         "CREATE TABLE accounts (id bigint PRIMARY KEY, balance bigint NOT NULL);
          INSERT INTO accounts VALUES (14, 0), (15, 0), (16, 0);
@@ -530,8 +530,8 @@ async fn a_0_2_database_upgrades_in_place() {
     let applied = pgfence::admin::migrate(&mut conn).await.unwrap();
     assert_eq!(
         applied.iter().map(|m| m.version).collect::<Vec<_>>(),
-        [10, 11, 12, 13],
-        "only V10 to V13 are new"
+        [7],
+        "only the 0.3 migration is new"
     );
     conn.close().await.unwrap();
     let repo = Repository::<Account>::new(db.pool.clone()).unwrap();
@@ -566,58 +566,6 @@ async fn a_0_2_database_upgrades_in_place() {
             .all(|n| n.as_deref() == Some("\"public\".\"accounts\"")),
         "{names:?}"
     );
-}
-
-/// Applies migrations V1..V9 (what pgfence 0.2 shipped) the way refinery records them.
-async fn apply_0_2_migrations(conn: &mut PgConnection) {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "sql"))
-        .collect();
-    files.sort_by_key(|p| {
-        p.file_name().unwrap().to_string_lossy()[1..]
-            .split("__")
-            .next()
-            .unwrap()
-            .parse::<u32>()
-            .unwrap()
-    });
-    sqlx::raw_sql(
-        "CREATE SCHEMA pgfence;
-         CREATE TABLE pgfence.refinery_schema_history (version int4 PRIMARY KEY,
-             name varchar(255), applied_on varchar(255), checksum varchar(255));",
-    )
-    .execute(&mut *conn)
-    .await
-    .unwrap();
-    for path in files {
-        let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
-        let sql = std::fs::read_to_string(&path).unwrap();
-        let migration = refinery_core::Migration::unapplied(&stem, &sql).unwrap();
-        if migration.version() > 9 {
-            continue;
-        }
-        let mut tx = conn.begin().await.unwrap();
-        sqlx::raw_sql("SET LOCAL search_path = pg_catalog, pg_temp")
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        sqlx::raw_sql(AssertSqlSafe(sql))
-            .execute(&mut *tx)
-            .await
-            .unwrap_or_else(|e| panic!("{stem}: {e}"));
-        sqlx::query("INSERT INTO pgfence.refinery_schema_history VALUES ($1, $2, $3, $4)")
-            .bind(migration.version())
-            .bind(migration.name())
-            .bind("2026-11-01T00:00:00Z")
-            .bind(migration.checksum().to_string())
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        tx.commit().await.unwrap();
-    }
 }
 
 /// One bad client cannot lock a resource or a row out: a token absurdly far above the current
@@ -712,12 +660,12 @@ async fn a_token_absurdly_far_ahead_is_refused_and_audited() {
                 && f.object.contains("billing:run")),
         "{findings:?}"
     );
-    // V10 to V13 apply again over themselves (a repaired history) and keep the owner's
+    // The 0.3 migration applies again over itself (a repaired history) and keeps the owner's
     // bound.
-    db.exec("DELETE FROM pgfence.refinery_schema_history WHERE version >= 10")
+    db.exec("DELETE FROM pgfence.refinery_schema_history WHERE version >= 7")
         .await;
     let applied = pgfence::admin::migrate(&db.pool).await.unwrap();
-    assert_eq!(applied.len(), 4);
+    assert_eq!(applied.len(), 1);
     let bound: i64 = sqlx::query_scalar("SELECT pgfence.max_token_jump()")
         .fetch_one(&db.pool)
         .await

@@ -93,6 +93,46 @@ impl TestDb {
         }
     }
 
+    /// `n` new databases made from this one as their template: the same objects, data and
+    /// OIDs, each dropped when the test ends. Closes this database's pool first (a template
+    /// may have no other session): use the copies, or new connections, afterwards.
+    pub async fn copies(&self, n: usize) -> Vec<TestDb> {
+        self.pool.close().await;
+        let mut copies = Vec::with_capacity(n);
+        for _ in 0..n {
+            let name = format!(
+                "pgfence_test_{}_{}_{}",
+                std::process::id(),
+                COUNTER.fetch_add(1, Ordering::Relaxed),
+                rand::random::<u32>()
+            );
+            let mut conn = PgConnection::connect_with(&self.admin)
+                .await
+                .expect("connect to Postgres");
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "CREATE DATABASE \"{name}\" TEMPLATE \"{}\"",
+                self.name
+            )))
+            .execute(&mut conn)
+            .await
+            .expect("copy db");
+            conn.close().await.ok();
+            let options = self.admin.clone().database(&name);
+            let pool = PgPoolOptions::new()
+                .max_connections(4)
+                .connect_with(options.clone())
+                .await
+                .expect("pool");
+            copies.push(Self {
+                pool,
+                options,
+                name,
+                admin: self.admin.clone(),
+            });
+        }
+        copies
+    }
+
     /// The database's URL, for processes (the CLI) that take one.
     pub fn url(&self) -> String {
         format!(

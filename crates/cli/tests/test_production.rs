@@ -444,8 +444,8 @@ async fn the_application_role_at_run_time() {
     );
     assert!(err.contains("deploy-time"), "{err}");
 
-    // A schema behind this version (its newest migration not recorded; V10 applies again
-    // over itself): the application role is told to ask the owner.
+    // A schema behind this version (its newest migration not recorded; the 0.3 migration
+    // applies again over itself): the application role is told to ask the owner.
     db.exec(
         "DELETE FROM pgfence.refinery_schema_history
           WHERE version = (SELECT max(version) FROM pgfence.refinery_schema_history)",
