@@ -19,7 +19,7 @@ use crate::timeline::{Seen, Verdict};
 use crate::{Error, Fencing, Resource, Result, WriteExecutor, error::StaleTarget};
 
 /// The table the ledger lives in, as named in errors and audit rows.
-pub const EFFECT_TABLE: &str = "pgfence.effect";
+pub const EFFECT_TABLE: &str = "\"pgfence\".\"effect\"";
 
 /// The longest work key accepted, in bytes.
 pub const MAX_WORK_KEY_LEN: usize = 200;

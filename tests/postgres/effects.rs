@@ -29,7 +29,7 @@ async fn two_leases(issuer: &Issuer, resource: &Resource) -> (Lease, Lease) {
 
 async fn audit_ops(db: &TestDb) -> Vec<(String, i64, i64)> {
     sqlx::query_as(
-        "SELECT operation, presented, current FROM pgfence.audit WHERE table_name = 'pgfence.effect' ORDER BY id",
+        "SELECT operation, presented, current FROM pgfence.audit WHERE table_name = '\"pgfence\".\"effect\"' ORDER BY id",
     )
     .fetch_all(&db.pool)
     .await
@@ -101,7 +101,7 @@ async fn one_key_per_work_item_fenced_like_a_row_write() {
                 },
             ..
         } => {
-            assert_eq!(table, "pgfence.effect");
+            assert_eq!(table, "\"pgfence\".\"effect\"");
             assert_eq!(key, r#"["invoice:42","charge"]"#);
             assert_eq!(r.as_deref(), Some(resource.as_str()));
         }
@@ -205,7 +205,7 @@ async fn refusals_before_anything_is_written() {
         .await
         .unwrap_err();
     assert!(
-        matches!(err, Error::NotFound { ref table, .. } if table == "pgfence.effect"),
+        matches!(err, Error::NotFound { ref table, .. } if table == "\"pgfence\".\"effect\""),
         "{err:?}"
     );
     for (work, step) in [("", "charge"), ("w", ""), ("w\0x", "s")] {
