@@ -124,8 +124,13 @@ impl Lease {
         self.ttl
     }
 
-    /// Local deadline: measured from before the request was sent, on a monotonic clock, so
-    /// it can only be early, never late, relative to the server's expiry.
+    /// Local deadline: measured from before the request was sent, on the client's monotonic
+    /// clock, so it is early relative to the server's expiry while the two clocks run at the
+    /// same rate. A forward step of the lock server's wall clock (Redis expires keys by it;
+    /// the PostgreSQL issuer compares the database's `clock_timestamp()`) expires the lock
+    /// early by the size of the step, and the deadline is then late by up to that much: a
+    /// hint, not a guarantee — fencing refuses the old lease's writes either way
+    /// (docs/design.md, "Known limits").
     #[must_use]
     pub fn deadline(&self) -> Instant {
         self.deadline
