@@ -795,8 +795,13 @@ fn audit_column(
     let resource = p.one(Slot::Resource);
     let holder = p.one(Slot::Holder);
     let own_transaction = p.one(Slot::OwnTransaction);
+    // A lease bound to another timeline than the database's is refused for the failover,
+    // and audited once, with that reason, by the library (`Rejecting::failover`): the
+    // statement writes no row of its own for it.
+    let timeline = p.one(Slot::Timeline);
     format!(
         "CASE WHEN {own_transaction}::pg_catalog.bool AND {rejected} \
+         AND ({timeline}::pg_catalog.int8 {EQ} 0 OR {timeline}::pg_catalog.int8 {EQ} pgfence.timeline()) \
          THEN pgfence.record_rejection({resource}::pg_catalog.text, {table_literal}, c.row_key, \
          {token}::pg_catalog.int8, {current_token}, {holder}::pg_catalog.text, '{operation}', {ms}, \
          {current_token} {GT} 0 AND ({current} {AND} {counter}) {NE} ({lease} {AND} {counter}), \
@@ -900,10 +905,11 @@ mod tests {
                 Slot::Token,
                 Slot::Resource,
                 Slot::Holder,
-                Slot::OwnTransaction
+                Slot::OwnTransaction,
+                Slot::Timeline
             ]
         );
-        assert_eq!(highest(s.explain_upsert.text()), 7);
+        assert_eq!(highest(s.explain_upsert.text()), 8);
         assert!(s.explain_update.text().contains("$7::pg_catalog.bool"));
     }
 
@@ -941,7 +947,8 @@ mod tests {
                 Slot::Token,
                 Slot::Resource,
                 Slot::Holder,
-                Slot::OwnTransaction
+                Slot::OwnTransaction,
+                Slot::Timeline
             ]
         );
         assert!(

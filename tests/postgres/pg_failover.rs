@@ -305,6 +305,50 @@ async fn an_async_promotion_that_lost_fenced_commits_keeps_every_older_lease_out
     let new_lease_writes = started.elapsed();
     assert_eq!(c.timeline(), Some(before + 1));
     assert_eq!(row(&pool).await, (300, 3));
+
+    // Zombie A again, on the row new lease C wrote: refused for the failover (and stale as
+    // well), and that is one refusal — one audit row, with the failover's reason, and one
+    // log event (the rejecting statement writes no row of its own for it).
+    let (logs, _capture) = support::Logs::capture();
+    let audited = |pool: sqlx::PgPool| async move {
+        sqlx::query_as::<_, (i64, Option<String>)>(
+            "SELECT presented, reason FROM pgfence.audit ORDER BY id",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    };
+    let audit_before = audited(pool.clone()).await.len();
+    let err = repo
+        .update(
+            &pool,
+            &a,
+            &Account {
+                id: 1,
+                balance: 103,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_fenced_by_failover(&err, 1, before, before + 1);
+    let rows = audited(pool.clone()).await;
+    let new_rows = &rows[audit_before..];
+    assert_eq!(
+        new_rows.len(),
+        1,
+        "one refusal, one audit row: {new_rows:?}"
+    );
+    assert!(
+        new_rows[0]
+            .1
+            .as_deref()
+            .is_some_and(|r| r.starts_with("failover:")),
+        "{new_rows:?}"
+    );
+    let events = logs.with("pgfence::audit", "WARN");
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["fields"]["kind"], "failover");
+    assert_eq!(row(&pool).await, (300, 3));
     eprintln!(
         "failover took {:?} (kill {:?}); zombie refused {detected:?} after the promotion; new lease's first write+check {new_lease_writes:?}",
         failover.took, failover.kill
