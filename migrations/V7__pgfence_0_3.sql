@@ -569,6 +569,70 @@ AS $$
             ::pg_catalog.bit(32))::pg_catalog.int4::pg_catalog.int8
 $$;
 
+-- Whether this database can tell its timeline, decided once (here, and again by
+-- pgfence.configure_timeline()): every role's fenced statements read the WAL position
+-- (pgfence.timeline() is inlined into them), so the WAL functions must work and be
+-- executable by PUBLIC. Where they are not — Amazon Aurora without logical replication
+-- ("WAL control functions cannot be executed when wal_level < logical"), a server that
+-- revoked them — pgfence.timeline() is 0: leases are not bound to a timeline and failover
+-- fencing by timeline is off for this database (doctor says so, and why); every other
+-- protection is unchanged.
+CREATE TABLE IF NOT EXISTS pgfence.timeline_check (
+    only_row boolean PRIMARY KEY DEFAULT true CHECK (only_row),
+    enabled  boolean NOT NULL,
+    reason   text
+);
+
+-- Decides whether the timeline check is on, defines pgfence.timeline() accordingly and
+-- records the decision; returns it. The schema owner runs it again after the server's
+-- settings changed (e.g. logical replication switched on).
+CREATE OR REPLACE FUNCTION pgfence.configure_timeline() RETURNS boolean
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $cfg$
+DECLARE
+    v_reason text;
+BEGIN
+    SELECT string_agg(format('%s is not executable by PUBLIC', p.oid::regprocedure), '; ')
+      INTO v_reason
+      FROM pg_catalog.pg_proc p
+     WHERE p.oid IN ('pg_catalog.pg_current_wal_lsn()'::regprocedure,
+                     'pg_catalog.pg_walfile_name(pg_lsn)'::regprocedure)
+       AND p.proacl IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM pg_catalog.aclexplode(p.proacl) a
+                        WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE');
+    IF v_reason IS NULL THEN
+        BEGIN
+            PERFORM pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn());
+        EXCEPTION WHEN OTHERS THEN
+            v_reason := format('the server refuses the WAL functions: %s', SQLERRM);
+        END;
+    END IF;
+    IF v_reason IS NULL THEN
+        CREATE OR REPLACE FUNCTION pgfence.timeline() RETURNS bigint
+        LANGUAGE sql
+        VOLATILE PARALLEL SAFE
+        AS $$
+    SELECT (('x' OPERATOR(pg_catalog.||) pg_catalog.substr(
+                pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))
+            ::pg_catalog.bit(32))::pg_catalog.int4::pg_catalog.int8
+$$;
+    ELSE
+        CREATE OR REPLACE FUNCTION pgfence.timeline() RETURNS bigint
+        LANGUAGE sql
+        VOLATILE PARALLEL SAFE
+        AS $$ SELECT 0::pg_catalog.int8 $$;
+    END IF;
+    INSERT INTO pgfence.timeline_check AS c (only_row, enabled, reason)
+    VALUES (true, v_reason IS NULL, v_reason)
+    ON CONFLICT (only_row) DO UPDATE SET enabled = EXCLUDED.enabled, reason = EXCLUDED.reason;
+    RETURN v_reason IS NULL;
+END
+$cfg$;
+REVOKE ALL ON FUNCTION pgfence.configure_timeline() FROM PUBLIC;
+REVOKE ALL ON pgfence.timeline_check FROM PUBLIC;
+SELECT pgfence.configure_timeline();
+
 -- Every timeline pgfence has seen, when, and whether an operator acknowledged it; `pgfence
 -- doctor` reports an unacknowledged one (a failover).
 CREATE TABLE IF NOT EXISTS pgfence.timeline_history (

@@ -108,6 +108,10 @@ impl Binding {
     }
 }
 
+/// What [`Seen`] holds for a database whose timeline check is off: `pgfence.timeline()` is 0
+/// there (its WAL functions are not available, `pgfence.timeline_check`).
+const CHECK_OFF: i64 = -1;
+
 /// The timeline a handle (repository, fence, effects) last saw on the database it writes to:
 /// what a lease's first statement binds it to. Clones share it.
 #[derive(Clone, Debug, Default)]
@@ -125,6 +129,9 @@ impl Seen {
         let seen = match (binding.get(), self.0.load(Ordering::Acquire)) {
             (Some(bound), _) => bound,
             (None, 0) => self.look(conn).await?,
+            // This database cannot tell its timeline (`pgfence.timeline_check`): leases stay
+            // unbound, and nothing is asked again.
+            (None, CHECK_OFF) => 0,
             (None, seen) => seen,
         };
         Ok(binding.bind_and_send(seen))
@@ -153,6 +160,12 @@ impl Seen {
         } else {
             (now, None, false)
         };
+        if now == 0 {
+            // The timeline check is off for this database (its WAL functions are not
+            // available): remembered, so no statement asks again.
+            self.0.store(CHECK_OFF, Ordering::Release);
+            return Ok(0);
+        }
         let before = self.0.swap(now, Ordering::AcqRel);
         if (before != 0 && before != now) || (before == 0 && unacknowledged) {
             tracing::warn!(
@@ -191,7 +204,8 @@ impl Seen {
     /// lease wrote on `lease_timeline` before the database failed over.
     pub(crate) fn verdict(&self, binding: &Binding, now: i64) -> Verdict {
         let bound = binding.presented();
-        if bound == 0 || bound == now {
+        // `now` 0: the database cannot tell its timeline (the check is off there).
+        if bound == 0 || bound == now || now == 0 {
             return Verdict::Fine;
         }
         self.saw(now);

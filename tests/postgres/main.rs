@@ -19,6 +19,7 @@ mod examples;
 mod first_deploy;
 mod guard;
 mod guard_under_load;
+mod managed;
 mod messages;
 mod migrate;
 mod observe;

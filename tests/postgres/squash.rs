@@ -278,7 +278,9 @@ fn definitions(sql: &str) -> Vec<String> {
     let mut rest = sql;
     while let Some(at) = rest.find("FUNCTION pgfence.") {
         let line_start = rest[..at].rfind('\n').map_or(0, |i| i + 1);
-        let head = rest[line_start..at].trim();
+        // Top-level statements only (a function that defines another, like
+        // configure_timeline, indents it).
+        let head = rest[line_start..at].trim_end();
         let from = at + "FUNCTION ".len();
         let to = from + rest[from..].find(')').unwrap() + 1;
         if head == "CREATE" || head == "CREATE OR REPLACE" {
@@ -326,7 +328,9 @@ async fn an_empty_database_gets_from_the_squash_what_the_chain_gave() {
         .iter()
         .map(|(_, sql)| definitions(sql).len())
         .sum::<usize>();
-    assert_eq!(chain_defs.len(), 70 + edits);
+    // (70 definitions in the chain; V10 creates max_token_jump() inside a DO block, which
+    // counts as nested here.)
+    assert_eq!(chain_defs.len(), 69 + edits);
     let name = |d: &String| d[..d.find('(').unwrap()].to_owned();
     let arity = |d: &String| d.matches(',').count();
     chain_defs.sort_by_key(|d| (name(d), arity(d)));
@@ -343,7 +347,8 @@ async fn an_empty_database_gets_from_the_squash_what_the_chain_gave() {
             .map(|d| (name(d), arity(d)))
             .collect::<Vec<_>>()
     );
-    // 59 at the squash; since: fence_tag and record_rejection with a reason (issue 30).
+    // 59 at the squash; since: fence_tag and record_rejection with a reason (issue 30),
+    // configure_timeline (issue 33); max_token_jump() is created inside a DO block (nested).
     assert_eq!(squash_defs.len(), 61);
 
     let chain = TestDb::empty().await;
