@@ -18,9 +18,10 @@
 //! | [`TokenAboveCounters`](FindingKind::TokenAboveCounters) | warning | a table's highest token is above every Redis counter doctor read |
 //! | [`CounterBelowMark`](FindingKind::CounterBelowMark) | error | a Redis counter below Postgres's high-water mark: it went backwards (failover), new leases are rejected |
 //! | [`RedisUnavailable`](FindingKind::RedisUnavailable) | error | Redis could not be read |
+//! | [`IssuerUrlInvalid`](FindingKind::IssuerUrlInvalid) | error | the issuer URL did not parse (reported by the CLI: nothing was connected to) |
 //! | [`CountersNotChecked`](FindingKind::CountersNotChecked) | info | no issuer was given, or a recorded resource name is not a valid [`Resource`] |
 //! | [`AuditRetention`](FindingKind::AuditRetention) | warning | audit rows older than [`DoctorOptions::audit_retention`] |
-//! | [`NotPermitted`](FindingKind::NotPermitted) | warning | a check doctor could not make: the connected role lacks a privilege it needs (run doctor as the schema's owner for the full report) |
+//! | [`NotPermitted`](FindingKind::NotPermitted) | warning | a check doctor could not make: the connected role lacks a privilege it needs (run doctor as the schema's owner for the full report); not a problem ([`Finding::is_problem`]) |
 //!
 //! Counters: for each resource in `pgfence.resource_fence` (resources that ran
 //! `pgfence.check`) and each of [`DoctorOptions::resources`], doctor compares the token of
@@ -92,6 +93,8 @@ pub enum FindingKind {
     CounterBelowMark,
     /// Redis could not be read.
     RedisUnavailable,
+    /// The issuer URL did not parse: no issuer was connected to.
+    IssuerUrlInvalid,
     /// Some counters were not compared.
     CountersNotChecked,
     /// Audit rows older than the retention.
@@ -120,10 +123,12 @@ pub struct Finding {
 }
 
 impl Finding {
-    /// Whether this finding makes the setup unhealthy (anything but [`Severity::Info`]).
+    /// Whether this finding makes the setup unhealthy: anything but [`Severity::Info`], except
+    /// [`FindingKind::NotPermitted`] (a check the connected role may not make says nothing
+    /// about the setup: the application role's doctor is clean when all it can check is).
     #[must_use]
     pub fn is_problem(&self) -> bool {
-        self.severity != Severity::Info
+        self.severity != Severity::Info && self.kind != FindingKind::NotPermitted
     }
 
     fn new(severity: Severity, kind: FindingKind, object: impl Into<String>) -> Self {
@@ -204,7 +209,8 @@ impl DoctorOptions {
 
 /// Checks the database behind `conn` (a pool, a connection or a transaction; and, with
 /// `issuer`, its counters) and returns every finding, most serious first. An empty list, or
-/// one with only [`Severity::Info`] findings ([`Finding::is_problem`]), means healthy.
+/// one with no problem ([`Finding::is_problem`]: only [`Severity::Info`] and
+/// [`FindingKind::NotPermitted`] findings), means healthy.
 ///
 /// Read-only. The README ("`pgfence doctor`") lists the checks. Each check first asks whether
 /// the connected role may read what it needs; a check it may not make is reported as
@@ -630,6 +636,8 @@ async fn counters(
             checks.push((named, mark));
         }
     }
+    let own_prefix = issuer.map_or(crate::issuer::DEFAULT_KEY_PREFIX, |i| i.key_prefix());
+    other_prefix_marks(own_prefix, &options.resources, &checks, findings);
     if !invalid.is_empty() {
         findings.push(
             Finding::new(Severity::Info, FindingKind::CountersNotChecked, "pgfence.resource_fence")
@@ -653,15 +661,14 @@ async fn counters(
         return Ok(());
     };
     let mut top_counter: Option<i64> = None;
-    let mut other_prefix = 0;
+    let mut other_prefixes = std::collections::BTreeMap::<&str, usize>::new();
     for (named, mark) in &checks {
         // Only this issuer's key prefix's marks are compared with its counters.
-        if named
+        let prefix = named
             .key_prefix()
-            .unwrap_or(crate::issuer::DEFAULT_KEY_PREFIX)
-            != issuer.key_prefix()
-        {
-            other_prefix += 1;
+            .unwrap_or(crate::issuer::DEFAULT_KEY_PREFIX);
+        if prefix != issuer.key_prefix() {
+            *other_prefixes.entry(prefix).or_default() += 1;
             continue;
         }
         let resource = &named.without_key_prefix();
@@ -701,14 +708,23 @@ async fn counters(
             );
         }
     }
-    if other_prefix > 0 {
+    if !other_prefixes.is_empty() {
+        let counts: Vec<String> = other_prefixes
+            .iter()
+            .map(|(prefix, n)| format!("{n} under key prefix {prefix}"))
+            .collect();
+        let runs: Vec<String> = other_prefixes
+            .keys()
+            .map(|prefix| format!("`pgfence doctor --key-prefix {prefix}`"))
+            .collect();
         findings.push(
             Finding::new(Severity::Info, FindingKind::CountersNotChecked, "pgfence.resource_fence")
                 .says(format!(
-                    "{other_prefix} resource mark(s) belong to another key prefix than the issuer's ({}); their counters were not checked",
-                    issuer.key_prefix()
+                    "resource marks of other key prefixes than the issuer's ({}) were not compared with counters: {}",
+                    issuer.key_prefix(),
+                    counts.join(", ")
                 ))
-                .fix("run doctor with each prefix's issuer (--key-prefix)"),
+                .fix(format!("run {} (or set PGFENCE_KEY_PREFIX)", runs.join(", "))),
         );
     }
     if let Some(top) = top_counter {
@@ -727,6 +743,61 @@ async fn counters(
         }
     }
     Ok(())
+}
+
+/// Resources given to doctor that have no mark under the key prefix in use (`prefix`) but do
+/// under another: the service's leases likely use that prefix; say which to pass.
+fn other_prefix_marks(
+    prefix: &str,
+    asked: &[Resource],
+    checks: &[(Resource, i64)],
+    findings: &mut Vec<Finding>,
+) {
+    let prefix_of = |r: &Resource| {
+        r.key_prefix()
+            .unwrap_or(crate::issuer::DEFAULT_KEY_PREFIX)
+            .to_owned()
+    };
+    for resource in asked {
+        let plain = resource.without_key_prefix();
+        let own = checks.iter().any(|(r, mark)| {
+            *mark > 0 && prefix_of(r) == prefix && r.without_key_prefix() == plain
+        });
+        if own {
+            continue;
+        }
+        let others: Vec<String> = checks
+            .iter()
+            .filter(|(r, mark)| {
+                *mark > 0 && prefix_of(r) != prefix && r.without_key_prefix() == plain
+            })
+            .map(|(r, mark)| format!("key prefix {} (token {mark})", prefix_of(r)))
+            .collect();
+        if others.is_empty() {
+            continue;
+        }
+        let first = checks
+            .iter()
+            .find(|(r, mark)| {
+                *mark > 0 && prefix_of(r) != prefix && r.without_key_prefix() == plain
+            })
+            .map(|(r, _)| prefix_of(r))
+            .unwrap_or_default();
+        findings.push(
+            Finding::new(
+                Severity::Info,
+                FindingKind::CountersNotChecked,
+                format!("resource {plain}"),
+            )
+            .says(format!(
+                "no high-water mark under key prefix {prefix}, but one under {}: the service's leases use that key prefix",
+                others.join(", ")
+            ))
+            .fix(format!(
+                "run `pgfence doctor --key-prefix {first} --resource '{plain}'` (or set PGFENCE_KEY_PREFIX={first})"
+            )),
+        );
+    }
 }
 
 /// Failover check: records the database's timeline (so a promotion shows even before any

@@ -13,6 +13,7 @@ use time::format_description::well_known::Rfc3339;
 
 use crate::cli::Conn;
 use crate::connect::Session;
+use crate::util::outln;
 use crate::util::{self, cell, print_table};
 
 /// `older_than` before now, or an error naming `flag` when that is before the year -9999.
@@ -88,11 +89,11 @@ pub async fn list(
         }
     }
     if json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        outln!("{}", serde_json::to_string_pretty(&rows)?)?;
         return Ok(ExitCode::SUCCESS);
     }
     if rows.is_empty() {
-        println!("no rejected writes");
+        outln!("no rejected writes")?;
         return Ok(ExitCode::SUCCESS);
     }
     let opt = |v: &Option<String>| v.as_deref().map(cell).unwrap_or_else(|| "-".into());
@@ -132,13 +133,12 @@ pub async fn list(
     if with_details {
         headers.push("details");
     }
-    print_table(&headers, &table);
+    print_table(&headers, &table)?;
     Ok(ExitCode::SUCCESS)
 }
 
 /// One followed audit row: a JSON object, or one human line.
 fn print_follow_line(r: &pgfence::audit::AuditEntry, json: bool) -> Result<()> {
-    use std::io::Write;
     let line = if json {
         serde_json::to_string(r)?
     } else {
@@ -158,10 +158,7 @@ fn print_follow_line(r: &pgfence::audit::AuditEntry, json: bool) -> Result<()> {
             opt(&r.holder),
         )
     };
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{line}")?;
-    out.flush()?;
-    Ok(())
+    outln!("{line}")
 }
 
 /// A row's `application_name` and `reason`, those that are recorded: `app="psql"
@@ -198,9 +195,9 @@ pub async fn prune(conn: &Conn, older_than: Duration) -> Result<ExitCode> {
     let mut session = conn.session_migrated().await?;
     let n = pgfence::audit::prune(session.conn(), cutoff).await?;
     session.commit().await?;
-    println!(
+    outln!(
         "pruned {n} audit row(s) older than {}",
         cutoff.format(&Rfc3339)?
-    );
+    )?;
     Ok(ExitCode::SUCCESS)
 }

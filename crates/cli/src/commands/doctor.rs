@@ -12,6 +12,7 @@ use serde_json::json;
 
 use crate::cli::{Conn, DoctorArgs};
 use crate::connect::Session;
+use crate::util::outln;
 use crate::util::{self, cell};
 
 /// Exit code when doctor found a problem (a warning or an error).
@@ -75,10 +76,10 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
     let problems = findings.iter().filter(|f| f.is_problem()).count();
 
     if args.json {
-        println!(
+        outln!(
             "{}",
             json!({"ok": problems == 0, "problems": problems, "findings": findings})
-        );
+        )?;
     } else {
         for f in &findings {
             let severity = match f.severity {
@@ -95,16 +96,16 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
                 .as_deref()
                 .map(|s| format!(" (fix: {})", cell(s)))
                 .unwrap_or_default();
-            println!(
+            outln!(
                 "{severity:<7} {kind:<22} {}: {}{fix}",
                 cell(&f.object),
                 cell(&f.message)
-            );
+            )?;
         }
         if problems == 0 {
-            println!("ok: no problems found");
+            outln!("ok: no problems found")?;
         } else {
-            println!("{problems} problem(s) found");
+            outln!("{problems} problem(s) found")?;
         }
     }
     Ok(if problems == 0 {

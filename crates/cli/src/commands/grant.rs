@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 
 use crate::cli::Conn;
+use crate::util::outln;
 use crate::util::{self, cell};
 
 /// Grants `role` what an application needs on the `pgfence` schema (after revoking everything
@@ -17,10 +18,10 @@ pub async fn grant(conn: &Conn, role: &str) -> Result<ExitCode> {
     let mut session = conn.session_migrated().await?;
     pgfence::admin::grant(session.conn(), &role).await?;
     session.commit().await?;
-    println!(
+    outln!(
         "granted {} an application's privileges on pgfence (after revoking any others):",
         cell(&role.quoted())
-    );
+    )?;
     // The statements that granted, one per privilege, as run.
     let sql = pgfence::admin::grant_sql(&role);
     let mut statement = String::new();
@@ -29,7 +30,7 @@ pub async fn grant(conn: &Conn, role: &str) -> Result<ExitCode> {
         statement.push(' ');
         if line.trim_end().ends_with(';') {
             if statement.starts_with("GRANT") {
-                println!("  {}", cell(statement.trim_end()));
+                outln!("  {}", cell(statement.trim_end()))?;
             }
             statement.clear();
         }

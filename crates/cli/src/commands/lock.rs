@@ -12,6 +12,7 @@ use serde_json::json;
 
 use crate::cli::Conn;
 use crate::connect::take_lock;
+use crate::util::outln;
 use crate::util::{cell, fmt_duration};
 
 /// `name` as a lock's resource: a resource, or its PostgreSQL name under this command's key
@@ -51,24 +52,24 @@ pub async fn acquire(
     }
     let lease = take_lock(&*issuer, &resource, ttl, wait).await?;
     if json {
-        println!(
+        outln!(
             "{}",
             json!({"resource": resource.as_str(), "token": lease.token().get(), "owner": lease.owner(), "ttl_ms": ttl.as_millis()})
-        );
+        )?;
     } else {
-        println!(
+        outln!(
             "acquired {} token={} owner={} ttl={}",
             resource,
             lease.token(),
             lease.owner(),
             fmt_duration(ttl)
-        );
-        println!(
+        )?;
+        outln!(
             "release: pgfence lock release {} --owner {} --token {}",
             resource,
             lease.owner(),
             lease.token()
-        );
+        )?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -89,16 +90,16 @@ pub async fn release(
     let lease = Lease::resume(resource.clone(), owner, token);
     let outcome = issuer.release(&lease).await?;
     if json {
-        println!(
+        outln!(
             "{}",
             json!({"resource": resource.as_str(), "result": outcome.as_str()})
-        );
+        )?;
     } else {
         match outcome {
-            ReleaseOutcome::Released => println!("released {resource}"),
-            ReleaseOutcome::AlreadyExpired => println!("{resource}: the lock had already expired"),
+            ReleaseOutcome::Released => outln!("released {resource}")?,
+            ReleaseOutcome::AlreadyExpired => outln!("{resource}: the lock had already expired")?,
             ReleaseOutcome::TakenByOther => {
-                println!("{resource}: another holder has the lock; left it alone");
+                outln!("{resource}: another holder has the lock; left it alone")?;
             }
         }
     }
@@ -114,19 +115,19 @@ pub async fn status(conn: &Conn, resource: &str, json: bool) -> Result<ExitCode>
     let resource = lock_resource(conn, resource)?;
     let status = conn.issuer().await?.status(&resource).await?;
     if json {
-        println!("{}", serde_json::to_string(&status)?);
+        outln!("{}", serde_json::to_string(&status)?)?;
     } else if let (Some(owner), Some(token)) = (&status.owner, status.token) {
         let expires = match status.ttl_ms {
             Some(ms) if ms >= 0 => format!("expires in {ms}ms"),
             _ => "no expiry (the key was set without a TTL)".to_owned(),
         };
-        println!(
+        outln!(
             "{resource}: held by {} token={token} {expires}; counter={}",
             cell(owner),
             status.counter
-        );
+        )?;
     } else {
-        println!("{resource}: free; counter={}", status.counter);
+        outln!("{resource}: free; counter={}", status.counter)?;
     }
     Ok(ExitCode::SUCCESS)
 }
