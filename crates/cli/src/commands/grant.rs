@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 
 use crate::cli::Conn;
+use crate::connect::Session;
 use crate::util::outln;
 use crate::util::{self, cell};
 
@@ -15,9 +16,18 @@ use crate::util::{self, cell};
 /// else it had there, schema `CREATE` included), and prints the grants. Refuses `PUBLIC`.
 pub async fn grant(conn: &Conn, role: &str) -> Result<ExitCode> {
     let role = util::role(role)?;
-    let mut session = conn.session_migrated().await?;
-    pgfence::admin::grant(session.conn(), &role).await?;
-    session.commit().await?;
+    let pool = conn.pg_migrated().await?;
+    let granted = async {
+        let mut session = Session::begin(&pool).await?;
+        pgfence::admin::grant(session.conn(), &role).await?;
+        session.commit().await
+    }
+    .await;
+    if let Err(e) = granted {
+        return Err(
+            super::needs_owner(&pool, "pgfence grant", "is a deploy-time command", e).await,
+        );
+    }
     outln!(
         "granted {} an application's privileges on pgfence (after revoking any others):",
         cell(&role.quoted())
