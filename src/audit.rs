@@ -176,7 +176,7 @@ impl Auditor {
             reason = r.reason.as_deref(),
             "stale write rejected"
         );
-        crate::metrics::rejection(r.table.as_deref(), r.resource.as_deref(), r.operation);
+        crate::metrics::rejection(r);
         if let Some(sink) = &self.sink {
             sink.event(AuditEvent::Rejected(r));
         }

@@ -17,6 +17,8 @@ mod effects;
 mod examples;
 mod guard;
 mod guard_under_load;
+#[cfg(feature = "metrics")]
+mod metrics;
 mod migrate;
 mod observe;
 mod pg_failover;
