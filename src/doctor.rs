@@ -18,7 +18,7 @@
 //! | [`TokenAboveCounters`](FindingKind::TokenAboveCounters) | warning | a table's highest token is above every Redis counter doctor read |
 //! | [`CounterBelowMark`](FindingKind::CounterBelowMark) | error | a Redis counter below Postgres's high-water mark: it went backwards (failover), new leases are rejected |
 //! | [`RedisUnavailable`](FindingKind::RedisUnavailable) | error | Redis could not be read |
-//! | [`IssuerUrlInvalid`](FindingKind::IssuerUrlInvalid) | error | the issuer URL did not parse (reported by the CLI: nothing was connected to) |
+//! | [`InvalidIssuerUrl`](FindingKind::InvalidIssuerUrl) | error | the issuer URL did not parse (reported by the CLI: nothing was connected to) |
 //! | [`CountersNotChecked`](FindingKind::CountersNotChecked) | info | no issuer was given, or a recorded resource name is not a valid [`Resource`] |
 //! | [`AuditRetention`](FindingKind::AuditRetention) | warning | audit rows older than [`DoctorOptions::audit_retention`] |
 //! | [`NotPermitted`](FindingKind::NotPermitted) | warning | a check doctor could not make: the connected role lacks a privilege it needs (run doctor as the schema's owner for the full report); not a problem ([`Finding::is_problem`]) |
@@ -94,7 +94,7 @@ pub enum FindingKind {
     /// Redis could not be read.
     RedisUnavailable,
     /// The issuer URL did not parse: no issuer was connected to.
-    IssuerUrlInvalid,
+    InvalidIssuerUrl,
     /// Some counters were not compared.
     CountersNotChecked,
     /// Audit rows older than the retention.

@@ -72,7 +72,7 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
     if findings.iter().any(|f| {
         matches!(
             f.kind,
-            FindingKind::RedisUnavailable | FindingKind::IssuerUrlInvalid
+            FindingKind::RedisUnavailable | FindingKind::InvalidIssuerUrl
         )
     }) {
         findings.retain(|f| f.kind != FindingKind::CountersNotChecked || f.object != "redis");
@@ -131,14 +131,14 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
 }
 
 /// The finding for an issuer doctor could not connect to: a URL that did not parse
-/// ([`FindingKind::IssuerUrlInvalid`]: nothing was tried), or a server that did not answer.
+/// ([`FindingKind::InvalidIssuerUrl`]: nothing was tried), or a server that did not answer.
 fn issuer_finding(e: &anyhow::Error) -> Finding {
     let invalid = e
         .downcast_ref::<pgfence::Error>()
         .is_some_and(|e| e.kind() == pgfence::error::ErrorKind::Invalid);
     let (kind, suggestion) = if invalid {
         (
-            FindingKind::IssuerUrlInvalid,
+            FindingKind::InvalidIssuerUrl,
             "correct the URL (--issuer-url / PGFENCE_ISSUER_URL, else --redis-url / REDIS_URL), or pass --no-redis",
         )
     } else {
