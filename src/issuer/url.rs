@@ -175,7 +175,7 @@ mod tests {
     fn redis_url_problems_in_words() {
         for (url, why) in [
             ("redis://h:notaport", "the port is not a number"),
-            ("redis://:hunter2", "the port is not a number"),
+            ("redis://:hunter2", "no host"),
             ("redis://h:99999", "out of range"),
             ("redis://h:", "empty"),
             ("redis://[::1", "does not close"),
