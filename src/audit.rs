@@ -263,7 +263,7 @@ impl Auditor {
             "{}",
             r.kind.message()
         );
-        crate::metrics::rejection(r.table.as_deref(), r.resource.as_deref(), r.operation);
+        crate::metrics::rejection(r);
         if let Some(sink) = &self.sink {
             sink.event(AuditEvent::Rejected(r));
         }

@@ -13,14 +13,17 @@
 //! | [`FenceColumnMissing`](FindingKind::FenceColumnMissing), [`FenceColumnType`](FindingKind::FenceColumnType), [`FenceColumnNullable`](FindingKind::FenceColumnNullable) | error | a guarded table's `fence` is gone, not `bigint`, or nullable (a `NULL` fence slips past the trigger) |
 //! | [`ObserveMode`](FindingKind::ObserveMode) | info | a table is guarded in observe mode (how many unfenced writes were recorded) |
 //! | [`FenceInvalid`](FindingKind::FenceInvalid) | error | rows with a negative fence (no valid token) |
-//! | [`FenceNearLimit`](FindingKind::FenceNearLimit) | warning | a row, resource mark or counter above [`MAX_TOKEN`] − [`DoctorOptions::limit_margin`] |
+//! | [`FenceNearLimit`](FindingKind::FenceNearLimit) | error (a row or resource mark: no counter gets there, real leases are locked out) / warning (an issuer's counter) | a row, resource mark or counter above [`MAX_TOKEN`] − [`DoctorOptions::limit_margin`] |
 //! | [`HighestToken`](FindingKind::HighestToken) | info | the highest token on each guarded table |
 //! | [`TokenAboveCounters`](FindingKind::TokenAboveCounters) | warning | a table's highest token is above every Redis counter doctor read |
 //! | [`CounterBelowMark`](FindingKind::CounterBelowMark) | error | a Redis counter below Postgres's high-water mark: it went backwards (failover), new leases are rejected |
 //! | [`RedisUnavailable`](FindingKind::RedisUnavailable) | error | Redis could not be read |
+//! | [`InvalidIssuerUrl`](FindingKind::InvalidIssuerUrl) | error | the issuer URL did not parse (reported by the CLI: nothing was connected to) |
 //! | [`CountersNotChecked`](FindingKind::CountersNotChecked) | info | no issuer was given, or a recorded resource name is not a valid [`Resource`] |
 //! | [`AuditRetention`](FindingKind::AuditRetention) | warning | audit rows older than [`DoctorOptions::audit_retention`] |
-//! | [`NotPermitted`](FindingKind::NotPermitted) | warning | a check doctor could not make: the connected role lacks a privilege it needs (run doctor as the schema's owner for the full report) |
+//! | [`TimelineCheckOff`](FindingKind::TimelineCheckOff) | info | the database cannot tell its timeline (no WAL functions: Aurora without logical replication, or revoked): failover fencing by timeline is off; what is not protected, and where that is acceptable |
+//! | [`Protections`](FindingKind::Protections) | info | what is in force: the timeline check, the guarded tables by mode, the connected role's standing |
+//! | [`NotPermitted`](FindingKind::NotPermitted) | warning | a check doctor could not make: the connected role lacks a privilege it needs (run doctor as the schema's owner for the full report); not a problem ([`Finding::is_problem`]) |
 //!
 //! Counters: for each resource in `pgfence.resource_fence` (resources that ran
 //! `pgfence.check`) and each of [`DoctorOptions::resources`], doctor compares the token of
@@ -92,6 +95,8 @@ pub enum FindingKind {
     CounterBelowMark,
     /// Redis could not be read.
     RedisUnavailable,
+    /// The issuer URL did not parse: no issuer was connected to.
+    InvalidIssuerUrl,
     /// Some counters were not compared.
     CountersNotChecked,
     /// Audit rows older than the retention.
@@ -102,6 +107,13 @@ pub enum FindingKind {
     /// yet: leases that wrote before it are fenced out, and with asynchronous replication
     /// the promotion may have lost commits ([`acknowledge_failover`] once checked).
     FailedOver,
+    /// The database cannot tell its timeline (its WAL functions are not available: Amazon
+    /// Aurora without logical replication, or EXECUTE revoked from PUBLIC), so failover
+    /// fencing by timeline is off there (`pgfence.timeline_check`).
+    TimelineCheckOff,
+    /// Which protections are in force on this database, for the connected role: the timeline
+    /// check, the guarded tables by mode, and the role's standing.
+    Protections,
 }
 
 /// One finding: what, about which object, why, and what to do.
@@ -120,10 +132,12 @@ pub struct Finding {
 }
 
 impl Finding {
-    /// Whether this finding makes the setup unhealthy (anything but [`Severity::Info`]).
+    /// Whether this finding makes the setup unhealthy: anything but [`Severity::Info`], except
+    /// [`FindingKind::NotPermitted`] (a check the connected role may not make says nothing
+    /// about the setup: the application role's doctor is clean when all it can check is).
     #[must_use]
     pub fn is_problem(&self) -> bool {
-        self.severity != Severity::Info
+        self.severity != Severity::Info && self.kind != FindingKind::NotPermitted
     }
 
     fn new(severity: Severity, kind: FindingKind, object: impl Into<String>) -> Self {
@@ -204,7 +218,8 @@ impl DoctorOptions {
 
 /// Checks the database behind `conn` (a pool, a connection or a transaction; and, with
 /// `issuer`, its counters) and returns every finding, most serious first. An empty list, or
-/// one with only [`Severity::Info`] findings ([`Finding::is_problem`]), means healthy.
+/// one with no problem ([`Finding::is_problem`]: only [`Severity::Info`] and
+/// [`FindingKind::NotPermitted`] findings), means healthy.
 ///
 /// Read-only. The README ("`pgfence doctor`") lists the checks. Each check first asks whether
 /// the connected role may read what it needs; a check it may not make is reported as
@@ -238,6 +253,7 @@ where
     let pool = &mut *conn;
     let mut findings = Vec::new();
     if schema(pool, &mut findings).await? {
+        protections(pool, &mut findings).await?;
         failover(pool, &mut findings).await?;
         let highest = tables(pool, options, &mut findings).await?;
         counters(pool, issuer, options, &highest, &mut findings).await?;
@@ -566,12 +582,14 @@ async fn tables(
         );
         if token > limit {
             findings.push(
-                Finding::new(Severity::Warning, FindingKind::FenceNearLimit, &object)
+                Finding::new(Severity::Error, FindingKind::FenceNearLimit, &object)
                     .says(format!(
-                        "a row carries token {token}, within {} of the largest token ({MAX_TOKEN})",
+                        "a row carries token {token}, within {} of the largest token ({MAX_TOKEN}): no issuer's counter gets there, so every real lease is locked out of that row (a forged or corrupted fence; a row's first token is not bounded by pgfence.max_token_jump())",
                         MAX_TOKEN - token
                     ))
-                    .fix("find the writer that set it; tokens come from the Redis counter, one per lease"),
+                    .fix(format!(
+                        "find the writer (pgfence audit, the server log); as the table's owner: BEGIN; ALTER TABLE {object} DISABLE TRIGGER pgfence_guard; UPDATE {object} SET fence = (N::bigint << 24) | 16777215 WHERE fence >> 24 > {limit}; ALTER TABLE {object} ENABLE TRIGGER pgfence_guard; COMMIT; with N the highest token the issuer handed out (docs/operations.md, \"Fence poisoning\")"
+                    )),
             );
         }
     }
@@ -608,15 +626,18 @@ async fn counters(
         if *mark > limit {
             findings.push(
                 Finding::new(
-                    Severity::Warning,
+                    Severity::Error,
                     FindingKind::FenceNearLimit,
                     format!("resource {resource}"),
                 )
                 .says(format!(
-                    "its high-water mark is token {mark}, within {} of the largest token",
+                    "its high-water mark is token {mark}, within {} of the largest token: no issuer's counter gets there, so every real lease of it is refused (a forged or corrupted check; a resource's first token is not bounded by pgfence.max_token_jump())",
                     MAX_TOKEN - mark
                 ))
-                .fix("if the mark is bogus (poisoned), lower it with pgfence.unpoison_resource"),
+                .fix(format!(
+                    "as the schema's owner: SELECT pgfence.unpoison_resource('{}', N); with N the highest token the issuer handed out",
+                    resource.replace('\'', "''")
+                )),
             );
         }
     }
@@ -640,6 +661,8 @@ async fn counters(
             checks.push((named, mark));
         }
     }
+    let own_prefix = issuer.map_or(crate::issuer::DEFAULT_KEY_PREFIX, |i| i.key_prefix());
+    other_prefix_marks(own_prefix, &options.resources, &checks, findings);
     if !invalid.is_empty() {
         findings.push(
             Finding::new(Severity::Info, FindingKind::CountersNotChecked, "pgfence.resource_fence")
@@ -663,15 +686,14 @@ async fn counters(
         return Ok(());
     };
     let mut top_counter: Option<i64> = None;
-    let mut other_prefix = 0;
+    let mut other_prefixes = std::collections::BTreeMap::<&str, usize>::new();
     for (named, mark) in &checks {
         // Only this issuer's key prefix's marks are compared with its counters.
-        if named
+        let prefix = named
             .key_prefix()
-            .unwrap_or(crate::issuer::DEFAULT_KEY_PREFIX)
-            != issuer.key_prefix()
-        {
-            other_prefix += 1;
+            .unwrap_or(crate::issuer::DEFAULT_KEY_PREFIX);
+        if prefix != issuer.key_prefix() {
+            *other_prefixes.entry(prefix).or_default() += 1;
             continue;
         }
         let resource = &named.without_key_prefix();
@@ -711,14 +733,23 @@ async fn counters(
             );
         }
     }
-    if other_prefix > 0 {
+    if !other_prefixes.is_empty() {
+        let counts: Vec<String> = other_prefixes
+            .iter()
+            .map(|(prefix, n)| format!("{n} under key prefix {prefix}"))
+            .collect();
+        let runs: Vec<String> = other_prefixes
+            .keys()
+            .map(|prefix| format!("`pgfence doctor --key-prefix {prefix}`"))
+            .collect();
         findings.push(
             Finding::new(Severity::Info, FindingKind::CountersNotChecked, "pgfence.resource_fence")
                 .says(format!(
-                    "{other_prefix} resource mark(s) belong to another key prefix than the issuer's ({}); their counters were not checked",
-                    issuer.key_prefix()
+                    "resource marks of other key prefixes than the issuer's ({}) were not compared with counters: {}",
+                    issuer.key_prefix(),
+                    counts.join(", ")
                 ))
-                .fix("run doctor with each prefix's issuer (--key-prefix)"),
+                .fix(format!("run {} (or set PGFENCE_KEY_PREFIX)", runs.join(", "))),
         );
     }
     if let Some(top) = top_counter {
@@ -739,8 +770,140 @@ async fn counters(
     Ok(())
 }
 
+/// Resources given to doctor that have no mark under the key prefix in use (`prefix`) but do
+/// under another: the service's leases likely use that prefix; say which to pass.
+fn other_prefix_marks(
+    prefix: &str,
+    asked: &[Resource],
+    checks: &[(Resource, i64)],
+    findings: &mut Vec<Finding>,
+) {
+    let prefix_of = |r: &Resource| {
+        r.key_prefix()
+            .unwrap_or(crate::issuer::DEFAULT_KEY_PREFIX)
+            .to_owned()
+    };
+    for resource in asked {
+        let plain = resource.without_key_prefix();
+        let own = checks.iter().any(|(r, mark)| {
+            *mark > 0 && prefix_of(r) == prefix && r.without_key_prefix() == plain
+        });
+        if own {
+            continue;
+        }
+        let others: Vec<String> = checks
+            .iter()
+            .filter(|(r, mark)| {
+                *mark > 0 && prefix_of(r) != prefix && r.without_key_prefix() == plain
+            })
+            .map(|(r, mark)| format!("key prefix {} (token {mark})", prefix_of(r)))
+            .collect();
+        if others.is_empty() {
+            continue;
+        }
+        let first = checks
+            .iter()
+            .find(|(r, mark)| {
+                *mark > 0 && prefix_of(r) != prefix && r.without_key_prefix() == plain
+            })
+            .map(|(r, _)| prefix_of(r))
+            .unwrap_or_default();
+        findings.push(
+            Finding::new(
+                Severity::Info,
+                FindingKind::CountersNotChecked,
+                format!("resource {plain}"),
+            )
+            .says(format!(
+                "no high-water mark under key prefix {prefix}, but one under {}: the service's leases use that key prefix",
+                others.join(", ")
+            ))
+            .fix(format!(
+                "run `pgfence doctor --key-prefix {first} --resource '{plain}'` (or set PGFENCE_KEY_PREFIX={first})"
+            )),
+        );
+    }
+}
+
 /// Failover check: records the database's timeline (so a promotion shows even before any
 /// lease wrote through it) and reports every timeline nobody acknowledged.
+/// What is in force on this database: the timeline check (off, and why, where the WAL
+/// functions are not available), the guarded tables by mode, and the connected role.
+async fn protections(pool: &mut PgConnection, findings: &mut Vec<Finding>) -> Result<()> {
+    let object = "database";
+    let (readable, role, superuser, owner): (bool, String, bool, bool) = sqlx::query_as(
+        "SELECT pg_catalog.has_function_privilege('pgfence.timeline()', 'EXECUTE')
+                AND pg_catalog.has_schema_privilege('pgfence', 'USAGE'),
+                CURRENT_USER::pg_catalog.text, r.rolsuper,
+                pg_catalog.pg_has_role(n.nspowner, 'USAGE')
+           FROM pg_catalog.pg_roles r, pg_catalog.pg_namespace n
+          WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER
+            AND n.nspname OPERATOR(pg_catalog.=) 'pgfence'",
+    )
+    .fetch_one(&mut *pool)
+    .await?;
+    if !readable {
+        findings.push(not_permitted(
+            object,
+            "the protections in force were",
+            "EXECUTE on pgfence.timeline() (`pgfence grant ROLE` gives it)",
+        ));
+        return Ok(());
+    }
+    let timeline: i64 = sqlx::query_scalar("SELECT pgfence.timeline()")
+        .fetch_one(&mut *pool)
+        .await?;
+    let timeline_check = if timeline == 0 {
+        let reason: Option<String> = if may(pool, "timeline_check", "SELECT").await? {
+            sqlx::query_scalar("SELECT reason FROM pgfence.timeline_check")
+                .fetch_optional(&mut *pool)
+                .await?
+                .flatten()
+        } else {
+            None
+        };
+        findings.push(
+            Finding::new(Severity::Info, FindingKind::TimelineCheckOff, object)
+                .says(format!(
+                    "failover fencing by timeline is off for this database: {}. Not protected: a promotion of a standby that loses acknowledged commits (asynchronous replication) can put a fenced-out lease's fence back on a row, and that lease's next write is then admitted. Acceptable where a failover loses no acknowledged commit (Amazon Aurora's shared storage, synchronous replication with no async promotion); not for a self-managed primary with an asynchronous standby. Every other protection is in force",
+                    reason.as_deref().unwrap_or("its WAL functions are not available (run doctor as the schema's owner for the reason)")
+                ))
+                .fix("where the WAL functions can be made available (Aurora: enable logical replication; elsewhere: GRANT EXECUTE ON FUNCTION pg_catalog.pg_current_wal_lsn(), pg_catalog.pg_walfile_name(pg_lsn) TO PUBLIC), then run SELECT pgfence.configure_timeline() as the schema's owner (docs/failover.md)"),
+        );
+        "off".to_owned()
+    } else {
+        format!("on (timeline {timeline})")
+    };
+    let tables = match crate::guard::guarded_tables_with_modes(&mut *pool).await {
+        Ok(tables) => {
+            let count = |f: &dyn Fn(&crate::guard::GuardedTable) -> bool| {
+                tables.iter().filter(|t| f(t)).count()
+            };
+            format!(
+                "{} guarded table(s): {} enforcing, {} observing, {} with the trigger disabled",
+                tables.len(),
+                count(&|t| t.enabled && t.mode == crate::guard::GuardMode::Enforce),
+                count(&|t| t.enabled && t.mode == crate::guard::GuardMode::Observe),
+                count(&|t| !t.enabled),
+            )
+        }
+        Err(_) => "guarded tables not readable by this role".to_owned(),
+    };
+    let standing = if superuser {
+        "a superuser"
+    } else if owner {
+        "the owner of schema pgfence (deploy time)"
+    } else {
+        "an application role (run time)"
+    };
+    findings.push(
+        Finding::new(Severity::Info, FindingKind::Protections, object).says(format!(
+            "timeline check {timeline_check}; {tables}; connected as {role}, {standing}"
+        )),
+    );
+    Ok(())
+}
+
 async fn failover(pool: &mut PgConnection, findings: &mut Vec<Finding>) -> Result<()> {
     let object = "database timeline";
     let may_note: bool = sqlx::query_scalar(

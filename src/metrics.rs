@@ -4,27 +4,71 @@
 //!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
-//! | `pgfence_rejections_total` | counter | `table`, `resource`, `operation` | rejected writes and checks (stale or duplicate token) |
+//! | `pgfence_rejections_total` | counter | `operation`, `table`, `kind`, `domain` | rejected writes and checks ([`rejection_kind`], [`domain_label`]) |
 //! | `pgfence_audit_failures_total` | counter | `operation` | rejections whose audit row could not be written |
 //! | `pgfence_acquisitions_total` | counter | `result` (`acquired`, `busy`, `error`) | lock acquisition attempts |
 //! | `pgfence_lease_lost_total` | counter | | leases a keep-alive reported lost |
 //! | `pgfence_write_seconds` | histogram | `operation` | fenced write latency (`update`, `upsert`, `delete`, `claim`, `*_many`) |
 //! | `pgfence_acquire_seconds` | histogram | | acquisition latency (one attempt) |
+//!
+//! Every label is bounded: operations, tables and kinds are fixed sets, and a resource is
+//! counted under its domain only, never its name (names carry ids: one series per batch or
+//! account would grow without end). The exact resource of a rejection is in the audit trail
+//! and the WARN event.
 
 #[cfg(feature = "metrics")]
 use std::time::Instant;
 
-/// A rejected write or check.
+use crate::audit::Rejection;
+
+/// A rejected write or check: `pgfence_rejections_total{operation, table, kind, domain}`.
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn rejection(table: Option<&str>, resource: Option<&str>, operation: &'static str) {
+pub(crate) fn rejection(r: &Rejection) {
     #[cfg(feature = "metrics")]
     ::metrics::counter!(
         "pgfence_rejections_total",
-        "table" => table.unwrap_or("").to_owned(),
-        "resource" => resource.unwrap_or("").to_owned(),
-        "operation" => operation,
+        "operation" => r.operation,
+        "table" => r.table.clone().unwrap_or_default(),
+        "kind" => rejection_kind(r),
+        "domain" => domain_label(r.resource.as_deref()),
     )
     .increment(1);
+}
+
+/// The `kind` label of a rejection: its [`RejectionKind`](crate::audit::RejectionKind)
+/// (`stale`, `duplicate`, `sealed`, `token_jump`, `failover`), with a stale rejection by a
+/// newer token from another counter (another resource or fencing domain) as `other_counter`:
+/// resources writing the same rows belong in one domain.
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) fn rejection_kind(r: &Rejection) -> &'static str {
+    match r.kind {
+        crate::audit::RejectionKind::Stale if r.other_counter => "other_counter",
+        kind => kind.as_str(),
+    }
+}
+
+/// The `domain` label of a resource: its fencing domain (`{billing}account:7` → `billing`),
+/// else the part of its name before the first `:` (`payments:batch:42` → `payments`), else
+/// empty (a name without `:` may be an id). A key prefix's name counts as its resource's
+/// (`nu4{recon:batch:14` → `recon`). At most 64 bytes.
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) fn domain_label(resource: Option<&str>) -> String {
+    let Some(name) = resource else {
+        return String::new();
+    };
+    let named = crate::Resource::parse_fenced(name).map(|r| r.without_key_prefix());
+    let domain = match &named {
+        Ok(r) => match r.domain() {
+            Some(domain) => domain,
+            None => r.as_str().split_once(':').map_or("", |(d, _)| d),
+        },
+        Err(_) => "",
+    };
+    let mut end = domain.len().min(64);
+    while !domain.is_char_boundary(end) {
+        end -= 1;
+    }
+    domain[..end].to_owned()
 }
 
 /// A rejection whose audit row is missing.
@@ -91,6 +135,25 @@ impl Drop for Timer {
         match self.operation {
             Some(op) => ::metrics::histogram!(self.name, "operation" => op).record(seconds),
             None => ::metrics::histogram!(self.name).record(seconds),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn domains_are_bounded() {
+        for (name, domain) in [
+            (Some("payments:batch:42"), "payments"),
+            (Some("{billing}account:7"), "billing"),
+            (Some("nu4{recon:batch:14"), "recon"),
+            (Some("{nu4{billing}account:7"), "billing"),
+            (Some("job-7d1c"), ""),
+            (None, ""),
+        ] {
+            assert_eq!(domain_label(name), domain, "{name:?}");
         }
     }
 }

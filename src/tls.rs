@@ -295,11 +295,11 @@ pub(crate) fn not_built(scheme: &'static str) -> Error {
     }
 }
 
-/// A URL redis-rs refused to parse, as the one invalid-URL error every issuer reports. (The
-/// client is only built here; nothing has been sent.) redis-rs's message names what is wrong,
-/// never the password.
-fn bad_redis_url(e: redis::RedisError) -> Error {
-    Error::InvalidIssuerUrl(format!("Redis URL did not parse: {e}"))
+/// A URL redis-rs refused to parse, as the one invalid-URL error every issuer reports (the
+/// client is only built here; nothing has been sent): its host and what is wrong, never the
+/// password.
+fn bad_redis_url(url: &str) -> impl FnOnce(redis::RedisError) -> Error + '_ {
+    move |e| crate::issuer::invalid_redis_url(Some(url), &e)
 }
 
 /// A redis-rs client for `url` (`redis://`, `rediss://`, `redis+unix://`, `unix://`), with
@@ -313,12 +313,14 @@ pub(crate) fn redis_client(url: &str) -> Result<redis::Client> {
     let (url, params) = TlsParams::split(url)?;
     if !has_scheme(&url, "rediss://") {
         params.refuse_on_plain("a redis:// URL", "rediss://")?;
-        return redis::Client::open(url).map_err(bad_redis_url);
+        return redis::Client::open(url.as_str()).map_err(bad_redis_url(&url));
     }
     if cfg!(not(feature = "tls")) {
         // Before reading any file: the build cannot use them.
         return redis_tls_client(url.as_str(), &TlsFiles::default());
     }
+    // The URL before the certificates, so that its error names it.
+    redis::IntoConnectionInfo::into_connection_info(url.as_str()).map_err(bad_redis_url(&url))?;
     redis_tls_client(url.as_str(), &params.read()?)
 }
 
@@ -336,7 +338,9 @@ pub(crate) fn redis_tls_client(
     ensure_crypto_provider();
     // The URL first, so that a malformed one is the invalid-URL error with or without
     // certificates; what redis-rs refuses after that is about the certificates.
-    let info = info.into_connection_info().map_err(bad_redis_url)?;
+    let info = info
+        .into_connection_info()
+        .map_err(|e| crate::issuer::invalid_redis_url(None, &e))?;
     if files.ca.is_none() && files.identity.is_none() {
         return Ok(redis::Client::open(info)?);
     }
@@ -380,11 +384,13 @@ pub(crate) fn redis_cluster_client(nodes: &[String]) -> Result<redis::cluster::C
     let params = params.unwrap_or_default();
     // Every node URL first: a malformed one is the invalid-URL error, TLS or not.
     for url in &urls {
-        redis::IntoConnectionInfo::into_connection_info(url.as_str()).map_err(bad_redis_url)?;
+        redis::IntoConnectionInfo::into_connection_info(url.as_str())
+            .map_err(bad_redis_url(url))?;
     }
     if !urls.iter().any(|u| has_scheme(u, "rediss://")) {
         params.refuse_on_plain("a redis:// node URL", "rediss://")?;
-        return redis::cluster::ClusterClient::new(urls).map_err(bad_redis_url);
+        return redis::cluster::ClusterClient::new(urls)
+            .map_err(|e| crate::issuer::invalid_redis_url(None, &e));
     }
     #[cfg(not(feature = "tls"))]
     {

@@ -48,6 +48,7 @@ pub use redis::{
     redis_acl_key_pattern, redis_acl_rule,
 };
 pub use token_issuer::{BoxFuture, IssuerKind, TokenIssuer};
+pub(crate) use url::{invalid_redis_url, unanswered, url_host};
 #[cfg(feature = "zk")]
 pub(crate) use zk::is_transient as zk_is_transient;
 #[cfg(feature = "zk")]

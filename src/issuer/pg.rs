@@ -104,17 +104,42 @@ impl PgIssuer {
             ));
         }
         let options = PgConnectOptions::from_str(url).map_err(|e| {
-            Error::InvalidIssuerUrl(format!("PostgreSQL URL did not parse: {}", redacted(&e)))
+            Error::InvalidIssuerUrl(format!(
+                "the PostgreSQL URL {} did not parse: {}",
+                super::url_host(url),
+                redacted(&e)
+            ))
         })?;
+        let addr = pg_addr(&options);
+        // One connection first, directly: a pool retries a refused connection until its
+        // timeout and then says only that it timed out, naming no server.
+        match tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            <sqlx::PgConnection as sqlx::Connection>::connect_with(&options),
+        )
+        .await
+        {
+            Err(_) => return Err(unanswered_pg(&addr, None)),
+            Ok(Err(sqlx::Error::Io(e))) => return Err(unanswered_pg(&addr, Some(&e))),
+            Ok(Err(e)) => return Err(e.into()),
+            Ok(Ok(probe)) => {
+                let _ = sqlx::Connection::close(probe).await;
+            }
+        }
         // No ping before each checkout (sqlx's default doubles the round trips): a
         // connection that died since is an I/O error on the statement itself, which every
         // operation here re-sends (owner-safe and idempotent).
         let pool = PgPoolOptions::new()
             .max_connections(POOL_SIZE)
             .test_before_acquire(false)
-            .acquire_timeout(Duration::from_secs(5))
+            .acquire_timeout(CONNECT_TIMEOUT)
             .connect_with(options)
-            .await?;
+            .await
+            .map_err(|e| match e {
+                sqlx::Error::PoolTimedOut => unanswered_pg(&addr, None),
+                sqlx::Error::Io(e) => unanswered_pg(&addr, Some(&e)),
+                e => e.into(),
+            })?;
         Ok(Self::new(pool))
     }
 
@@ -384,6 +409,32 @@ fn owner_literal(owner: &str) -> Result<String> {
         )));
     }
     quote_literal(owner).map_err(|_| Error::InvalidOwner("contains a NUL byte".into()))
+}
+
+/// How long connecting may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// `host:port` (or the socket directory) of `options`, for messages.
+fn pg_addr(options: &PgConnectOptions) -> String {
+    let host = options.get_host();
+    if host.starts_with('/') {
+        format!("{host} (socket, port {})", options.get_port())
+    } else if host.contains(':') {
+        format!("[{host}]:{}", options.get_port())
+    } else {
+        format!("{host}:{}", options.get_port())
+    }
+}
+
+/// A server that did not answer (refused, unreachable, timed out): `PostgreSQL at HOST:PORT
+/// did not answer within 5s: CAUSE`, an I/O error (so still retryable).
+fn unanswered_pg(addr: &str, cause: Option<&std::io::Error>) -> Error {
+    Error::Database(sqlx::Error::Io(super::unanswered(
+        "PostgreSQL",
+        addr,
+        CONNECT_TIMEOUT,
+        cause,
+    )))
 }
 
 /// A URL parse error's text without the URL (which may hold a password).

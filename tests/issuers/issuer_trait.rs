@@ -123,3 +123,38 @@ async fn keep_alive_with_a_concrete_issuer() {
         ReleaseOutcome::Released
     );
 }
+
+/// A Redis URL that does not parse names its host and what is wrong (not "Redis URL did not
+/// parse - InvalidClientConfig"); a Redis nobody answers at names host:port and the bound.
+/// Never the password.
+#[tokio::test]
+async fn redis_url_and_connection_errors_name_the_host() {
+    let err = connect_issuer("redis://:s3cret@cache.internal:notaport")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err:?}");
+    let text = err.to_string();
+    assert!(
+        text.contains(
+            "the Redis URL redis://cache.internal did not parse: the port is not a number"
+        ),
+        "{text}"
+    );
+    assert!(
+        !text.contains("InvalidClientConfig") && !text.contains("s3cret"),
+        "{text}"
+    );
+    for url in [
+        "redis://:s3cret@127.0.0.1:1",
+        "rediss://:s3cret@127.0.0.1:1",
+    ] {
+        let err = connect_issuer(url).await.unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("Redis at 127.0.0.1:1 did not answer within 5s"),
+            "{url}: {text}"
+        );
+        assert!(!text.contains("s3cret"), "{text}");
+        assert!(err.is_retryable(), "{url}: {err:?}");
+    }
+}

@@ -350,3 +350,54 @@ async fn huge_and_invalid_fences() {
     assert_eq!(kinds(&findings), vec![FindingKind::FenceNearLimit]);
     assert_eq!(problems(&findings)[0].object, "resource doctor:huge");
 }
+
+/// A made-up first token on a fresh row or a new resource is not bounded by the poisoning
+/// bound (there is no current token to measure the jump from), so it gets through — the
+/// issue's exact statements — and locks every real lease out; doctor reports both as errors,
+/// each with its repair.
+#[tokio::test]
+async fn a_made_up_first_token_is_a_doctor_error_with_its_repair() {
+    let db = healthy().await;
+    let updated = sqlx::query("UPDATE jobs SET fence = 549755813887::bigint << 24 WHERE id = 1")
+        .execute(&db.pool)
+        .await
+        .unwrap()
+        .rows_affected();
+    assert_eq!(updated, 1, "a fresh row's first token is not bounded");
+    sqlx::query("SELECT pgfence.check('new', 549755813887, 0)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let findings = pgfence::admin::doctor(&db.pool, None, &DoctorOptions::default())
+        .await
+        .unwrap();
+    let near: Vec<&Finding> = findings
+        .iter()
+        .filter(|f| f.kind == FindingKind::FenceNearLimit)
+        .collect();
+    assert_eq!(near.len(), 2, "{findings:?}");
+    for f in &near {
+        assert_eq!(f.severity, pgfence::admin::Severity::Error, "{f:?}");
+        assert!(f.is_problem());
+        assert!(
+            f.message.contains("no issuer's counter gets there"),
+            "{f:?}"
+        );
+    }
+    let fixes: Vec<&str> = near
+        .iter()
+        .filter_map(|f| f.suggestion.as_deref())
+        .collect();
+    assert!(
+        fixes
+            .iter()
+            .any(|f| f.contains("DISABLE TRIGGER pgfence_guard")),
+        "{fixes:?}"
+    );
+    assert!(
+        fixes
+            .iter()
+            .any(|f| f.contains("pgfence.unpoison_resource('new', N)")),
+        "{fixes:?}"
+    );
+}

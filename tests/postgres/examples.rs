@@ -50,9 +50,11 @@ async fn metrics_example_exposes_the_documented_names() {
     );
     for name in [
         "pgfence_rejections_total{",
+        "kind=\"stale\"",
         "pgfence_write_seconds",
         "operation=\"update\"",
     ] {
         assert!(stdout.contains(name), "{name} missing from:\n{stdout}");
     }
+    assert!(!stdout.contains("resource="), "a resource label:\n{stdout}");
 }

@@ -21,6 +21,8 @@ mod guard;
 mod guard_under_load;
 mod managed;
 mod messages;
+#[cfg(feature = "metrics")]
+mod metrics;
 mod migrate;
 mod observe;
 mod pg_failover;

@@ -5,7 +5,10 @@
 
 use crate::support;
 
-use pgfence::{Effects, Fence, Fencing, Repository, Resource, guard::GuardMode, table::TableName};
+use pgfence::{
+    Effects, Fence, Fencing, Repository, Resource, admin::FindingKind, guard::GuardMode,
+    table::TableName,
+};
 use sqlx::PgPool;
 use support::{Role, TestDb, token};
 
@@ -113,9 +116,45 @@ async fn a_non_superuser_owner_deploys_and_the_app_fences_without_wal_functions(
     pgfence::guard::allow_bypass(&owner_pool, &admin_role.name)
         .await
         .unwrap();
-    pgfence::admin::doctor(&owner_pool, None, &pgfence::admin::DoctorOptions::default())
-        .await
-        .unwrap();
+    // doctor says what is in force, and what the missing WAL functions leave out.
+    let findings =
+        pgfence::admin::doctor(&owner_pool, None, &pgfence::admin::DoctorOptions::default())
+            .await
+            .unwrap();
+    let off = findings
+        .iter()
+        .find(|f| f.kind == FindingKind::TimelineCheckOff)
+        .unwrap_or_else(|| panic!("{findings:?}"));
+    assert!(
+        off.message.contains("failover fencing by timeline is off"),
+        "{off:?}"
+    );
+    assert!(off.message.contains("pg_walfile_name"), "{off:?}");
+    assert!(off.message.contains("Aurora"), "{off:?}");
+    assert!(
+        off.suggestion
+            .as_deref()
+            .is_some_and(|s| s.contains("pgfence.configure_timeline()")),
+        "{off:?}"
+    );
+    assert!(
+        !off.is_problem(),
+        "a platform's property, not a fault: {off:?}"
+    );
+    let summary = findings
+        .iter()
+        .find(|f| f.kind == FindingKind::Protections)
+        .unwrap_or_else(|| panic!("{findings:?}"));
+    assert!(
+        summary.message.contains("timeline check off"),
+        "{summary:?}"
+    );
+    assert!(summary.message.contains("2 enforcing"), "{summary:?}");
+    assert!(
+        summary.message.contains("owner of schema pgfence"),
+        "{summary:?}"
+    );
+    assert!(findings.iter().all(|f| !f.is_problem()), "{findings:?}");
     pgfence::admin::acknowledge_failover(&owner_pool, "deploy")
         .await
         .unwrap();
@@ -194,6 +233,22 @@ async fn with_wal_functions_the_timeline_check_is_on() {
     let (_db, _owner, owner_pool) = managed(true).await;
     pgfence::admin::migrate(&owner_pool).await.unwrap();
     assert_eq!(timeline_check(&owner_pool).await, (true, None));
+    let findings =
+        pgfence::admin::doctor(&owner_pool, None, &pgfence::admin::DoctorOptions::default())
+            .await
+            .unwrap();
+    assert!(
+        findings
+            .iter()
+            .all(|f| f.kind != FindingKind::TimelineCheckOff),
+        "{findings:?}"
+    );
+    assert!(
+        findings
+            .iter()
+            .any(|f| f.kind == FindingKind::Protections && f.message.contains("timeline check on")),
+        "{findings:?}"
+    );
     let timeline: i64 = sqlx::query_scalar("SELECT pgfence.timeline()")
         .fetch_one(&owner_pool)
         .await

@@ -325,7 +325,11 @@ async fn doctor_reads_each_prefix_s_marks_against_its_own_counters() {
     assert!(
         findings.iter().any(
             |f| f.kind == pgfence::admin::FindingKind::CountersNotChecked
-                && f.message.contains("another key prefix")
+                && f.message.contains("other key prefixes")
+                && f.message.contains("1 under key prefix app_a")
+                && f.suggestion
+                    .as_deref()
+                    .is_some_and(|s| s.contains("pgfence doctor --key-prefix app_a"))
         ),
         "{findings:?}"
     );

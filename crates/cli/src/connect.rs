@@ -137,6 +137,14 @@ impl Conn {
     }
 }
 
+/// The error of a connection attempt that got no answer within [`CONNECT_TIMEOUT`].
+fn no_answer() -> anyhow::Error {
+    anyhow!(
+        "the server did not answer within {}s",
+        CONNECT_TIMEOUT.as_secs()
+    )
+}
+
 /// A small pool on PostgreSQL at `url` (a `postgres://` URL or a keyword conninfo string,
 /// libpq's `sslmode` values, `prefer` by default). One connection is made first, directly, so
 /// that a refused or failed connection reports its real cause at once (a pool keeps retrying
@@ -154,7 +162,7 @@ pub async fn connect_pg_with(url: &str, max: u32) -> Result<PgPool> {
     let options = pg_options(url).with_context(context)?;
     let probe = tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(&options))
         .await
-        .map_err(|_| anyhow!("timed out after {}", fmt_duration(CONNECT_TIMEOUT)))
+        .map_err(|_| no_answer())
         .and_then(|r| r.map_err(anyhow::Error::from))
         .with_context(context)?;
     let _ = probe.close().await;
@@ -400,10 +408,13 @@ pub async fn connect_issuer(url: &str, options: IssuerOptions) -> Result<Arc<dyn
         Ok(Err(e @ pgfence::Error::IssuerNotBuilt { feature, .. })) => Err(anyhow!(
             "{e} (for this command: cargo install pgfence-cli --features {feature})"
         )),
+        // A URL that did not parse: nothing was tried, and the error names the URL's host.
+        Ok(Err(e)) if e.kind() == pgfence::error::ErrorKind::Invalid => Err(e.into()),
         Ok(Err(e)) => Err(anyhow::Error::from(e))
             .with_context(|| format!("cannot connect to {what} at {}", redact(url))),
-        Err(_) => Err(anyhow!("timed out after {}", fmt_duration(CONNECT_TIMEOUT)))
-            .with_context(|| format!("cannot connect to {what} at {}", redact(url))),
+        Err(_) => {
+            Err(no_answer()).with_context(|| format!("cannot connect to {what} at {}", redact(url)))
+        }
     }
 }
 
@@ -411,7 +422,7 @@ pub async fn connect_issuer(url: &str, options: IssuerOptions) -> Result<Arc<dyn
 pub async fn connect_redis(url: &str) -> Result<Issuer> {
     tokio::time::timeout(CONNECT_TIMEOUT, Issuer::connect(url))
         .await
-        .map_err(|_| anyhow!("timed out after {}", fmt_duration(CONNECT_TIMEOUT)))
+        .map_err(|_| no_answer())
         .and_then(|r| r.map_err(anyhow::Error::from))
         .with_context(|| format!("cannot connect to Redis at {}", redact(url)))
 }

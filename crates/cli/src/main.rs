@@ -47,6 +47,11 @@ async fn main() -> ExitCode {
             .map(|s| (*s).to_owned())
             .or_else(|| info.payload().downcast_ref::<String>().cloned())
             .unwrap_or_default();
+        // A `println!` left somewhere (a library's) on a stdout its reader closed: not a bug
+        // of ours, and nothing to say; end as a closed pipe ends a command.
+        if what.starts_with("failed printing to stdout") && what.contains("Broken pipe") {
+            std::process::exit(i32::from(util::CLOSED_STDOUT_EXIT));
+        }
         let at = info.location().map(ToString::to_string).unwrap_or_default();
         eprintln!(
             "pgfence: internal error (a bug, please report it): {} at {at}",
@@ -54,7 +59,12 @@ async fn main() -> ExitCode {
         );
     }));
     util::init_logging(cli.verbose);
-    match commands::run(cli).await {
+    let outcome = commands::run(cli).await;
+    if util::stdout_closed() {
+        // `pgfence audit | head`: the reader has what it wanted; nothing more to say.
+        return ExitCode::from(util::CLOSED_STDOUT_EXIT);
+    }
+    match outcome {
         Ok(code) => {
             util::flush_warnings();
             code

@@ -368,8 +368,68 @@ pub fn shorten(s: &str) -> String {
     out
 }
 
+/// Whether a write to stdout found it closed by its reader ([`write_out`]).
+static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The error of a write to a stdout its reader closed (`pgfence audit | head`): the command
+/// stops, and pgfence exits quietly ([`stdout_closed`]).
+#[derive(Debug)]
+pub struct StdoutClosed;
+
+impl std::fmt::Display for StdoutClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("stdout was closed by its reader")
+    }
+}
+
+impl std::error::Error for StdoutClosed {}
+
+/// pgfence's exit code when its stdout was closed by the reader: 141 (128 + SIGPIPE), what a
+/// shell reports for a command that a closed pipe stopped.
+pub const CLOSED_STDOUT_EXIT: u8 = 141;
+
+/// Whether stdout was found closed: the command's outcome is then not printed, and pgfence
+/// exits with [`CLOSED_STDOUT_EXIT`].
+pub fn stdout_closed() -> bool {
+    STDOUT_CLOSED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Writes to stdout (what [`outln!`] and [`out!`] expand to): [`StdoutClosed`] when its
+/// reader has gone, never a panic (`println!` panics on a closed pipe).
+pub fn write_out(args: std::fmt::Arguments<'_>) -> Result<()> {
+    use std::io::Write;
+    match std::io::stdout().lock().write_fmt(args) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            STDOUT_CLOSED.store(true, std::sync::atomic::Ordering::Relaxed);
+            Err(StdoutClosed.into())
+        }
+        Err(e) => Err(anyhow::Error::from(e).context("cannot write to stdout")),
+    }
+}
+
+/// `println!` for command output: `outln!(...)?` stops the command when stdout is closed
+/// ([`write_out`]).
+macro_rules! outln {
+    () => {
+        $crate::util::write_out(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::util::write_out(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+pub(crate) use outln;
+
+/// `print!` for command output (see [`outln!`]).
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::util::write_out(format_args!($($arg)*))
+    };
+}
+pub(crate) use out;
+
 /// Prints rows as an aligned table.
-pub fn print_table(headers: &[&str], rows: &[Vec<String>]) {
+pub fn print_table(headers: &[&str], rows: &[Vec<String>]) -> Result<()> {
     let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
     for row in rows {
         for (w, c) in widths.iter_mut().zip(row) {
@@ -382,12 +442,13 @@ pub fn print_table(headers: &[&str], rows: &[Vec<String>]) {
             .zip(&widths)
             .map(|(c, w)| format!("{c:<w$}"))
             .collect();
-        println!("{}", padded.join("  ").trim_end());
+        outln!("{}", padded.join("  ").trim_end())
     };
-    line(headers.iter().map(|h| (*h).to_owned()).collect());
+    line(headers.iter().map(|h| (*h).to_owned()).collect())?;
     for row in rows {
-        line(row.clone());
+        line(row.clone())?;
     }
+    Ok(())
 }
 
 /// Logs to stderr: pgfence's WARN and above by default (rejections are WARN), and only

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use pgfence::token::StoredFence;
 use pgfence::{
-    Error, Fence, FenceToken, FencedTable, Fencing, Issuer, Repository, Resource,
+    Error, Fence, FenceToken, FencedTable, Issuer, Repository, Resource,
     issuer::{counter_key, lock_key},
     table::{PgQuery, TableName},
 };

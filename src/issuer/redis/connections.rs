@@ -42,6 +42,34 @@ struct Shared {
     probing: AtomicBool,
 }
 
+/// How long connecting (and each reply) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A connection that failed for want of an answer (refused, unreachable, timed out, reset),
+/// as an error naming the server: `Redis at HOST:PORT did not answer within 5s: CAUSE`. Other
+/// errors (the server answered: a password refused, an ACL, a TLS certificate) are kept.
+fn unanswered(addr: &str, e: RedisError) -> RedisError {
+    if crate::tls::is_tls_rejection(&e) || !(e.is_io_error() || e.is_timeout()) {
+        return e;
+    }
+    let cause = std::io::Error::new(
+        if e.is_timeout() {
+            std::io::ErrorKind::TimedOut
+        } else if e.is_connection_refusal() {
+            std::io::ErrorKind::ConnectionRefused
+        } else {
+            std::io::ErrorKind::Other
+        },
+        e.to_string(),
+    );
+    RedisError::from(crate::issuer::unanswered(
+        "Redis",
+        addr,
+        CONNECT_TIMEOUT,
+        Some(&cause),
+    ))
+}
+
 impl std::fmt::Debug for RedisConnections {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisConnections")
@@ -60,14 +88,15 @@ impl RedisConnections {
     pub async fn open(url: &str, count: NonZeroUsize) -> Result<Self> {
         let client = crate::tls::redis_client(url)?;
         let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(5)))
-            .set_response_timeout(Some(Duration::from_secs(5)))
+            .set_connection_timeout(Some(CONNECT_TIMEOUT))
+            .set_response_timeout(Some(CONNECT_TIMEOUT))
             .set_number_of_retries(2);
+        let addr = client.get_connection_info().addr().to_string();
         let mut conns = Vec::with_capacity(count.get());
         for _ in 0..count.get() {
             let conn = ConnectionManager::new_with_config(client.clone(), config.clone())
                 .await
-                .map_err(super::acl::connect_error)?;
+                .map_err(|e| super::acl::connect_error(unanswered(&addr, e)))?;
             conns.push(conn);
         }
         Ok(Self {

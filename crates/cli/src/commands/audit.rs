@@ -13,6 +13,7 @@ use time::format_description::well_known::Rfc3339;
 
 use crate::cli::Conn;
 use crate::connect::Session;
+use crate::util::outln;
 use crate::util::{self, cell, print_table};
 
 /// `older_than` before now, or an error naming `flag` when that is before the year -9999.
@@ -64,12 +65,51 @@ pub async fn list(
         limit,
         after_id: None,
     };
+    let given = filter.resource.clone();
     // A prefix's leases are audited under its names for their resources.
-    if let Some(prefix) = conn.key_prefix()? {
-        filter = filter.in_key_prefix(prefix)?;
-    }
+    let prefix = conn
+        .key_prefix()?
+        .unwrap_or(pgfence::issuer::DEFAULT_KEY_PREFIX);
+    filter = filter.in_key_prefix(prefix)?;
     let pool = conn.pg_migrated().await?;
-    let mut rows = list_rows(&pool, &filter).await?;
+    let mut rows = match list_rows(&pool, &filter).await {
+        Ok(rows) => rows,
+        Err(e) => {
+            return Err(super::needs_owner(
+                &pool,
+                "pgfence audit",
+                "reads pgfence.audit, which an application role may not",
+                e,
+            )
+            .await);
+        }
+    };
+    // A filter the rows of another key prefix would match: say which prefix to pass.
+    if let Some(pattern) = given.as_deref().filter(|p| !p.is_empty()) {
+        let mut session = Session::begin(&pool).await?;
+        let elsewhere =
+            super::prefixes::audit_rows_elsewhere(session.conn(), pattern, filter.since, prefix)
+                .await?;
+        session.commit().await?;
+        if let Some((other, _)) = elsewhere.iter().next() {
+            let counts: Vec<String> = elsewhere
+                .iter()
+                .map(|(p, n)| format!("{n} under key prefix {}", cell(p)))
+                .collect();
+            let found = if rows.is_empty() {
+                "no rejected writes"
+            } else {
+                "only these rejected writes"
+            };
+            util::warn_later(format!(
+                "{found} for {:?} under key prefix {}, but {} match it: {} to list them",
+                cell(pattern),
+                cell(prefix),
+                counts.join(", "),
+                super::prefixes::how_to_select(other)
+            ));
+        }
+    }
     if follow {
         // It runs until interrupted: say now what was held back.
         util::flush_warnings();
@@ -88,69 +128,109 @@ pub async fn list(
         }
     }
     if json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        let rows: Vec<serde_json::Value> = rows.iter().map(json_row).collect::<Result<_>>()?;
+        outln!("{}", serde_json::to_string_pretty(&rows)?)?;
         return Ok(ExitCode::SUCCESS);
     }
     if rows.is_empty() {
-        println!("no rejected writes");
+        match &given {
+            Some(pattern) => outln!(
+                "no rejected writes for {:?} under key prefix {}",
+                cell(pattern),
+                cell(prefix)
+            )?,
+            None => outln!("no rejected writes")?,
+        }
         return Ok(ExitCode::SUCCESS);
     }
     let opt = |v: &Option<String>| v.as_deref().map(cell).unwrap_or_else(|| "-".into());
     // The last column only when some row has an application_name or a reason.
     let with_details = rows.iter().any(|r| !details(r).is_empty());
+    // Resources as their services wrote them, with a key prefix column when some row belongs
+    // to a key prefix other than the default.
+    let with_prefix = rows
+        .iter()
+        .any(|r| stored(r).is_some_and(|(p, _)| p != pgfence::issuer::DEFAULT_KEY_PREFIX));
     let table: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
+            let (key_prefix, resource) = match stored(r) {
+                Some((p, name)) => (cell(&p), cell(&name)),
+                None => ("-".to_owned(), opt(&r.resource)),
+            };
             let mut row = vec![
                 r.id.to_string(),
                 r.at.format(&Rfc3339).unwrap_or_default(),
                 r.operation.clone(),
-                opt(&r.resource),
+            ];
+            if with_prefix {
+                row.push(key_prefix);
+            }
+            row.extend([
+                resource,
                 opt(&r.table),
                 opt(&r.key),
                 r.presented.to_string(),
                 r.current.map_or_else(|| "-".into(), |c| c.to_string()),
                 opt(&r.holder),
-            ];
+            ]);
             if with_details {
                 row.push(details(r));
             }
             row
         })
         .collect();
-    let mut headers = vec![
-        "id",
-        "at",
-        "op",
-        "resource",
-        "table",
-        "key",
-        "presented",
-        "current",
-        "holder",
-    ];
+    let mut headers = vec!["id", "at", "op"];
+    if with_prefix {
+        headers.push("key prefix");
+    }
+    headers.extend(["resource", "table", "key", "presented", "current", "holder"]);
     if with_details {
         headers.push("details");
     }
-    print_table(&headers, &table);
+    print_table(&headers, &table)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// A row's resource split into its key prefix and the resource as its service wrote it
+/// (`nu4{recon:batch:14` → `nu4`, `recon:batch:14`); `None` without a resource or for a name
+/// that is not a resource's.
+fn stored(r: &pgfence::audit::AuditEntry) -> Option<(String, String)> {
+    super::prefixes::split_stored(r.resource.as_deref()?)
+}
+
+/// A row as JSON: every column as stored (`resource` is the PostgreSQL name), plus
+/// `key_prefix` and `name` (the resource as its service wrote it) when the row has a resource.
+fn json_row(r: &pgfence::audit::AuditEntry) -> Result<serde_json::Value> {
+    let mut value = serde_json::to_value(r)?;
+    if let Some((prefix, name)) = stored(r) {
+        value["key_prefix"] = serde_json::Value::String(prefix);
+        value["name"] = serde_json::Value::String(name);
+    }
+    Ok(value)
 }
 
 /// One followed audit row: a JSON object, or one human line.
 fn print_follow_line(r: &pgfence::audit::AuditEntry, json: bool) -> Result<()> {
-    use std::io::Write;
     let line = if json {
-        serde_json::to_string(r)?
+        serde_json::to_string(&json_row(r)?)?
     } else {
         let opt = |v: &Option<String>| v.as_deref().map(cell).unwrap_or_else(|| "-".into());
         let details = details(r);
         let sep = if details.is_empty() { "" } else { " " };
+        let resource = match stored(r) {
+            Some((p, name)) if p != pgfence::issuer::DEFAULT_KEY_PREFIX => {
+                format!("{} key_prefix={}", cell(&name), cell(&p))
+            }
+            Some((_, name)) => cell(&name),
+            None => opt(&r.resource),
+        };
         format!(
             "{} {} {} resource={} table={} key={} presented={} current={} holder={}{sep}{details}",
             r.id,
             r.at.format(&Rfc3339).unwrap_or_default(),
             r.operation,
-            opt(&r.resource),
+            resource,
             opt(&r.table),
             opt(&r.key),
             r.presented,
@@ -158,10 +238,7 @@ fn print_follow_line(r: &pgfence::audit::AuditEntry, json: bool) -> Result<()> {
             opt(&r.holder),
         )
     };
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{line}")?;
-    out.flush()?;
-    Ok(())
+    outln!("{line}")
 }
 
 /// A row's `application_name` and `reason`, those that are recorded: `app="psql"
@@ -195,12 +272,29 @@ async fn list_rows(
 /// Deletes audit rows older than `older_than`.
 pub async fn prune(conn: &Conn, older_than: Duration) -> Result<ExitCode> {
     let cutoff = ago("--older-than", older_than)?;
-    let mut session = conn.session_migrated().await?;
-    let n = pgfence::audit::prune(session.conn(), cutoff).await?;
-    session.commit().await?;
-    println!(
+    let pool = conn.pg_migrated().await?;
+    let pruned = async {
+        let mut session = Session::begin(&pool).await?;
+        let n = pgfence::audit::prune(session.conn(), cutoff).await?;
+        session.commit().await?;
+        anyhow::Ok(n)
+    }
+    .await;
+    let n = match pruned {
+        Ok(n) => n,
+        Err(e) => {
+            return Err(super::needs_owner(
+                &pool,
+                "pgfence audit prune",
+                "deletes from pgfence.audit, which only its owner may",
+                e,
+            )
+            .await);
+        }
+    };
+    outln!(
         "pruned {n} audit row(s) older than {}",
         cutoff.format(&Rfc3339)?
-    );
+    )?;
     Ok(ExitCode::SUCCESS)
 }

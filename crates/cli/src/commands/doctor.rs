@@ -12,13 +12,15 @@ use serde_json::json;
 
 use crate::cli::{Conn, DoctorArgs};
 use crate::connect::Session;
+use crate::util::outln;
 use crate::util::{self, cell};
 
 /// Exit code when doctor found a problem (a warning or an error).
 const FINDINGS: u8 = 1;
 
 /// Runs the checks; one line per finding (or one JSON object), exit 0 when clean, 1 when
-/// any finding is a warning or an error.
+/// any finding is a problem ([`Finding::is_problem`]: a warning or an error, but not a check
+/// the connected role may not make).
 pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
     conn.key_prefix()?;
     let pool = conn.pg().await?;
@@ -31,27 +33,28 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
         .iter()
         .map(|r| util::resource(r))
         .collect::<Result<Vec<_>>>()?;
-    options = options.resources(resources);
 
     let mut early = Vec::new();
     let issuer = match conn.issuer_url() {
         Ok(_) if !args.no_redis => match conn.issuer().await {
             Ok(issuer) => Some(issuer),
             Err(e) => {
-                early.push(Finding {
-                    severity: Severity::Error,
-                    kind: FindingKind::RedisUnavailable,
-                    object: "redis".to_owned(),
-                    message: util::one_line(&e),
-                    suggestion: Some(
-                        "check the Redis URL and that Redis is up, or pass --no-redis".to_owned(),
-                    ),
-                });
+                early.push(issuer_finding(&e));
                 None
             }
         },
         _ => None,
     };
+    // With an issuer, doctor names each resource under the issuer's key prefix; without one,
+    // under the prefix given here.
+    let resources = match (conn.key_prefix()?, &issuer) {
+        (Some(prefix), None) => resources
+            .iter()
+            .map(|r| r.in_key_prefix(prefix))
+            .collect::<pgfence::Result<Vec<_>>>()?,
+        _ => resources,
+    };
+    options = options.resources(resources);
     if args.ack_failover {
         let mut session = Session::begin(&pool).await?;
         let who = format!("pgfence doctor --ack-failover ({})", whoami());
@@ -66,19 +69,21 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
     findings.splice(0..0, early);
     // Without an issuer, doctor reports the counters it could not compare; the Redis error
     // above already says why.
-    if findings
-        .iter()
-        .any(|f| f.kind == FindingKind::RedisUnavailable)
-    {
+    if findings.iter().any(|f| {
+        matches!(
+            f.kind,
+            FindingKind::RedisUnavailable | FindingKind::InvalidIssuerUrl
+        )
+    }) {
         findings.retain(|f| f.kind != FindingKind::CountersNotChecked || f.object != "redis");
     }
     let problems = findings.iter().filter(|f| f.is_problem()).count();
 
     if args.json {
-        println!(
+        outln!(
             "{}",
             json!({"ok": problems == 0, "problems": problems, "findings": findings})
-        );
+        )?;
     } else {
         for f in &findings {
             let severity = match f.severity {
@@ -95,16 +100,27 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
                 .as_deref()
                 .map(|s| format!(" (fix: {})", cell(s)))
                 .unwrap_or_default();
-            println!(
+            outln!(
                 "{severity:<7} {kind:<22} {}: {}{fix}",
                 cell(&f.object),
                 cell(&f.message)
-            );
+            )?;
         }
-        if problems == 0 {
-            println!("ok: no problems found");
+        let skipped = findings
+            .iter()
+            .filter(|f| f.kind == FindingKind::NotPermitted)
+            .count();
+        let skipped = if skipped == 0 {
+            String::new()
         } else {
-            println!("{problems} problem(s) found");
+            format!(
+                " ({skipped} check(s) not made: not permitted to this role; run doctor as the owner of schema pgfence for the full report)"
+            )
+        };
+        if problems == 0 {
+            outln!("ok: no problems found{skipped}")?;
+        } else {
+            outln!("{problems} problem(s) found{skipped}")?;
         }
     }
     Ok(if problems == 0 {
@@ -112,6 +128,32 @@ pub async fn doctor(conn: &Conn, args: &DoctorArgs) -> Result<ExitCode> {
     } else {
         ExitCode::from(FINDINGS)
     })
+}
+
+/// The finding for an issuer doctor could not connect to: a URL that did not parse
+/// ([`FindingKind::InvalidIssuerUrl`]: nothing was tried), or a server that did not answer.
+fn issuer_finding(e: &anyhow::Error) -> Finding {
+    let invalid = e
+        .downcast_ref::<pgfence::Error>()
+        .is_some_and(|e| e.kind() == pgfence::error::ErrorKind::Invalid);
+    let (kind, suggestion) = if invalid {
+        (
+            FindingKind::InvalidIssuerUrl,
+            "correct the URL (--issuer-url / PGFENCE_ISSUER_URL, else --redis-url / REDIS_URL), or pass --no-redis",
+        )
+    } else {
+        (
+            FindingKind::RedisUnavailable,
+            "check the issuer URL and that the server is up, or pass --no-redis",
+        )
+    };
+    Finding {
+        severity: Severity::Error,
+        kind,
+        object: "redis".to_owned(),
+        message: util::one_line(e),
+        suggestion: Some(suggestion.to_owned()),
+    }
 }
 
 /// Who acknowledges: the OS user, when the environment says.

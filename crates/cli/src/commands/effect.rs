@@ -11,6 +11,7 @@ use pgfence::{Effects, FenceToken, Lease, Resource, effect::EffectOutcome};
 use serde_json::json;
 
 use crate::cli::{Conn, EffectLease};
+use crate::util::outln;
 use crate::util::{self, cell};
 
 /// Exit code of `effect begin` when a holder already recorded the call's outcome: do not call.
@@ -73,7 +74,7 @@ pub async fn begin(
             e => e.into(),
         })?;
     if json {
-        println!(
+        outln!(
             "{}",
             json!({
                 "key": effect.idempotency_key(),
@@ -81,9 +82,9 @@ pub async fn begin(
                 "outcome": effect.recorded().map(EffectOutcome::detail),
                 "holders": effect.holders(),
             })
-        );
+        )?;
     } else {
-        println!("{}", effect.idempotency_key());
+        outln!("{}", effect.idempotency_key())?;
     }
     Ok(if effect.recorded().is_some() {
         ExitCode::from(ALREADY_RECORDED)
@@ -130,8 +131,8 @@ pub async fn status(
         .status(&pool, &resource, work, step)
         .await?;
     match (&record, json) {
-        (_, true) => println!("{}", serde_json::to_string(&record)?),
-        (Some(r), false) => println!(
+        (_, true) => outln!("{}", serde_json::to_string(&record)?)?,
+        (Some(r), false) => outln!(
             "{work} {step}: {} key={} token={} holders={}{}",
             r.state,
             r.idempotency_key,
@@ -141,8 +142,8 @@ pub async fn status(
                 .as_ref()
                 .map(|o| format!(" outcome={}", cell(&o.to_string())))
                 .unwrap_or_default()
-        ),
-        (None, false) => println!("{work} {step}: not recorded"),
+        )?,
+        (None, false) => outln!("{work} {step}: not recorded")?,
     }
     Ok(if record.is_some() {
         ExitCode::SUCCESS

@@ -8,19 +8,30 @@ use std::process::ExitCode;
 use anyhow::Result;
 
 use crate::cli::Conn;
+use crate::connect::Session;
+use crate::util::outln;
 use crate::util::{self, cell};
 
 /// Grants `role` what an application needs on the `pgfence` schema (after revoking everything
 /// else it had there, schema `CREATE` included), and prints the grants. Refuses `PUBLIC`.
 pub async fn grant(conn: &Conn, role: &str) -> Result<ExitCode> {
     let role = util::role(role)?;
-    let mut session = conn.session_migrated().await?;
-    pgfence::admin::grant(session.conn(), &role).await?;
-    session.commit().await?;
-    println!(
+    let pool = conn.pg_migrated().await?;
+    let granted = async {
+        let mut session = Session::begin(&pool).await?;
+        pgfence::admin::grant(session.conn(), &role).await?;
+        session.commit().await
+    }
+    .await;
+    if let Err(e) = granted {
+        return Err(
+            super::needs_owner(&pool, "pgfence grant", "is a deploy-time command", e).await,
+        );
+    }
+    outln!(
         "granted {} an application's privileges on pgfence (after revoking any others):",
         cell(&role.quoted())
-    );
+    )?;
     // The statements that granted, one per privilege, as run.
     let sql = pgfence::admin::grant_sql(&role);
     let mut statement = String::new();
@@ -29,7 +40,7 @@ pub async fn grant(conn: &Conn, role: &str) -> Result<ExitCode> {
         statement.push(' ');
         if line.trim_end().ends_with(';') {
             if statement.starts_with("GRANT") {
-                println!("  {}", cell(statement.trim_end()));
+                outln!("  {}", cell(statement.trim_end()))?;
             }
             statement.clear();
         }

@@ -14,6 +14,7 @@ use tokio::time::Instant;
 
 use crate::cli::Conn;
 use crate::connect::{Session, require_schema};
+use crate::util::outln;
 use crate::util::{self, cell, fmt_duration};
 
 /// SQLSTATE `lock_not_available`: `lock_timeout` expired.
@@ -111,14 +112,14 @@ pub async fn guard(
     let table = util::table(table)?;
     if let Some(dir) = emit {
         let path = emit_migration(dir, &table, mode)?;
-        println!("wrote {}", path.display());
+        outln!("wrote {}", path.display())?;
         return Ok(ExitCode::SUCCESS);
     }
     let changed = with_lock_timeout(conn, &table, lock_timeout, Op::Guard(mode)).await?;
     if changed {
-        println!("guarded {} ({mode})", cell(&table.quoted()));
+        outln!("guarded {} ({mode})", cell(&table.quoted()))?;
     } else {
-        println!("{} was already guarded ({mode})", cell(&table.quoted()));
+        outln!("{} was already guarded ({mode})", cell(&table.quoted()))?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -178,9 +179,9 @@ pub async fn unguard(
     let changed =
         with_lock_timeout(conn, &table, lock_timeout, Op::Unguard { drop_column }).await?;
     if changed {
-        println!("unguarded {}", cell(&table.quoted()));
+        outln!("unguarded {}", cell(&table.quoted()))?;
     } else {
-        println!("{} was not guarded", cell(&table.quoted()));
+        outln!("{} was not guarded", cell(&table.quoted()))?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -202,11 +203,11 @@ pub async fn tables(conn: &Conn, json: bool) -> Result<ExitCode> {
                 })
             })
             .collect();
-        println!("{}", serde_json::Value::Array(list));
+        outln!("{}", serde_json::Value::Array(list))?;
     } else {
         for g in tables {
             let disabled = if g.enabled { "" } else { " (trigger disabled)" };
-            println!("{}\t{}{disabled}", cell(&g.table.quoted()), g.mode);
+            outln!("{}\t{}{disabled}", cell(&g.table.quoted()), g.mode)?;
         }
     }
     Ok(ExitCode::SUCCESS)

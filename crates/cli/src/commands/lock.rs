@@ -12,6 +12,7 @@ use serde_json::json;
 
 use crate::cli::Conn;
 use crate::connect::take_lock;
+use crate::util::outln;
 use crate::util::{cell, fmt_duration};
 
 /// `name` as a lock's resource: a resource, or its PostgreSQL name under this command's key
@@ -51,24 +52,24 @@ pub async fn acquire(
     }
     let lease = take_lock(&*issuer, &resource, ttl, wait).await?;
     if json {
-        println!(
+        outln!(
             "{}",
             json!({"resource": resource.as_str(), "token": lease.token().get(), "owner": lease.owner(), "ttl_ms": ttl.as_millis()})
-        );
+        )?;
     } else {
-        println!(
+        outln!(
             "acquired {} token={} owner={} ttl={}",
             resource,
             lease.token(),
             lease.owner(),
             fmt_duration(ttl)
-        );
-        println!(
+        )?;
+        outln!(
             "release: pgfence lock release {} --owner {} --token {}",
             resource,
             lease.owner(),
             lease.token()
-        );
+        )?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -89,16 +90,16 @@ pub async fn release(
     let lease = Lease::resume(resource.clone(), owner, token);
     let outcome = issuer.release(&lease).await?;
     if json {
-        println!(
+        outln!(
             "{}",
             json!({"resource": resource.as_str(), "result": outcome.as_str()})
-        );
+        )?;
     } else {
         match outcome {
-            ReleaseOutcome::Released => println!("released {resource}"),
-            ReleaseOutcome::AlreadyExpired => println!("{resource}: the lock had already expired"),
+            ReleaseOutcome::Released => outln!("released {resource}")?,
+            ReleaseOutcome::AlreadyExpired => outln!("{resource}: the lock had already expired")?,
             ReleaseOutcome::TakenByOther => {
-                println!("{resource}: another holder has the lock; left it alone");
+                outln!("{resource}: another holder has the lock; left it alone")?;
             }
         }
     }
@@ -109,24 +110,53 @@ pub async fn release(
     })
 }
 
-/// Prints a lock's holder, token, TTL and counter.
+/// Prints a lock's holder, token, TTL and counter, under the key prefix in use (named when it
+/// is not the default). A lock that is free with no counter under that prefix but has one
+/// under another prefix is said so on stderr, naming the `--key-prefix` to pass.
 pub async fn status(conn: &Conn, resource: &str, json: bool) -> Result<ExitCode> {
     let resource = lock_resource(conn, resource)?;
-    let status = conn.issuer().await?.status(&resource).await?;
+    let issuer = conn.issuer().await?;
+    let status = issuer.status(&resource).await?;
+    let prefix = issuer.key_prefix().to_owned();
+    if status.owner.is_none() && status.counter == 0 {
+        let elsewhere =
+            super::prefixes::counters_elsewhere(conn.issuer_url()?, &resource, &prefix).await;
+        if let Some((other, _)) = elsewhere.first() {
+            let all: Vec<String> = elsewhere
+                .iter()
+                .map(|(p, c)| format!("{} (counter={c})", cell(p)))
+                .collect();
+            crate::util::warn_later(format!(
+                "{resource} has no lock or counter under key prefix {}, but has a counter under key prefix {}: {} to see the lock of the service that uses it",
+                cell(&prefix),
+                all.join(", "),
+                super::prefixes::how_to_select(other),
+            ));
+        }
+    }
     if json {
-        println!("{}", serde_json::to_string(&status)?);
-    } else if let (Some(owner), Some(token)) = (&status.owner, status.token) {
+        let mut value = serde_json::to_value(&status)?;
+        value["key_prefix"] = json!(prefix);
+        outln!("{value}")?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let name = if prefix == pgfence::issuer::DEFAULT_KEY_PREFIX {
+        resource.to_string()
+    } else {
+        format!("{resource} (key prefix {})", cell(&prefix))
+    };
+    if let (Some(owner), Some(token)) = (&status.owner, status.token) {
         let expires = match status.ttl_ms {
             Some(ms) if ms >= 0 => format!("expires in {ms}ms"),
             _ => "no expiry (the key was set without a TTL)".to_owned(),
         };
-        println!(
-            "{resource}: held by {} token={token} {expires}; counter={}",
+        outln!(
+            "{name}: held by {} token={token} {expires}; counter={}",
             cell(owner),
             status.counter
-        );
+        )?;
     } else {
-        println!("{resource}: free; counter={}", status.counter);
+        outln!("{name}: free; counter={}", status.counter)?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -10,6 +10,7 @@ use time::format_description::well_known::Rfc3339;
 
 use crate::cli::Conn;
 use crate::connect::Session;
+use crate::util::outln;
 use crate::util::print_table;
 
 /// Applies pending migrations (printing each), or with `status_only` prints the table of them.
@@ -22,10 +23,10 @@ pub async fn migrate(conn: &Conn, status_only: bool) -> Result<ExitCode> {
         let applied = pgfence::admin::migrate(session.conn()).await?;
         session.commit().await?;
         if applied.is_empty() {
-            println!("pgfence schema is up to date");
+            outln!("pgfence schema is up to date")?;
         }
         for m in &applied {
-            println!("applied V{}__{}", m.version, m.name);
+            outln!("applied V{}__{}", m.version, m.name)?;
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -41,6 +42,6 @@ pub async fn migrate(conn: &Conn, status_only: bool) -> Result<ExitCode> {
             vec![format!("V{}", m.version), m.name, when]
         })
         .collect();
-    print_table(&["version", "name", "applied"], &rows);
+    print_table(&["version", "name", "applied"], &rows)?;
     Ok(ExitCode::SUCCESS)
 }

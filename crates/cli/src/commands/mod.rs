@@ -7,6 +7,7 @@ mod grant;
 mod guard;
 mod lock;
 mod migrate;
+mod prefixes;
 mod reseed;
 pub mod run;
 mod simulate;
@@ -16,6 +17,65 @@ use std::process::ExitCode;
 use anyhow::Result;
 
 use crate::cli::{AuditAction, Cli, Command, EffectAction, LockAction};
+
+/// SQLSTATE `insufficient_privilege`.
+const INSUFFICIENT_PRIVILEGE: &str = "42501";
+
+/// The text of the `insufficient_privilege` error in `e`'s chain, if that is what `e` is.
+fn permission_denied(e: &anyhow::Error) -> Option<String> {
+    e.chain().find_map(|cause| {
+        let db = match cause.downcast_ref::<pgfence::Error>() {
+            Some(pgfence::Error::Database(sqlx::Error::Database(db))) => db,
+            _ => match cause.downcast_ref::<sqlx::Error>() {
+                Some(sqlx::Error::Database(db)) => db,
+                _ => return None,
+            },
+        };
+        (db.code().as_deref() == Some(INSUFFICIENT_PRIVILEGE)).then(|| db.message().to_owned())
+    })
+}
+
+/// `e`, or, when PostgreSQL refused `command` for want of a privilege, an error that says
+/// who may run it: `pgfence grant is a deploy-time command: run it as the owner of schema
+/// pgfence (role "postgres"), not as role "app" (permission denied for ...)`. `what` says
+/// what the command needs (`is a deploy-time command`, `reads the audit trail`). The roles are
+/// read on a new transaction of `pool` (the refused one is rolled back by then).
+pub(crate) async fn needs_owner(
+    pool: &sqlx::PgPool,
+    command: &str,
+    what: &str,
+    e: anyhow::Error,
+) -> anyhow::Error {
+    let Some(refusal) = permission_denied(&e) else {
+        return e;
+    };
+    let roles = async {
+        let mut session = crate::connect::Session::begin(pool).await?;
+        let roles: (Option<String>, String) = sqlx::query_as(
+            "SELECT (SELECT pg_catalog.pg_get_userbyid(n.nspowner)::pg_catalog.text
+                       FROM pg_catalog.pg_namespace n
+                      WHERE n.nspname OPERATOR(pg_catalog.=) 'pgfence'),
+                    CURRENT_USER::pg_catalog.text",
+        )
+        .fetch_one(session.conn())
+        .await?;
+        session.commit().await?;
+        anyhow::Ok(roles)
+    }
+    .await;
+    let (owner, me) = match roles {
+        Ok((owner, me)) => (owner, format!("role {:?}", crate::util::cell(&me))),
+        Err(_) => (None, "the application role".to_owned()),
+    };
+    let owner = match owner {
+        Some(owner) => format!(
+            "role {:?}, the owner of schema pgfence",
+            crate::util::cell(&owner)
+        ),
+        None => "the owner of schema pgfence (the role that ran `pgfence migrate`)".to_owned(),
+    };
+    anyhow::anyhow!("`{command}` {what}: run it as {owner}, not as {me} ({refusal})")
+}
 
 /// Runs the command, returning its exit code. Ctrl-C stops it with exit code 130, except for
 /// `run`, which handles signals itself: it must release the lock after the command exits.

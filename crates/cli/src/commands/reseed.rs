@@ -10,6 +10,7 @@ use serde_json::json;
 
 use crate::cli::Conn;
 use crate::util;
+use crate::util::outln;
 
 /// Raises `resource`'s counter to `floor`, or to Postgres's high-water mark without one.
 pub async fn reseed(
@@ -35,15 +36,15 @@ pub async fn reseed(
         // etcd / ZooKeeper: tokens are revisions / zxids, which never go backwards.
         let counter = issuer.status(&resource).await?.counter;
         if json {
-            println!(
+            outln!(
                 "{}",
                 json!({"resource": resource.as_str(), "issuer": issuer.kind().name(), "reseeded": false, "counter": counter})
-            );
+            )?;
         } else {
-            println!(
+            outln!(
                 "{resource}: nothing to reseed: the {} issuer's tokens never go backwards (current revision {counter})",
                 issuer.kind()
-            );
+            )?;
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -61,17 +62,17 @@ pub async fn reseed(
     let before = issuer.status(&resource).await?.counter;
     let after = issuer.raise_floor(&resource, floor).await?;
     if json {
-        println!(
+        outln!(
             "{}",
             json!({"resource": resource.as_str(), "floor": floor, "before": before, "after": after})
-        );
+        )?;
     } else if after > before {
-        println!(
+        outln!(
             "{resource}: counter raised from {before} to {after} ({source} {floor}); next token {}",
             after + 1
-        );
+        )?;
     } else {
-        println!("{resource}: counter {before} already at or above {source} {floor}; unchanged");
+        outln!("{resource}: counter {before} already at or above {source} {floor}; unchanged")?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -107,10 +107,11 @@ pub async fn simulate(conn: &Conn, args: &SimulateArgs) -> Result<ExitCode> {
         charges: stage.provider.charges("batch-42"),
     };
 
-    render::print_events(&outcome.events, fenced, args.mermaid);
+    let printed = render::print_events(&outcome.events, fenced, args.mermaid);
     let ok = render::verdict(&say, &outcome, fenced);
 
     servers.stop(&say);
+    printed?;
     Ok(if ok {
         ExitCode::SUCCESS
     } else {

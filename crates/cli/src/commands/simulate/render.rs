@@ -9,7 +9,7 @@ use pgfence::audit::AuditEntry;
 
 use super::events::{Event, What};
 use super::race::FinalRow;
-use crate::util::fmt_duration;
+use crate::util::{fmt_duration, out, outln};
 
 /// Prints narration: to stdout, except in `--mermaid` mode where stdout is the diagram.
 pub struct Narrator {
@@ -18,12 +18,13 @@ pub struct Narrator {
 }
 
 impl Narrator {
-    /// Prints one line of narration.
+    /// Prints one line of narration. On a closed stdout the run goes on (and cleans up)
+    /// without it: pgfence then exits quietly ([`crate::util::stdout_closed`]).
     pub fn line(&self, line: String) {
         if self.mermaid {
-            eprintln!("{line}")
-        } else {
-            println!("{line}")
+            eprintln!("{line}");
+        } else if !crate::util::stdout_closed() {
+            let _ = outln!("{line}");
         }
     }
 }
@@ -45,15 +46,16 @@ pub struct Outcome {
 }
 
 /// Prints the events on stdout: a Mermaid diagram, or a timeline and a blank line.
-pub fn print_events(events: &[Event], fenced: bool, mermaid: bool) {
+pub fn print_events(events: &[Event], fenced: bool, mermaid: bool) -> anyhow::Result<()> {
     if mermaid {
-        print!("{}", self::mermaid(events, fenced));
+        out!("{}", self::mermaid(events, fenced))?;
     } else {
         for line in timeline(events) {
-            println!("{line}");
+            outln!("{line}")?;
         }
-        println!();
+        outln!()?;
     }
+    Ok(())
 }
 
 /// Says what the race did to the row; true if it went as the mode predicts (fenced: A
