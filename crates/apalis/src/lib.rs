@@ -74,9 +74,7 @@ use apalis_core::task::status::Status;
 use pgfence::effect::{Effect, EffectOutcome};
 use pgfence::error::ErrorKind;
 use pgfence::issuer::KeepAlive;
-use pgfence::{
-    Effects, Fence, FenceToken, Fencing, Lease, Resource, TokenIssuer, WriteExecutor,
-};
+use pgfence::{Effects, Fence, FenceToken, Fencing, Lease, Resource, TokenIssuer, WriteExecutor};
 use sqlx::PgPool;
 
 /// The lease TTL [`FenceLayer::new`] starts with: apalis-postgres's default heartbeat interval.
@@ -595,7 +593,9 @@ impl<Args: Sync> FromRequest<Task<Args>> for TaskLease {
 
 /// A handler asked for a [`TaskLease`] but the worker has no [`FenceLayer`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("no TaskLease for this task: add pgfence_apalis::FenceLayer to the worker (WorkerBuilder::layer)")]
+#[error(
+    "no TaskLease for this task: add pgfence_apalis::FenceLayer to the worker (WorkerBuilder::layer)"
+)]
 pub struct MissingLease;
 
 /// Why [`FenceService`] did not report the handler's result.

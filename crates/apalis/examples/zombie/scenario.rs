@@ -5,7 +5,7 @@
 //! [`Report`].
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{Receiver, TryRecvError, channel};
@@ -151,8 +151,15 @@ pub async fn run(
     };
     let mut a = spawn(&zombie)?;
     a.line("PAUSE").await?;
+    // A waits at its pause point. Stop it once apalis has committed its lock on the task
+    // (status Running): a worker stopped inside one of its own transactions holds the task's
+    // row lock, and apalis-postgres's re-enqueue (`FOR UPDATE SKIP LOCKED`) then skips the
+    // task for as long as that connection lives.
+    running(pool, &task_id, &zombie).await?;
     signal_pid(a.pid(), "-STOP")?;
     let stopped = Instant::now();
+    // The go-ahead waits in the pipe until A runs again.
+    a.go()?;
     narrate(&format!(
         "A ({zombie}, pid {}) took the task; stopped (SIGSTOP) right before its provider call",
         a.pid()
@@ -165,6 +172,8 @@ pub async fn run(
         worker::MISSED_HEARTBEATS,
         worker::HEARTBEAT
     ));
+    b.line("PAUSE").await?;
+    b.go()?;
     let live_outcome = b.line("OUTCOME").await?;
     b.exit().await?;
     let job_after_live = job(pool, &task_id).await?;
@@ -238,11 +247,28 @@ pub async fn clean_up(pool: &PgPool, report: &Report) -> Result<(), BoxDynError>
         .execute(pool)
         .await?;
     let table = if report.fenced { FENCED } else { UNFENCED };
-    sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {table} WHERE id = $1")))
-        .bind(report.invoice.id)
-        .execute(pool)
-        .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DELETE FROM {table} WHERE id = $1"
+    )))
+    .bind(report.invoice.id)
+    .execute(pool)
+    .await?;
     Ok(())
+}
+
+/// Waits until the task is `Running` under `worker`'s lock.
+async fn running(pool: &PgPool, task_id: &str, worker: &str) -> Result<(), BoxDynError> {
+    let deadline = Instant::now() + STEP;
+    loop {
+        let job = job(pool, task_id).await?;
+        if job.status == "Running" && job.lock_by.as_deref() == Some(worker) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{worker} never locked the task: {job:?}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 async fn job(pool: &PgPool, task_id: &str) -> Result<Job, BoxDynError> {
@@ -268,7 +294,7 @@ impl Process {
     fn spawn(name: &str, program: &PathBuf, args: Vec<String>) -> Result<Self, BoxDynError> {
         let mut child = Command::new(program)
             .args(args)
-            .stdin(Stdio::null())
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -306,6 +332,14 @@ impl Process {
 
     fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Lets the worker go on past its pause point.
+    fn go(&mut self) -> Result<(), BoxDynError> {
+        let stdin = self.child.stdin.as_mut().ok_or("no stdin")?;
+        stdin.write_all(b"go\n")?;
+        stdin.flush()?;
+        Ok(())
     }
 
     fn stderr(&self) -> String {
@@ -349,7 +383,12 @@ impl Process {
                 return if status.success() {
                     Ok(())
                 } else {
-                    Err(format!("{} exited with {status}; its log:\n{}", self.name, self.stderr()).into())
+                    Err(format!(
+                        "{} exited with {status}; its log:\n{}",
+                        self.name,
+                        self.stderr()
+                    )
+                    .into())
                 };
             }
             if Instant::now() > deadline {

@@ -5,8 +5,9 @@
 //! `fenced` runs the handler under [`FenceLayer`]; `plain` is the same job as most services
 //! write it today: plain SQL and a provider call without an idempotency key.
 //!
-//! Right before its provider call the handler prints `PAUSE <task id>` and takes
-//! [`PAUSE`] (the call's latency): the moment the scenario stops the process (`SIGSTOP`).
+//! Right before its provider call the handler prints `PAUSE <task id>` and waits for a line
+//! on stdin: the scenario stops the process there (`SIGSTOP`) before it lets it go on, so the
+//! stop lands at that point however loaded the machine is (stdin at its end: no wait).
 //! Each finished task prints `OUTCOME ok <result>` or `OUTCOME error <error>`; pgfence's and
 //! apalis's log events go to stderr.
 #![allow(dead_code)]
@@ -37,8 +38,6 @@ pub const HEARTBEAT: Duration = Duration::from_millis(500);
 pub const MISSED_HEARTBEATS: usize = 2;
 /// The lease TTL: renewed every TTL/3 while the handler runs.
 pub const TTL: Duration = Duration::from_millis(900);
-/// The provider call's latency, and the window in which the scenario stops the worker.
-pub const PAUSE: Duration = Duration::from_millis(400);
 /// The amount charged.
 pub const AMOUNT: i64 = 4200;
 
@@ -205,14 +204,17 @@ async fn charge_plain(
     task: apalis_core::task::task_id::TaskId,
 ) -> Result<String, BoxDynError> {
     let App { pool, me, .. } = &*app;
-    let invoice: Invoice = sqlx::query_as("SELECT * FROM pgfence_apalis_demo.invoices_unfenced WHERE id = $1")
-        .bind(job.invoice)
-        .fetch_one(pool)
-        .await?;
-    sqlx::query("UPDATE pgfence_apalis_demo.invoices_unfenced SET status = 'processing' WHERE id = $1")
-        .bind(job.invoice)
-        .execute(pool)
-        .await?;
+    let invoice: Invoice =
+        sqlx::query_as("SELECT * FROM pgfence_apalis_demo.invoices_unfenced WHERE id = $1")
+            .bind(job.invoice)
+            .fetch_one(pool)
+            .await?;
+    sqlx::query(
+        "UPDATE pgfence_apalis_demo.invoices_unfenced SET status = 'processing' WHERE id = $1",
+    )
+    .bind(job.invoice)
+    .execute(pool)
+    .await?;
     pause_point(&task.to_string()).await;
     let answer = call_provider(&app.provider, None, &invoice).await?;
     sqlx::query(
@@ -228,10 +230,10 @@ async fn charge_plain(
     Ok(format!("paid by {me}"))
 }
 
-/// Announces the pause point and takes the provider call's latency.
+/// Announces the pause point and waits for the scenario's go-ahead (a line on stdin).
 async fn pause_point(task: &str) {
     say(&format!("PAUSE {task}"));
-    tokio::time::sleep(PAUSE).await;
+    let _ = tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new())).await;
 }
 
 /// Charges the invoice; the provider's charge id (or its replayed answer).

@@ -69,7 +69,11 @@ async fn each_run_has_a_newer_lease_and_the_same_effect_key() {
         let t = task(21u32, "01JTASK0000000000000000001");
         let status = t.raw_status().clone();
         assert_eq!(svc.call(t).await.unwrap(), 42);
-        assert_eq!(status.load(), Status::Pending, "the layer leaves a good run's status alone");
+        assert_eq!(
+            status.load(),
+            Status::Pending,
+            "the layer leaves a good run's status alone"
+        );
     }
     let other = svc.call(task(1u32, "01JTASK0000000000000000002")).await;
     assert_eq!(other.unwrap(), 2);
@@ -108,7 +112,10 @@ async fn a_superseded_run_reports_failed_whatever_its_handler_returned() {
             // The zombie wakes up: its check is refused; it ignores that (a careless handler).
             let mut tx = lease.pool().begin().await?;
             let refused = lease.check(&mut *tx).await.unwrap_err();
-            assert!(matches!(refused, pgfence::Error::StaleToken { .. }), "{refused:?}");
+            assert!(
+                matches!(refused, pgfence::Error::StaleToken { .. }),
+                "{refused:?}"
+            );
             Ok::<_, BoxDynError>("done anyway")
         }
     };
@@ -134,7 +141,11 @@ async fn a_superseded_run_reports_failed_whatever_its_handler_returned() {
     assert!(handler_error.is_none());
     assert_eq!(status.load(), Status::Failed, "never Done for a zombie");
     let ops: Vec<String> = audit_ops(&db).await.into_iter().map(|a| a.0).collect();
-    assert_eq!(ops, ["check", "check"], "the handler's check and the final one");
+    assert_eq!(
+        ops,
+        ["check", "check"],
+        "the handler's check and the final one"
+    );
 }
 
 /// One lease per account: two tasks of one account share the resource (and are serialised),
@@ -206,7 +217,10 @@ async fn a_held_lock_is_busy_and_the_handler_does_not_run() {
     let status = t.raw_status().clone();
     let err = layer.layer(task_fn(handler)).call(t).await.unwrap_err();
     assert!(
-        matches!(err.downcast_ref::<FenceError>(), Some(FenceError::Busy { .. })),
+        matches!(
+            err.downcast_ref::<FenceError>(),
+            Some(FenceError::Busy { .. })
+        ),
         "{err:?}"
     );
     assert!(!is_lease_lost(&*err));
