@@ -681,3 +681,8 @@ pub fn is_lease_lost(err: &(dyn StdError + 'static)) -> bool {
     }
     false
 }
+
+/// The README's examples, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -43,8 +43,9 @@ async fn main() -> Result<(), BoxDynError> {
         program: std::env::current_exe()?,
         args: vec!["worker".into()],
     };
+    let start = std::time::Instant::now();
     let report = scenario::run(&pool, &db_url, &command, fenced, &|line| {
-        println!("  {line}");
+        println!("{:>7}ms  {line}", start.elapsed().as_millis());
     })
     .await?;
     scenario::clean_up(&pool, &report).await?;
@@ -80,6 +81,13 @@ async fn main() -> Result<(), BoxDynError> {
             a.presented,
             a.current.map(|c| c.to_string()).unwrap_or("?".into())
         );
+    }
+    for line in r
+        .zombie_log
+        .lines()
+        .filter(|l| l.contains("pgfence::audit"))
+    {
+        println!("A's log:  {line}");
     }
     println!("took {:.1}s", r.took.as_secs_f64());
 

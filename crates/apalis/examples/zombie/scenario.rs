@@ -230,7 +230,11 @@ pub async fn run(
 /// Removes what a run left in a shared database (the example's `DATABASE_URL`).
 pub async fn clean_up(pool: &PgPool, report: &Report) -> Result<(), BoxDynError> {
     let resource = format!("apalis:task:{}", report.task_id);
+    // The PostgreSQL issuer's counter and lock of the task's resource go too (the task is
+    // gone; nothing will take that resource again).
     for sql in [
+        "DELETE FROM pgfence.issuer_lock WHERE resource = $1",
+        "DELETE FROM pgfence.issuer_counter WHERE counter = $1",
         "DELETE FROM pgfence.audit WHERE resource = $1",
         "DELETE FROM pgfence.effect WHERE scope = $1",
         "DELETE FROM pgfence.resource_fence WHERE resource = $1",

@@ -177,7 +177,7 @@ async fn charge_fenced(
     if effect.is_done() {
         return Ok(format!("already charged; {me} did nothing"));
     }
-    pause_point(&lease.work_key().to_owned()).await;
+    pause_point(lease.work_key()).await;
     let answer = call_provider(&app.provider, Some(effect.idempotency_key()), &invoice).await?;
     invoice.status = "paid".into();
     invoice.paid_by = Some(me.clone());
