@@ -51,10 +51,10 @@
 //! whatever the handler returned — never `Done` (a zombie must not report a result it could
 //! not write) and never `Killed` (the live run may still complete the task). With
 //! apalis-postgres the zombie's report is normally dropped anyway: its acknowledgement only
-//! updates the task while the zombie's worker holds the row lock (`lock_by`), which the
-//! re-enqueue cleared and the new worker took. Where it does land, `Failed` lets the backend
-//! run the task again under a newer lease, and that run finds the effects the live run
-//! recorded. Details: [`FenceService`].
+//! updates the task while the task is locked to the zombie's worker (`lock_by`), which the
+//! re-enqueue cleared and the new worker took over. Where it does land, `Failed` lets the
+//! backend run the task again under a newer lease, and that run finds the effects the live
+//! run recorded. Details: [`FenceService`].
 //!
 //! [apalis]: https://docs.rs/apalis
 
@@ -283,7 +283,7 @@ impl<S, R> Layer<S> for FenceLayer<R> {
 /// `Failed`, not `Killed`, because a lost lease says nothing against the task: the live run
 /// may still complete it, or fail and leave it to a retry. And not `Done`, because the
 /// zombie's writes were refused: with apalis-postgres a zombie's acknowledgement is only
-/// applied while its worker still holds the task's row lock (`lock_by`), which the re-enqueue
+/// applied while the task is still locked to its worker (`lock_by`), which the re-enqueue
 /// cleared; when it does land (its worker fetched the task again, or re-locked it before the
 /// new worker did), `Failed` has the backend run the task once more under a newer lease, and
 /// that run reuses the task's idempotency keys and sees the effects already recorded. A
