@@ -394,6 +394,16 @@ pub async fn url_or_start(
     Ok((server.url(), Some(server)))
 }
 
+/// Sends `signal` (`-STOP`, `-CONT`, `-KILL`, ...) with `kill(1)` to process `pid` alone: for
+/// tests that pause, resume or kill a process they started themselves (a worker), by its PID.
+///
+/// # Errors
+/// [`ServerError::StartFailed`] when `kill` failed (no such process);
+/// [`ServerError::Io`] when `kill` could not be run.
+pub fn signal_pid(pid: u32, signal: &str) -> Result<(), ServerError> {
+    process::signal("process", Some(pid), signal, String::new).map(|_| ())
+}
+
 /// A local Redis Cluster of throwaway masters (no replicas), for cluster tests.
 #[derive(Debug)]
 pub struct RedisCluster {
