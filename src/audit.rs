@@ -510,6 +510,10 @@ pub async fn prune<'c, E: PgExecutor<'c>>(exec: E, older_than: OffsetDateTime) -
         older_than
     )
     .execute(exec)
-    .await?;
+    .await
+    .map_err(crate::error::deploy_time(
+        "pgfence audit prune",
+        crate::error::SCHEMA_OWNER,
+    ))?;
     Ok(done.rows_affected())
 }

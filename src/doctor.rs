@@ -988,7 +988,11 @@ where
     let n: i32 = sqlx::query_scalar("SELECT pgfence.acknowledge_failover($1)")
         .bind(by)
         .fetch_one(&mut *conn)
-        .await?;
+        .await
+        .map_err(crate::error::deploy_time(
+            "pgfence doctor --ack-failover",
+            crate::error::SCHEMA_OWNER,
+        ))?;
     Ok(n)
 }
 

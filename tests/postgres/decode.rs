@@ -66,6 +66,22 @@ struct NarrowKey {
 }
 pgfence::fenced_table!(NarrowKey { table: "invoices", key: id: i32, columns: [status] });
 
+/// A declaration with a typo'd column, for writes.
+#[derive(Debug, Clone)]
+struct TypoWrite {
+    id: i64,
+    statuss: String,
+}
+pgfence::fenced_table!(TypoWrite { table: "invoices", key: id: i64, columns: [statuss] });
+
+/// A declaration whose value has the wrong type (`amount` is `int`).
+#[derive(Debug, Clone)]
+struct WrongWrite {
+    id: i64,
+    amount: String,
+}
+pgfence::fenced_table!(WrongWrite { table: "invoices", key: id: i64, columns: [amount] });
+
 #[track_caller]
 fn assert_decode(err: &Error, column: &str) {
     assert!(matches!(err, Error::Decode { .. }), "{err:?}");
@@ -141,6 +157,26 @@ async fn a_claim_that_does_not_decode_changes_nothing() {
         .unwrap_err();
     assert_type_mismatch(&err);
     assert_eq!(fences(&db).await, before, "no failed claim changed a fence");
+
+    // The other write APIs with the same shapes: refused by the server before anything is
+    // written, and no fence moves.
+    let typo = Repository::<TypoWrite>::new(db.pool.clone()).unwrap();
+    let row = TypoWrite {
+        id: 1,
+        statuss: "paid".into(),
+    };
+    assert!(typo.update(&db.pool, lease(), &row).await.is_err());
+    assert!(typo.upsert(&db.pool, lease(), &row).await.is_err());
+    assert!(typo.update_many(&db.pool, lease(), &[row]).await.is_err());
+    let wrong = Repository::<WrongWrite>::new(db.pool.clone()).unwrap();
+    let row = WrongWrite {
+        id: 1,
+        amount: "ten".into(),
+    };
+    let err = wrong.update(&db.pool, lease(), &row).await.unwrap_err();
+    assert!(!err.to_string().contains(" at line "), "{err}");
+    assert!(wrong.upsert(&db.pool, lease(), &row).await.is_err());
+    assert_eq!(fences(&db).await, before, "no failed write changed a fence");
 
     // The same claims with the right type apply.
     let got: Invoice = repo.claim(&db.pool, lease(), &1).await.unwrap();

@@ -98,6 +98,18 @@ async fn deploy_time_calls_as_the_app_role_name_the_call_and_who_runs_it() {
             .unwrap_err(),
         "pgfence grant",
     );
+    check(
+        pgfence::audit::prune(&pool, time::OffsetDateTime::now_utc())
+            .await
+            .unwrap_err(),
+        "pgfence audit prune",
+    );
+    check(
+        pgfence::admin::acknowledge_failover(&pool, "app")
+            .await
+            .unwrap_err(),
+        "--ack-failover",
+    );
     // Nothing changed: the table is not guarded.
     assert_eq!(
         pgfence::guard::guard_mode(&db.pool, &ledger).await.unwrap(),

@@ -25,6 +25,8 @@ const INSUFFICIENT_PRIVILEGE: &str = "42501";
 fn permission_denied(e: &anyhow::Error) -> Option<String> {
     e.chain().find_map(|cause| {
         let db = match cause.downcast_ref::<pgfence::Error>() {
+            // The library's own word for a refused deploy-time call.
+            Some(pgfence::Error::NotPermitted { message, .. }) => return Some(message.clone()),
             Some(pgfence::Error::Database(sqlx::Error::Database(db))) => db,
             _ => match cause.downcast_ref::<sqlx::Error>() {
                 Some(sqlx::Error::Database(db)) => db,
