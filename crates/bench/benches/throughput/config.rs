@@ -25,6 +25,8 @@ pub(crate) struct Config {
     pub(crate) scaling: Vec<usize>,
     /// Tokio worker threads (also pgbench `-j`).
     pub(crate) workers: usize,
+    /// At most this many seconds each figure waits for a quiet machine (0: start at once).
+    pub(crate) quiet_wait: u64,
     /// Where the JSON document goes.
     pub(crate) json: PathBuf,
     /// Sections to run; empty: all.
@@ -79,6 +81,7 @@ impl Config {
             rounds: env_or("PGFENCE_BENCH_ROUNDS", 3)?,
             scaling,
             workers: env_or("PGFENCE_BENCH_WORKERS", cpus)?,
+            quiet_wait: env_or("PGFENCE_BENCH_QUIET_WAIT", 30)?,
             json,
             sections,
         };

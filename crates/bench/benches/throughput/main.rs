@@ -248,8 +248,22 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
     println!();
     println!("figures written to {}", env.cfg.json.display());
     env.admin.close().await;
+    let problems = report::problems(env, &rounds);
+    if !problems.is_empty() {
+        println!();
+        for p in &problems {
+            println!("PROBLEM: {p}");
+        }
+    }
     if checks.iter().any(|c| !c.pass) {
         bail!("an audit check failed");
+    }
+    if !problems.is_empty() {
+        bail!(
+            "{} problem(s) in the run (listed above): a figure that did not measure what it \
+             says",
+            problems.len()
+        );
     }
     Ok(())
 }
