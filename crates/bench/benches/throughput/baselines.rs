@@ -122,7 +122,12 @@ pub(crate) async fn pgbench_batch_row(
     let step = pgfence_bench::spread_step(slots);
     let body = pgfence_bench::pgbench_params(
         batch_sql,
-        &[":keys::int4[]", ":payloads::text[]", ":tok::int8", ":timeline"],
+        &[
+            ":keys::int4[]",
+            ":payloads::text[]",
+            ":tok::int8",
+            ":timeline",
+        ],
     )
     .map_err(anyhow::Error::msg)?;
     let text = format!(

@@ -49,6 +49,20 @@ where
     }
 }
 
+/// The build's target directory: `CARGO_TARGET_DIR`, else the one this executable was built
+/// into (`<target>/<profile>/deps/throughput-…`), else `target`. Cargo runs a bench in its
+/// package's directory (`crates/bench`), so a relative `target` would land there.
+fn target_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        return PathBuf::from(dir);
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.parent()?.to_path_buf()))
+        .filter(|dir| dir.join("CACHEDIR.TAG").is_file())
+        .unwrap_or_else(|| PathBuf::from("target"))
+}
+
 impl Config {
     /// Reads the settings; `args` are the bench's arguments (section names, flags).
     pub(crate) fn from_env(args: &[String]) -> Result<Self> {
@@ -60,9 +74,7 @@ impl Config {
             .collect::<Result<Vec<_>>>()?;
         let json = match std::env::var_os("PGFENCE_BENCH_JSON") {
             Some(p) => PathBuf::from(p),
-            None => std::env::var_os("CARGO_TARGET_DIR")
-                .map_or_else(|| PathBuf::from("target"), PathBuf::from)
-                .join("bench-throughput.json"),
+            None => target_dir().join("bench-throughput.json"),
         };
         let sections: Vec<String> = args
             .iter()

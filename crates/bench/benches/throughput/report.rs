@@ -707,9 +707,7 @@ pub(crate) fn problems(env: &Env, rounds: &[Results]) -> Vec<String> {
     if env.cfg.runs("batch")
         && let Err(why) = &env.batch_sql
     {
-        found.push(format!(
-            "the batch statement could not be captured: {why}"
-        ));
+        found.push(format!("the batch statement could not be captured: {why}"));
     }
     found
 }
