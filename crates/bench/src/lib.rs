@@ -223,6 +223,17 @@ mod tests {
         let many: Vec<&str> = many.iter().map(String::as_str).collect();
         assert_eq!(pgbench_params("$10 $1", &many).unwrap(), ":v10 :v1");
         assert!(pgbench_params("SELECT $4", &names).is_err());
+        // The repository's statements bind the lease's timeline last, and use it twice.
+        let names = [":id", ":payload", ":tok", ":timeline"];
+        assert_eq!(
+            pgbench_params(
+                "UPDATE t SET p = $2 WHERE id = $1 AND f < $3 AND ($4::int8 = 0 OR $4::int8 = tl())",
+                &names
+            )
+            .unwrap(),
+            "UPDATE t SET p = :payload WHERE id = :id AND f < :tok \
+             AND (:timeline::int8 = 0 OR :timeline::int8 = tl())"
+        );
     }
 
     #[test]

@@ -56,6 +56,8 @@ async fn run_pgbench(
         .args(["-T", &secs.to_string()])
         .args(["-D", &format!("tok={start}")])
         .args(["-D", &format!("payload={PAYLOAD}")])
+        // The lease's timeline, for the repository's statements (see `Env::timeline`).
+        .args(["-D", &format!("timeline={}", env.timeline)])
         .args(
             defines
                 .iter()
@@ -81,8 +83,8 @@ async fn run_pgbench(
     Ok(stdout)
 }
 
-/// The row `name`: `body` (one statement with pgbench variables `:id`, `:payload`, `:tok`)
-/// through `pgbench -M prepared`, rows counted on `table`. Each transaction of a client
+/// The row `name`: `body` (one statement with pgbench variables `:id`, `:payload`, `:tok`,
+/// `:timeline`) through `pgbench -M prepared`, rows counted on `table`. Each transaction of a client
 /// takes the next id of that client's rows and the next token: `:tok` is its lease fence, as
 /// the repository would bind it (it starts above every fence and steps by the difference
 /// between the lease fences of successive tokens).
@@ -100,9 +102,10 @@ pub(crate) async fn pgbench_row(env: &Env, name: &str, table: &str, body: &str) 
 
 /// 7c: the Postgres-side ceiling of a batch of `size` rows: `batch_sql` — the statement
 /// [`pgfence::Repository::update_many`] sends, captured from the server — through `pgbench -M
-/// prepared` with `clients` clients, its three parameters bound as the library binds them (an
-/// `int4[]` of keys, a `text[]` of payloads, the `int8` lease fence), so that the server plans
-/// and runs the same prepared statement. pgbench cannot build an array, so each transaction
+/// prepared` with `clients` clients, its four parameters bound as the library binds them (an
+/// `int4[]` of keys, a `text[]` of payloads, the `int8` lease fence, and the lease's timeline,
+/// which the statement casts to `int8` itself: `Env::timeline`), so that the server plans and
+/// runs the same prepared statement. pgbench cannot build an array, so each transaction
 /// first draws its keys with one small `SELECT .. \gset` (client `c`'s ids `1 + c + clients *
 /// slot` for the batch's slots, from a random start spread by [`pgfence_bench::spread_step`]:
 /// the ids the Rust batch rows write, see `BatchKeys`); the payloads are one constant array
@@ -119,7 +122,12 @@ pub(crate) async fn pgbench_batch_row(
     let step = pgfence_bench::spread_step(slots);
     let body = pgfence_bench::pgbench_params(
         batch_sql,
-        &[":keys::int4[]", ":payloads::text[]", ":tok::int8"],
+        &[
+            ":keys::int4[]",
+            ":payloads::text[]",
+            ":tok::int8",
+            ":timeline",
+        ],
     )
     .map_err(anyhow::Error::msg)?;
     let text = format!(
@@ -163,7 +171,7 @@ async fn pgbench_script(
     prep(env).await?;
     run_pgbench(env, bin, &script, cfg.warmup, clients, defines).await?;
     let before = updates_counted(env, table).await?;
-    let quiet_wait_s = quiet_gate().await;
+    let quiet_wait_s = quiet_gate(env.cfg.quiet_wait).await;
     let (started, cpu_before) = (Instant::now(), cpu_snap());
     let stdout = run_pgbench(env, bin, &script, cfg.secs, clients, defines).await?;
     let (seconds, cpu_after) = (started.elapsed().as_secs_f64(), cpu_snap());
@@ -177,15 +185,20 @@ async fn pgbench_script(
     } else {
         0.0
     };
+    let note = format!(
+        "{processed:.0} transactions, {failed:.0} failed; rows updated per transaction \
+         (pg_stat n_tup_upd) / {rows_per_tx} = {applied_share:.3}"
+    );
+    // Every transaction updates its rows (the scripts present fresh tokens on the client's
+    // own rows): a statement that updates nothing runs fast and means nothing.
+    let wrong = failed > 0.0 || processed < 1.0 || (applied_share - 1.0).abs() > 0.01;
     let mut sample = Sample {
         ops_per_sec: Some(tps),
         seconds,
         avg_ms: number_after(&stdout, "latency average ="),
         quiet_wait_s,
-        note: Some(format!(
-            "{processed:.0} transactions, {failed:.0} failed; rows updated per transaction \
-             (pg_stat n_tup_upd) / {rows_per_tx} = {applied_share:.3}"
-        )),
+        problem: wrong.then(|| note.clone()),
+        note: Some(note),
         ..Sample::default()
     };
     // The window includes pgbench's start-up and connections: a slight overestimate per op.
@@ -273,15 +286,19 @@ pub(crate) async fn redis_benchmark_row(env: &Env, threads: usize) -> Result<Sam
         .and_then(|r| r.parse().ok())
         .context("redis-benchmark rps")?;
     let n = (rate * env.cfg.secs).max(20_000);
-    let quiet_wait_s = quiet_gate().await;
+    let quiet_wait_s = quiet_gate(env.cfg.quiet_wait).await;
     let (cpu_before, usec_before) = (cpu_snap(), redis_usec(&mut conn).await);
     let fields = run_redis_benchmark(env, bin, &sha, n, threads).await?;
     let (cpu_after, usec_after) = (cpu_snap(), redis_usec(&mut conn).await);
     let num = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok());
-    let errors = match (errors_before, redis_error_replies(&mut conn).await) {
-        (Some(a), Some(b)) => format!("{} error replies", b - a),
-        _ => "error replies unknown".to_owned(),
+    let error_replies = match (errors_before, redis_error_replies(&mut conn).await) {
+        (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+        _ => None,
     };
+    let errors = error_replies.map_or_else(
+        || "error replies unknown".to_owned(),
+        |n| format!("{n} error replies"),
+    );
     let rps = num(1).context("redis-benchmark rps")?;
     let mut sample = Sample {
         ops_per_sec: Some(rps),
@@ -291,6 +308,9 @@ pub(crate) async fn redis_benchmark_row(env: &Env, threads: usize) -> Result<Sam
         p99_ms: num(6),
         total_ops: n,
         quiet_wait_s,
+        problem: error_replies
+            .filter(|&e| e > 0)
+            .map(|e| format!("{e} error replies from Redis to the acquire script")),
         note: Some(format!(
             "{n} requests, {threads} client thread(s), {errors}"
         )),

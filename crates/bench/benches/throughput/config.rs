@@ -25,6 +25,8 @@ pub(crate) struct Config {
     pub(crate) scaling: Vec<usize>,
     /// Tokio worker threads (also pgbench `-j`).
     pub(crate) workers: usize,
+    /// At most this many seconds each figure waits for a quiet machine (0: start at once).
+    pub(crate) quiet_wait: u64,
     /// Where the JSON document goes.
     pub(crate) json: PathBuf,
     /// Sections to run; empty: all.
@@ -47,6 +49,20 @@ where
     }
 }
 
+/// The build's target directory: `CARGO_TARGET_DIR`, else the one this executable was built
+/// into (`<target>/<profile>/deps/throughput-…`), else `target`. Cargo runs a bench in its
+/// package's directory (`crates/bench`), so a relative `target` would land there.
+fn target_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        return PathBuf::from(dir);
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.parent()?.to_path_buf()))
+        .filter(|dir| dir.join("CACHEDIR.TAG").is_file())
+        .unwrap_or_else(|| PathBuf::from("target"))
+}
+
 impl Config {
     /// Reads the settings; `args` are the bench's arguments (section names, flags).
     pub(crate) fn from_env(args: &[String]) -> Result<Self> {
@@ -58,9 +74,7 @@ impl Config {
             .collect::<Result<Vec<_>>>()?;
         let json = match std::env::var_os("PGFENCE_BENCH_JSON") {
             Some(p) => PathBuf::from(p),
-            None => std::env::var_os("CARGO_TARGET_DIR")
-                .map_or_else(|| PathBuf::from("target"), PathBuf::from)
-                .join("bench-throughput.json"),
+            None => target_dir().join("bench-throughput.json"),
         };
         let sections: Vec<String> = args
             .iter()
@@ -79,6 +93,7 @@ impl Config {
             rounds: env_or("PGFENCE_BENCH_ROUNDS", 3)?,
             scaling,
             workers: env_or("PGFENCE_BENCH_WORKERS", cpus)?,
+            quiet_wait: env_or("PGFENCE_BENCH_QUIET_WAIT", 30)?,
             json,
             sections,
         };

@@ -165,11 +165,12 @@ pub(crate) async fn redis_usec(conn: &mut redis::aio::MultiplexedConnection) -> 
 /// Busy CPUs above which the machine is not quiet (our servers idle between measurements).
 const QUIET_CPUS: f64 = 0.35;
 
-/// Waits (up to 30 s) until the machine's busy CPUs over 250 ms drop below [`QUIET_CPUS`], so
-/// that a measurement does not start on top of someone else's build; returns the wait.
-pub(crate) async fn quiet_gate() -> f64 {
+/// Waits (up to `max_secs`, `PGFENCE_BENCH_QUIET_WAIT`) until the machine's busy CPUs over
+/// 250 ms drop below [`QUIET_CPUS`], so that a measurement does not start on top of someone
+/// else's build; returns the wait.
+pub(crate) async fn quiet_gate(max_secs: u64) -> f64 {
     let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(30) {
+    while start.elapsed() < Duration::from_secs(max_secs) {
         let Some(a) = cpu_snap() else { break };
         tokio::time::sleep(Duration::from_millis(250)).await;
         let Some(b) = cpu_snap() else { break };

@@ -58,8 +58,9 @@
 //! `PGFENCE_BENCH_TASKS` (16), `PGFENCE_BENCH_POOL` (= tasks), `PGFENCE_BENCH_ROWS` (10000),
 //! `PGFENCE_BENCH_ROUNDS` (3; figures are medians over rounds), `PGFENCE_BENCH_SCALING`
 //! (`1,4,16,64`), `PGFENCE_BENCH_WORKERS` (tokio worker threads, default: CPUs),
-//! `PGFENCE_BENCH_JSON` (default `$CARGO_TARGET_DIR/bench-throughput.json`, else
-//! `target/bench-throughput.json`).
+//! `PGFENCE_BENCH_QUIET_WAIT` (30: at most this many seconds each figure waits for an idle
+//! machine; 0: none), `PGFENCE_BENCH_JSON` (default `bench-throughput.json` in the build's
+//! target directory: `$CARGO_TARGET_DIR`, else the workspace's `target/`).
 //!
 //! Run without `--bench` (as `cargo test --all-targets` does), it only prints how to run it.
 //!
@@ -241,6 +242,8 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
         loads.join(" | ")
     );
     doc["load_average_at_round_start"] = json!(loads);
+    let problems = report::problems(env, &rounds);
+    doc["problems"] = json!(problems);
     if let Some(dir) = env.cfg.json.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
@@ -248,8 +251,21 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
     println!();
     println!("figures written to {}", env.cfg.json.display());
     env.admin.close().await;
+    if !problems.is_empty() {
+        println!();
+        for p in &problems {
+            println!("PROBLEM: {p}");
+        }
+    }
     if checks.iter().any(|c| !c.pass) {
         bail!("an audit check failed");
+    }
+    if !problems.is_empty() {
+        bail!(
+            "{} problem(s) in the run (listed above): a figure that did not measure what it \
+             says",
+            problems.len()
+        );
     }
     Ok(())
 }

@@ -162,6 +162,11 @@ pub(crate) struct Sample {
     /// section's tables per operation, warm-up included, for the same rows.
     pub(crate) pg_blocks_per_op: Option<f64>,
     pub(crate) note: Option<String>,
+    /// What went wrong in a figure that still produced a rate (an external tool's failed
+    /// transactions or error replies, writes that did not update their rows): the run fails
+    /// at the end (see `report::problems`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) problem: Option<String>,
     /// Rows one operation writes (a batch row: its size). The rate and the CPU figures are
     /// then per row; the latencies stay per operation (per batch).
     pub(crate) rows_per_op: Option<u64>,
@@ -212,7 +217,7 @@ pub(crate) async fn measure<W: Workload>(
     metric: Metric,
     work: W,
 ) -> Result<Sample> {
-    let quiet_wait_s = quiet_gate().await;
+    let quiet_wait_s = quiet_gate(cfg.quiet_wait).await;
     let work = Arc::new(work);
     let gate = Arc::new(Gate::default());
     let handles: Vec<_> = (0..tasks)

@@ -646,8 +646,8 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
     match &env.batch_sql {
         Ok(sql) => println!(
             "\nbatch statement (Repository::update_many, as prepared by the server for one real \
-             batch; 7c binds the same three parameters: int4[] keys drawn by a SELECT .. \\gset, \
-             text[] payloads, int8 :tok):\n  {sql}"
+             batch; 7c binds the same four parameters: int4[] keys drawn by a SELECT .. \\gset, \
+             text[] payloads, int8 :tok, the timeline :timeline):\n  {sql}"
         ),
         Err(why) => println!("\nbatch statement not captured: {why}"),
     }
@@ -664,6 +664,52 @@ pub(crate) fn report(env: &Env, rounds: &[Results], checks: &[AuditCheck], info:
         "audit_checks": checks,
         "rounds": rounds,
     })
+}
+
+/// Whether the figure `key` rejects operations by design: stale writes (`storm`) and locks
+/// every task contends for.
+fn rejects_by_design(key: &str) -> bool {
+    matches!(key, "storm.rejections" | "storm.mixed") || key.starts_with("pg.contended_")
+}
+
+/// What went wrong in the run, whatever its figures: failed operations, unexpected
+/// rejections (a write that should apply, a lock that should be free), figures that measured
+/// nothing, an external tool's failures ([`Sample::problem`]), and the repository's
+/// statements not being what the server ran. Rows skipped because an optional tool
+/// (`pgbench`, `redis-benchmark`) is missing are not problems. Empty: the run is sound.
+pub(crate) fn problems(env: &Env, rounds: &[Results]) -> Vec<String> {
+    let mut found = Vec::new();
+    for (i, round) in rounds.iter().enumerate() {
+        for (key, s) in round {
+            let at = format!("round {} {key}", i + 1);
+            let note = s.note.as_deref().unwrap_or("");
+            if s.failed > 0 {
+                found.push(format!("{at}: {} failed operations ({note})", s.failed));
+            }
+            if s.rejected > 0 && !rejects_by_design(key) {
+                found.push(format!("{at}: {} unexpected rejections", s.rejected));
+            }
+            if s.ops_per_sec.is_some_and(|r| r <= 0.0) {
+                found.push(format!("{at}: no operation completed ({note})"));
+            }
+            if let Some(p) = &s.problem {
+                found.push(format!("{at}: {p}"));
+            }
+        }
+    }
+    if !env.repo_sql_matches() {
+        found.push(
+            "the repository's update SQL (Repository::update_sql) is not what the server \
+             prepared for Repository::update"
+                .to_owned(),
+        );
+    }
+    if env.cfg.runs("batch")
+        && let Err(why) = &env.batch_sql
+    {
+        found.push(format!("the batch statement could not be captured: {why}"));
+    }
+    found
 }
 
 /// Facts about the machine and the servers, for the report.

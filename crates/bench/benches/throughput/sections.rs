@@ -107,15 +107,12 @@ pub(crate) async fn write(env: &Env, round: usize, out: &mut Results) -> Result<
             2 => {
                 let sql = AssertSqlSafe(env.repo_sql.clone()).into_sql_str();
                 // The repository binds the timeline its leases are bound to: the database's.
-                let timeline: i64 = sqlx::query_scalar("SELECT pgfence.timeline()")
-                    .fetch_one(&pool)
-                    .await?;
                 let work = RawFencedSql {
                     pool,
                     sql,
                     tasks,
                     rows,
-                    timeline: Some(timeline),
+                    timeline: Some(env.timeline),
                 };
                 (
                     "write.raw_repo_sql",
@@ -184,16 +181,15 @@ pub(crate) async fn pgbench(env: &Env, round: usize, out: &mut Results) -> Resul
 
 /// The pgbench rows: key, table, script body.
 fn pgbench_rows(env: &Env) -> Result<[(&'static str, &'static str, String); 3]> {
-    // The repository's parameters: the key, the payload, the lease fence (see `RawFencedSql`;
-    // `:tok` steps through the lease fences of successive tokens, see `pgbench_row`).
-    // pgbench gives every `:var` occurrence its own parameter, with no type from the client;
-    // one inside jsonb_build_array(..) needs an explicit int4 (sqlx sends the type).
-    let repo_body = pgfence_bench::pgbench_params(
-        &env.repo_sql
-            .replace("jsonb_build_array($1)", "jsonb_build_array(:id::int4)"),
-        &[":id", ":payload", ":tok"],
-    )
-    .map_err(anyhow::Error::msg)?;
+    // The repository's parameters, in the order it binds them (`Repository::update_sql`): the
+    // key, the payload, the lease fence (see `RawFencedSql`; `:tok` steps through the lease
+    // fences of successive tokens, see `pgbench_row`) and the lease's timeline (`:timeline`,
+    // the database's, as the repository binds it for a bare token; see `Env::timeline`).
+    // pgbench gives every `:var` occurrence its own parameter, with no type from the client:
+    // the server infers the same types sqlx sends (the statement casts the timeline itself).
+    let repo_body =
+        pgfence_bench::pgbench_params(&env.repo_sql, &[":id", ":payload", ":tok", ":timeline"])
+            .map_err(anyhow::Error::msg)?;
     let plain_body = pgfence_bench::pgbench_params(PLAIN_UPDATE_SQL, &[":payload", ":id"])
         .map_err(anyhow::Error::msg)?;
     let fenced_body =

@@ -120,6 +120,11 @@ pub(crate) struct Env {
     /// could not be told apart. The library does not expose it: the pgbench ceiling of the
     /// `batch` section runs this text.
     pub(crate) batch_sql: Result<String, String>,
+    /// The database's PostgreSQL timeline (`pgfence.timeline()`): what the repository binds
+    /// as every statement's last lease parameter for the bench's bare tokens (a lease is
+    /// bound to the timeline its first statement runs on, see `pgfence::Fencing::timeline`).
+    /// The raw-SQL and pgbench forms of the repository's statements bind it the same way.
+    pub(crate) timeline: i64,
     pub(crate) pgbench: Option<PathBuf>,
     pub(crate) redis_benchmark: Option<PathBuf>,
     /// Scratch directory for pgbench scripts.
@@ -146,6 +151,10 @@ impl Env {
         create_tables(&admin, cfg.rows).await?;
         let (repo_sql, repo_sql_prepared) = repository_sql(&db).await?;
         let batch_sql = batch_sql(&db).await?;
+        let timeline: i64 = sqlx::query_scalar("SELECT pgfence.timeline()")
+            .fetch_one(&admin)
+            .await
+            .context("reading pgfence.timeline()")?;
         let mut pg_dirs = postgres_bindirs();
         pg_dirs.extend(["/usr/bin", "/usr/local/bin"].map(PathBuf::from));
         Ok(Self {
@@ -158,6 +167,7 @@ impl Env {
             repo_sql,
             repo_sql_prepared,
             batch_sql,
+            timeline,
             pgbench: find_tool("pgbench", &pg_dirs),
             redis_benchmark: find_tool(
                 "redis-benchmark",
