@@ -19,6 +19,7 @@
 
 mod certs;
 mod etcd;
+mod patroni;
 mod pgbouncer;
 mod process;
 pub mod provider;
@@ -29,6 +30,9 @@ mod zk;
 
 pub use certs::Certs;
 pub use etcd::{ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, EtcdCluster, EtcdMember, etcd_installed};
+pub use patroni::{
+    PATRONI_LOOP_WAIT_S, PATRONI_TTL_S, PatroniCluster, PatroniConfig, patroni_installed,
+};
 pub use pgbouncer::{PgBouncer, PoolMode, pgbouncer_installed};
 pub use provider::Provider;
 pub use redis_tls::{ClientAuth, RedisTls, RedisTlsCluster, SentinelTls};
