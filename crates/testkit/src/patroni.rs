@@ -369,8 +369,8 @@ done"#,
         psql(&self.bindir, self.members[i].pg_port, sql).await
     }
 
-    /// Member `i`'s timeline: its current WAL file's (a primary) or its last replayed
-    /// checkpoint's (a replica, which never writes WAL of its own).
+    /// Member `i`'s timeline: its current WAL file's (a primary) or the one its WAL receiver
+    /// streams (a replica, which never writes WAL of its own; 0 when it does not stream).
     ///
     /// # Errors
     /// As [`PatroniCluster::sql`].
@@ -379,7 +379,7 @@ done"#,
             .sql(
                 i,
                 "SELECT CASE WHEN pg_is_in_recovery() \
-                 THEN (SELECT timeline_id FROM pg_control_checkpoint()) \
+                 THEN coalesce((SELECT received_tli FROM pg_stat_wal_receiver), 0) \
                  ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int END",
             )
             .await?;
