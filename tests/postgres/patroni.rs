@@ -347,7 +347,10 @@ async fn patroni_rewind_and_switchover_back_keep_leases_of_every_earlier_timelin
         cluster.wait_streaming(1).await.unwrap();
         let rejoined = rejoin.elapsed();
         let log = cluster.log_tail(0, 400);
-        assert!(log.contains("pg_rewind"), "no pg_rewind in p0's log:\n{log}");
+        assert!(
+            log.contains("pg_rewind"),
+            "no pg_rewind in p0's log:\n{log}"
+        );
         cluster.wait_replayed(0).await.unwrap();
         assert_eq!(cluster.timeline(0).await.unwrap(), tl2);
 
@@ -380,6 +383,122 @@ async fn patroni_rewind_and_switchover_back_keep_leases_of_every_earlier_timelin
             "{failed_over:?}"
         );
         eprintln!("patroni rejoin (pg_rewind) {rejoined:?}; switchover {switched:?}");
+    })
+    .await;
+}
+
+/// Two failovers in a row on 3 members, where the member promoted second never followed the
+/// first promotion (the network kept it from the first new leader): the state up to the
+/// second leader's death. Returns the cluster, the pool, the first new leader `x` (on
+/// timeline 2), the other replica `y` (still on timeline 1), and lease `l` bound to `x`'s
+/// timeline 2 and fenced out there by lease `m`.
+async fn two_failovers_apart(
+    check_timeline: bool,
+) -> (PatroniCluster, PgPool, usize, usize, Fencing, Fencing) {
+    let mut cluster = PatroniCluster::start(PatroniConfig {
+        members: 3,
+        check_timeline,
+        ..PatroniConfig::default()
+    })
+    .await
+    .unwrap();
+    let pool = setup(&cluster).await;
+    let repo = Repository::<Account>::new(pool.clone()).unwrap();
+    let resource = Resource::new("billing:patroni:branch").unwrap();
+    let a = lease(1, "job-a", &resource);
+    repo.update(&pool, &a, &account(100)).await.unwrap();
+    cluster.wait_replayed(1).await.unwrap();
+    cluster.wait_replayed(2).await.unwrap();
+
+    // A partition: no member can reach another's PostgreSQL (Patroni still talks to etcd).
+    for i in 0..3 {
+        cluster.cut_off(i).unwrap();
+    }
+    cut_off(&cluster, 0).await;
+    let (x, _, _) = kill_leader(&mut cluster, 0).await;
+    let y = 3 - x;
+    assert_eq!(cluster.timeline(x).await.unwrap(), 2);
+    // Patroni has recorded the promotion in the DCS (the cluster's timeline is 2).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !cluster.history(x).await.is_some_and(|h| h.contains("[1,")) {
+        assert!(Instant::now() < deadline, "no history in the DCS");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // On x's timeline 2: lease l writes, lease m takes over, zombie l is stale.
+    let l = lease(5, "job-l", &resource);
+    let m = lease(6, "job-m", &resource);
+    after_failover(|| async { repo.update(&pool, &l, &account(500)).await })
+        .await
+        .unwrap();
+    repo.update(&pool, &m, &account(600)).await.unwrap();
+    let err = repo.update(&pool, &l, &account(501)).await.unwrap_err();
+    support::assert_stale(&err, 5, 6);
+    assert_eq!((l.timeline(), m.timeline()), (Some(2), Some(2)));
+    // y never streamed from x: it is still on timeline 1 and lacks l's and m's writes.
+    assert_ne!(cluster.timeline(y).await.unwrap(), 2);
+    cluster.kill(x).await.unwrap();
+    (cluster, pool, x, y, l, m)
+}
+
+/// The sequence that defeats the timeline number: the second promotion starts a second
+/// timeline 2 (y never saw x's `00000002.history`), so lease `l`, bound to x's timeline 2 and
+/// fenced out there, writes on y's. Documented in docs/failover.md.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn patroni_a_second_timeline_2_lets_a_lease_fenced_out_on_the_first_one_land() {
+    if skipped() {
+        return;
+    }
+    bounded(async {
+        let (cluster, pool, _x, y, l, _m) = two_failovers_apart(false).await;
+        let leader = cluster.wait_leader(None).await.unwrap();
+        assert_eq!(
+            leader, y,
+            "Patroni promoted the replica that never followed x"
+        );
+        assert_eq!(cluster.timeline(y).await.unwrap(), 2, "a second timeline 2");
+        let repo = Repository::<Account>::new(pool.clone()).unwrap();
+        let row = after_failover(|| try_row(&pool)).await.unwrap();
+        assert_eq!(row, (100, 1), "m's write was on the other branch");
+        // The defeat: l, fenced out by m on the first timeline 2, is admitted on the second.
+        after_failover(|| async { repo.update(&pool, &l, &account(501)).await })
+            .await
+            .unwrap();
+        assert_eq!(try_row(&pool).await.unwrap(), (501, 5));
+        // A lease from timeline 1 is still refused.
+        let a = lease(
+            1,
+            "job-a",
+            &Resource::new("billing:patroni:branch").unwrap(),
+        )
+        .on_timeline(1);
+        let err = repo.update(&pool, &a, &account(102)).await.unwrap_err();
+        assert_fenced_by_failover(&err, 1, 1, 2);
+        assert_eq!(try_row(&pool).await.unwrap(), (501, 5));
+    })
+    .await;
+}
+
+/// Patroni's `check_timeline`: a replica behind the timeline recorded in the DCS is not
+/// promoted, so the second timeline 2 never starts (the cluster waits without a leader).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn patroni_check_timeline_refuses_to_start_a_second_timeline_2() {
+    if skipped() {
+        return;
+    }
+    bounded(async {
+        let (cluster, _pool, _x, y, _l, _m) = two_failovers_apart(true).await;
+        // Well past the leader key's TTL: nobody leads.
+        let until = Instant::now() + Duration::from_secs(pgfence_testkit::PATRONI_TTL_S + 6);
+        while Instant::now() < until {
+            assert_eq!(cluster.leader().await, None);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let log = cluster.log_tail(y, 200);
+        assert!(
+            log.contains("is behind last known cluster timeline"),
+            "{log}"
+        );
     })
     .await;
 }

@@ -162,8 +162,7 @@ impl PatroniCluster {
             let (pg_port, api_port) = (p[0], p[1]);
             let advertised = Proxy::start(pg_port)?;
             let bin = bin.clone();
-            let supervisor =
-                process::blocking(move || Self::spawn_supervisor(&bin)).await?;
+            let supervisor = process::blocking(move || Self::spawn_supervisor(&bin)).await?;
             let member = PatroniMember {
                 name: format!("p{i}"),
                 pg_port,
@@ -425,7 +424,9 @@ done"#,
         let leader = self
             .proxied_member()
             .ok_or_else(|| self.fail("no leader"))?;
-        let lsn = self.sql(leader, "SELECT pg_current_wal_flush_lsn()").await?;
+        let lsn = self
+            .sql(leader, "SELECT pg_current_wal_flush_lsn()")
+            .await?;
         let sql = format!("SELECT pg_last_wal_replay_lsn() >= '{lsn}'::pg_lsn");
         let deadline = Instant::now() + WAIT;
         while !self.sql(i, &sql).await.is_ok_and(|r| r == "t") {
@@ -527,6 +528,25 @@ done"#,
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// The failover history Patroni keeps in the DCS, as member `i`'s REST API reports it
+    /// (`GET /history`: a JSON list of `[timeline, switch LSN, reason, time, new leader]`), or
+    /// `None` when it does not answer.
+    pub async fn history(&self, i: usize) -> Option<String> {
+        let port = self.members[i].api_port;
+        process::blocking(move || Ok(http(port, "GET", "/history", "", 2)))
+            .await
+            .ok()
+            .flatten()
+            .filter(|(code, _)| *code == 200)
+            .map(|(_, body)| body)
+    }
+
+    /// Whether member `i`'s Patroni runs (started, and not killed since).
+    #[must_use]
+    pub fn is_running(&self, i: usize) -> bool {
+        self.members[i].running
     }
 
     /// The etcd the members use as their DCS.
