@@ -450,7 +450,7 @@ async fn patroni_a_second_timeline_2_lets_a_lease_fenced_out_on_the_first_one_la
         return;
     }
     bounded(async {
-        let (cluster, pool, _x, y, l, _m) = two_failovers_apart(false).await;
+        let (cluster, pool, x, y, l, _m) = two_failovers_apart(false).await;
         let leader = cluster.wait_leader(None).await.unwrap();
         assert_eq!(
             leader, y,
@@ -475,6 +475,28 @@ async fn patroni_a_second_timeline_2_lets_a_lease_fenced_out_on_the_first_one_la
         let err = repo.update(&pool, &a, &account(102)).await.unwrap_err();
         assert_fenced_by_failover(&err, 1, 1, 2);
         assert_eq!(try_row(&pool).await.unwrap(), (501, 5));
+        // doctor sees a failover (timeline 1 -> 2 on this branch), not that it is the second
+        // timeline 2. Nothing else tells the branches apart either: the system identifier
+        // is the cluster's (every member's), and the history files (readable by a superuser
+        // or pg_read_server_files only) both say where timeline 1 ended — the same place when
+        // both replicas had replayed the same WAL, as here.
+        assert_eq!(failed_over_findings(&pool).await.len(), 1);
+        let system = cluster
+            .sql(y, "SELECT system_identifier FROM pg_control_system()")
+            .await
+            .unwrap();
+        let history_y = cluster
+            .sql(y, "SELECT pg_read_file('pg_wal/00000002.history')")
+            .await
+            .unwrap();
+        let history_x =
+            std::fs::read_to_string(cluster.data_dir(x).join("pg_wal/00000002.history")).unwrap();
+        assert!(history_x.starts_with("1\t") && history_y.starts_with("1\t"));
+        eprintln!(
+            "second timeline 2: system identifier {system}; x's 00000002.history {:?}, y's {:?}",
+            history_x.trim(),
+            history_y.trim()
+        );
     })
     .await;
 }

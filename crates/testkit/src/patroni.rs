@@ -543,6 +543,12 @@ done"#,
             .map(|(_, body)| body)
     }
 
+    /// Member `i`'s PostgreSQL data directory (removed when the cluster stops).
+    #[must_use]
+    pub fn data_dir(&self, i: usize) -> PathBuf {
+        self.members[i].data()
+    }
+
     /// Whether member `i`'s Patroni runs (started, and not killed since).
     #[must_use]
     pub fn is_running(&self, i: usize) -> bool {
