@@ -16,6 +16,8 @@
 //! loopback TCP proxy that drops or stalls the connections through it, for
 //! resilience tests, and can be pointed at another server. [`PgReplicaSet`] is a primary and a
 //! streaming standby behind such a proxy, to fail PostgreSQL over for real.
+//! [`PatroniCluster`] is a real Patroni cluster (the installed package, an etcd as its DCS)
+//! with a proxy that follows its leader.
 
 mod certs;
 mod etcd;
