@@ -25,6 +25,7 @@ mod messages;
 mod metrics;
 mod migrate;
 mod observe;
+mod patroni;
 mod pg_failover;
 mod poolers;
 mod prefix_isolation;

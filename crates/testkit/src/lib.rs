@@ -16,9 +16,12 @@
 //! loopback TCP proxy that drops or stalls the connections through it, for
 //! resilience tests, and can be pointed at another server. [`PgReplicaSet`] is a primary and a
 //! streaming standby behind such a proxy, to fail PostgreSQL over for real.
+//! [`PatroniCluster`] is a real Patroni cluster (the installed package, an etcd as its DCS)
+//! with a proxy that follows its leader.
 
 mod certs;
 mod etcd;
+mod patroni;
 mod pgbouncer;
 mod process;
 pub mod provider;
@@ -29,6 +32,9 @@ mod zk;
 
 pub use certs::Certs;
 pub use etcd::{ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, EtcdCluster, EtcdMember, etcd_installed};
+pub use patroni::{
+    PATRONI_LOOP_WAIT_S, PATRONI_TTL_S, PatroniCluster, PatroniConfig, patroni_installed,
+};
 pub use pgbouncer::{PgBouncer, PoolMode, pgbouncer_installed};
 pub use provider::Provider;
 pub use redis_tls::{ClientAuth, RedisTls, RedisTlsCluster, SentinelTls};

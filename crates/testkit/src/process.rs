@@ -548,6 +548,14 @@ mod tests {
             send(server.restart());
             send(crate::RedisCluster::start(3));
         };
+        let _ = |patroni: &mut crate::PatroniCluster| {
+            send(crate::PatroniCluster::start(crate::PatroniConfig::default()));
+            send(patroni.wait_leader(None));
+            send(patroni.wait_streaming(1));
+            send(patroni.kill(0));
+            send(patroni.switchover(0, 1));
+            send(patroni.timeline(0));
+        };
         let _ = |set: &mut crate::PgReplicaSet| {
             send(crate::PgReplicaSet::start(crate::Replication::Async));
             send(set.wait_replayed());

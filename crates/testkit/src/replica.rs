@@ -414,7 +414,7 @@ async fn set_psql(port: u16, sql: &str) -> Result<String, ServerError> {
     psql(&postgres_bindir()?, port, sql).await
 }
 
-async fn psql(bindir: &Path, port: u16, sql: &str) -> Result<String, ServerError> {
+pub(crate) async fn psql(bindir: &Path, port: u16, sql: &str) -> Result<String, ServerError> {
     psql_many(bindir, port, &[sql]).await
 }
 
@@ -448,7 +448,7 @@ async fn psql_many(bindir: &Path, port: u16, sqls: &[&str]) -> Result<String, Se
 /// `SIGKILL`s the postmaster of the data directory `data` and every process it started (its
 /// backends, the WAL sender...): stopped first, so it cannot start another meanwhile. Waits up
 /// to 10 s until all are gone and `port` refuses connections.
-fn kill_postgres(data: &Path, port: u16) -> Result<(), ServerError> {
+pub(crate) fn kill_postgres(data: &Path, port: u16) -> Result<(), ServerError> {
     let pid: u32 = std::fs::read_to_string(data.join("postmaster.pid"))?
         .lines()
         .next()
