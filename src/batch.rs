@@ -117,50 +117,70 @@ impl<T: FencedTable> Repository<T> {
             });
         }
         self.check_size(keys.len())?;
-        let mut lent = exec.into_target().lend().await?;
-        loop {
-            self.seen.bind(&fencing.timeline, lent.conn()).await?;
-            let query = self.bound(&self.sql.batch.claim, &source, &[], &fencing, false)?;
-            let mut outcomes = vec![None; keys.len()];
-            // The claim and the decoding of its rows are one transaction (a savepoint inside
-            // the caller's): when a row does not decode into `R`, no row is claimed.
-            let mut tx = sqlx::Connection::begin(lent.conn()).await?;
-            let rows = match query.fetch_all(&mut *tx).await {
-                Ok(rows) => rows,
-                Err(e) => {
-                    let _ = tx.rollback().await;
-                    return Err(e.into());
-                }
-            };
-            let decoded = decode_claimed(&rows, &mut claimed, &mut outcomes, keys.len());
-            match decoded {
-                Ok(()) => tx.commit().await?,
-                Err(e) => {
-                    tx.rollback().await?;
-                    return Err(match e {
-                        Decoding::Duplicate => {
-                            self.invalid("the same key appears more than once in the batch")
+        crate::executor::bounded(
+            self.call_timeout(),
+            "claim_many",
+            || self.table().quoted(),
+            exec.into_target(),
+            |mut lent| async move {
+                let result = async {
+                    loop {
+                        self.seen.bind(&fencing.timeline, lent.conn()).await?;
+                        let query =
+                            self.bound(&self.sql.batch.claim, &source, &[], &fencing, false)?;
+                        let mut outcomes = vec![None; keys.len()];
+                        // The claim and the decoding of its rows are one transaction: the write's own (its
+                        // gate, rolled back on an error) or a savepoint inside the caller's. When a row does
+                        // not decode into `R`, no row is claimed.
+                        let failed = |e| match e {
+                            Decoding::Duplicate => {
+                                self.invalid("the same key appears more than once in the batch")
+                            }
+                            Decoding::Row(source) => Error::Decode {
+                                table: self.table().quoted(),
+                                operation: "claim_many",
+                                source,
+                            },
+                            Decoding::Other(e) => e,
+                        };
+                        if lent.gated() {
+                            let rows = query.fetch_all(lent.conn()).await?;
+                            decode_claimed(&rows, &mut claimed, &mut outcomes, keys.len())
+                                .map_err(failed)?;
+                        } else {
+                            let mut tx = sqlx::Connection::begin(lent.conn()).await?;
+                            let rows = match query.fetch_all(&mut *tx).await {
+                                Ok(rows) => rows,
+                                Err(e) => {
+                                    let _ = tx.rollback().await;
+                                    return Err(e.into());
+                                }
+                            };
+                            match decode_claimed(&rows, &mut claimed, &mut outcomes, keys.len()) {
+                                Ok(()) => tx.commit().await?,
+                                Err(e) => {
+                                    tx.rollback().await?;
+                                    return Err(failed(e));
+                                }
+                            }
                         }
-                        Decoding::Row(source) => Error::Decode {
-                            table: self.table().quoted(),
-                            operation: "claim_many",
-                            source,
-                        },
-                        Decoding::Other(e) => e,
-                    });
+                        let Some(outcome) = self
+                            .explain_rest(&mut lent, &source, &fencing, outcomes, Op::Claim)
+                            .await?
+                        else {
+                            continue;
+                        };
+                        return Ok(Claimed {
+                            rows: claimed,
+                            outcome,
+                        });
+                    }
                 }
-            }
-            let Some(outcome) = self
-                .explain_rest(&mut lent, &source, &fencing, outcomes, Op::Claim)
-                .await?
-            else {
-                continue;
-            };
-            return Ok(Claimed {
-                rows: claimed,
-                outcome,
-            });
-        }
+                .await;
+                (lent, result)
+            },
+        )
+        .await
     }
 
     async fn write_rows<'c, E: WriteExecutor<'c>>(
@@ -196,39 +216,53 @@ impl<T: FencedTable> Repository<T> {
             Op::Upsert => &self.sql.batch.upsert,
             Op::Delete | Op::Claim => &self.sql.batch.delete,
         };
-        let mut lent = exec.into_target().lend().await?;
-        loop {
-            self.seen.bind(&fencing.timeline, lent.conn()).await?;
-            let query = self.bound(statement, &source, &[], fencing, false)?;
-            let mut outcomes = vec![None; n];
-            let mut dups = Vec::new();
-            for row in query.fetch_all(lent.conn()).await? {
-                if let Some(key) = row.try_get::<Option<String>, _>("dup")? {
-                    dups.push(key);
-                    continue;
+        crate::executor::bounded(
+            self.call_timeout(),
+            op.batch_name(),
+            || self.table().quoted(),
+            exec.into_target(),
+            |mut lent| async move {
+                let result = async {
+                    loop {
+                        self.seen.bind(&fencing.timeline, lent.conn()).await?;
+                        let query = self.bound(statement, &source, &[], fencing, false)?;
+                        let mut outcomes = vec![None; n];
+                        let mut dups = Vec::new();
+                        for row in query.fetch_all(lent.conn()).await? {
+                            if let Some(key) = row.try_get::<Option<String>, _>("dup")? {
+                                dups.push(key);
+                                continue;
+                            }
+                            let Some(ord) = row.try_get::<Option<i64>, _>("ord")? else {
+                                continue;
+                            };
+                            outcomes[index(ord, n)?] = Some(match op {
+                                Op::Upsert if row.try_get::<bool, _>("inserted")? => {
+                                    RowOutcome::Inserted
+                                }
+                                Op::Upsert => RowOutcome::Updated,
+                                _ => RowOutcome::Applied,
+                            });
+                        }
+                        if !dups.is_empty() {
+                            return Err(self.invalid(&format!(
+                                "keys appear more than once in the batch (nothing was written): {}",
+                                dups.join(", ")
+                            )));
+                        }
+                        if let Some(outcome) = self
+                            .explain_rest(&mut lent, &source, fencing, outcomes, op)
+                            .await?
+                        {
+                            return Ok(outcome);
+                        }
+                    }
                 }
-                let Some(ord) = row.try_get::<Option<i64>, _>("ord")? else {
-                    continue;
-                };
-                outcomes[index(ord, n)?] = Some(match op {
-                    Op::Upsert if row.try_get::<bool, _>("inserted")? => RowOutcome::Inserted,
-                    Op::Upsert => RowOutcome::Updated,
-                    _ => RowOutcome::Applied,
-                });
-            }
-            if !dups.is_empty() {
-                return Err(self.invalid(&format!(
-                    "keys appear more than once in the batch (nothing was written): {}",
-                    dups.join(", ")
-                )));
-            }
-            if let Some(outcome) = self
-                .explain_rest(&mut lent, &source, fencing, outcomes, op)
-                .await?
-            {
-                return Ok(outcome);
-            }
-        }
+                .await;
+                (lent, result)
+            },
+        )
+        .await
     }
 
     /// Explains the rows `outcomes` has no outcome for (they were not applied), records
@@ -268,10 +302,24 @@ impl<T: FencedTable> Repository<T> {
                 Op::Claim => &self.sql.batch.explain_claim,
             };
             let own = lent.own_transaction();
-            let first = self
-                .bound(explain, &subset, &ords, fencing, own)?
-                .fetch_all(lent.conn())
-                .await;
+            let first = if lent.gated() {
+                // In the write's own transaction, a failed audit insert must not abort it (the
+                // batch's applied rows are in it): the explain runs in a savepoint.
+                let mut savepoint = sqlx::Connection::begin(lent.conn()).await?;
+                let first = self
+                    .bound(explain, &subset, &ords, fencing, own)?
+                    .fetch_all(&mut *savepoint)
+                    .await;
+                match &first {
+                    Ok(_) => savepoint.commit().await?,
+                    Err(_) => savepoint.rollback().await?,
+                }
+                first
+            } else {
+                self.bound(explain, &subset, &ords, fencing, own)?
+                    .fetch_all(lent.conn())
+                    .await
+            };
             let (explained, audit_error) = match first {
                 Ok(rows) => (rows, None),
                 Err(e) => match audit_failure(&e) {

@@ -874,8 +874,16 @@ async fn protections(pool: &mut PgConnection, findings: &mut Vec<Finding>) -> Re
     } else {
         format!("on (timeline {timeline})")
     };
-    let tables = match crate::guard::guarded_tables_with_modes(&mut *pool).await {
-        Ok(tables) => {
+    // Asked first: a refused read would abort the transaction doctor may run in.
+    let listed = if may(pool, "guarded_tables", "SELECT").await? {
+        crate::guard::guarded_tables_with_modes(&mut *pool)
+            .await
+            .ok()
+    } else {
+        None
+    };
+    let tables = match listed {
+        Some(tables) => {
             let count = |f: &dyn Fn(&crate::guard::GuardedTable) -> bool| {
                 tables.iter().filter(|t| f(t)).count()
             };
@@ -887,7 +895,7 @@ async fn protections(pool: &mut PgConnection, findings: &mut Vec<Finding>) -> Re
                 count(&|t| !t.enabled),
             )
         }
-        Err(_) => "guarded tables not readable by this role".to_owned(),
+        None => "guarded tables not readable by this role".to_owned(),
     };
     let standing = if superuser {
         "a superuser"

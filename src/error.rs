@@ -37,6 +37,52 @@ const TOKEN_AS_FENCE_NOTE: &str = " (the statement set the fence to a fence toke
 
 /// The text of [`Error::LeaselessWrite`]: what the statement did to the fence and what to
 /// write instead.
+/// What a call cut off by its bound ([`Error::TimedOut`]) may have done.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TimedOut {
+    /// Nothing applied, and nothing can apply later: the write ran in its own transaction,
+    /// whose `COMMIT` was never sent. A statement held up in the network that reaches the
+    /// server afterwards runs inside that transaction, which is rolled back (the connection
+    /// is dropped, or the server ends the idle transaction after the bound). Retry with the
+    /// same lease.
+    NotApplied,
+    /// The `COMMIT` was sent and its answer did not come: the write applied or not. Retry
+    /// with the same lease: the row's lock orders the retry after the first attempt, which
+    /// has committed or rolled back by then, so an `update` or `upsert` stores the same
+    /// values once more and a `delete` reports [`Error::NotFound`] if the first applied.
+    InDoubt,
+    /// The write ran inside the caller's transaction: what reached the server belongs to it.
+    /// Roll that transaction back (drop it) and retry in a new one; do not commit it.
+    CallerTransaction,
+}
+
+fn timed_out_message(
+    operation: &str,
+    target: &str,
+    after: std::time::Duration,
+    outcome: TimedOut,
+) -> String {
+    let what = match outcome {
+        TimedOut::NotApplied => {
+            "nothing applied and nothing can apply later (its transaction is never committed); \
+             retry with the same lease"
+        }
+        TimedOut::InDoubt => {
+            "its COMMIT was sent and not answered, so it applied or not; retry with the same \
+             lease (the retry waits for the row until the first attempt has ended)"
+        }
+        TimedOut::CallerTransaction => {
+            "it ran inside your transaction: roll the transaction back (drop it) and retry in \
+             a new one"
+        }
+    };
+    format!(
+        "{operation} on {target} timed out after {} ms: {what}",
+        after.as_millis()
+    )
+}
+
 fn leaseless_message(table: &str, old: i64, new: i64) -> String {
     let fix = "under a lease set fence = Lease::fence() / $PGFENCE_FENCE (or pgfence.next_fence), or bypass the guard with pgfence.bypass(reason) as an allowed role";
     if old == new {
@@ -290,6 +336,21 @@ pub enum Error {
         lease_timeline: i64,
         /// The database's timeline now.
         timeline: i64,
+    },
+
+    /// A call did not finish within its bound ([`Repository::with_call_timeout`](crate::Repository::with_call_timeout),
+    /// 30 s by default): what was sent may still be on its way, and [`TimedOut`] says what
+    /// that means for the write. A WARN event is logged.
+    #[error("{}", timed_out_message(operation, target, *after, *outcome))]
+    TimedOut {
+        /// The call (`update`, `claim`, `update_many`...).
+        operation: &'static str,
+        /// What it addressed (the quoted table).
+        target: String,
+        /// The bound.
+        after: std::time::Duration,
+        /// What the caller may conclude.
+        outcome: TimedOut,
     },
 
     /// The row the fenced write addressed does not exist (never reported for a stale write).
@@ -594,6 +655,7 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Contended { .. } => true,
+            Error::TimedOut { outcome, .. } => *outcome != TimedOut::CallerTransaction,
             Error::Database(e) => is_transient_sqlx(e),
             Error::Redis(e) if crate::tls::is_tls_rejection(e) => false,
             Error::Redis(e) => {

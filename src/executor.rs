@@ -50,33 +50,244 @@ impl<'c> WriteExecutor<'c> for &'c mut sqlx::PgConnection {
     }
 }
 
+/// Where a bounded call is when its bound fires ([`Stage`]): what the caller may conclude.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Step {
+    /// Nothing sent yet, or statements of the write's own transaction (the gate) whose
+    /// COMMIT was not sent: nothing applied, and nothing can apply later.
+    Uncommitted = 0,
+    /// The gate's COMMIT was sent and its answer is missing: the write applied or not.
+    Committing = 1,
+    /// Statements inside the caller's transaction: whatever reached the server is part of
+    /// that transaction, which the caller must roll back.
+    CallerTransaction = 2,
+}
+
+/// Shared between a bounded call and the timer that may cut it off: how far the call got.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Stage(std::sync::Arc<std::sync::atomic::AtomicU8>);
+
+impl Stage {
+    fn set(&self, step: Step) {
+        self.0
+            .store(step as u8, std::sync::atomic::Ordering::Release);
+    }
+
+    pub(crate) fn get(&self) -> Step {
+        match self.0.load(std::sync::atomic::Ordering::Acquire) {
+            1 => Step::Committing,
+            2 => Step::CallerTransaction,
+            _ => Step::Uncommitted,
+        }
+    }
+}
+
+/// The `BEGIN` of a write's own transaction (its "gate"): the write's statements run in it
+/// and `COMMIT` is sent only once their answers arrived within the call's bound. A statement
+/// held up in the network that reaches the server after the client gave up therefore runs
+/// in a transaction that never commits (the client closed the connection; or the server
+/// ends the idle transaction itself after `bound`). Costs no extra round trip for the
+/// settings: they travel in `BEGIN`'s simple query.
+fn gate_sql(bound: std::time::Duration) -> sqlx::AssertSqlSafe<String> {
+    // Whole milliseconds, at least 1 (0 would switch the timeouts off).
+    let ms = bound.as_millis().clamp(1, i32::MAX as u128);
+    sqlx::AssertSqlSafe(format!(
+        "BEGIN; SET LOCAL statement_timeout = {ms}; \
+         SET LOCAL idle_in_transaction_session_timeout = {ms}"
+    ))
+}
+
 /// The connection a write's statements run on: one checked out of the pool for the whole
-/// write, or the caller's.
-pub(crate) enum Lent<'c> {
+/// write, or the caller's; in the write's own transaction (gated) unless the caller's
+/// transaction holds it.
+pub(crate) struct Lent<'c> {
+    conn: Conn<'c>,
+    stage: Stage,
+    /// The call's bound (the gate's server-side timeouts).
+    bound: std::time::Duration,
+}
+
+enum Conn<'c> {
+    /// Not gated: each statement a transaction of its own (reads, checks).
     Pooled(sqlx::pool::PoolConnection<Postgres>),
+    /// The caller's connection: inside its transaction, or not gated.
     Borrowed(&'c mut sqlx::PgConnection),
+    /// The write's own transaction, on a pooled connection or the caller's connection
+    /// outside any transaction. Dropped before its `COMMIT` (the call cut off), it queues its
+    /// `ROLLBACK` behind whatever the connection still waits for: a statement that reaches
+    /// the server late runs, and is rolled back.
+    Gate(sqlx::Transaction<'c, Postgres>),
 }
 
 impl<'c> WriteTarget<'c> {
+    /// The connection, not gated: every statement on a pool is a transaction of its own.
     pub(crate) async fn lend(self) -> sqlx::Result<Lent<'c>> {
-        Ok(match self {
-            Self::Pool(pool) => Lent::Pooled(pool.acquire().await?),
-            Self::Connection(conn) => Lent::Borrowed(conn),
+        Ok(Lent {
+            conn: match self {
+                Self::Pool(pool) => Conn::Pooled(pool.acquire().await?),
+                Self::Connection(conn) => Conn::Borrowed(conn),
+            },
+            stage: Stage::default(),
+            bound: DEFAULT_CALL_TIMEOUT,
+        })
+    }
+
+    /// The connection for a write bounded by `bound`, in the write's own transaction (the
+    /// gate, committed by [`Lent::finish`]) unless it is the caller's connection inside the
+    /// caller's transaction. `stage` follows it.
+    pub(crate) async fn lend_gated(
+        self,
+        bound: std::time::Duration,
+        stage: &Stage,
+    ) -> sqlx::Result<Lent<'c>> {
+        use sqlx::Connection;
+        let conn = match self {
+            Self::Pool(pool) => Conn::Gate(pool.begin_with(gate_sql(bound)).await?),
+            Self::Connection(conn) if conn.is_in_transaction() => {
+                stage.set(Step::CallerTransaction);
+                Conn::Borrowed(conn)
+            }
+            Self::Connection(conn) => Conn::Gate(conn.begin_with(gate_sql(bound)).await?),
+        };
+        Ok(Lent {
+            conn,
+            stage: stage.clone(),
+            bound,
         })
     }
 }
 
 impl Lent<'_> {
     pub(crate) fn conn(&mut self) -> &mut sqlx::PgConnection {
-        match self {
-            Self::Pooled(conn) => conn,
-            Self::Borrowed(conn) => conn,
+        match &mut self.conn {
+            Conn::Pooled(conn) => conn,
+            Conn::Borrowed(conn) => conn,
+            Conn::Gate(tx) => tx,
         }
     }
 
-    /// Whether every statement is a transaction of its own: only for a pooled connection
-    /// (only the client knows; the server cannot tell autocommit from a transaction block).
+    /// Whether every statement is committed without the caller's say: a pooled connection,
+    /// or the write's own transaction (the gate commits it, rejection audit rows included).
+    /// Only the client knows; the server cannot tell autocommit from a transaction block.
     pub(crate) fn own_transaction(&self) -> bool {
-        matches!(self, Self::Pooled(_))
+        !matches!(self.conn, Conn::Borrowed(_))
+    }
+
+    /// Whether the statements run in the write's own transaction (which [`Lent::settle`]
+    /// commits or rolls back).
+    pub(crate) fn gated(&self) -> bool {
+        matches!(self.conn, Conn::Gate(_))
+    }
+
+    /// Rolls the gate back and begins it again (one round trip), after a statement error
+    /// aborted it; nothing to do when not gated.
+    pub(crate) async fn restart_gate(&mut self) -> sqlx::Result<()> {
+        use sqlx::Executor;
+        if let Conn::Gate(tx) = &mut self.conn {
+            let sql = format!("ROLLBACK; {}", gate_sql(self.bound).0);
+            tx.execute(sqlx::raw_sql(sqlx::AssertSqlSafe(sql))).await?;
+        }
+        Ok(())
+    }
+
+    /// Ends the write: the gate commits when the write succeeded or was fenced out (a
+    /// rejection's audit row, written in the gate, persists); after any other error (a row that
+    /// did not decode, invalid input found late, a failed statement) it rolls back and nothing
+    /// of the write is kept. Returns `result`, or the `COMMIT`'s error when `result` was a
+    /// success.
+    pub(crate) async fn settle<R>(self, result: crate::Result<R>) -> crate::Result<R> {
+        let Conn::Gate(tx) = self.conn else {
+            return result;
+        };
+        if let Err(e) = &result
+            && e.kind() != crate::error::ErrorKind::Fenced
+        {
+            // The write's own error is the answer, whatever the rollback says.
+            let _ = tx.rollback().await;
+            return result;
+        }
+        self.stage.set(Step::Committing);
+        let committed = tx.commit().await;
+        self.stage.set(Step::Uncommitted);
+        match (result, committed) {
+            (Ok(_), Err(e)) => Err(e.into()),
+            (result, _) => result,
+        }
+    }
+}
+
+fn err_target(err: &crate::Error) -> &str {
+    match err {
+        crate::Error::TimedOut { target, .. } => target,
+        _ => "",
+    }
+}
+
+/// The bound of a repository call when none is set
+/// ([`Repository::with_call_timeout`](crate::Repository::with_call_timeout)).
+pub const DEFAULT_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The shortest and longest call bound accepted.
+pub(crate) const CALL_TIMEOUT_RANGE: (std::time::Duration, std::time::Duration) = (
+    std::time::Duration::from_millis(10),
+    std::time::Duration::from_secs(86_400),
+);
+
+/// Checks a call bound ([`CALL_TIMEOUT_RANGE`]).
+pub(crate) fn check_call_timeout(bound: std::time::Duration) -> crate::Result<()> {
+    let (min, max) = CALL_TIMEOUT_RANGE;
+    if bound < min || bound > max {
+        return Err(crate::Error::InvalidDuration(format!(
+            "call timeout {bound:?}: a call timeout must be between {min:?} and {}s",
+            max.as_secs()
+        )));
+    }
+    Ok(())
+}
+
+/// Runs one write — `work`, handed the connection and handing it back with its result — on
+/// `target` in its gate ([`WriteTarget::lend_gated`]), and cuts it off after `bound`
+/// ([`crate::Error::TimedOut`], with what the caller may conclude; logged at WARN).
+pub(crate) async fn bounded<'c, R, Fut>(
+    bound: std::time::Duration,
+    operation: &'static str,
+    what: impl FnOnce() -> String,
+    target: WriteTarget<'c>,
+    work: impl FnOnce(Lent<'c>) -> Fut,
+) -> crate::Result<R>
+where
+    Fut: std::future::Future<Output = (Lent<'c>, crate::Result<R>)>,
+{
+    let stage = Stage::default();
+    let call = async {
+        let lent = target.lend_gated(bound, &stage).await?;
+        let (lent, result) = work(lent).await;
+        lent.settle(result).await
+    };
+    match tokio::time::timeout(bound, call).await {
+        Ok(result) => result,
+        Err(_) => {
+            let outcome = match stage.get() {
+                Step::Uncommitted => crate::error::TimedOut::NotApplied,
+                Step::Committing => crate::error::TimedOut::InDoubt,
+                Step::CallerTransaction => crate::error::TimedOut::CallerTransaction,
+            };
+            let err = crate::Error::TimedOut {
+                operation,
+                target: what(),
+                after: bound,
+                outcome,
+            };
+            tracing::warn!(
+                target: crate::audit::LOG_TARGET,
+                operation,
+                table = %err_target(&err),
+                outcome = ?outcome,
+                bound_ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX),
+                "{err}"
+            );
+            Err(err)
+        }
     }
 }

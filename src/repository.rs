@@ -22,6 +22,7 @@
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
@@ -35,7 +36,7 @@ use crate::table::FencedTable;
 use crate::timeline::Seen;
 use crate::{Error, Fencing, Result};
 
-pub use crate::executor::WriteExecutor;
+pub use crate::executor::{DEFAULT_CALL_TIMEOUT, WriteExecutor};
 pub use crate::outcome::{
     BatchOutcome, BatchSummary, Claimed, MAX_BATCH_ROWS, RowOutcome, Upserted,
 };
@@ -55,6 +56,8 @@ pub struct Repository<T> {
     pub(crate) seen: Seen,
     /// [`Repository::update_columns`]' statements, by (sorted) column positions.
     partial: Arc<Mutex<HashMap<Vec<usize>, Arc<Statement>>>>,
+    /// Every write's bound ([`Repository::with_call_timeout`]).
+    call_timeout: Duration,
     _row: PhantomData<fn() -> T>,
 }
 
@@ -70,6 +73,7 @@ impl<T> Clone for Repository<T> {
             auditor: self.auditor.clone(),
             seen: self.seen.clone(),
             partial: self.partial.clone(),
+            call_timeout: self.call_timeout,
             _row: PhantomData,
         }
     }
@@ -138,8 +142,37 @@ impl<T: FencedTable> Repository<T> {
             auditor,
             seen: Seen::default(),
             partial: Arc::default(),
+            call_timeout: crate::executor::DEFAULT_CALL_TIMEOUT,
             _row: PhantomData,
         })
+    }
+
+    /// Bounds every write of this repository (single-row and batch; claims included) by
+    /// `bound` instead of [`DEFAULT_CALL_TIMEOUT`](crate::repository::DEFAULT_CALL_TIMEOUT)
+    /// (30 s): the call returns [`Error::TimedOut`] when it is not done by then. Set it below
+    /// the lease's TTL, above your slowest write.
+    ///
+    /// The bound holds on the server too. A write on `&pool` (or on a connection outside a
+    /// transaction) runs in a transaction of its own, begun with `statement_timeout` and
+    /// `idle_in_transaction_session_timeout` at `bound` (in the `BEGIN`'s round trip), and
+    /// committed only when its answers arrived in time: a statement held up in the network
+    /// that reaches the server after the call gave up runs inside a transaction that never
+    /// commits, so it cannot land after — and undo — the lease's later writes
+    /// ([`TimedOut`](crate::error::TimedOut) says what the caller may conclude, and what to do).
+    /// Inside the caller's transaction, the caller's `COMMIT` is that gate.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDuration`] when `bound` is under 10 ms or over a day.
+    pub fn with_call_timeout(mut self, bound: Duration) -> Result<Self> {
+        crate::executor::check_call_timeout(bound)?;
+        self.call_timeout = bound;
+        Ok(self)
+    }
+
+    /// Every write's bound ([`Repository::with_call_timeout`]).
+    #[must_use]
+    pub fn call_timeout(&self) -> Duration {
+        self.call_timeout
     }
 
     /// The table this repository writes.
@@ -187,31 +220,43 @@ impl<T: FencedTable> Repository<T> {
     ) -> Result<()> {
         let _timer = crate::metrics::Timer::write("update");
         let fencing = fencing.into();
-        let mut lent = exec.into_target().lend().await?;
         let source = Source::Row(row);
-        loop {
-            self.seen.bind(&fencing.timeline, lent.conn()).await?;
-            let write = self.sql.update.bind(source, &fencing, false);
-            let done = self
-                .written(write.execute(lent.conn()).await, &fencing, "update")
-                .await?;
-            if done.rows_affected() > 0 {
-                return Ok(());
-            }
-            match self
-                .refusal(
-                    &self.sql.explain_update,
-                    source,
-                    &fencing,
-                    "update",
-                    &mut lent,
-                )
-                .await?
-            {
-                Some(err) => return Err(err),
-                None => continue,
-            }
-        }
+        crate::executor::bounded(
+            self.call_timeout,
+            "update",
+            || self.table.quoted(),
+            exec.into_target(),
+            |mut lent| async move {
+                let result = async {
+                    loop {
+                        self.seen.bind(&fencing.timeline, lent.conn()).await?;
+                        let write = self.sql.update.bind(source, &fencing, false);
+                        let done = self
+                            .written(write.execute(lent.conn()).await, &fencing, "update")
+                            .await?;
+                        if done.rows_affected() > 0 {
+                            return Ok(());
+                        }
+                        match self
+                            .refusal(
+                                &self.sql.explain_update,
+                                source,
+                                &fencing,
+                                "update",
+                                &mut lent,
+                            )
+                            .await?
+                        {
+                            Some(err) => return Err(err),
+                            None => continue,
+                        }
+                    }
+                }
+                .await;
+                (lent, result)
+            },
+        )
+        .await
     }
 
     /// Inserts `row`, or updates it if no newer lease has written it. A row that a newer lease
@@ -228,35 +273,47 @@ impl<T: FencedTable> Repository<T> {
     ) -> Result<Upserted> {
         let _timer = crate::metrics::Timer::write("upsert");
         let fencing = fencing.into();
-        let mut lent = exec.into_target().lend().await?;
         let source = Source::Row(row);
-        loop {
-            self.seen.bind(&fencing.timeline, lent.conn()).await?;
-            let write = self.sql.upsert.bind(source, &fencing, false);
-            let done = self
-                .written(write.fetch_optional(lent.conn()).await, &fencing, "upsert")
-                .await?;
-            if let Some(done) = done {
-                return Ok(if done.try_get::<bool, _>(0)? {
-                    Upserted::Inserted
-                } else {
-                    Upserted::Updated
-                });
-            }
-            match self
-                .refusal(
-                    &self.sql.explain_upsert,
-                    source,
-                    &fencing,
-                    "upsert",
-                    &mut lent,
-                )
-                .await?
-            {
-                Some(err) => return Err(err),
-                None => continue,
-            }
-        }
+        crate::executor::bounded(
+            self.call_timeout,
+            "upsert",
+            || self.table.quoted(),
+            exec.into_target(),
+            |mut lent| async move {
+                let result = async {
+                    loop {
+                        self.seen.bind(&fencing.timeline, lent.conn()).await?;
+                        let write = self.sql.upsert.bind(source, &fencing, false);
+                        let done = self
+                            .written(write.fetch_optional(lent.conn()).await, &fencing, "upsert")
+                            .await?;
+                        if let Some(done) = done {
+                            return Ok(if done.try_get::<bool, _>(0)? {
+                                Upserted::Inserted
+                            } else {
+                                Upserted::Updated
+                            });
+                        }
+                        match self
+                            .refusal(
+                                &self.sql.explain_upsert,
+                                source,
+                                &fencing,
+                                "upsert",
+                                &mut lent,
+                            )
+                            .await?
+                        {
+                            Some(err) => return Err(err),
+                            None => continue,
+                        }
+                    }
+                }
+                .await;
+                (lent, result)
+            },
+        )
+        .await
     }
 
     /// Deletes the row with `key` if no newer lease has written it, and records a tombstone
@@ -273,31 +330,43 @@ impl<T: FencedTable> Repository<T> {
     ) -> Result<()> {
         let _timer = crate::metrics::Timer::write("delete");
         let fencing = fencing.into();
-        let mut lent = exec.into_target().lend().await?;
         let source = Source::<T>::Key(key);
-        loop {
-            self.seen.bind(&fencing.timeline, lent.conn()).await?;
-            let write = self.sql.delete.bind(source, &fencing, false);
-            let deleted = self
-                .written(write.fetch_one(lent.conn()).await, &fencing, "delete")
-                .await?;
-            if deleted.try_get::<bool, _>(0)? {
-                return Ok(());
-            }
-            match self
-                .refusal(
-                    &self.sql.explain_delete,
-                    source,
-                    &fencing,
-                    "delete",
-                    &mut lent,
-                )
-                .await?
-            {
-                Some(err) => return Err(err),
-                None => continue,
-            }
-        }
+        crate::executor::bounded(
+            self.call_timeout,
+            "delete",
+            || self.table.quoted(),
+            exec.into_target(),
+            |mut lent| async move {
+                let result = async {
+                    loop {
+                        self.seen.bind(&fencing.timeline, lent.conn()).await?;
+                        let write = self.sql.delete.bind(source, &fencing, false);
+                        let deleted = self
+                            .written(write.fetch_one(lent.conn()).await, &fencing, "delete")
+                            .await?;
+                        if deleted.try_get::<bool, _>(0)? {
+                            return Ok(());
+                        }
+                        match self
+                            .refusal(
+                                &self.sql.explain_delete,
+                                source,
+                                &fencing,
+                                "delete",
+                                &mut lent,
+                            )
+                            .await?
+                        {
+                            Some(err) => return Err(err),
+                            None => continue,
+                        }
+                    }
+                }
+                .await;
+                (lent, result)
+            },
+        )
+        .await
     }
 
     /// Claims the row with `key` for this lease and reads it, in one statement (`UPDATE ...
@@ -333,53 +402,81 @@ impl<T: FencedTable> Repository<T> {
     {
         let _timer = crate::metrics::Timer::write("claim");
         let fencing = fencing.into();
-        let mut lent = exec.into_target().lend().await?;
         let source = Source::<T>::Key(key);
-        loop {
-            self.seen.bind(&fencing.timeline, lent.conn()).await?;
-            let write = self.sql.claim.bind(source, &fencing, false);
-            // The claim and the decoding of its row are one transaction (a savepoint inside
-            // the caller's): a row that does not decode into `R` is left as it was.
-            let mut tx = sqlx::Connection::begin(lent.conn()).await?;
-            let claimed = match write.fetch_optional(&mut *tx).await {
-                Ok(claimed) => claimed,
-                Err(e) => {
-                    // The statement's own error is the answer, whatever the rollback says.
-                    let _ = tx.rollback().await;
-                    return Err(self.write_error(e, &fencing, "claim").await);
+        crate::executor::bounded(
+            self.call_timeout,
+            "claim",
+            || self.table.quoted(),
+            exec.into_target(),
+            |mut lent| async move {
+                let result = async {
+                    loop {
+                        self.seen.bind(&fencing.timeline, lent.conn()).await?;
+                        let write = self.sql.claim.bind(source, &fencing, false);
+                        // The claim and the decoding of its row are one transaction: the
+                        // write's own (its gate, which `settle` rolls back after a decode
+                        // error), or a savepoint inside the caller's. A row that does not
+                        // decode into `R` is left as it was.
+                        if lent.gated() {
+                            let claimed = self
+                                .written(write.fetch_optional(lent.conn()).await, &fencing, "claim")
+                                .await?;
+                            if let Some(row) = claimed {
+                                return R::from_row(&row).map_err(|e| Error::Decode {
+                                    table: self.table.quoted(),
+                                    operation: "claim",
+                                    source: e,
+                                });
+                            }
+                        } else {
+                            let mut tx = sqlx::Connection::begin(lent.conn()).await?;
+                            let claimed = match write.fetch_optional(&mut *tx).await {
+                                Ok(claimed) => claimed,
+                                Err(e) => {
+                                    // The statement's own error is the answer, whatever the
+                                    // rollback says.
+                                    let _ = tx.rollback().await;
+                                    return Err(self.write_error(e, &fencing, "claim").await);
+                                }
+                            };
+                            if let Some(row) = claimed {
+                                return match R::from_row(&row) {
+                                    Ok(decoded) => {
+                                        tx.commit().await?;
+                                        Ok(decoded)
+                                    }
+                                    Err(e) => {
+                                        tx.rollback().await?;
+                                        Err(Error::Decode {
+                                            table: self.table.quoted(),
+                                            operation: "claim",
+                                            source: e,
+                                        })
+                                    }
+                                };
+                            }
+                            tx.commit().await?;
+                        }
+                        match self
+                            .refusal(
+                                &self.sql.explain_claim,
+                                source,
+                                &fencing,
+                                "claim",
+                                &mut lent,
+                            )
+                            .await?
+                        {
+                            Some(err) => return Err(err),
+                            None => continue,
+                        }
+                    }
                 }
-            };
-            if let Some(row) = claimed {
-                return match R::from_row(&row) {
-                    Ok(decoded) => {
-                        tx.commit().await?;
-                        Ok(decoded)
-                    }
-                    Err(e) => {
-                        tx.rollback().await?;
-                        Err(Error::Decode {
-                            table: self.table.quoted(),
-                            operation: "claim",
-                            source: e,
-                        })
-                    }
-                };
-            }
-            tx.commit().await?;
-            match self
-                .refusal(
-                    &self.sql.explain_claim,
-                    source,
-                    &fencing,
-                    "claim",
-                    &mut lent,
-                )
-                .await?
-            {
-                Some(err) => return Err(err),
-                None => continue,
-            }
-        }
+                .await;
+                (lent, result)
+            },
+        )
+        .await
     }
 
     /// Reads the row with `key` (`SELECT * FROM <table> WHERE <key>`), or `None`: a plain
@@ -454,31 +551,43 @@ impl<T: FencedTable> Repository<T> {
         };
         // Refused before anything is sent (or bound).
         let _ = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
-        let mut lent = exec.into_target().lend().await?;
         let source = Source::Row(row);
-        loop {
-            self.seen.bind(&fencing.timeline, lent.conn()).await?;
-            let write = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
-            let done = self
-                .written(write.execute(lent.conn()).await, &fencing, "update")
-                .await?;
-            if done.rows_affected() > 0 {
-                return Ok(());
-            }
-            match self
-                .refusal(
-                    &self.sql.explain_update,
-                    source,
-                    &fencing,
-                    "update",
-                    &mut lent,
-                )
-                .await?
-            {
-                Some(err) => return Err(err),
-                None => continue,
-            }
-        }
+        crate::executor::bounded(
+            self.call_timeout,
+            "update_columns",
+            || self.table.quoted(),
+            exec.into_target(),
+            |mut lent| async move {
+                let result = async {
+                    loop {
+                        self.seen.bind(&fencing.timeline, lent.conn()).await?;
+                        let write = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
+                        let done = self
+                            .written(write.execute(lent.conn()).await, &fencing, "update")
+                            .await?;
+                        if done.rows_affected() > 0 {
+                            return Ok(());
+                        }
+                        match self
+                            .refusal(
+                                &self.sql.explain_update,
+                                source,
+                                &fencing,
+                                "update",
+                                &mut lent,
+                            )
+                            .await?
+                        {
+                            Some(err) => return Err(err),
+                            None => continue,
+                        }
+                    }
+                }
+                .await;
+                (lent, result)
+            },
+        )
+        .await
     }
 
     /// The partial-update statement for `columns`, from the cache or built (and cached).
@@ -638,6 +747,9 @@ async fn explain_row<T: FencedTable>(
         Ok(row) => Ok((row, None)),
         Err(e) => match audit_failure(&e) {
             Some(audit_error) => {
+                // The failed insert aborted the write's own transaction, which holds nothing
+                // (the write changed no row): begin it again.
+                lent.restart_gate().await?;
                 let row = explain
                     .bind(source, fencing, false)
                     .fetch_one(lent.conn())

@@ -19,6 +19,7 @@ mod examples;
 mod first_deploy;
 mod guard;
 mod guard_under_load;
+mod late_statement;
 mod managed;
 mod messages;
 #[cfg(feature = "metrics")]

@@ -218,9 +218,11 @@ async fn messages_users_can_act_on() {
                 "`pgfence grant` is a deploy-time command",
                 &grant_msg,
                 &not_as_app,
-                "permission denied",
+                // Refused before PostgreSQL is asked: it says why instead of relaying a
+                // "permission denied".
+                "does not own schema pgfence",
             ],
-            &[],
+            &["permission denied"],
         ),
         case(
             "audit as the application role: who may read it",
