@@ -179,6 +179,8 @@ pub struct Effects {
     auditor: Auditor,
     /// The PostgreSQL timeline this handle last saw (what leases bind to).
     seen: Seen,
+    /// Every call's bound ([`Effects::with_call_timeout`]).
+    call_timeout: std::time::Duration,
 }
 
 impl Effects {
@@ -188,6 +190,7 @@ impl Effects {
         Self {
             auditor: Auditor::new(pool),
             seen: Seen::default(),
+            call_timeout: crate::executor::DEFAULT_CALL_TIMEOUT,
         }
     }
 
@@ -197,7 +200,21 @@ impl Effects {
         Self {
             auditor,
             seen: Seen::default(),
+            call_timeout: crate::executor::DEFAULT_CALL_TIMEOUT,
         }
+    }
+
+    /// Bounds every [`Effects::begin`] and [`Effects::finish`] by `bound` instead of 30 s
+    /// ([`DEFAULT_CALL_TIMEOUT`](crate::repository::DEFAULT_CALL_TIMEOUT)), with the same
+    /// server-side gate as [`Repository::with_call_timeout`](crate::Repository::with_call_timeout):
+    /// [`Error::TimedOut`] when the call is not done by then.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDuration`] when `bound` is under 10 ms or over a day.
+    pub fn with_call_timeout(mut self, bound: std::time::Duration) -> Result<Self> {
+        crate::executor::check_call_timeout(bound)?;
+        self.call_timeout = bound;
+        Ok(self)
     }
 
     /// Records the effect `step` of work item `work_key` under the lease, before its call, and
@@ -220,24 +237,37 @@ impl Effects {
     ) -> Result<Effect> {
         let fencing = fencing.into();
         let resource = effect_resource(&fencing, work_key, step)?;
-        let mut lent = exec.into_target().lend().await?;
-        // The timeline first: a lease fenced out by a failover records nothing.
-        self.on_timeline(&mut lent, &fencing, resource, "effect")
-            .await?;
-        let row = sqlx::query(
-            "SELECT status, idempotency_key, state, outcome::text AS outcome, holders, current, \
-             other_counter FROM pgfence.effect_begin($1, $2, $3, $4, $5, $6)",
+        let fencing = &fencing;
+        // The write's connection goes back before a refusal's audit row takes one.
+        let row = crate::executor::bounded(
+            self.call_timeout,
+            "effect",
+            || EFFECT_TABLE.to_owned(),
+            exec.into_target(),
+            |mut lent| async move {
+                let result = async {
+                    // The timeline first: a lease fenced out by a failover records nothing.
+                    self.on_timeline(&mut lent, &fencing, resource, "effect")
+                        .await?;
+                    let row: PgRow = sqlx::query(
+                        "SELECT status, idempotency_key, state, outcome::text AS outcome, holders, current, \
+                         other_counter FROM pgfence.effect_begin($1, $2, $3, $4, $5, $6)",
+                    )
+                    .bind(resource.as_str())
+                    .bind(work_key)
+                    .bind(step)
+                    .bind(fencing.token.get())
+                    .bind(i32::from(fencing.tag()))
+                    .bind(fencing.holder.as_deref())
+                    .fetch_one(lent.conn())
+                    .await?;
+                    Ok(row)
+                }
+                .await;
+                (lent, result)
+            },
         )
-        .bind(resource.as_str())
-        .bind(work_key)
-        .bind(step)
-        .bind(fencing.token.get())
-        .bind(i32::from(fencing.tag()))
-        .bind(fencing.holder.as_deref())
-        .fetch_one(lent.conn())
         .await?;
-        // The pool's connection goes back before a refusal's audit row takes one.
-        drop(lent);
         let status: String = row.try_get("status")?;
         if status != "ok" {
             return Err(self
@@ -302,25 +332,38 @@ impl Effects {
         let fencing = fencing.into();
         let resource = effect_resource(&fencing, work_key, step)?;
         let succeeded = matches!(outcome, EffectOutcome::Succeeded(_));
-        let mut lent = exec.into_target().lend().await?;
-        self.on_timeline(&mut lent, &fencing, resource, "effect_finish")
-            .await?;
-        let row = sqlx::query(
-            "SELECT status, current, other_counter \
-             FROM pgfence.effect_finish($1, $2, $3, $4, $5, $6, $7, ($8::text)::jsonb)",
+        let fencing = &fencing;
+        // The write's connection goes back before a refusal's audit row takes one.
+        let row = crate::executor::bounded(
+            self.call_timeout,
+            "effect_finish",
+            || EFFECT_TABLE.to_owned(),
+            exec.into_target(),
+            |mut lent| async move {
+                let result = async {
+                    self.on_timeline(&mut lent, &fencing, resource, "effect_finish")
+                        .await?;
+                    let row: PgRow = sqlx::query(
+                        "SELECT status, current, other_counter \
+                         FROM pgfence.effect_finish($1, $2, $3, $4, $5, $6, $7, ($8::text)::jsonb)",
+                    )
+                    .bind(resource.as_str())
+                    .bind(work_key)
+                    .bind(step)
+                    .bind(fencing.token.get())
+                    .bind(i32::from(fencing.tag()))
+                    .bind(fencing.holder.as_deref())
+                    .bind(succeeded)
+                    .bind(outcome.detail().to_string())
+                    .fetch_one(lent.conn())
+                    .await?;
+                    Ok(row)
+                }
+                .await;
+                (lent, result)
+            },
         )
-        .bind(resource.as_str())
-        .bind(work_key)
-        .bind(step)
-        .bind(fencing.token.get())
-        .bind(i32::from(fencing.tag()))
-        .bind(fencing.holder.as_deref())
-        .bind(succeeded)
-        .bind(outcome.detail().to_string())
-        .fetch_one(lent.conn())
         .await?;
-        // The pool's connection goes back before a refusal's audit row takes one.
-        drop(lent);
         let status: String = row.try_get("status")?;
         match status.as_str() {
             "ok" => Ok(()),

@@ -15,6 +15,8 @@ pub struct Fence {
     auditor: Auditor,
     /// The PostgreSQL timeline this handle last saw (what leases bind to).
     seen: Seen,
+    /// Every check's bound ([`Fence::with_call_timeout`]).
+    call_timeout: std::time::Duration,
 }
 
 impl Fence {
@@ -24,6 +26,7 @@ impl Fence {
         Self {
             auditor: Auditor::new(pool),
             seen: Seen::default(),
+            call_timeout: crate::executor::DEFAULT_CALL_TIMEOUT,
         }
     }
 
@@ -33,7 +36,21 @@ impl Fence {
         Self {
             auditor,
             seen: Seen::default(),
+            call_timeout: crate::executor::DEFAULT_CALL_TIMEOUT,
         }
+    }
+
+    /// Bounds every [`Fence::check`] by `bound` instead of 30 s
+    /// ([`DEFAULT_CALL_TIMEOUT`](crate::repository::DEFAULT_CALL_TIMEOUT)), as
+    /// [`Repository::with_call_timeout`](crate::Repository::with_call_timeout) does for writes:
+    /// [`Error::TimedOut`] when the check is not done by then.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDuration`] when `bound` is under 10 ms or over a day.
+    pub fn with_call_timeout(mut self, bound: std::time::Duration) -> Result<Self> {
+        crate::executor::check_call_timeout(bound)?;
+        self.call_timeout = bound;
+        Ok(self)
     }
 
     /// The pool audit rows go through.
@@ -92,55 +109,74 @@ impl Fence {
         let fencing = fencing.into();
         let named = fenced_name(resource, &fencing)?;
         let resource = named.as_ref().unwrap_or(resource);
-        let mut lent = exec.into_target().lend().await?;
-        let err = loop {
-            let timeline = self.seen.bind(&fencing.timeline, lent.conn()).await?;
-            let outcome: sqlx::Result<i64> =
-                sqlx::query_scalar("SELECT pgfence.check_on($1, $2, $3, $4)")
-                    .bind(resource.as_str())
-                    .bind(fencing.token.get())
-                    .bind(i32::from(fencing.tag()))
-                    .bind(timeline)
-                    .fetch_one(lent.conn())
-                    .await;
-            let now = match outcome.map_err(Error::from) {
-                Ok(now) => now,
-                Err(e) => {
-                    self.seen.forget_on(&e);
-                    break e;
+        let fencing = &fencing;
+        let checked = crate::executor::bounded(
+            self.call_timeout,
+            "check",
+            || resource.as_str().to_owned(),
+            exec.into_target(),
+            |mut lent| async move {
+                let result = async {
+                    loop {
+                        let timeline = self.seen.bind(&fencing.timeline, lent.conn()).await?;
+                        let outcome: sqlx::Result<i64> =
+                            sqlx::query_scalar("SELECT pgfence.check_on($1, $2, $3, $4)")
+                                .bind(resource.as_str())
+                                .bind(fencing.token.get())
+                                .bind(i32::from(fencing.tag()))
+                                .bind(timeline)
+                                .fetch_one(lent.conn())
+                                .await;
+                        let now = match outcome.map_err(Error::from) {
+                            Ok(now) => now,
+                            Err(e) => {
+                                self.seen.forget_on(&e);
+                                return Err(e);
+                            }
+                        };
+                        match self.seen.verdict(&fencing.timeline, now) {
+                            Verdict::Fine => return Ok(()),
+                            Verdict::Again => {}
+                            Verdict::Refused {
+                                lease_timeline,
+                                timeline,
+                            } => {
+                                let rejection = Rejection {
+                                    resource: Some(resource.as_str().to_owned()),
+                                    table: None,
+                                    key: None,
+                                    presented: fencing.token.get(),
+                                    current: None,
+                                    holder: fencing.holder.clone(),
+                                    operation: "check",
+                                    other_counter: false,
+                                    reason: Some(crate::timeline::failover_reason(
+                                        lease_timeline,
+                                        timeline,
+                                    )),
+                                    kind: RejectionKind::Failover,
+                                };
+                                self.auditor.record_beside(&rejection, &mut lent).await;
+                                return Err(Error::FencedByFailover {
+                                    target: StaleTarget::Resource(resource.as_str().to_owned()),
+                                    presented: fencing.token.get(),
+                                    lease_timeline,
+                                    timeline,
+                                });
+                            }
+                        }
+                    }
                 }
-            };
-            match self.seen.verdict(&fencing.timeline, now) {
-                Verdict::Fine => return Ok(()),
-                Verdict::Again => {}
-                Verdict::Refused {
-                    lease_timeline,
-                    timeline,
-                } => {
-                    let rejection = Rejection {
-                        resource: Some(resource.as_str().to_owned()),
-                        table: None,
-                        key: None,
-                        presented: fencing.token.get(),
-                        current: None,
-                        holder: fencing.holder.clone(),
-                        operation: "check",
-                        other_counter: false,
-                        reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
-                        kind: RejectionKind::Failover,
-                    };
-                    self.auditor.record_beside(&rejection, &mut lent).await;
-                    return Err(Error::FencedByFailover {
-                        target: StaleTarget::Resource(resource.as_str().to_owned()),
-                        presented: fencing.token.get(),
-                        lease_timeline,
-                        timeline,
-                    });
-                }
-            }
+                .await;
+                (lent, result)
+            },
+        )
+        .await;
+        // The write's connection has gone back before the audit row takes one.
+        let err = match checked {
+            Ok(()) => return Ok(()),
+            Err(err) => err,
         };
-        // The pool's connection goes back before the audit row takes one.
-        drop(lent);
         let (current, other_counter) = match &err {
             Error::StaleToken {
                 current,

@@ -441,3 +441,100 @@ fn psql() -> Option<std::path::PathBuf> {
             .find(|p| p.is_file())
     })
 }
+
+/// Statements of this database still running or waiting (not the caller's own, not idle).
+async fn running(db: &TestDb) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+         AND pid <> pg_backend_pid() AND state = 'active'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+/// Every fenced call returns within its bound, and its statement does not outlive it on the
+/// server: writes, claims, batches, `Fence::check` and the effect ledger, each blocked behind
+/// a lock another transaction holds.
+#[tokio::test]
+async fn every_call_returns_within_its_bound_and_stops_on_the_server_too() {
+    let db = setup().await;
+    let lease = lease();
+    let bound = Duration::from_millis(400);
+    let repo = Repository::<Acct>::new(db.pool.clone())
+        .unwrap()
+        .with_call_timeout(bound)
+        .unwrap();
+    let fence = pgfence::Fence::new(db.pool.clone())
+        .with_call_timeout(bound)
+        .unwrap();
+    let effects = pgfence::Effects::new(db.pool.clone())
+        .with_call_timeout(bound)
+        .unwrap();
+    let resource = Resource::new("acct:1").unwrap();
+    // Marks and effect rows exist before the locks are taken.
+    repo.update(&db.pool, &lease, &Acct { id: 1, balance: 1 })
+        .await
+        .unwrap();
+    fence.check(&db.pool, &resource, &lease).await.unwrap();
+    effects
+        .begin(&db.pool, &lease, "inv-1", "charge")
+        .await
+        .unwrap();
+
+    // Another transaction holds every row these calls need.
+    let mut blocker = db.pool.begin().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT * FROM acct FOR UPDATE; \
+         SELECT * FROM pgfence.resource_fence FOR UPDATE; \
+         SELECT * FROM pgfence.effect FOR UPDATE",
+    )
+    .execute(&mut *blocker)
+    .await
+    .unwrap();
+
+    let timed_out = |what: &str, r: Result<(), Error>, started: std::time::Instant| {
+        let elapsed = started.elapsed();
+        match r {
+            Err(Error::TimedOut {
+                outcome: TimedOut::NotApplied,
+                after,
+                ..
+            }) => assert_eq!(after, bound, "{what}"),
+            other => panic!("{what}: expected TimedOut(NotApplied), got {other:?}"),
+        }
+        assert!(
+            elapsed < bound + Duration::from_millis(300),
+            "{what} returned after {elapsed:?}, bound {bound:?}"
+        );
+    };
+    let t = std::time::Instant::now();
+    let r = repo
+        .update(&db.pool, &lease, &Acct { id: 1, balance: 2 })
+        .await;
+    timed_out("update", r, t);
+    let t = std::time::Instant::now();
+    let r = repo.claim::<_, Acct>(&db.pool, &lease, &1).await.map(drop);
+    timed_out("claim", r, t);
+    let t = std::time::Instant::now();
+    let r = repo
+        .update_many(&db.pool, &lease, &[Acct { id: 1, balance: 3 }])
+        .await
+        .map(drop);
+    timed_out("update_many", r, t);
+    let t = std::time::Instant::now();
+    let r = fence.check(&db.pool, &resource, &lease).await;
+    timed_out("check", r, t);
+    let t = std::time::Instant::now();
+    let r = effects
+        .begin(&db.pool, &lease, "inv-1", "charge")
+        .await
+        .map(drop);
+    timed_out("effect", r, t);
+
+    // The server ended them too (statement_timeout at the bound), before the lock is gone.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(running(&db).await, 0, "a statement outlived its call");
+    blocker.rollback().await.unwrap();
+    assert_eq!(balance(&db).await, 1, "nothing of the cut calls applied");
+}
