@@ -247,7 +247,7 @@ impl Effects {
             |mut lent| async move {
                 let result = async {
                     // The timeline first: a lease fenced out by a failover records nothing.
-                    self.on_timeline(&mut lent, &fencing, resource, "effect")
+                    self.on_timeline(&mut lent, fencing, resource, "effect")
                         .await?;
                     let row: PgRow = sqlx::query(
                         "SELECT status, idempotency_key, state, outcome::text AS outcome, holders, current, \
@@ -271,7 +271,7 @@ impl Effects {
         let status: String = row.try_get("status")?;
         if status != "ok" {
             return Err(self
-                .refused(&row, &status, &fencing, resource, work_key, step, "effect")
+                .refused(&row, &status, fencing, resource, work_key, step, "effect")
                 .await);
         }
         let state: String = row.try_get("state")?;
@@ -341,7 +341,7 @@ impl Effects {
             exec.into_target(),
             |mut lent| async move {
                 let result = async {
-                    self.on_timeline(&mut lent, &fencing, resource, "effect_finish")
+                    self.on_timeline(&mut lent, fencing, resource, "effect_finish")
                         .await?;
                     let row: PgRow = sqlx::query(
                         "SELECT status, current, other_counter \
@@ -375,7 +375,7 @@ impl Effects {
                 .refused(
                     &row,
                     &status,
-                    &fencing,
+                    fencing,
                     resource,
                     work_key,
                     step,
