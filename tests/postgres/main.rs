@@ -26,6 +26,7 @@ mod messages;
 mod metrics;
 mod migrate;
 mod observe;
+mod one_refusal;
 mod patroni;
 mod pg_failover;
 mod poolers;
