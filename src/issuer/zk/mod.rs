@@ -109,6 +109,7 @@ pub use url::{ZK_SCHEME, is_zk_url};
 pub struct ZkIssuer {
     inner: Arc<Inner>,
     prefix: Arc<str>,
+    call_timeout: Duration,
 }
 
 impl std::fmt::Debug for ZkIssuer {
@@ -117,6 +118,7 @@ impl std::fmt::Debug for ZkIssuer {
             .field("hosts", &self.inner.hosts)
             .field("session_timeout", &self.inner.session_timeout)
             .field("key_prefix", &self.prefix)
+            .field("call_timeout", &self.call_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -141,6 +143,7 @@ impl ZkIssuer {
                 held: Mutex::new(HashMap::new()),
             }),
             prefix: DEFAULT_KEY_PREFIX.into(),
+            call_timeout: crate::issuer::DEFAULT_CALL_TIMEOUT,
         })
     }
 
@@ -159,6 +162,24 @@ impl ZkIssuer {
     #[must_use]
     pub fn key_prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`](crate::issuer::DEFAULT_CALL_TIMEOUT),
+    /// 5 s, by default): an acquire, release, extend or status read returns within `bound`,
+    /// its re-sends included, or fails with a [`Error::ZooKeeper`] timeout ([retryable](Error::is_retryable): the
+    /// outcome is unknown). Each request also has the client's own 5 s timeout. The first
+    /// attempt of a call gets at least 100 ms however small `bound` is. See
+    /// `docs/issuers.md`, "Time bounds".
+    #[must_use]
+    pub fn with_call_timeout(mut self, bound: Duration) -> Self {
+        self.call_timeout = bound;
+        self
+    }
+
+    /// The call bound (see [`ZkIssuer::with_call_timeout`]).
+    #[must_use]
+    pub fn call_timeout(&self) -> Duration {
+        self.call_timeout
     }
 
     /// This issuer's znode for `resource`'s lock nodes: `/PREFIX/lock/R`.
