@@ -161,16 +161,20 @@ async fn pg_black_holed_acquire_is_bounded_and_leaves_no_lock_after_the_heal() {
 
     // The heal: the held statement is delivered, then the closed connection.
     sleep(hold.saturating_sub(elapsed)).await;
-    let rolled_back = Instant::now() + Duration::from_secs(10);
-    while rollbacks(&db).await == before {
+    // Until the server has run it: rolled back (or, were it committed, holding the lock).
+    let delivered = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = direct.status(&resource).await.unwrap();
+        assert_eq!(status.owner, None, "a lock nobody holds: {status:?}");
+        if rollbacks(&db).await > before {
+            break;
+        }
         assert!(
-            Instant::now() < rolled_back,
+            Instant::now() < delivered,
             "the held acquire never reached the server"
         );
         sleep(Duration::from_millis(50)).await;
     }
-    let status = direct.status(&resource).await.unwrap();
-    assert_eq!(status.owner, None, "a lock nobody holds: {status:?}");
     let lease = direct
         .acquire_as(&resource, "other", Duration::from_secs(5))
         .await
@@ -205,11 +209,8 @@ async fn pg_black_holed_extend_and_release_are_bounded() {
         .with_call_timeout(bound);
     let direct = PgIssuer::new(db.pool.clone());
     let resource = unique_resource("pg-black-hole-extend");
-    let mut lease = issuer
-        .acquire(&resource, Duration::from_secs(2))
-        .await
-        .unwrap()
-        .expect("free");
+    let ttl = Duration::from_secs(4);
+    let mut lease = issuer.acquire(&resource, ttl).await.unwrap().expect("free");
     back_in_the_pool(&issuer).await;
     let hold = Duration::from_secs(2);
     proxy.pause_open(hold);
@@ -217,9 +218,9 @@ async fn pg_black_holed_extend_and_release_are_bounded() {
     let extended = issuer.extend(&mut lease, Duration::from_secs(60)).await;
     assert!(extended.is_err(), "{extended:?}");
     assert!(start.elapsed() < bound + MARGIN, "{:?}", start.elapsed());
-    // After the heal the held extend reaches the server and is rolled back: the lock
-    // still lapses after its original 2 s.
-    sleep(Duration::from_millis(2500).saturating_sub(start.elapsed())).await;
+    // After the heal (while the lock is still held) the held extend reaches the server and is
+    // rolled back: the lock still lapses at the end of its original TTL.
+    sleep((ttl + Duration::from_millis(500)).saturating_sub(start.elapsed())).await;
     let status = direct.status(&resource).await.unwrap();
     assert_eq!(
         status.owner, None,
