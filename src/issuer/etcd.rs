@@ -387,8 +387,8 @@ impl EtcdIssuer {
     /// Releases the lock if `lease` still holds it (same owner and token), and revokes its
     /// etcd lease.
     ///
-    /// A release lost in transit (a lost connection, no leader, a timeout) is sent again for
-    /// up to 2 s: releasing is owner-safe. When a re-sent release finds the lock gone before
+    /// A release lost in transit (a lost connection, no leader, a timeout) is sent again
+    /// within the call bound: releasing is owner-safe. When a re-sent release finds the lock gone before
     /// the lease's local deadline, the lock cannot have expired, so an earlier attempt
     /// released it: that is reported as [`ReleaseOutcome::Released`] (as the Redis issuer
     /// does).
@@ -490,7 +490,7 @@ impl EtcdIssuer {
 
     /// Reads `resource`'s lock. `counter` is the cluster's current revision: every token
     /// issued so far is at most this, and the next one will be above it. `ttl_ms` has etcd's
-    /// resolution, whole seconds. A read lost in transit is sent again for up to 2 s.
+    /// resolution, whole seconds. A read lost in transit is sent again within the call bound.
     ///
     /// # Errors
     /// [`Error::Etcd`].

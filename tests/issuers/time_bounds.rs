@@ -68,6 +68,7 @@ async fn redis_acquire_through_a_black_hole_gives_up_after_three_one_second_atte
     assert_eq!(issuer.call_timeout(), DEFAULT_CALL_TIMEOUT);
     proxy.pause(Duration::from_secs(30));
     let (err, elapsed) = black_holed_acquire(&issuer, "bh-default").await;
+    eprintln!("Redis acquire through a black hole, default bound: {elapsed:?}: {err}");
     assert!(err.contains("no reply from Redis within 1s"), "{err}");
     assert!(
         elapsed >= Duration::from_millis(2900) && elapsed < Duration::from_secs(3) + MARGIN,
@@ -83,6 +84,7 @@ async fn redis_acquire_through_a_black_hole_returns_within_the_configured_bound(
     let issuer = issuer.with_call_timeout(bound);
     proxy.pause(Duration::from_secs(30));
     let (err, elapsed) = black_holed_acquire(&issuer, "bh-short").await;
+    eprintln!("Redis acquire through a black hole, bound {bound:?}: {elapsed:?}: {err}");
     assert!(err.contains("no reply from Redis"), "{err}");
     assert!(
         elapsed >= bound - MARGIN && elapsed < bound + MARGIN,
@@ -152,6 +154,7 @@ async fn pg_black_holed_acquire_is_bounded_and_leaves_no_lock_after_the_heal() {
     .expect("the acquire hung");
     let elapsed = start.elapsed();
     let err = outcome.expect_err("acquired through a black hole");
+    eprintln!("PostgreSQL acquire through a black hole, bound {bound:?}: {elapsed:?}: {err}");
     assert!(err.is_retryable(), "{err}");
     assert!(
         err.to_string().contains("no reply from PostgreSQL"),

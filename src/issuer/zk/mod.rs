@@ -287,8 +287,8 @@ impl ZkIssuer {
     }
 
     /// Releases the lock if `lease` still holds it (its node, same owner and token, still
-    /// exists), from any issuer on the ensemble. A release lost in transit is sent again for
-    /// up to 2 s; one that then finds its node gone before the lease's local deadline reports
+    /// exists), from any issuer on the ensemble. A release lost in transit is sent again
+    /// within the call bound; one that then finds its node gone before the lease's local deadline reports
     /// [`ReleaseOutcome::Released`] (an earlier attempt deleted it), as the other issuers do.
     ///
     /// # Errors
@@ -332,8 +332,8 @@ impl ZkIssuer {
 
     /// Reads `resource`'s lock. `counter` is the zxid of the last change to the resource's lock
     /// nodes (every token issued for it so far is at most this; the next is above it). `ttl_ms`
-    /// is known only for locks this issuer holds. A read lost in transit is sent again for up
-    /// to 2 s.
+    /// is known only for locks this issuer holds. A read lost in transit is sent again within
+    /// the call bound.
     ///
     /// # Errors
     /// [`Error::ZooKeeper`].
