@@ -16,10 +16,12 @@ use crate::Result;
 pub struct IssuerOptions {
     key_prefix: Option<String>,
     floor_source: Option<PgPool>,
+    call_timeout: Option<std::time::Duration>,
 }
 
 impl IssuerOptions {
-    /// The defaults: key prefix `pgfence`, no floor source.
+    /// The defaults: key prefix `pgfence`, no floor source, the call bound
+    /// [`DEFAULT_CALL_TIMEOUT`](crate::issuer::DEFAULT_CALL_TIMEOUT).
     #[must_use]
     pub fn new() -> Self {
         Self::default()
@@ -38,6 +40,15 @@ impl IssuerOptions {
     #[must_use]
     pub fn floor_source(mut self, pool: PgPool) -> Self {
         self.floor_source = Some(pool);
+        self
+    }
+
+    /// The bound of every call of the issuer, re-sends included (each issuer's
+    /// `with_call_timeout`, such as [`Issuer::with_call_timeout`]; `docs/issuers.md`, "Time
+    /// bounds").
+    #[must_use]
+    pub fn call_timeout(mut self, bound: std::time::Duration) -> Self {
+        self.call_timeout = Some(bound);
         self
     }
 }
@@ -89,11 +100,16 @@ pub async fn connect_issuer_with(
         }
         IssuerKind::Redis => redis_with(Issuer::connect(url).await?, options),
         #[cfg(feature = "etcd")]
-        IssuerKind::Etcd => Ok(Arc::new(prefixed(
-            super::EtcdIssuer::connect(url).await?,
-            prefix,
-            |i, p| i.with_key_prefix(p),
-        )?)),
+        IssuerKind::Etcd => {
+            let issuer = super::EtcdIssuer::connect(url).await?;
+            let issuer = match options.call_timeout {
+                Some(bound) => issuer.with_call_timeout(bound),
+                None => issuer,
+            };
+            Ok(Arc::new(prefixed(issuer, prefix, |i, p| {
+                i.with_key_prefix(p)
+            })?))
+        }
         #[cfg(not(feature = "etcd"))]
         IssuerKind::Etcd => Err(Error::IssuerNotBuilt {
             scheme: "etcd://",
@@ -104,21 +120,31 @@ pub async fn connect_issuer_with(
             Err(crate::tls::zk_tls_unsupported())
         }
         #[cfg(feature = "zk")]
-        IssuerKind::ZooKeeper => Ok(Arc::new(prefixed(
-            super::ZkIssuer::connect(url).await?,
-            prefix,
-            |i, p| i.with_key_prefix(p),
-        )?)),
+        IssuerKind::ZooKeeper => {
+            let issuer = super::ZkIssuer::connect(url).await?;
+            let issuer = match options.call_timeout {
+                Some(bound) => issuer.with_call_timeout(bound),
+                None => issuer,
+            };
+            Ok(Arc::new(prefixed(issuer, prefix, |i, p| {
+                i.with_key_prefix(p)
+            })?))
+        }
         #[cfg(not(feature = "zk"))]
         IssuerKind::ZooKeeper => Err(Error::IssuerNotBuilt {
             scheme: "zk://",
             feature: "zk",
         }),
-        IssuerKind::Postgres => Ok(Arc::new(prefixed(
-            PgIssuer::connect(url).await?,
-            prefix,
-            |i, p| i.with_key_prefix(p),
-        )?)),
+        IssuerKind::Postgres => {
+            let issuer = PgIssuer::connect(url).await?;
+            let issuer = match options.call_timeout {
+                Some(bound) => issuer.with_call_timeout(bound),
+                None => issuer,
+            };
+            Ok(Arc::new(prefixed(issuer, prefix, |i, p| {
+                i.with_key_prefix(p)
+            })?))
+        }
     }
 }
 
@@ -140,6 +166,9 @@ where
     })?;
     if let Some(pool) = options.floor_source {
         issuer = issuer.with_floor_source(pool);
+    }
+    if let Some(bound) = options.call_timeout {
+        issuer = issuer.with_call_timeout(bound);
     }
     Ok(Arc::new(issuer))
 }

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
 use super::lease::check_ttl;
-use super::policy::{self, Ask, Attempt, Backend, PATIENT, Renewal, Resend};
+use super::policy::{self, Ask, Attempt, Backend, DEFAULT_CALL_TIMEOUT, PATIENT, Renewal, Resend};
 use super::token_issuer::IssuerKind;
 use super::url::host_list;
 use super::{Lease, LeaseState, LockStatus, ReleaseOutcome};
@@ -119,6 +119,7 @@ pub struct EtcdIssuer {
     client: Client,
     endpoints: Vec<String>,
     prefix: std::sync::Arc<str>,
+    call_timeout: Duration,
 }
 
 impl std::fmt::Debug for EtcdIssuer {
@@ -126,6 +127,7 @@ impl std::fmt::Debug for EtcdIssuer {
         f.debug_struct("EtcdIssuer")
             .field("endpoints", &self.endpoints)
             .field("key_prefix", &self.prefix)
+            .field("call_timeout", &self.call_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -181,6 +183,7 @@ impl EtcdIssuer {
             client,
             endpoints,
             prefix: DEFAULT_KEY_PREFIX.into(),
+            call_timeout: DEFAULT_CALL_TIMEOUT,
         })
     }
 
@@ -193,6 +196,7 @@ impl EtcdIssuer {
             client,
             endpoints: Vec::new(),
             prefix: DEFAULT_KEY_PREFIX.into(),
+            call_timeout: DEFAULT_CALL_TIMEOUT,
         }
     }
 
@@ -211,6 +215,24 @@ impl EtcdIssuer {
     #[must_use]
     pub fn key_prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`](crate::issuer::DEFAULT_CALL_TIMEOUT),
+    /// 5 s, by default): an acquire, release, extend or status read returns within `bound`,
+    /// its re-sends included, or fails with an [`Error::Etcd`] timeout ([retryable](Error::is_retryable): the
+    /// outcome is unknown). Each request also has the client's own 5 s timeout. The first
+    /// attempt of a call gets at least 100 ms however small `bound` is. See
+    /// `docs/issuers.md`, "Time bounds".
+    #[must_use]
+    pub fn with_call_timeout(mut self, bound: Duration) -> Self {
+        self.call_timeout = bound;
+        self
+    }
+
+    /// The call bound (see [`EtcdIssuer::with_call_timeout`]).
+    #[must_use]
+    pub fn call_timeout(&self) -> Duration {
+        self.call_timeout
     }
 
     /// This issuer's etcd key for `resource`'s lock: `PREFIX/lock/R`.
@@ -365,8 +387,8 @@ impl EtcdIssuer {
     /// Releases the lock if `lease` still holds it (same owner and token), and revokes its
     /// etcd lease.
     ///
-    /// A release lost in transit (a lost connection, no leader, a timeout) is sent again for
-    /// up to 2 s: releasing is owner-safe. When a re-sent release finds the lock gone before
+    /// A release lost in transit (a lost connection, no leader, a timeout) is sent again
+    /// within the call bound: releasing is owner-safe. When a re-sent release finds the lock gone before
     /// the lease's local deadline, the lock cannot have expired, so an earlier attempt
     /// released it: that is reported as [`ReleaseOutcome::Released`] (as the Redis issuer
     /// does).
@@ -468,7 +490,7 @@ impl EtcdIssuer {
 
     /// Reads `resource`'s lock. `counter` is the cluster's current revision: every token
     /// issued so far is at most this, and the next one will be above it. `ttl_ms` has etcd's
-    /// resolution, whole seconds. A read lost in transit is sent again for up to 2 s.
+    /// resolution, whole seconds. A read lost in transit is sent again within the call bound.
     ///
     /// # Errors
     /// [`Error::Etcd`].
@@ -532,6 +554,17 @@ impl Backend for EtcdIssuer {
 
     fn key_prefix(&self) -> &str {
         &self.prefix
+    }
+
+    fn call_timeout(&self) -> Duration {
+        self.call_timeout
+    }
+
+    fn no_reply(after: Duration) -> Error {
+        Error::Etcd(etcd_client::Error::IoError(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no reply from etcd within {after:?}"),
+        )))
     }
 
     async fn try_acquire(&self, ask: &Ask<'_>) -> Result<Attempt> {

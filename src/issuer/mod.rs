@@ -41,6 +41,7 @@ pub use lease::{
     Lease, LeaseState, LockStatus, MAX_TTL, MIN_TTL, ReleaseOutcome, check_ttl, new_owner_id,
 };
 pub use pg::{POSTGRES_SCHEMES, PgIssuer, is_postgres_url};
+pub use policy::DEFAULT_CALL_TIMEOUT;
 pub use redis::{
     DEFAULT_FAILOVER_WAIT, DEFAULT_SENTINEL_PORT, FloorSource, Issuer, REDIS_ACL_COMMANDS,
     REDIS_SENTINEL_ACL_RULE, RedisConnections, SENTINEL_SCHEME, SENTINEL_TLS_SCHEME,

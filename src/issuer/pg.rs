@@ -6,13 +6,16 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
-use sqlx::{AssertSqlSafe, PgPool, Row};
+use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 use tokio::time::Instant;
 
 use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
 use super::lease::{check_owner, ttl_millis};
-use super::policy::{self, Ask, Attempt, Backend, PATIENT, Renewal, Resend, limit_refused};
+use super::policy::{
+    self, Ask, Attempt, Backend, DEFAULT_CALL_TIMEOUT, PATIENT, Renewal, Resend, limit_refused,
+};
 use super::token_issuer::IssuerKind;
 use super::{KeepAlive, Lease, LeaseState, LockStatus, ReleaseOutcome};
 use crate::ident::quote_literal;
@@ -79,12 +82,14 @@ const POOL_SIZE: u32 = 16;
 pub struct PgIssuer {
     pool: PgPool,
     prefix: Arc<str>,
+    call_timeout: Duration,
 }
 
 impl std::fmt::Debug for PgIssuer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgIssuer")
             .field("key_prefix", &self.prefix)
+            .field("call_timeout", &self.call_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -150,7 +155,26 @@ impl PgIssuer {
         Self {
             pool,
             prefix: Arc::from(DEFAULT_KEY_PREFIX),
+            call_timeout: DEFAULT_CALL_TIMEOUT,
         }
+    }
+
+    /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`], 5 s, by default):
+    /// an acquire, release, extend or status read returns within `bound`, its re-sends
+    /// included, or fails with an I/O timeout ([`Error::Database`], retryable). The server
+    /// ends a transaction of the issuer's left idle for `bound`, and a statement of it waiting
+    /// on a lock or running for `bound` (see the type's docs, "Time bound"). The first attempt
+    /// of a call gets at least 100 ms however small `bound` is.
+    #[must_use]
+    pub fn with_call_timeout(mut self, bound: Duration) -> Self {
+        self.call_timeout = bound;
+        self
+    }
+
+    /// The call bound (see [`PgIssuer::with_call_timeout`]).
+    #[must_use]
+    pub fn call_timeout(&self) -> Duration {
+        self.call_timeout
     }
 
     /// The same issuer with another key prefix: issuers with different prefixes share no lock
@@ -217,7 +241,7 @@ impl PgIssuer {
     }
 
     /// Releases the lock if `lease` (owner and token) still holds it. The counter is left
-    /// alone. A release lost in transit is sent again for up to 2 s; when a re-sent release
+    /// alone. A release lost in transit is sent again within the call bound; when a re-sent release
     /// finds the lock gone before the lease's local deadline, an earlier attempt released it.
     ///
     /// # Errors
@@ -227,8 +251,8 @@ impl PgIssuer {
     }
 
     /// Extends the lock to `ttl` from now (the database's now) if `lease` still holds it, and
-    /// moves the lease's local deadline accordingly. Re-sent after transport errors until the
-    /// lease's local deadline, or for 2 s when that is sooner.
+    /// moves the lease's local deadline accordingly. Re-sent after transport errors within the
+    /// call bound.
     ///
     /// # Errors
     /// [`Error::InvalidDuration`]; [`Error::Database`].
@@ -270,11 +294,29 @@ impl PgIssuer {
     }
 
     /// One statement, simple query protocol (no named prepared statement for a pooler to
-    /// lose), one row back.
+    /// lose), one row back, in a transaction of its own that commits only if this call is not
+    /// cut off first (see the type's docs, "Time bound"): opened, with the server-side bounds,
+    /// in the statement's own message, committed in a second one.
     async fn one_row(&self, sql: &str) -> Result<PgRow> {
-        Ok(sqlx::raw_sql(AssertSqlSafe(sql.to_owned()))
-            .fetch_one(&self.pool)
-            .await?)
+        let ms = i32::try_from(self.call_timeout.as_millis())
+            .unwrap_or(i32::MAX)
+            .max(1);
+        let query = format!(
+            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {ms}; \
+             SET LOCAL lock_timeout = {ms}; SET LOCAL statement_timeout = {ms}; {sql}"
+        );
+        // Nothing is sent before the connection is in the guard: from then on, a drop before
+        // the COMMIT's reply closes it.
+        let mut open = Uncommitted(Some(self.pool.acquire().await?));
+        let conn = open.conn()?;
+        let row = sqlx::raw_sql(AssertSqlSafe(query))
+            .fetch_one(&mut **conn)
+            .await?;
+        sqlx::raw_sql(AssertSqlSafe("COMMIT".to_owned()))
+            .execute(&mut **conn)
+            .await?;
+        open.committed();
+        Ok(row)
     }
 
     async fn code(&self, sql: &str) -> Result<i64> {
@@ -289,6 +331,17 @@ impl Backend for PgIssuer {
 
     fn key_prefix(&self) -> &str {
         &self.prefix
+    }
+
+    fn call_timeout(&self) -> Duration {
+        self.call_timeout
+    }
+
+    fn no_reply(after: Duration) -> Error {
+        Error::Database(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no reply from PostgreSQL within {after:?}"),
+        )))
     }
 
     /// One statement: `pgfence.issuer_acquire` takes a free or lapsed lock, or renews the
@@ -366,6 +419,34 @@ impl Backend for PgIssuer {
             owner,
             counter: row.try_get("counter")?,
         })
+    }
+}
+
+/// A pooled connection in the middle of one of the issuer's transactions. Dropped before
+/// [`Uncommitted::committed`] (an error, the call bound, a caller that gave up), it is taken out
+/// of the pool and closed, never reused: the server rolls back whatever of the transaction it
+/// has run or will still receive, since the `COMMIT` can no longer come.
+struct Uncommitted(Option<PoolConnection<Postgres>>);
+
+impl Uncommitted {
+    fn conn(&mut self) -> Result<&mut PoolConnection<Postgres>> {
+        self.0
+            .as_mut()
+            .ok_or(Error::Database(sqlx::Error::PoolClosed))
+    }
+
+    /// The transaction committed: the connection goes back to the pool.
+    fn committed(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl Drop for Uncommitted {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.take() {
+            // Detached, then dropped: its socket closes now, with no message sent on it.
+            drop(conn.detach());
+        }
     }
 }
 

@@ -24,8 +24,11 @@ use crate::{Error, FenceToken, Resource, Result};
 /// How many times an acquire is sent, with the same owner id, when it fails in transit.
 const ACQUIRE_ATTEMPTS: u32 = 3;
 
-/// How long a release or a status read is re-sent after failures in transit.
-const RESEND_WINDOW: Duration = Duration::from_secs(2);
+/// The time bound of an issuer call unless the issuer is configured otherwise (each issuer's
+/// `with_call_timeout`, or [`IssuerOptions::call_timeout`](crate::issuer::IssuerOptions::call_timeout)):
+/// an acquire, release, extend, status read or floor raise returns within it, its re-sends
+/// included. See `docs/issuers.md`, "Time bounds".
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How a backend's owner-safe calls are re-sent after a failure in transit.
 pub struct Resend {
@@ -38,23 +41,19 @@ pub struct Resend {
     /// Most attempts of a release, a status read or a floor raise (extend re-sends until its
     /// deadline whatever the count).
     pub max_attempts: u32,
-    /// Cuts each attempt off; `None`: the backend's own request timeouts apply.
-    pub attempt_timeout: Option<AttemptTimeout>,
-}
-
-/// For a backend whose client does not reconnect a stalled connection by itself: each attempt
-/// is cut off after `after`, or at the call's deadline (but the first attempt gets at least
-/// [`FIRST_ATTEMPT_MIN`]), and reported with `no_reply`.
-pub struct AttemptTimeout {
-    pub after: Duration,
-    pub no_reply: fn(Duration) -> Error,
+    /// Cuts each attempt off after this long (so that a re-send, on another connection, gets
+    /// a chance within the call's bound), for a backend whose client does not reconnect a
+    /// stalled connection by itself; `None`: an attempt may take all the time the call has
+    /// left. Either way an attempt is cut off at the call's deadline (but the first one gets
+    /// at least [`FIRST_ATTEMPT_MIN`]), and reported with [`Backend::no_reply`].
+    pub attempt_timeout: Option<Duration>,
 }
 
 /// The shortest time the first attempt of a call is given, even when the caller's time is up.
 const FIRST_ATTEMPT_MIN: Duration = Duration::from_millis(100);
 
 /// The re-sends of the consensus stores and PostgreSQL: 25 ms doubling to 400 ms, as many as
-/// fit the window; each request is bounded by the client's own timeout.
+/// fit the call's bound; an attempt may take what is left of it.
 pub const PATIENT: Resend = Resend {
     first: Duration::from_millis(25),
     start: Duration::from_millis(25),
@@ -131,6 +130,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
 
     /// The key prefix.
     fn key_prefix(&self) -> &str;
+
+    /// The bound of each call (acquire, release, extend, status, floor raise), re-sends
+    /// included.
+    fn call_timeout(&self) -> Duration {
+        DEFAULT_CALL_TIMEOUT
+    }
+
+    /// The error of an attempt cut off after `after` without a reply: one
+    /// [`Backend::resendable`] accepts, since the call's outcome is unknown.
+    fn no_reply(after: Duration) -> Error;
 
     /// Whether `e` left the call's outcome unknown (the request or its reply was lost), so that
     /// sending it again may succeed.
@@ -242,19 +251,26 @@ async fn acquire_attempts<B: Backend>(
     backend: &B,
     ask: &Ask<'_>,
 ) -> Result<std::result::Result<Lease, Duration>> {
+    let until = Instant::now() + backend.call_timeout();
     let (mut failed, mut looked) = (0, 0);
     let mut pause = B::RESEND.first;
     loop {
-        match backend.try_acquire(ask).await {
+        let first = failed == 0 && looked == 0;
+        match bounded::<B, _>(until, first, backend.try_acquire(ask)).await {
             Ok(Attempt::Granted(lease)) => return Ok(Ok(lease)),
             Ok(Attempt::FreshCounter(lease)) => return backend.settle_fresh(lease).await.map(Ok),
             Ok(Attempt::Busy(retry_in)) => return Ok(Err(retry_in)),
             // Only a lock that keeps vanishing between a read and a write looks this often.
-            Ok(Attempt::Again) if looked + 1 >= ACQUIRE_ATTEMPTS * 2 => {
+            Ok(Attempt::Again) if looked + 1 >= ACQUIRE_ATTEMPTS * 2 || Instant::now() >= until => {
                 return Ok(Err(Duration::ZERO));
             }
             Ok(Attempt::Again) => looked += 1,
-            Err(e) if failed + 1 < ACQUIRE_ATTEMPTS && B::resendable(&e) => {
+            Err(e)
+                if failed + 1 < ACQUIRE_ATTEMPTS
+                    && B::resendable(&e)
+                    && Instant::now() + pause < until =>
+            {
+                tracing::debug!(target: "pgfence::issuer", error = %e, attempt = failed + 1, "acquire failed in transit; re-sending");
                 failed += 1;
                 if !pause.is_zero() {
                     tokio::time::sleep(pause).await;
@@ -269,6 +285,30 @@ async fn acquire_attempts<B: Backend>(
             }
         }
     }
+}
+
+/// One attempt, cut off at the call's deadline `until` (the first attempt of a call gets at
+/// least [`FIRST_ATTEMPT_MIN`]) and after [`Resend::attempt_timeout`]; a cut-off attempt is
+/// [`Backend::no_reply`]. Dropping the attempt is how it is cut off: a backend whose
+/// statement could still apply later makes sure, when dropped, that it cannot (PostgreSQL).
+async fn bounded<B, T>(
+    until: Instant,
+    first: bool,
+    attempt: impl Future<Output = Result<T>>,
+) -> Result<T>
+where
+    B: Backend + ?Sized,
+{
+    let mut budget = until.saturating_duration_since(Instant::now());
+    if first {
+        budget = budget.max(FIRST_ATTEMPT_MIN);
+    }
+    if let Some(after) = B::RESEND.attempt_timeout {
+        budget = budget.min(after);
+    }
+    tokio::time::timeout(budget, attempt)
+        .await
+        .unwrap_or_else(|_| Err(B::no_reply(budget)))
 }
 
 /// Waits up to `wait` for the lock: tries with one owner id until it gets the lock or `wait`
@@ -315,11 +355,11 @@ fn wait_nap(backoff: &mut Duration, retry_in: Duration, left: Duration) -> Durat
     nap.min(left)
 }
 
-/// Releases the lock if `lease` still holds it, re-sending a release lost in transit for up to
-/// 2 s. A re-sent release that finds the lock gone before the lease's local deadline reports
-/// [`ReleaseOutcome::Released`]: an earlier attempt released it.
+/// Releases the lock if `lease` still holds it, re-sending a release lost in transit within
+/// the call bound. A re-sent release that finds the lock gone before the lease's local deadline
+/// reports [`ReleaseOutcome::Released`]: an earlier attempt released it.
 pub async fn release<B: Backend>(backend: &B, lease: &Lease) -> Result<ReleaseOutcome> {
-    let until = Instant::now() + RESEND_WINDOW;
+    let until = Instant::now() + backend.call_timeout();
     let (outcome, retried) = resend::<B, _, _, _>(until, B::RESEND.max_attempts, || {
         backend.release_once(lease)
     })
@@ -335,18 +375,18 @@ pub async fn release<B: Backend>(backend: &B, lease: &Lease) -> Result<ReleaseOu
     }
 }
 
-/// Extends the lock to `ttl` from now if `lease` still holds it, re-sending until the lease's
-/// local deadline, or for 2 s when that is sooner.
+/// Extends the lock to `ttl` from now if `lease` still holds it, re-sending within the call
+/// bound.
 pub async fn extend<B: Backend>(
     backend: &B,
     lease: &mut Lease,
     ttl: Duration,
 ) -> Result<LeaseState> {
-    let until = lease.deadline.max(Instant::now() + RESEND_WINDOW);
+    let until = Instant::now() + backend.call_timeout();
     extend_until(backend, lease, ttl, until).await
 }
 
-/// [`extend`], re-sending after failures in transit until `until` (what
+/// [`extend`], re-sending after failures in transit until `until`, its bound (what
 /// [`KeepAlive`](crate::issuer::KeepAlive) uses: the lease's local deadline). On
 /// [`LeaseState::Held`] the lease's TTL and local deadline move; the deadline comes from the
 /// attempt that succeeded (an earlier one that arrives later only moves the server's expiry
@@ -372,9 +412,10 @@ pub async fn extend_until<B: Backend>(
     })
 }
 
-/// Reads `resource`'s lock and counter, re-sent after failures in transit for up to 2 s.
+/// Reads `resource`'s lock and counter, re-sent after failures in transit within the call
+/// bound.
 pub async fn status<B: Backend>(backend: &B, resource: &Resource) -> Result<LockStatus> {
-    let until = Instant::now() + RESEND_WINDOW;
+    let until = Instant::now() + backend.call_timeout();
     resend::<B, _, _, _>(until, B::RESEND.max_attempts, || {
         backend.status_once(resource)
     })
@@ -392,7 +433,7 @@ pub async fn raise_floor<B: Backend + ?Sized>(
     if floor < 0 {
         return Err(Error::InvalidToken(floor.to_string()));
     }
-    let until = Instant::now() + RESEND_WINDOW;
+    let until = Instant::now() + backend.call_timeout();
     resend::<B, _, _, _>(until, B::RESEND.max_attempts, || {
         backend.raise_floor_once(resource, floor)
     })
@@ -401,8 +442,8 @@ pub async fn raise_floor<B: Backend + ?Sized>(
 }
 
 /// Runs an owner-safe `attempt` until it succeeds, fails for a reason that is not
-/// [`Backend::resendable`], `max_attempts` were made, or `until` passes, with
-/// [`Backend::RESEND`]'s pauses and attempt timeout. Also says whether it was re-sent.
+/// [`Backend::resendable`], `max_attempts` were made, or `until` passes (an attempt still out
+/// then is cut off), with [`Backend::RESEND`]'s pauses and attempt timeout. Also says whether it was re-sent.
 pub async fn resend<B, T, F, Fut>(
     until: Instant,
     max_attempts: u32,
@@ -419,19 +460,7 @@ where
     loop {
         let first = made == 0;
         made += 1;
-        let result = match policy.attempt_timeout {
-            None => attempt().await,
-            Some(AttemptTimeout { after, no_reply }) => {
-                let mut budget = until.saturating_duration_since(Instant::now());
-                if first {
-                    budget = budget.max(FIRST_ATTEMPT_MIN);
-                }
-                let budget = budget.min(after);
-                tokio::time::timeout(budget, attempt())
-                    .await
-                    .unwrap_or_else(|_| Err(no_reply(budget)))
-            }
-        };
+        let result = bounded::<B, _>(until, first, attempt()).await;
         match result {
             Err(e)
                 if B::resendable(&e) && made < max_attempts && Instant::now() + pause < until =>

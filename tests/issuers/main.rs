@@ -20,4 +20,5 @@ mod lease_session;
 mod pg_issuer;
 mod redis_failover;
 mod refused_acquire;
+mod time_bounds;
 mod zk_issuer;

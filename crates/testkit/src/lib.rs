@@ -599,7 +599,8 @@ fn postgres_bindir() -> Result<PathBuf, ServerError> {
 /// A loopback TCP proxy in front of a server, to break its clients' connections on demand:
 /// close every open connection ([`Proxy::drop_connections`], as a server's idle timeout or a
 /// reset would), or stop forwarding for a while ([`Proxy::pause`], as a failover pause or a
-/// stalled network would: connections stay open, bytes wait).
+/// stalled network would: connections stay open, bytes wait; [`Proxy::pause_open`] only on
+/// the connections open now, as a black-holed path that new connections route around).
 ///
 /// Plain threads and blocking sockets, so it runs whatever runtime (or none) the test uses.
 /// Dropping it closes the listener and every connection.
@@ -613,14 +614,17 @@ pub struct Proxy {
 #[derive(Debug, Default)]
 struct ProxyShared {
     stop: std::sync::atomic::AtomicBool,
-    /// Both sockets of every connection accepted since the last drop.
-    open: std::sync::Mutex<Vec<(TcpStream, TcpStream)>>,
+    /// Both sockets of every connection accepted since the last drop, and its own pause.
+    open: std::sync::Mutex<Vec<(TcpStream, TcpStream, ConnPause)>>,
     /// Nothing is forwarded before this instant.
     paused_until: std::sync::Mutex<Option<Instant>>,
     accepted: std::sync::atomic::AtomicUsize,
     /// Where new connections go (`127.0.0.1:PORT`).
     target: std::sync::atomic::AtomicU16,
 }
+
+/// Nothing is forwarded on one connection before this instant ([`Proxy::pause_open`]).
+type ConnPause = std::sync::Arc<std::sync::Mutex<Option<Instant>>>;
 
 impl Proxy {
     /// Listens on a free port of 127.0.0.1 and forwards every connection to
@@ -686,19 +690,20 @@ impl Proxy {
             }
         };
         upstream.set_nodelay(true)?;
-        shared
-            .open
-            .lock()
-            .expect("proxy lock")
-            .push((client.try_clone()?, upstream.try_clone()?));
+        let paused = ConnPause::default();
+        shared.open.lock().expect("proxy lock").push((
+            client.try_clone()?,
+            upstream.try_clone()?,
+            paused.clone(),
+        ));
         for (from, to) in [
             (client.try_clone()?, upstream.try_clone()?),
             (upstream, client),
         ] {
-            let shared = shared.clone();
+            let (shared, paused) = (shared.clone(), paused.clone());
             std::thread::Builder::new()
                 .name("testkit-proxy-pipe".into())
-                .spawn(move || pipe(&shared, from, to))?;
+                .spawn(move || pipe(&shared, &paused, from, to))?;
         }
         Ok(())
     }
@@ -719,7 +724,7 @@ impl Proxy {
     /// client sees its connection closed under it). New connections are accepted as before.
     pub fn drop_connections(&self) {
         let open = std::mem::take(&mut *self.shared.open.lock().expect("proxy lock"));
-        for (client, upstream) in open {
+        for (client, upstream, _) in open {
             let _ = client.shutdown(std::net::Shutdown::Both);
             let _ = upstream.shutdown(std::net::Shutdown::Both);
         }
@@ -729,6 +734,17 @@ impl Proxy {
     /// old and new; connections stay open. Returns at once.
     pub fn pause(&self, duration: Duration) {
         *self.shared.paused_until.lock().expect("proxy lock") = Some(Instant::now() + duration);
+    }
+
+    /// Stops forwarding for `duration` from now, in both directions, on the connections open
+    /// now only (a black hole on their path: they stay open, their bytes wait and are
+    /// delivered when it ends, unless a side closed meanwhile); connections accepted from now on
+    /// are forwarded as usual. Returns at once.
+    pub fn pause_open(&self, duration: Duration) {
+        let until = Some(Instant::now() + duration);
+        for (_, _, paused) in self.shared.open.lock().expect("proxy lock").iter() {
+            *paused.lock().expect("proxy lock") = until;
+        }
     }
 
     /// Sends every connection accepted from now on to `127.0.0.1:target_port` (as a virtual IP
@@ -774,8 +790,9 @@ impl Drop for Proxy {
     }
 }
 
-/// Copies `from` to `to` until either side closes, holding bytes while the proxy is paused.
-fn pipe(shared: &ProxyShared, mut from: TcpStream, mut to: TcpStream) {
+/// Copies `from` to `to` until either side closes, holding bytes while the proxy or this
+/// connection (`paused`) is paused.
+fn pipe(shared: &ProxyShared, paused: &ConnPause, mut from: TcpStream, mut to: TcpStream) {
     use std::io::Write;
     let mut buf = [0u8; 16 * 1024];
     loop {
@@ -784,8 +801,9 @@ fn pipe(shared: &ProxyShared, mut from: TcpStream, mut to: TcpStream) {
             Ok(n) => n,
         };
         loop {
-            let until = *shared.paused_until.lock().expect("proxy lock");
-            match until {
+            let all = *shared.paused_until.lock().expect("proxy lock");
+            let this = *paused.lock().expect("proxy lock");
+            match all.max(this) {
                 Some(until) if Instant::now() < until => {
                     std::thread::sleep(Duration::from_millis(5).min(until - Instant::now()));
                 }

@@ -37,7 +37,9 @@ pub use sentinel::{
 
 use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
 use super::lease::ttl_millis;
-use super::policy::{self, Ask, Attempt, AttemptTimeout, Backend, Renewal, Resend, limit_refused};
+use super::policy::{
+    self, Ask, Attempt, Backend, DEFAULT_CALL_TIMEOUT, Renewal, Resend, limit_refused,
+};
 use super::token_issuer::IssuerKind;
 use super::{KeepAlive, Lease, LeaseState, LockStatus, ReleaseOutcome};
 #[cfg(doc)]
@@ -105,6 +107,7 @@ pub struct Issuer<C = RedisConnections> {
     conn: C,
     pub(crate) floor_source: Option<Arc<dyn FloorSource>>,
     prefix: Arc<str>,
+    call_timeout: Duration,
 }
 
 impl<C> std::fmt::Debug for Issuer<C> {
@@ -112,6 +115,7 @@ impl<C> std::fmt::Debug for Issuer<C> {
         f.debug_struct("Issuer")
             .field("key_prefix", &self.prefix)
             .field("floor_source", &self.floor_source.is_some())
+            .field("call_timeout", &self.call_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -136,6 +140,25 @@ impl<C> Issuer<C> {
     #[must_use]
     pub fn key_prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`], 5 s, by default):
+    /// an acquire, release, extend, status read or floor raise returns within `bound`, its
+    /// re-sends included, or fails with an [`Error::Redis`] timeout (which is
+    /// [retryable](Error::is_retryable): the outcome is unknown). Each attempt is cut off
+    /// after 1 s, so an acquire (at most 3 attempts) gives up within about 3 s whatever the
+    /// bound; the first attempt of a call gets at least 100 ms however small `bound` is. See
+    /// `docs/issuers.md`, "Time bounds".
+    #[must_use]
+    pub fn with_call_timeout(mut self, bound: Duration) -> Self {
+        self.call_timeout = bound;
+        self
+    }
+
+    /// The call bound (see [`Issuer::with_call_timeout`]).
+    #[must_use]
+    pub fn call_timeout(&self) -> Duration {
+        self.call_timeout
     }
 
     /// This issuer's Redis key for `resource`'s lock (see [`lock_key`]).
@@ -225,6 +248,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
             conn,
             floor_source: None,
             prefix: Arc::from(DEFAULT_KEY_PREFIX),
+            call_timeout: DEFAULT_CALL_TIMEOUT,
         }
     }
 
@@ -287,7 +311,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     /// Releases the lock if `lease` still holds it. The counter is left alone.
     ///
     /// A release lost in transit (a dropped or refused connection, a timeout) is sent again
-    /// for up to 2 s: releasing is owner-safe. When a re-sent release finds the lock gone
+    /// within the call bound ([`Issuer::with_call_timeout`]): releasing is owner-safe. When a re-sent release finds the lock gone
     /// before the lease's local deadline, the lock cannot have expired, so an earlier attempt
     /// released it: that is reported as [`ReleaseOutcome::Released`].
     ///
@@ -300,8 +324,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     /// Extends the lock to `ttl` from now if `lease` still holds it, and moves the lease's
     /// local deadline accordingly.
     ///
-    /// An extend lost in transit is sent again (extending is owner-safe and idempotent) until
-    /// the lease's local deadline, or for 2 s when that is sooner; only Redis's answer
+    /// An extend lost in transit is sent again (extending is owner-safe and idempotent) within
+    /// the call bound ([`Issuer::with_call_timeout`]); only Redis's answer
     /// ([`LeaseState::Expired`], [`LeaseState::Taken`]) or running out of time ends it early.
     ///
     /// # Errors
@@ -406,25 +430,16 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
 }
 
 /// How a Redis call is re-sent: at once (to the connection that just reconnected), then after
-/// 10 ms doubling to 250 ms, at most 8 times; each attempt is cut off after 1 s, since a
-/// stalled connection is not reconnected by the client.
+/// 10 ms doubling to 250 ms, at most 8 times (an acquire: 3 times), all within the call bound;
+/// each attempt, an acquire's too, is cut off after 1 s, since a stalled connection is not
+/// reconnected by the client (the next attempt goes out on the next connection).
 const RESEND: Resend = Resend {
     first: Duration::ZERO,
     start: Duration::from_millis(10),
     max: Duration::from_millis(250),
     max_attempts: 8,
-    attempt_timeout: Some(AttemptTimeout {
-        after: Duration::from_secs(1),
-        no_reply,
-    }),
+    attempt_timeout: Some(Duration::from_secs(1)),
 };
-
-fn no_reply(after: Duration) -> Error {
-    Error::Redis(redis::RedisError::from(std::io::Error::new(
-        std::io::ErrorKind::TimedOut,
-        format!("no reply from Redis within {after:?}"),
-    )))
-}
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for Issuer<C> {
     const KIND: IssuerKind = IssuerKind::Redis;
@@ -432,6 +447,17 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for Issuer<C> {
 
     fn key_prefix(&self) -> &str {
         &self.prefix
+    }
+
+    fn call_timeout(&self) -> Duration {
+        self.call_timeout
+    }
+
+    fn no_reply(after: Duration) -> Error {
+        Error::Redis(redis::RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no reply from Redis within {after:?}"),
+        )))
     }
 
     fn resendable(e: &Error) -> bool {

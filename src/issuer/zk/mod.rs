@@ -109,6 +109,7 @@ pub use url::{ZK_SCHEME, is_zk_url};
 pub struct ZkIssuer {
     inner: Arc<Inner>,
     prefix: Arc<str>,
+    call_timeout: Duration,
 }
 
 impl std::fmt::Debug for ZkIssuer {
@@ -117,6 +118,7 @@ impl std::fmt::Debug for ZkIssuer {
             .field("hosts", &self.inner.hosts)
             .field("session_timeout", &self.inner.session_timeout)
             .field("key_prefix", &self.prefix)
+            .field("call_timeout", &self.call_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -141,6 +143,7 @@ impl ZkIssuer {
                 held: Mutex::new(HashMap::new()),
             }),
             prefix: DEFAULT_KEY_PREFIX.into(),
+            call_timeout: crate::issuer::DEFAULT_CALL_TIMEOUT,
         })
     }
 
@@ -159,6 +162,24 @@ impl ZkIssuer {
     #[must_use]
     pub fn key_prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`](crate::issuer::DEFAULT_CALL_TIMEOUT),
+    /// 5 s, by default): an acquire, release, extend or status read returns within `bound`,
+    /// its re-sends included, or fails with a [`Error::ZooKeeper`] timeout ([retryable](Error::is_retryable): the
+    /// outcome is unknown). Each request also has the client's own 5 s timeout. The first
+    /// attempt of a call gets at least 100 ms however small `bound` is. See
+    /// `docs/issuers.md`, "Time bounds".
+    #[must_use]
+    pub fn with_call_timeout(mut self, bound: Duration) -> Self {
+        self.call_timeout = bound;
+        self
+    }
+
+    /// The call bound (see [`ZkIssuer::with_call_timeout`]).
+    #[must_use]
+    pub fn call_timeout(&self) -> Duration {
+        self.call_timeout
     }
 
     /// This issuer's znode for `resource`'s lock nodes: `/PREFIX/lock/R`.
@@ -266,8 +287,8 @@ impl ZkIssuer {
     }
 
     /// Releases the lock if `lease` still holds it (its node, same owner and token, still
-    /// exists), from any issuer on the ensemble. A release lost in transit is sent again for
-    /// up to 2 s; one that then finds its node gone before the lease's local deadline reports
+    /// exists), from any issuer on the ensemble. A release lost in transit is sent again
+    /// within the call bound; one that then finds its node gone before the lease's local deadline reports
     /// [`ReleaseOutcome::Released`] (an earlier attempt deleted it), as the other issuers do.
     ///
     /// # Errors
@@ -311,8 +332,8 @@ impl ZkIssuer {
 
     /// Reads `resource`'s lock. `counter` is the zxid of the last change to the resource's lock
     /// nodes (every token issued for it so far is at most this; the next is above it). `ttl_ms`
-    /// is known only for locks this issuer holds. A read lost in transit is sent again for up
-    /// to 2 s.
+    /// is known only for locks this issuer holds. A read lost in transit is sent again within
+    /// the call bound.
     ///
     /// # Errors
     /// [`Error::ZooKeeper`].

@@ -29,6 +29,14 @@ impl Backend for ZkIssuer {
         &self.prefix
     }
 
+    fn call_timeout(&self) -> Duration {
+        self.call_timeout()
+    }
+
+    fn no_reply(_after: Duration) -> Error {
+        Error::ZooKeeper(zookeeper_client::Error::Timeout)
+    }
+
     /// One attempt: a listing, and a node created when the lock is free. The owner id in the
     /// node's name lets a re-sent attempt find a node an unanswered one created.
     async fn try_acquire(&self, ask: &Ask<'_>) -> Result<Attempt> {
