@@ -295,7 +295,9 @@ mod error;
 mod faults;
 mod harness;
 mod history;
+mod history_file;
 mod leaseless;
+mod nemesis;
 mod pg_failover;
 mod report;
 mod reseed;
@@ -312,6 +314,10 @@ pub use harness::{Control, FaultHold, Harness};
 pub use history::{
     Attempt, BatchRows, FailoverEvent, FaultMark, LeaseRecord, LeaselessAttempt, LeaselessKind,
     LeaselessOutcome, Outcome, PgFailoverEvent, RowResult, Stage,
+};
+pub use history_file::HISTORY_FORMAT_VERSION;
+pub use nemesis::{
+    NemesisEvent, NemesisFigures, Partitions, SteppableClock, clock_steps,
 };
 pub use pg_failover::pg_failover_at;
 pub use report::{
