@@ -156,7 +156,11 @@ impl Report {
             writeln!(out, "{event}")?;
         }
         for (row, value) in &self.final_values {
-            writeln!(out, "{}", json!({ "type": "final", "row": row, "value": value }))?;
+            writeln!(
+                out,
+                "{}",
+                json!({ "type": "final", "row": row, "value": value })
+            )?;
         }
         out.flush()
     }

@@ -316,9 +316,7 @@ pub use history::{
     LeaselessOutcome, Outcome, PgFailoverEvent, RowResult, Stage,
 };
 pub use history_file::HISTORY_FORMAT_VERSION;
-pub use nemesis::{
-    NemesisEvent, NemesisFigures, Partitions, SteppableClock, clock_steps,
-};
+pub use nemesis::{NemesisEvent, NemesisFigures, Partitions, SteppableClock, clock_steps};
 pub use pg_failover::pg_failover_at;
 pub use report::{
     BatchFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery, LeaselessFigures,

@@ -98,8 +98,8 @@ use clap::parser::ValueSource;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser};
 use pgfence::issuer::IssuerKind;
 use pgfence_chaos::{
-    Config, Control, Deployment, FailoverEvent, Harness, Mode, PgFailoverEvent, Recovery,
-    ReseedCounter, Summary, Target, issuer_of_url, parse_issuer, pg_failover_at,
+    Config, Control, Deployment, FailoverEvent, Harness, Mode, Partitions, PgFailoverEvent,
+    Recovery, ReseedCounter, Summary, Target, issuer_of_url, parse_issuer, pg_failover_at,
 };
 use pgfence_testkit::{PgReplicaSet, Replication, Server};
 use sqlx::postgres::PgConnectOptions;
@@ -166,6 +166,25 @@ struct Args {
     /// `fence = fence + 1`).
     #[arg(long, default_value_t = 0.5)]
     bypass_share: f64,
+    /// Write each run's history as JSON lines (format: docs/proof.md, "History format") to
+    /// PATH; with several modes (--control, --all-modes) to PATH.<mode>, one file per run.
+    #[arg(long, value_name = "PATH")]
+    history: Option<std::path::PathBuf>,
+    /// Partitions: split the workers into this many groups, each reaching PostgreSQL through
+    /// its own loopback proxy, and black-hole or reset one group at a time (the database must
+    /// be on 127.0.0.1).
+    #[arg(long)]
+    partition_groups: Option<usize>,
+    /// Partitions: mean time between two partitions, ms.
+    #[arg(long, default_value_t = 400)]
+    partition_every_ms: u64,
+    /// Partitions: shortest and longest black-hole, ms.
+    #[arg(long, num_args = 2, value_names = ["MIN", "MAX"], default_values_t = [100, 300])]
+    black_hole_ms: Vec<u64>,
+    /// Partitions: share of partitions that reset the group's connections instead of
+    /// black-holing them.
+    #[arg(long, default_value_t = 0.3)]
+    reset_share: f64,
     /// Delete every Redis counter when this unit starts (repeatable). Redis only, through a
     /// redis:// URL.
     #[arg(long)]
@@ -460,6 +479,7 @@ async fn main() -> anyhow::Result<()> {
     };
 
     let mut ok = true;
+    let several = modes.len() > 1;
     for mode in modes {
         let fresh = match args.failover_at {
             Some(_) => Some(
@@ -497,7 +517,16 @@ async fn main() -> anyhow::Result<()> {
             database: database.clone(),
             issuer_url,
         };
-        let cfg = config(&args, issuer.kind, mode);
+        let mut cfg = config(&args, issuer.kind, mode);
+        cfg.history = args.history.as_ref().map(|p| {
+            if several {
+                let mut name = p.clone().into_os_string();
+                name.push(format!(".{mode}"));
+                std::path::PathBuf::from(name)
+            } else {
+                p.clone()
+            }
+        });
         let mut harness = Harness::new(cfg, &target).await?;
         if harness.issuer_kind().can_reseed() {
             harness = harness.with_reseed_counter(reseeds.clone())?;
@@ -775,6 +804,13 @@ fn config(args: &Args, issuer: IssuerKind, mode: Mode) -> Config {
         bypass_share: args.bypass_share,
         // Units caught by a database failover retry through it, as jobs do.
         outage_retry: args.pg_failover_at.map(|_| Duration::from_secs(10)),
+        partitions: args.partition_groups.map(|groups| Partitions {
+            groups,
+            every: Duration::from_millis(args.partition_every_ms),
+            black_hole_min: Duration::from_millis(args.black_hole_ms[0]),
+            black_hole_max: Duration::from_millis(args.black_hole_ms[1]),
+            reset_share: args.reset_share,
+        }),
         ..timing
     }
 }

@@ -206,7 +206,8 @@ pub trait SteppableClock: Send + Sync {
 
 impl SteppableClock for pgfence_testkit::clock::ShimmedRedis {
     fn step_ms(&self, step_ms: i64) -> std::io::Result<i64> {
-        self.clock().step(Duration::from_millis(step_ms.unsigned_abs()), step_ms >= 0)
+        self.clock()
+            .step(Duration::from_millis(step_ms.unsigned_abs()), step_ms >= 0)
     }
 }
 

@@ -4,7 +4,9 @@ use std::fmt;
 
 use serde::Serialize;
 
-use crate::{Attempt, FaultMark, LeaseRecord, LeaselessAttempt, Mode, NemesisEvent, NemesisFigures};
+use crate::{
+    Attempt, FaultMark, LeaseRecord, LeaselessAttempt, Mode, NemesisEvent, NemesisFigures,
+};
 
 /// How the run recovered from one fault. Only leases granted after the fault count (for an
 /// issuer failover: leases asked for after it, which the old leader cannot have issued).

@@ -1225,7 +1225,11 @@ impl Try<'_> {
     }
 
     async fn begin(&self) -> Step<Transaction<'static, Postgres>> {
-        self.ctx.pool_of(self.worker).begin().await.map_err(db_at(Stage::Begin))
+        self.ctx
+            .pool_of(self.worker)
+            .begin()
+            .await
+            .map_err(db_at(Stage::Begin))
     }
 
     /// Reads the row's value, in `tx` if given, else on the pool.

@@ -19,6 +19,19 @@ use pgfence_testkit::clock::ShimmedRedis;
 use serde_json::Value;
 use support::{TestDb, redis_url};
 
+/// `PGFENCE_NEMESIS_UNITS` overrides a run's units (and lifts its time limit to 20 minutes),
+/// for the longer runs of docs/proof.md; `PGFENCE_NEMESIS_HISTORY` keeps the partition run's
+/// history file at that path.
+fn units(default: u64) -> (u64, Duration) {
+    match std::env::var("PGFENCE_NEMESIS_UNITS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        Some(n) => (n, Duration::from_secs(1_200)),
+        None => (default, Duration::from_secs(40)),
+    }
+}
+
 async fn run(cfg: Config, target: &Target) -> Report {
     let harness = Harness::new(cfg, target).await.expect("harness setup");
     let report = harness.run().await.expect("run");
@@ -108,13 +121,15 @@ async fn partitions_fenced_holds_and_the_unfenced_control_breaks() {
     };
     let dir = std::env::temp_dir().join(format!("pgfence-nemesis-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let history = dir.join("partitions.jsonl");
+    let history = std::env::var_os("PGFENCE_NEMESIS_HISTORY")
+        .map_or_else(|| dir.join("partitions.jsonl"), std::path::PathBuf::from);
+    let (units, max_duration) = units(500);
     let cfg = Config {
         workers: 8,
         rows: 4,
-        units: 500,
+        units,
         pause_probability: 0.0,
-        max_duration: Duration::from_secs(40),
+        max_duration,
         partitions: Some(Partitions {
             groups: 2,
             every: Duration::from_millis(150),
@@ -134,7 +149,10 @@ async fn partitions_fenced_holds_and_the_unfenced_control_breaks() {
     assert_eq!(s.stale_reads, 0, "{s}");
     let n = s.nemesis.as_ref().expect("nemesis figures");
     assert!(n.black_holes > 0 && n.resets > 0, "{s}");
-    assert!(s.rejected > 0, "partitions past the TTL must cause rejections: {s}");
+    assert!(
+        s.rejected > 0,
+        "partitions past the TTL must cause rejections: {s}"
+    );
     assert_eq!(s.audit_rows, s.rejected, "{s}");
     check_history(&history, &fenced);
 
@@ -175,16 +193,17 @@ async fn clock_steps_fenced_holds_and_the_unfenced_control_breaks() {
         database: db.options.clone(),
         issuer_url: redis.url(),
     };
+    let (units, max_duration) = units(200);
     let cfg = Config {
         workers: 8,
         rows: 4,
-        units: 200,
+        units,
         ttl: Duration::from_secs(1),
         acquire_wait: Duration::from_secs(3),
         pause_probability: 1.0,
         pause_min: Duration::from_millis(100),
         pause_max: Duration::from_millis(300),
-        max_duration: Duration::from_secs(40),
+        max_duration,
         ..Config::default()
     };
     let run_stepped = |cfg: Config| {
@@ -215,7 +234,10 @@ async fn clock_steps_fenced_holds_and_the_unfenced_control_breaks() {
     assert_eq!(s.violations, 0, "{s}");
     assert_eq!(s.lost_updates, 0, "{s}");
     assert_eq!(s.stale_reads, 0, "{s}");
-    assert!(s.nemesis.as_ref().is_some_and(|n| n.clock_steps == steps), "{s}");
+    assert!(
+        s.nemesis.as_ref().is_some_and(|n| n.clock_steps == steps),
+        "{s}"
+    );
     assert!(s.rejected > 0, "early grants must cause rejections: {s}");
 
     let (control, steps) = run_stepped(Config {

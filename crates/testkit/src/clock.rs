@@ -189,7 +189,10 @@ impl WallClockShim {
     /// The offset last set, in ms (positive: the server's clock is ahead of real time).
     #[must_use]
     pub fn offset_ms(&self) -> i64 {
-        *self.offset_ms.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        *self
+            .offset_ms
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Sets the offset (replacing the file, so a reader sees the old or the new value).
