@@ -287,7 +287,10 @@
 //! [`Config`] and [`Target`] say what runs where; [`Deployment`] starts the issuer's throwaway
 //! servers and fails them over; [`Harness`] sets the run up and runs the workers, whose write
 //! pipeline (one plan of steps per [`Mode`]) lives in `worker`; the fault injectors in
-//! `faults`; the checks in `verify`; the [`Report`] and its printing in `report`.
+//! `faults`; the checks in `verify`; the [`Report`] and its printing in `report`. The nemeses
+//! ([`Partitions`] between groups of workers and PostgreSQL, lock-server clock steps with
+//! [`clock_steps`]) are in `nemesis`; [`Report::write_history`] writes the history as JSON
+//! lines for a checker outside the project (format: `docs/proof.md`, "History format").
 
 mod config;
 mod deploy;

@@ -79,6 +79,17 @@
 //!     --restart-postgres-at 14000
 //! ```
 //!
+//! `--partition-groups N` splits the workers into N groups, each reaching PostgreSQL through
+//! its own loopback proxy, and black-holes (`--black-hole-ms MIN MAX`) or resets
+//! (`--reset-share`) one group about every `--partition-every-ms`; `--history PATH` writes each
+//! run's history as JSON lines (docs/proof.md, "History format"):
+//!
+//! ```sh
+//! cargo run --release -p pgfence-chaos -- --workers 8 --rows 4 --attempts 3000 \
+//!     --pause-prob 0 --partition-groups 2 --partition-every-ms 150 --black-hole-ms 100 250 \
+//!     --control --history /tmp/partitions.jsonl
+//! ```
+//!
 //! Batch mode (`--mode batch`) splits the `--rows` counter rows into `--batch-groups` groups,
 //! one lock each; a unit claims and writes 10–100 (`--batch-min-rows`, `--batch-max-rows`)
 //! rows of its group in one statement each:
