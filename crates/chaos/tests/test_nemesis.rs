@@ -252,3 +252,52 @@ async fn clock_steps_fenced_holds_and_the_unfenced_control_breaks() {
         "clock steps must break the unfenced control: {c}"
     );
 }
+
+/// The shim moves only the server's wall clock, by the offset written while it runs: Redis's
+/// `TIME` jumps by the step, and a key with a 10 s expiry is gone after a 20 s step.
+#[tokio::test]
+async fn the_clock_shim_steps_a_running_redis() {
+    let redis = match ShimmedRedis::start().await {
+        Ok(r) => r,
+        Err(e @ ServerError::NotInstalled { .. }) => {
+            eprintln!("skipped: {e}");
+            return;
+        }
+        Err(e) => panic!("shimmed redis: {e}"),
+    };
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let time = |conn: &mut redis::aio::MultiplexedConnection| {
+        let mut conn = conn.clone();
+        async move {
+            let (s, _us): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+            s
+        }
+    };
+    let before = time(&mut conn).await;
+    let _: () = redis::cmd("SET")
+        .arg("k")
+        .arg("v")
+        .arg("PX")
+        .arg(10_000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        redis.clock().step(Duration::from_secs(20), true).unwrap(),
+        20_000
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let after = time(&mut conn).await;
+    assert!((19..=22).contains(&(after - before)), "{before} -> {after}");
+    let k: Option<String> = redis::cmd("GET")
+        .arg("k")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(k, None, "the key expired by the server's clock");
+    assert_eq!(
+        redis.clock().step(Duration::from_secs(20), false).unwrap(),
+        0
+    );
+}
