@@ -2,6 +2,7 @@
 //! ([`Target`]).
 
 use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use pgfence::issuer::IssuerKind;
@@ -9,6 +10,7 @@ use serde::Serialize;
 use sqlx::postgres::PgConnectOptions;
 
 use crate::ChaosError;
+use crate::nemesis::Partitions;
 
 /// How the workers protect their read-modify-write (see the [crate documentation](crate)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -228,6 +230,12 @@ pub struct Config {
     /// Leaseless mode: the share of lease-less writes that are audited bypasses (the others
     /// are raw `fence = fence + 1` updates).
     pub bypass_share: f64,
+    /// Network partitions between groups of workers and PostgreSQL (see [`Partitions`]);
+    /// `None`: every worker on one pool, straight to the database.
+    pub partitions: Option<Partitions>,
+    /// Where to write the run's history as JSON lines (see
+    /// [`Report::write_history`](crate::Report::write_history)), once the run is verified.
+    pub history: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -259,6 +267,8 @@ impl Default for Config {
             leaseless_writers: 2,
             leaseless_every: Duration::from_millis(4),
             bypass_share: 0.5,
+            partitions: None,
+            history: None,
         }
     }
 }
@@ -328,6 +338,9 @@ impl Config {
             .is_some_and(|d| d > Duration::from_secs(120))
         {
             return bad("outage retry: at most 120 s");
+        }
+        if let Some(p) = &self.partitions {
+            p.validate(self.workers).map_err(ChaosError::Config)?;
         }
         pgfence::issuer::check_ttl(self.ttl)?;
         Ok(())

@@ -10,7 +10,7 @@ use pgfence::{
     audit::Auditor,
     issuer::{IssuerKind, IssuerOptions},
 };
-use pgfence_testkit::Provider;
+use pgfence_testkit::{Provider, Proxy};
 use redis::aio::ConnectionManager;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -18,6 +18,7 @@ use tokio::time::Instant;
 
 use crate::faults::{Kills, kill_backends};
 use crate::leaseless::leaseless_writer;
+use crate::nemesis::NemesisEvent;
 use crate::schema::{self, Cell, ClaimCell};
 use crate::util::{lock, millis};
 use crate::verify::{ProviderTally, RunId, RunOutput, verify};
@@ -43,6 +44,8 @@ pub(crate) struct Shared {
     pub(crate) pg_failover: Mutex<Option<PgFailoverEvent>>,
     /// Faults in progress ([`Control::hold`]): the verification waits for them.
     pub(crate) held: AtomicU64,
+    /// Nemesis actions so far (partitions, clock steps).
+    pub(crate) nemesis: Mutex<Vec<NemesisEvent>>,
 }
 
 impl Shared {
@@ -63,6 +66,9 @@ pub(crate) struct Ctx {
     pub(crate) resources: Vec<Resource>,
     /// The workers' pool (its backends may be killed).
     pub(crate) pool: PgPool,
+    /// With [`Config::partitions`]: one pool per group of workers, each through its own
+    /// proxy (worker `w` uses `group_pools[w % groups]`); empty otherwise.
+    pub(crate) group_pools: Vec<PgPool>,
     pub(crate) fence: Fence,
     pub(crate) repo: Repository<Cell>,
     /// The same table, as the row-claim and batch modes claim and write it.
@@ -77,6 +83,18 @@ pub(crate) struct Ctx {
     /// allowed to bypass itself).
     pub(crate) bypass_role: Option<String>,
     pub(crate) shared: Arc<Shared>,
+}
+
+impl Ctx {
+    /// The pool worker `worker` writes through: its group's under partitions, else the
+    /// workers' pool.
+    pub(crate) fn pool_of(&self, worker: usize) -> &PgPool {
+        if self.group_pools.is_empty() {
+            &self.pool
+        } else {
+            &self.group_pools[worker % self.group_pools.len()]
+        }
+    }
 }
 
 /// What the effects modes' job needs besides the database: the effect ledger (sharing the
@@ -160,6 +178,13 @@ impl Control {
     pub fn record_failover(&self, event: FailoverEvent) {
         *lock(&self.0.failover) = Some(event);
     }
+
+    /// Records a nemesis action applied from outside (a clock step, see
+    /// [`clock_steps`](crate::clock_steps)): it goes into the report's
+    /// [`Summary::nemesis`](crate::Summary::nemesis) and the history file.
+    pub fn record_nemesis(&self, event: NemesisEvent) {
+        lock(&self.0.nemesis).push(event);
+    }
 }
 
 /// A fault in progress ([`Control::hold`]); dropping it lets the verification go on.
@@ -181,6 +206,8 @@ pub struct Harness {
     worker_app: String,
     /// The PostgreSQL issuer's application name (its backends are killed with the workers').
     issuer_app: Option<String>,
+    /// With [`Config::partitions`]: each group's proxy in front of the database.
+    proxies: Arc<Vec<Proxy>>,
 }
 
 impl Harness {
@@ -228,6 +255,10 @@ impl Harness {
         let writers =
             u32::try_from(cfg.workers.saturating_add(leaseless_writers)).unwrap_or(u32::MAX);
         let pool = connect(target, &worker_app, writers.saturating_add(2)).await?;
+        let (proxies, group_pools) = match &cfg.partitions {
+            Some(p) => partition_pools(target, &worker_app, p.groups, cfg.workers).await?,
+            None => (Vec::new(), Vec::new()),
+        };
         let audit_pool = connect(target, "pgfence-chaos-audit", 4).await?;
         let admin = connect(target, "pgfence-chaos-admin", 2).await?;
 
@@ -285,6 +316,7 @@ impl Harness {
             failover: Mutex::new(None),
             pg_failover: Mutex::new(None),
             held: AtomicU64::new(0),
+            nemesis: Mutex::new(Vec::new()),
         });
         Ok(Self {
             ctx: Arc::new(Ctx {
@@ -293,6 +325,7 @@ impl Harness {
                 run,
                 resources,
                 pool,
+                group_pools,
                 fence,
                 repo,
                 claim_repo,
@@ -307,6 +340,7 @@ impl Harness {
             reseeds: None,
             worker_app,
             issuer_app,
+            proxies: Arc::new(proxies),
         })
     }
 
@@ -380,6 +414,16 @@ impl Harness {
             let seed = ctx.cfg.seed;
             tokio::spawn(kill_backends(admin, app, issuer_app, shared, every, seed))
         });
+        let partitioner = ctx.cfg.partitions.clone().map(|plan| {
+            let proxies = self.proxies.clone();
+            let shared = ctx.shared.clone();
+            tokio::spawn(crate::nemesis::partition(
+                proxies,
+                plan,
+                shared,
+                ctx.cfg.seed,
+            ))
+        });
         let leaseless_ids = Arc::new(AtomicU64::new(0));
         let leaseless: Vec<_> = if ctx.cfg.mode == Mode::LeaselessMix {
             (0..ctx.cfg.leaseless_writers)
@@ -411,6 +455,9 @@ impl Harness {
                 Ok(out) => leaseless_attempts.extend(out),
                 Err(e) => return Err(ChaosError::Worker(e.to_string())),
             }
+        }
+        if let Some(p) = partitioner {
+            let _ = p.await;
         }
         let kills = match killer {
             Some(k) => k.await.unwrap_or_default(),
@@ -450,6 +497,8 @@ impl Harness {
             reseeds,
             provider,
             leaseless: leaseless_attempts,
+            nemesis: lock(&ctx.shared.nemesis).clone(),
+            partition_groups: self.proxies.len(),
         };
         let id = RunId {
             cfg: &ctx.cfg,
@@ -457,8 +506,53 @@ impl Harness {
             run: &ctx.run,
             resource_prefix: &prefix,
         };
-        verify(&self.admin, id, output).await
+        let report = verify(&self.admin, id, output).await?;
+        if let Some(path) = &ctx.cfg.history {
+            report.write_history_file(path).map_err(|e| {
+                ChaosError::Config(format!("writing the history to {}: {e}", path.display()))
+            })?;
+        }
+        Ok(report)
     }
+}
+
+/// One proxy in front of the target database per group of workers, and each group's pool
+/// through it (the workers' application name, so that killed backends include them).
+async fn partition_pools(
+    target: &Target,
+    application_name: &str,
+    groups: usize,
+    workers: usize,
+) -> Result<(Vec<Proxy>, Vec<PgPool>), ChaosError> {
+    let host = target.database.get_host();
+    if !matches!(host, "127.0.0.1" | "localhost") {
+        return Err(ChaosError::Config(format!(
+            "partitions put a loopback proxy in front of the database: it must be on \
+             127.0.0.1 (not {host})"
+        )));
+    }
+    let mut proxies = Vec::with_capacity(groups);
+    let mut pools = Vec::with_capacity(groups);
+    for g in 0..groups {
+        let proxy = Proxy::start(target.database.get_port())
+            .map_err(|e| ChaosError::Config(format!("starting a partition proxy: {e}")))?;
+        let members = (g..workers).step_by(groups).count();
+        let max = u32::try_from(members).unwrap_or(u32::MAX).saturating_add(2);
+        let options = target
+            .database
+            .clone()
+            .host("127.0.0.1")
+            .port(proxy.port())
+            .application_name(application_name);
+        let pool = PgPoolOptions::new()
+            .max_connections(max)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options)
+            .await?;
+        proxies.push(proxy);
+        pools.push(pool);
+    }
+    Ok((proxies, pools))
 }
 
 /// A pool on the target database whose sessions carry `application_name`.

@@ -287,7 +287,10 @@
 //! [`Config`] and [`Target`] say what runs where; [`Deployment`] starts the issuer's throwaway
 //! servers and fails them over; [`Harness`] sets the run up and runs the workers, whose write
 //! pipeline (one plan of steps per [`Mode`]) lives in `worker`; the fault injectors in
-//! `faults`; the checks in `verify`; the [`Report`] and its printing in `report`.
+//! `faults`; the checks in `verify`; the [`Report`] and its printing in `report`. The nemeses
+//! ([`Partitions`] between groups of workers and PostgreSQL, lock-server clock steps with
+//! [`clock_steps`]) are in `nemesis`; [`Report::write_history`] writes the history as JSON
+//! lines for a checker outside the project (format: `docs/proof.md`, "History format").
 
 mod config;
 mod deploy;
@@ -295,7 +298,9 @@ mod error;
 mod faults;
 mod harness;
 mod history;
+mod history_file;
 mod leaseless;
+mod nemesis;
 mod pg_failover;
 mod report;
 mod reseed;
@@ -313,6 +318,8 @@ pub use history::{
     Attempt, BatchRows, FailoverEvent, FaultMark, LeaseRecord, LeaselessAttempt, LeaselessKind,
     LeaselessOutcome, Outcome, PgFailoverEvent, RowResult, Stage,
 };
+pub use history_file::HISTORY_FORMAT_VERSION;
+pub use nemesis::{NemesisEvent, NemesisFigures, Partitions, SteppableClock, clock_steps};
 pub use pg_failover::pg_failover_at;
 pub use report::{
     BatchFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery, LeaselessFigures,

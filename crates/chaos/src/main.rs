@@ -79,6 +79,17 @@
 //!     --restart-postgres-at 14000
 //! ```
 //!
+//! `--partition-groups N` splits the workers into N groups, each reaching PostgreSQL through
+//! its own loopback proxy, and black-holes (`--black-hole-ms MIN MAX`) or resets
+//! (`--reset-share`) one group about every `--partition-every-ms`; `--history PATH` writes each
+//! run's history as JSON lines (docs/proof.md, "History format"):
+//!
+//! ```sh
+//! cargo run --release -p pgfence-chaos -- --workers 8 --rows 4 --attempts 3000 \
+//!     --pause-prob 0 --partition-groups 2 --partition-every-ms 150 --black-hole-ms 100 250 \
+//!     --control --history /tmp/partitions.jsonl
+//! ```
+//!
 //! Batch mode (`--mode batch`) splits the `--rows` counter rows into `--batch-groups` groups,
 //! one lock each; a unit claims and writes 10–100 (`--batch-min-rows`, `--batch-max-rows`)
 //! rows of its group in one statement each:
@@ -98,8 +109,8 @@ use clap::parser::ValueSource;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser};
 use pgfence::issuer::IssuerKind;
 use pgfence_chaos::{
-    Config, Control, Deployment, FailoverEvent, Harness, Mode, PgFailoverEvent, Recovery,
-    ReseedCounter, Summary, Target, issuer_of_url, parse_issuer, pg_failover_at,
+    Config, Control, Deployment, FailoverEvent, Harness, Mode, Partitions, PgFailoverEvent,
+    Recovery, ReseedCounter, Summary, Target, issuer_of_url, parse_issuer, pg_failover_at,
 };
 use pgfence_testkit::{PgReplicaSet, Replication, Server};
 use sqlx::postgres::PgConnectOptions;
@@ -166,6 +177,25 @@ struct Args {
     /// `fence = fence + 1`).
     #[arg(long, default_value_t = 0.5)]
     bypass_share: f64,
+    /// Write each run's history as JSON lines (format: docs/proof.md, "History format") to
+    /// PATH; with several modes (--control, --all-modes) to PATH.<mode>, one file per run.
+    #[arg(long, value_name = "PATH")]
+    history: Option<std::path::PathBuf>,
+    /// Partitions: split the workers into this many groups, each reaching PostgreSQL through
+    /// its own loopback proxy, and black-hole or reset one group at a time (the database must
+    /// be on 127.0.0.1).
+    #[arg(long)]
+    partition_groups: Option<usize>,
+    /// Partitions: mean time between two partitions, ms.
+    #[arg(long, default_value_t = 400)]
+    partition_every_ms: u64,
+    /// Partitions: shortest and longest black-hole, ms.
+    #[arg(long, num_args = 2, value_names = ["MIN", "MAX"], default_values_t = [100, 300])]
+    black_hole_ms: Vec<u64>,
+    /// Partitions: share of partitions that reset the group's connections instead of
+    /// black-holing them.
+    #[arg(long, default_value_t = 0.3)]
+    reset_share: f64,
     /// Delete every Redis counter when this unit starts (repeatable). Redis only, through a
     /// redis:// URL.
     #[arg(long)]
@@ -460,6 +490,7 @@ async fn main() -> anyhow::Result<()> {
     };
 
     let mut ok = true;
+    let several = modes.len() > 1;
     for mode in modes {
         let fresh = match args.failover_at {
             Some(_) => Some(
@@ -497,7 +528,16 @@ async fn main() -> anyhow::Result<()> {
             database: database.clone(),
             issuer_url,
         };
-        let cfg = config(&args, issuer.kind, mode);
+        let mut cfg = config(&args, issuer.kind, mode);
+        cfg.history = args.history.as_ref().map(|p| {
+            if several {
+                let mut name = p.clone().into_os_string();
+                name.push(format!(".{mode}"));
+                std::path::PathBuf::from(name)
+            } else {
+                p.clone()
+            }
+        });
         let mut harness = Harness::new(cfg, &target).await?;
         if harness.issuer_kind().can_reseed() {
             harness = harness.with_reseed_counter(reseeds.clone())?;
@@ -775,6 +815,13 @@ fn config(args: &Args, issuer: IssuerKind, mode: Mode) -> Config {
         bypass_share: args.bypass_share,
         // Units caught by a database failover retry through it, as jobs do.
         outage_retry: args.pg_failover_at.map(|_| Duration::from_secs(10)),
+        partitions: args.partition_groups.map(|groups| Partitions {
+            groups,
+            every: Duration::from_millis(args.partition_every_ms),
+            black_hole_min: Duration::from_millis(args.black_hole_ms[0]),
+            black_hole_max: Duration::from_millis(args.black_hole_ms[1]),
+            reset_share: args.reset_share,
+        }),
         ..timing
     }
 }

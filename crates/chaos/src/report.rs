@@ -4,7 +4,9 @@ use std::fmt;
 
 use serde::Serialize;
 
-use crate::{Attempt, FaultMark, LeaseRecord, LeaselessAttempt, Mode};
+use crate::{
+    Attempt, FaultMark, LeaseRecord, LeaselessAttempt, Mode, NemesisEvent, NemesisFigures,
+};
 
 /// How the run recovered from one fault. Only leases granted after the fault count (for an
 /// issuer failover: leases asked for after it, which the old leader cannot have issued).
@@ -468,6 +470,8 @@ pub struct Summary {
     pub failover: Option<FailoverFigures>,
     /// The failover of the harness's own PostgreSQL, if the run had one.
     pub pg_failover: Option<PgFailoverFigures>,
+    /// What the nemeses did (partitions, clock steps), if the run had any.
+    pub nemesis: Option<NemesisFigures>,
 }
 
 impl Summary {
@@ -609,6 +613,18 @@ impl fmt::Display for Summary {
         }
         if let Some(p) = &self.pg_failover {
             fmt_pg_failover(f, p)?;
+        }
+        if let Some(n) = &self.nemesis {
+            writeln!(
+                f,
+                "  nemesis:    {} groups; {} black-holes ({} ms in all), {} resets; {} clock steps (offset {} ms)",
+                n.groups,
+                n.black_holes,
+                n.black_hole_ms,
+                n.resets,
+                n.clock_steps,
+                n.clock_offset_ms
+            )?;
         }
         for k in &self.error_kinds {
             writeln!(
@@ -816,4 +832,8 @@ pub struct Report {
     pub leaseless: Vec<LeaselessAttempt>,
     /// Faults, in order.
     pub faults: Vec<FaultMark>,
+    /// Nemesis actions (partitions, clock steps), in order.
+    pub nemesis: Vec<NemesisEvent>,
+    /// Each counter row's final value as PostgreSQL committed it, `(row, value)` by row.
+    pub final_values: Vec<(i32, i64)>,
 }

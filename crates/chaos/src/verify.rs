@@ -12,6 +12,7 @@ use sqlx::{PgPool, Row};
 use pgfence::issuer::IssuerKind;
 
 use crate::faults::Kills;
+use crate::nemesis::{NemesisEvent, NemesisFigures};
 use crate::report::{
     BatchFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery, LeaselessFigures,
     PgFailoverFigures, Report, Summary,
@@ -47,6 +48,10 @@ pub(crate) struct RunOutput {
     pub(crate) provider: Option<ProviderTally>,
     /// Leaseless mode: every lease-less write.
     pub(crate) leaseless: Vec<LeaselessAttempt>,
+    /// Nemesis actions (partitions, clock steps), in order.
+    pub(crate) nemesis: Vec<NemesisEvent>,
+    /// Partition groups (0: no partitions).
+    pub(crate) partition_groups: usize,
 }
 
 /// What the effects modes' payment provider counted, once every call had returned.
@@ -113,6 +118,7 @@ pub(crate) async fn verify(
     .await?;
 
     let row_checks = check_rows(&committed, &rows, cfg.mode);
+    let final_values: Vec<(i32, i64)> = rows.iter().map(|r| (r.id, r.value)).collect();
     // The leases' statements (the lease-less writes' rows are checked on their own).
     let in_history: HashSet<(u64, u32, u32)> = committed
         .values()
@@ -282,6 +288,7 @@ pub(crate) async fn verify(
         leaseless,
         failover,
         pg_failover,
+        nemesis: NemesisFigures::of(output.partition_groups, &output.nemesis),
     };
     Ok(Report {
         summary,
@@ -289,6 +296,8 @@ pub(crate) async fn verify(
         leases,
         leaseless: output.leaseless,
         faults: output.faults,
+        nemesis: output.nemesis,
+        final_values,
     })
 }
 

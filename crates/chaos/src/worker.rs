@@ -849,7 +849,7 @@ impl Try<'_> {
         stall(self.pause.at(StallBefore::Begin)).await;
         let effect = fx
             .ledger
-            .begin(&ctx.pool, self.lease, &item, CHARGE_STEP)
+            .begin(ctx.pool_of(self.worker), self.lease, &item, CHARGE_STEP)
             .await
             .map_err(at(Stage::Effect))?;
         self.begins.push(BeginRecord {
@@ -1225,7 +1225,11 @@ impl Try<'_> {
     }
 
     async fn begin(&self) -> Step<Transaction<'static, Postgres>> {
-        self.ctx.pool.begin().await.map_err(db_at(Stage::Begin))
+        self.ctx
+            .pool_of(self.worker)
+            .begin()
+            .await
+            .map_err(db_at(Stage::Begin))
     }
 
     /// Reads the row's value, in `tx` if given, else on the pool.
@@ -1235,7 +1239,7 @@ impl Try<'_> {
             .bind(self.row);
         match tx {
             Some(conn) => query.fetch_one(conn).await,
-            None => query.fetch_one(&self.ctx.pool).await,
+            None => query.fetch_one(self.ctx.pool_of(self.worker)).await,
         }
         .map_err(db_at(Stage::Read))
     }

@@ -20,6 +20,7 @@
 //! with a proxy that follows its leader.
 
 mod certs;
+pub mod clock;
 mod etcd;
 mod patroni;
 mod pgbouncer;
