@@ -86,8 +86,10 @@ mod cpu;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod measure;
+mod parts;
 mod pg;
 mod report;
+mod scale;
 mod sections;
 mod servers;
 mod workloads;
@@ -158,7 +160,7 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
 
     let mut rounds = Vec::new();
     let mut checks = Vec::new();
-    if ["write", "pgbench", "batch", "job", "storm", "scaling"]
+    if ["write", "pgbench", "batch", "job", "storm", "scaling", "parts"]
         .iter()
         .any(|s| env.cfg.runs(s))
     {
@@ -194,9 +196,17 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
              --features zk --bench throughput -- zk`)"
         );
     }
+    let mut scale_setup = if env.cfg.runs("scale") {
+        Some(scale::prepare(env).await?)
+    } else {
+        None
+    };
     let mut loads = Vec::new();
     for round in 1..=env.cfg.rounds {
         let mut out = Results::new();
+        if let Some(setup) = &mut scale_setup {
+            out.extend(setup.pre.drain(..));
+        }
         // Other work on the machine skews everything: record the load each round starts with.
         let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
         eprintln!("round {round}: load average {}", load.trim());
@@ -232,6 +242,13 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
         }
         if env.cfg.runs("pg") {
             pg::pg(env, round, &mut out).await?;
+        }
+        if env.cfg.runs("parts") {
+            parts::parts(env, round, &mut out).await?;
+        }
+        if let Some(setup) = &scale_setup {
+            let last = round == env.cfg.rounds;
+            scale::scale(env, setup, round, last, &mut out).await?;
         }
         rounds.push(out);
     }
