@@ -174,9 +174,15 @@ pub(crate) async fn prepare(env: &Env) -> Result<Setup> {
         &format!("{resources} more resource marks"),
         &format!(
             "INSERT INTO pgfence.resource_fence (resource, fence)
-                 SELECT 'scale-r:' || g, {mark} FROM generate_series(1, {resources}) g;
-             VACUUM (ANALYZE) pgfence.resource_fence;"
+                 SELECT 'scale-r:' || g, {mark} FROM generate_series(1, {resources}) g"
         ),
+    )
+    .await?;
+    // (VACUUM cannot share a multi-statement string: that runs as one transaction.)
+    timed(
+        &env.admin,
+        "VACUUM (ANALYZE) pgfence.resource_fence",
+        "VACUUM (ANALYZE) pgfence.resource_fence",
     )
     .await?;
 
@@ -191,9 +197,14 @@ pub(crate) async fn prepare(env: &Env) -> Result<Setup> {
                  SELECT now() - (({n} - g) * {span}::float8 / {n}) * interval '1 second',
                         'scale:' || (g % 1000), '\"public\".\"orders\"', (g % 100000)::text,
                         g, g + 1, 'scale-holder', 'update'
-                   FROM generate_series(1, {n}) g;
-             VACUUM (ANALYZE) pgfence.audit;"
+                   FROM generate_series(1, {n}) g"
         ),
+    )
+    .await?;
+    timed(
+        &env.admin,
+        "VACUUM (ANALYZE) pgfence.audit",
+        "VACUUM (ANALYZE) pgfence.audit",
     )
     .await?;
 
