@@ -170,9 +170,11 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
 
     let mut rounds = Vec::new();
     let mut checks = Vec::new();
-    if ["write", "pgbench", "batch", "job", "storm", "scaling", "parts"]
-        .iter()
-        .any(|s| env.cfg.runs(s))
+    if [
+        "write", "pgbench", "batch", "job", "storm", "scaling", "parts",
+    ]
+    .iter()
+    .any(|s| env.cfg.runs(s))
     {
         sections::condition(env).await?;
     }

@@ -65,7 +65,10 @@ pub(crate) async fn parts(env: &Env, round: usize, out: &mut Results) -> Result<
     let repo = Repository::<GuardedRow>::new(pool.clone())?;
     let unguarded = unguarded_sql(env);
     if unguarded == env.repo_sql {
-        anyhow::bail!("the repository's SQL does not name \"bench_guarded\": {}", env.repo_sql);
+        anyhow::bail!(
+            "the repository's SQL does not name \"bench_guarded\": {}",
+            env.repo_sql
+        );
     }
     const N: usize = 6;
     for i in 0..N {
@@ -84,7 +87,10 @@ pub(crate) async fn parts(env: &Env, round: usize, out: &mut Results) -> Result<
                     tasks,
                     rows,
                 };
-                ("parts.plain", measure(cfg, tasks, Metric::Applied, work).await?)
+                (
+                    "parts.plain",
+                    measure(cfg, tasks, Metric::Applied, work).await?,
+                )
             }
             1 => {
                 let work = raw(&unguarded, 0);

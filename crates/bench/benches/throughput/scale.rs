@@ -134,8 +134,12 @@ pub(crate) async fn prepare(env: &Env) -> Result<Setup> {
     load_table(env, "bench_scale_big", n).await?;
     let sql_of = |pool: &PgPool| -> Result<(String, String)> {
         Ok((
-            Repository::<SmallRow>::new(pool.clone())?.update_sql().to_owned(),
-            Repository::<BigRow>::new(pool.clone())?.update_sql().to_owned(),
+            Repository::<SmallRow>::new(pool.clone())?
+                .update_sql()
+                .to_owned(),
+            Repository::<BigRow>::new(pool.clone())?
+                .update_sql()
+                .to_owned(),
         ))
     };
     let (small_sql, big_sql) = sql_of(&env.admin)?;
@@ -385,7 +389,9 @@ pub(crate) async fn scale(
     for _ in 0..10 {
         let mut conn = PgConnection::connect_with(&env.db).await?;
         let start = Instant::now();
-        found = pgfence::audit::list(&mut conn, &audit_filter()).await?.len();
+        found = pgfence::audit::list(&mut conn, &audit_filter())
+            .await?
+            .len();
         ms.push(start.elapsed().as_secs_f64() * 1000.0);
         conn.close().await?;
     }
