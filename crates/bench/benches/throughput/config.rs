@@ -29,14 +29,25 @@ pub(crate) struct Config {
     pub(crate) quiet_wait: u64,
     /// Where the JSON document goes.
     pub(crate) json: PathBuf,
-    /// Sections to run; empty: all.
+    /// Sections to run; empty: all but the opt-in ones ([`OPT_IN`]).
     pub(crate) sections: Vec<String>,
+    /// Section `scale`: rows of the big table and of the audit table; a tenth of it resource
+    /// marks, a ten-thousandth of it guarded tables (`PGFENCE_BENCH_SCALE_ROWS`, default
+    /// 10,000,000). Setting it runs the section without naming it.
+    pub(crate) scale_rows: i64,
+    /// Whether `PGFENCE_BENCH_SCALE_ROWS` was set.
+    scale_asked: bool,
 }
 
 /// Every section, in the order they run.
 pub(crate) const SECTIONS: &[&str] = &[
-    "write", "pgbench", "batch", "acquire", "job", "storm", "scaling", "etcd", "zk", "pg",
+    "write", "pgbench", "batch", "acquire", "job", "storm", "scaling", "etcd", "zk", "pg", "parts",
+    "scale",
 ];
+
+/// Sections that run only when named (or, for `scale`, when `PGFENCE_BENCH_SCALE_ROWS` is
+/// set): they are slow.
+pub(crate) const OPT_IN: &[&str] = &["scale"];
 
 /// The environment variable `name`, parsed, or `default` when unset or blank.
 fn env_or<T: FromStr>(name: &str, default: T) -> Result<T>
@@ -96,6 +107,9 @@ impl Config {
             quiet_wait: env_or("PGFENCE_BENCH_QUIET_WAIT", 30)?,
             json,
             sections,
+            scale_rows: env_or("PGFENCE_BENCH_SCALE_ROWS", 10_000_000)?,
+            scale_asked: std::env::var("PGFENCE_BENCH_SCALE_ROWS")
+                .is_ok_and(|v| !v.trim().is_empty()),
         };
         let max_tasks = cfg
             .scaling
@@ -107,6 +121,9 @@ impl Config {
         if cfg.secs == 0 || cfg.warmup == 0 || cfg.tasks == 0 || cfg.pool == 0 || cfg.rounds == 0 {
             bail!("PGFENCE_BENCH_SECS, _WARMUP, _TASKS, _POOL and _ROUNDS must be at least 1");
         }
+        if cfg.scale_rows < 10_000 || cfg.scale_rows > i64::from(i32::MAX) {
+            bail!("PGFENCE_BENCH_SCALE_ROWS must be between 10000 and 2^31 - 1");
+        }
         if cfg.scaling.contains(&0) || usize::try_from(cfg.rows)? < max_tasks {
             bail!("every concurrency must be between 1 and PGFENCE_BENCH_ROWS");
         }
@@ -115,6 +132,12 @@ impl Config {
 
     /// Whether `section` is to run.
     pub(crate) fn runs(&self, section: &str) -> bool {
-        self.sections.is_empty() || self.sections.iter().any(|s| s == section)
+        if self.sections.iter().any(|s| s == section) {
+            return true;
+        }
+        if OPT_IN.contains(&section) {
+            return section == "scale" && self.scale_asked;
+        }
+        self.sections.is_empty()
     }
 }

@@ -38,6 +38,14 @@
 //!   functions through prepared statements, `PgIssuer::connect`'s own pool, and the Redis
 //!   issuer's acquire+release in the same round; then the same locks contended (every task
 //!   on one resource). PostgreSQL CPU and WAL per operation (see `pg`).
+//! - `parts`: the fenced + guarded write taken apart against the same plain `UPDATE`, in one
+//!   round: the repository's SQL on a copy of the table without the trigger and on the
+//!   guarded table, each with the timeline bound and with timeline 0, and
+//!   [`Repository::update`] with the database's timeline check on and off (see `parts`).
+//! - `scale` (opt-in: run only when named, or when `PGFENCE_BENCH_SCALE_ROWS` is set): fenced
+//!   writes on a table of N rows against 10,000, `pgfence.check` with N/10 resource marks,
+//!   the audit query on N audit rows, doctor on N/10,000 guarded tables, audit prune (see
+//!   `scale`).
 //!
 //! Every figure waits for an idle machine first, and records CPU time per operation of the
 //! client, the PostgreSQL server, the Redis server and everything else (see BENCHMARKS.md).
@@ -59,7 +67,8 @@
 //! `PGFENCE_BENCH_ROUNDS` (3; figures are medians over rounds), `PGFENCE_BENCH_SCALING`
 //! (`1,4,16,64`), `PGFENCE_BENCH_WORKERS` (tokio worker threads, default: CPUs),
 //! `PGFENCE_BENCH_QUIET_WAIT` (30: at most this many seconds each figure waits for an idle
-//! machine; 0: none), `PGFENCE_BENCH_JSON` (default `bench-throughput.json` in the build's
+//! machine; 0: none), `PGFENCE_BENCH_SCALE_ROWS` (section `scale`'s N, 10,000,000; setting
+//! it runs the section), `PGFENCE_BENCH_JSON` (default `bench-throughput.json` in the build's
 //! target directory: `$CARGO_TARGET_DIR`, else the workspace's `target/`).
 //!
 //! Run without `--bench` (as `cargo test --all-targets` does), it only prints how to run it.
@@ -68,7 +77,8 @@
 //! (section `pg`), [`servers`] (servers, database, tables), [`measure`] (the
 //! measuring loop), [`cpu`] (CPU accounting per process), [`workloads`] (pgfence and sqlx
 //! loads), [`baselines`] (pgbench, redis-benchmark, rslock, a hand-rolled lock),
-//! [`sections`] (what each section measures), [`report`] (tables and JSON).
+//! [`sections`] (what each section measures), [`parts`] and [`scale`] (sections `parts` and
+//! `scale`), [`report`] (tables and JSON).
 //!
 //! [`Repository::update`]: pgfence::Repository::update
 //! [`Repository::update_sql`]: pgfence::Repository::update_sql
@@ -86,8 +96,10 @@ mod cpu;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod measure;
+mod parts;
 mod pg;
 mod report;
+mod scale;
 mod sections;
 mod servers;
 mod workloads;
@@ -158,9 +170,11 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
 
     let mut rounds = Vec::new();
     let mut checks = Vec::new();
-    if ["write", "pgbench", "batch", "job", "storm", "scaling"]
-        .iter()
-        .any(|s| env.cfg.runs(s))
+    if [
+        "write", "pgbench", "batch", "job", "storm", "scaling", "parts",
+    ]
+    .iter()
+    .any(|s| env.cfg.runs(s))
     {
         sections::condition(env).await?;
     }
@@ -194,9 +208,17 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
              --features zk --bench throughput -- zk`)"
         );
     }
+    let mut scale_setup = if env.cfg.runs("scale") {
+        Some(scale::prepare(env).await?)
+    } else {
+        None
+    };
     let mut loads = Vec::new();
     for round in 1..=env.cfg.rounds {
         let mut out = Results::new();
+        if let Some(setup) = &mut scale_setup {
+            out.extend(setup.pre.drain(..));
+        }
         // Other work on the machine skews everything: record the load each round starts with.
         let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
         eprintln!("round {round}: load average {}", load.trim());
@@ -232,6 +254,13 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
         }
         if env.cfg.runs("pg") {
             pg::pg(env, round, &mut out).await?;
+        }
+        if env.cfg.runs("parts") {
+            parts::parts(env, round, &mut out).await?;
+        }
+        if let Some(setup) = &scale_setup {
+            let last = round == env.cfg.rounds;
+            scale::scale(env, setup, round, last, &mut out).await?;
         }
         rounds.push(out);
     }

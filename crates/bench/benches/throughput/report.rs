@@ -136,6 +136,37 @@ fn rows(cfg: &Config) -> Vec<(String, String)> {
         .iter()
         .map(|(k, l)| ((*k).to_owned(), (*l).to_owned())),
     );
+    rows.extend(
+        [
+            ("parts.plain", "11a plain UPDATE (1b, this section)"),
+            (
+                "parts.unguarded_tl0",
+                "11b fenced SQL, no trigger, timeline 0",
+            ),
+            ("parts.unguarded", "11c fenced SQL, no trigger, timeline"),
+            ("parts.guarded_tl0", "11d fenced SQL + trigger, timeline 0"),
+            ("parts.guarded", "11e fenced SQL + trigger, timeline (1c)"),
+            ("parts.repo", "11f Repository::update, check on (1a)"),
+            (
+                "parts.repo_tl_off",
+                "11g Repository::update, timeline check off",
+            ),
+            ("scale.write_small", "12a fenced write, 10,000-row table"),
+            ("scale.write_big", "12b fenced write, big table (N rows)"),
+            ("scale.check_small", "12c pgfence.check, 10,000 marks"),
+            ("scale.check_big", "12d pgfence.check, N/10 more marks"),
+            ("scale.audit_query", "12e audit --resource --since 1h (ms)"),
+            (
+                "scale.audit_query_one_conn",
+                "12f 12e x20 on one connection (ms)",
+            ),
+            ("scale.doctor", "12g doctor, no issuer (ms)"),
+            ("scale.doctor_redis", "12h doctor, Redis issuer (ms)"),
+            ("scale.prune", "12i audit prune, older than 15 days (ms)"),
+        ]
+        .iter()
+        .map(|(k, l)| ((*k).to_owned(), (*l).to_owned())),
+    );
     for c in &cfg.scaling {
         rows.push((
             format!("scaling.c{c}"),
@@ -434,6 +465,90 @@ const RATIOS: &[RatioDef] = &[
         label: "contended: PgIssuer / Redis Issuer (10h/10k)",
         num: "pg.contended_issuer",
         den: &["pg.contended_redis"],
+        target: None,
+    },
+    RatioDef {
+        key: "parts_total",
+        label: "parts: Repository::update / plain UPDATE (11f/11a)",
+        num: "parts.repo",
+        den: &["parts.plain"],
+        target: Some(0.85),
+    },
+    RatioDef {
+        key: "parts_arithmetic",
+        label: "parts: fence WHERE/CASE, no trigger, tl 0 / plain (11b/11a)",
+        num: "parts.unguarded_tl0",
+        den: &["parts.plain"],
+        target: None,
+    },
+    RatioDef {
+        key: "parts_trigger",
+        label: "parts: + trigger WHEN clause, timeline 0 (11d/11b)",
+        num: "parts.guarded_tl0",
+        den: &["parts.unguarded_tl0"],
+        target: None,
+    },
+    RatioDef {
+        key: "parts_trigger_tl",
+        label: "parts: + trigger WHEN clause, timeline bound (11e/11c)",
+        num: "parts.guarded",
+        den: &["parts.unguarded"],
+        target: None,
+    },
+    RatioDef {
+        key: "parts_timeline_unguarded",
+        label: "parts: timeline bound / 0, no trigger (11c/11b)",
+        num: "parts.unguarded",
+        den: &["parts.unguarded_tl0"],
+        target: None,
+    },
+    RatioDef {
+        key: "parts_timeline_guarded",
+        label: "parts: timeline bound / 0, guarded (11e/11d)",
+        num: "parts.guarded",
+        den: &["parts.guarded_tl0"],
+        target: None,
+    },
+    RatioDef {
+        key: "parts_timeline_repo",
+        label: "parts: Repository::update, check on / off (11f/11g)",
+        num: "parts.repo",
+        den: &["parts.repo_tl_off"],
+        target: None,
+    },
+    RatioDef {
+        key: "parts_repository",
+        label: "parts: Repository::update / its SQL raw (11f/11e)",
+        num: "parts.repo",
+        den: &["parts.guarded"],
+        target: None,
+    },
+    RatioDef {
+        key: "parts_whole_sql",
+        label: "parts: fenced SQL + trigger + timeline / plain (11e/11a)",
+        num: "parts.guarded",
+        den: &["parts.plain"],
+        target: None,
+    },
+    RatioDef {
+        key: "stale_vs_fresh",
+        label: "a rejected stale write / a fresh write (5a/5b)",
+        num: "storm.rejections",
+        den: &["storm.all_fresh"],
+        target: None,
+    },
+    RatioDef {
+        key: "scale_write",
+        label: "scale: fenced write, N rows / 10,000 rows (12b/12a)",
+        num: "scale.write_big",
+        den: &["scale.write_small"],
+        target: Some(0.90),
+    },
+    RatioDef {
+        key: "scale_check",
+        label: "scale: pgfence.check, N/10 marks / 10,000 (12d/12c)",
+        num: "scale.check_big",
+        den: &["scale.check_small"],
         target: None,
     },
     RatioDef {

@@ -59,6 +59,16 @@ pub(crate) async fn condition(env: &Env) -> Result<()> {
         rows,
     };
     measure(cfg, tasks, Metric::Applied, work).await?;
+    if cfg.runs("parts") {
+        let work = RawFencedSql {
+            pool: pool.clone(),
+            sql: AssertSqlSafe(crate::parts::unguarded_sql(env)).into_sql_str(),
+            tasks,
+            rows,
+            timeline: Some(env.timeline),
+        };
+        measure(cfg, tasks, Metric::Applied, work).await?;
+    }
     let work = JobCycle {
         issuer: Issuer::connect(&env.redis_url).await?,
         repo: Repository::new(pool.clone())?,

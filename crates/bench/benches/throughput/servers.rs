@@ -15,6 +15,7 @@ use crate::PAYLOAD;
 use crate::config::Config;
 use crate::cpu::find_postmaster;
 use crate::measure::{NONCE, TOKENS, next_token};
+use crate::parts::UNGUARDED_TABLE;
 use crate::workloads::GuardedRow;
 
 /// The PostgreSQL and Redis servers of a run: `DATABASE_URL` / `REDIS_URL` when set, else
@@ -225,6 +226,10 @@ async fn run_sql_conn(conn: &mut PgConnection, sql: &str) -> Result<()> {
     Ok(())
 }
 
+/// The vacuum before every figure (and after the tables are filled).
+const VACUUM_TABLES: &str =
+    "VACUUM (ANALYZE) bench_guarded, bench_plain, bench_jobs, bench_unguarded";
+
 /// A pool of `size` connections opened up front, without the per-checkout ping.
 pub(crate) async fn tuned_pool(env: &Env, size: u32) -> Result<PgPool> {
     Ok(PgPoolOptions::new()
@@ -252,11 +257,18 @@ async fn create_tables(admin: &PgPool, rows: i32) -> Result<()> {
     for table in ["bench_guarded", "bench_jobs"] {
         pgfence::guard::guard(admin, &TableName::parse(table)?).await?;
     }
+    // Section `parts`: bench_guarded's twin, with the `fence` column guard added there (the
+    // same definition) but no trigger.
     run_sql(
         admin,
-        "VACUUM (ANALYZE) bench_guarded, bench_plain, bench_jobs",
+        &format!(
+            "CREATE TABLE {UNGUARDED_TABLE} (id integer PRIMARY KEY, payload text NOT NULL,
+                 fence bigint NOT NULL DEFAULT 0) WITH (autovacuum_enabled = off);
+             INSERT INTO {UNGUARDED_TABLE} SELECT g, '{PAYLOAD}' FROM generate_series(1, {rows}) g;"
+        ),
     )
-    .await
+    .await?;
+    run_sql(admin, VACUUM_TABLES).await
 }
 
 /// The repository's update SQL ([`Repository::update_sql`]), and the statements on
@@ -329,11 +341,7 @@ async fn batch_sql(db: &PgConnectOptions) -> Result<Result<String, String>> {
 /// Vacuums the tables (so every measurement starts from the same table state), asks for a
 /// checkpoint (best effort: needs privileges), and moves the token counter past every fence.
 pub(crate) async fn prep(env: &Env) -> Result<()> {
-    run_sql(
-        &env.admin,
-        "VACUUM (ANALYZE) bench_guarded, bench_plain, bench_jobs",
-    )
-    .await?;
+    run_sql(&env.admin, VACUUM_TABLES).await?;
     let _ = sqlx::raw_sql("CHECKPOINT").execute(&env.admin).await;
     resync_tokens(env).await
 }
