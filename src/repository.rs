@@ -148,7 +148,7 @@ impl<T: FencedTable> Repository<T> {
     }
 
     /// Bounds every write of this repository (single-row and batch; claims included) by
-    /// `bound` instead of [`DEFAULT_CALL_TIMEOUT`](crate::repository::DEFAULT_CALL_TIMEOUT)
+    /// `bound` instead of [`DEFAULT_CALL_TIMEOUT`]
     /// (30 s): the call returns [`Error::TimedOut`] when it is not done by then. Set it below
     /// the lease's TTL, above your slowest write.
     ///
