@@ -36,6 +36,7 @@
 
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use serde::Serialize;
 use sqlx::{Acquire, AssertSqlSafe, PgConnection, Postgres};
 
@@ -47,6 +48,10 @@ use crate::{
 
 /// How close to [`MAX_TOKEN`] a token may come before doctor warns by default (2^20 tokens).
 pub const DEFAULT_LIMIT_MARGIN: i64 = 1 << 20;
+
+/// How many counter reads `doctor` keeps in flight: a pipelined round trip's worth, few
+/// enough that a pooled issuer (PostgreSQL) only queues for its connections.
+const STATUS_READS_IN_FLIGHT: usize = 64;
 
 /// How serious a [`Finding`] is. Only [`Severity::Info`] findings leave a setup "clean".
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -687,17 +692,30 @@ async fn counters(
     };
     let mut top_counter: Option<i64> = None;
     let mut other_prefixes = std::collections::BTreeMap::<&str, usize>::new();
+    let mut compared: Vec<(&Resource, Resource, i64)> = Vec::with_capacity(checks.len());
     for (named, mark) in &checks {
         // Only this issuer's key prefix's marks are compared with its counters.
         let prefix = named
             .key_prefix()
             .unwrap_or(crate::issuer::DEFAULT_KEY_PREFIX);
-        if prefix != issuer.key_prefix() {
+        if prefix == issuer.key_prefix() {
+            compared.push((named, named.without_key_prefix(), *mark));
+        } else {
             *other_prefixes.entry(prefix).or_default() += 1;
-            continue;
         }
-        let resource = &named.without_key_prefix();
-        let status = match issuer.status(resource).await {
+    }
+    // Counters are read STATUS_READS_IN_FLIGHT at a time, in order: one request after
+    // another cost a round trip per resource (153 s for a million resources on loopback
+    // Redis, BENCHMARKS.md 12h); each read keeps its own call bound.
+    let mut statuses = futures_util::stream::iter(compared.iter())
+        .map(|(_, resource, _)| issuer.status(resource))
+        .buffered(STATUS_READS_IN_FLIGHT);
+    let mut compared = compared.iter();
+    while let Some(status) = statuses.next().await {
+        let Some((named, resource, mark)) = compared.next() else {
+            break;
+        };
+        let status = match status {
             Ok(s) => s,
             Err(e) => {
                 findings.push(
