@@ -65,7 +65,7 @@ pub enum Severity {
     Error,
 }
 
-/// What a [`Finding`] is about. The README ("`pgfence doctor`") says when each is reported.
+/// What a [`Finding`] is about. docs/operations.md ("`pgfence doctor`") says when each is reported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
@@ -226,7 +226,7 @@ impl DoctorOptions {
 /// one with no problem ([`Finding::is_problem`]: only [`Severity::Info`] and
 /// [`FindingKind::NotPermitted`] findings), means healthy.
 ///
-/// Read-only. The README ("`pgfence doctor`") lists the checks. Each check first asks whether
+/// Read-only. docs/operations.md ("`pgfence doctor`") lists the checks. Each check first asks whether
 /// the connected role may read what it needs; a check it may not make is reported as
 /// [`FindingKind::NotPermitted`] (naming the privilege), never as an error or a failed
 /// migration — so doctor as the application role says what it could check and what needs the

@@ -492,7 +492,7 @@ pub enum Error {
     /// [`REDIS_SENTINEL_ACL_RULE`](crate::issuer::REDIS_SENTINEL_ACL_RULE) on a sentinel). Not
     /// retryable: fix the user's ACL.
     #[error(
-        "Redis ACL user lacks a permission the issuer needs ({source}); {what} needs: ACL SETUSER <user> {rule} (README, \"Redis ACL\")"
+        "Redis ACL user lacks a permission the issuer needs ({source}); {what} needs: ACL SETUSER <user> {rule} (docs/operations.md, \"Redis ACL\")"
     )]
     RedisPermission {
         /// Who needs the rule: `the issuer's user` or `the sentinels' user`.
@@ -921,7 +921,7 @@ fn missing_relation(pg: &sqlx::postgres::PgDatabaseError) -> String {
         .to_owned()
 }
 
-/// Parses the `DETAIL` of a `PF001`/`PF004`/`PF005` error (README, "SQLSTATEs"):
+/// Parses the `DETAIL` of a `PF001`/`PF004`/`PF005` error (docs/sql.md, "SQLSTATEs"):
 /// `presented=<token> current=<token> <kind>=<text>`, kind `resource` or `table`.
 fn parse_fence_detail(code: &str, detail: &str) -> Option<Error> {
     let rest = detail.strip_prefix("presented=")?;

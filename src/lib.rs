@@ -87,3 +87,6 @@ pub use token::{FenceToken, Fencing};
 /// (`#[derive(sqlx::FromRow)]`) also declares the table. Its attributes follow.
 #[cfg(feature = "derive")]
 pub use pgfence_derive::FencedTable;
+
+#[cfg(test)]
+mod doc_refs;

@@ -18,7 +18,7 @@
 //! TLS too), with one CA and one client certificate for both: see [`SentinelUrl`].
 //!
 //! A failover can lose the last `INCR`s (replication is asynchronous): the promoted replica's
-//! counter may be behind. Postgres still rejects the old tokens; see the README, "After a Redis
+//! counter may be behind. Postgres still rejects the old tokens; see docs/operations.md, "After a Redis
 //! failover", for getting liveness back.
 
 use std::num::NonZeroUsize;
