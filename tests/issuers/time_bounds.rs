@@ -1,7 +1,7 @@
 //! Every issuer call has a time bound (`docs/issuers.md`, "Time bounds"): through a black hole
 //! (a proxy that stops forwarding; connections stay open, bytes wait) an acquire fails within
-//! its bound instead of hanging, and a PostgreSQL acquire held up on the way and delivered
-//! after the heal leaves no lock behind.
+//! its bound instead of hanging, and a PostgreSQL or Redis acquire held up on the way and
+//! delivered after the heal leaves no lock behind.
 
 use crate::support;
 
@@ -95,6 +95,94 @@ async fn redis_acquire_through_a_black_hole_returns_within_the_configured_bound(
     let start = Instant::now();
     assert!(issuer.status(&resource).await.is_err());
     assert!(start.elapsed() < bound + MARGIN, "{:?}", start.elapsed());
+}
+
+/// A Redis acquire black-holed on every connection fails after its three cut-off attempts;
+/// when the black hole heals, the attempts held on the way reach Redis and take the lock for
+/// an owner that was told the call failed — and the clean-up the failed call queued behind
+/// them on each connection removes it at once: the lock is free, not held by nobody until its
+/// 30 s TTL.
+#[tokio::test]
+async fn redis_black_holed_acquire_leaves_no_lock_after_the_heal() {
+    let (proxy, issuer) = redis_behind_proxy().await;
+    let direct = Issuer::connect(&support::redis_url().await).await.unwrap();
+    let resource = unique_resource("redis-black-hole-heal");
+    let before = direct.status(&resource).await.unwrap().counter;
+    let hold = Duration::from_secs(4);
+    proxy.pause(hold);
+    let start = Instant::now();
+    let outcome = timeout(
+        Duration::from_secs(20),
+        issuer.acquire_as(&resource, "zombie", Duration::from_secs(30)),
+    )
+    .await
+    .expect("the acquire hung");
+    let err = outcome.expect_err("acquired through a black hole");
+    assert!(err.is_retryable(), "{err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(3) + MARGIN,
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(direct.status(&resource).await.unwrap().owner, None);
+
+    // The heal, then time for every held attempt (and what follows it) to reach Redis.
+    sleep(hold + Duration::from_secs(1)).await;
+    let status = direct.status(&resource).await.unwrap();
+    assert!(
+        status.counter > before,
+        "the held attempts never reached Redis: {status:?}"
+    );
+    eprintln!(
+        "Redis acquire black-holed for {hold:?}, healed: {status:?} {:?} after the start",
+        start.elapsed()
+    );
+    assert_eq!(status.owner, None, "a lock nobody holds: {status:?}");
+    let lease = direct
+        .acquire_as(&resource, "other", Duration::from_secs(5))
+        .await
+        .unwrap()
+        .expect("the lock is free");
+    direct.release(&lease).await.unwrap();
+}
+
+/// The clean-up of a failed acquire removes only the lock that call took: when the same owner
+/// acquires again through a path that works (as `acquire_wait` or a caller re-sending
+/// `acquire_as` does) before the failed call's held attempts arrive, the late attempts and the
+/// clean-up behind them leave that newer lease alone.
+#[tokio::test]
+async fn redis_clean_up_of_a_failed_acquire_spares_the_same_owners_later_lease() {
+    let (proxy, issuer) = redis_behind_proxy().await;
+    let direct = Issuer::connect(&support::redis_url().await).await.unwrap();
+    let resource = unique_resource("redis-black-hole-same-owner");
+    let hold = Duration::from_secs(4);
+    proxy.pause(hold);
+    let err = timeout(
+        Duration::from_secs(20),
+        issuer.acquire_as(&resource, "same-owner", Duration::from_secs(30)),
+    )
+    .await
+    .expect("the acquire hung")
+    .expect_err("acquired through a black hole");
+    assert!(err.is_retryable(), "{err}");
+    // The same owner, through a path that works, before the heal.
+    let lease = direct
+        .acquire_as(&resource, "same-owner", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("free before the heal");
+    let before = direct.status(&resource).await.unwrap().counter;
+    assert_eq!(before, lease.token().get());
+    // The heal: the failed call's attempts adopt the lock (same owner, same token, no new
+    // one), then its clean-up runs; wait for both, then some.
+    sleep(hold + Duration::from_secs(1)).await;
+    let status = direct.status(&resource).await.unwrap();
+    assert_eq!(status.owner.as_deref(), Some("same-owner"), "{status:?}");
+    assert_eq!(status.token, Some(lease.token().get()), "{status:?}");
+    assert_eq!(
+        direct.release(&lease).await.unwrap(),
+        pgfence::issuer::ReleaseOutcome::Released
+    );
 }
 
 /// Waits until every connection of the issuer's pool is idle (sqlx returns one to the pool in
