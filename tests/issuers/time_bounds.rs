@@ -325,3 +325,25 @@ async fn pg_black_holed_extend_and_release_are_bounded() {
     let _ = issuer.release(&lease).await;
     assert!(start.elapsed() < bound + MARGIN, "{:?}", start.elapsed());
 }
+
+/// A connection closed while it is being set up (here: a proxy whose server is down, as a
+/// reset would) fails before the server's answer to the TLS request; sqlx reports it as
+/// `unexpected response from SSLRequest: 0x00`, a protocol error, which is transient: the
+/// next connection may well work.
+#[tokio::test]
+async fn a_connection_closed_during_the_tls_request_is_retryable() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let proxy = Proxy::start(dead_port).unwrap();
+    let url = format!("{}?sslmode=prefer", proxy.postgres_url());
+    let err = sqlx::PgPool::connect(&url)
+        .await
+        .expect_err("connected to a server that is down");
+    assert!(
+        err.to_string().contains("SSLRequest"),
+        "not the handshake error: {err}"
+    );
+    let err = pgfence::Error::from(err);
+    assert!(err.is_retryable(), "{err}");
+}
