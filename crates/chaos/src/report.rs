@@ -5,7 +5,8 @@ use std::fmt;
 use serde::Serialize;
 
 use crate::{
-    Attempt, FaultMark, LeaseRecord, LeaselessAttempt, Mode, NemesisEvent, NemesisFigures,
+    Attempt, FaultMark, LeaseRecord, LeaselessAttempt, LibraryCall, Mode, NemesisEvent,
+    NemesisFigures,
 };
 
 /// How the run recovered from one fault. Only leases granted after the fault count (for an
@@ -836,4 +837,7 @@ pub struct Report {
     pub nemesis: Vec<NemesisEvent>,
     /// Each counter row's final value as PostgreSQL committed it, `(row, value)` by row.
     pub final_values: Vec<(i32, i64)>,
+    /// The library calls the workers made (issuer acquire and release, repository update),
+    /// timed, with their bounds; in no particular order.
+    pub calls: Vec<LibraryCall>,
 }

@@ -79,6 +79,7 @@ fn check_history(path: &std::path::Path, report: &Report) {
         }
     }
     assert!(open.is_empty(), "every invoke completes");
+    check_call_bounds(&events);
     let s = &report.summary;
     let attempts = s.attempts;
     assert_eq!(kinds.get("invoke").copied().unwrap_or(0), attempts);
@@ -105,6 +106,40 @@ fn check_history(path: &std::path::Path, report: &Report) {
         .map(|e| e["value"].as_i64().unwrap())
         .sum();
     assert_eq!(u64::try_from(total).unwrap(), s.accepted);
+}
+
+/// What a library call may take past its bound (scheduling on a loaded machine).
+const CALL_SLACK_MS: u64 = 500;
+
+/// "No library call in the partition tests outlives its bound": every `call` line of the
+/// history (issuer `acquire_wait` and `release`, repository `update`) took at most its
+/// `bound_ms` plus [`CALL_SLACK_MS`]. Prints the longest of each kind against its bound.
+fn check_call_bounds(events: &[Value]) {
+    // op -> (calls, longest in µs, its bound in ms)
+    let mut longest: BTreeMap<String, (u64, u64, u64)> = BTreeMap::new();
+    for e in events.iter().filter(|e| e["type"] == "call") {
+        let op = e["op"].as_str().expect("op").to_owned();
+        let took = e["duration_us"].as_u64().expect("duration_us");
+        let bound = e["bound_ms"].as_u64().expect("bound_ms");
+        assert!(
+            took <= (bound + CALL_SLACK_MS) * 1000,
+            "a library call outlived its bound ({bound} ms + {CALL_SLACK_MS} ms): {e}"
+        );
+        let entry = longest.entry(op).or_default();
+        entry.0 += 1;
+        if took >= entry.1 {
+            (entry.1, entry.2) = (took, bound);
+        }
+    }
+    for op in ["acquire_wait", "release", "update"] {
+        assert!(longest.contains_key(op), "no {op} call in the history");
+    }
+    for (op, (calls, took, bound)) in &longest {
+        eprintln!(
+            "library calls: {op}: {calls} calls, longest {:.1} ms (bound {bound} ms)",
+            *took as f64 / 1000.0
+        );
+    }
 }
 
 /// Partitions between two groups of 4 workers and PostgreSQL, one group at a time: black-holes
