@@ -347,3 +347,50 @@ async fn a_connection_closed_during_the_tls_request_is_retryable() {
     let err = pgfence::Error::from(err);
     assert!(err.is_retryable(), "{err}");
 }
+
+/// A one-way partition (`Proxy::pause_one_way`): with only Redis's replies held, the acquire
+/// runs on the server and takes the lock while its caller, hearing nothing, fails at its
+/// bound; once the replies flow again, the clean-up queued behind it frees the lock. With
+/// only the requests held, nothing reaches Redis until the heal, and then the clean-up runs
+/// right after the late acquire.
+#[tokio::test]
+async fn redis_one_way_partitions_leave_no_lock_after_the_heal() {
+    use pgfence_testkit::Direction;
+    for direction in [Direction::ToClient, Direction::ToServer] {
+        let (proxy, issuer) = redis_behind_proxy().await;
+        let issuer = issuer.with_call_timeout(Duration::from_millis(800));
+        let direct = Issuer::connect(&support::redis_url().await).await.unwrap();
+        let resource = unique_resource("redis-one-way");
+        let hold = Duration::from_secs(2);
+        proxy.pause_one_way(direction, hold);
+        let start = Instant::now();
+        let err = timeout(
+            Duration::from_secs(20),
+            issuer.acquire_as(&resource, "one-way", Duration::from_secs(30)),
+        )
+        .await
+        .expect("the acquire hung")
+        .expect_err("acquired through a one-way partition");
+        assert!(err.is_retryable(), "{direction:?}: {err}");
+        assert!(
+            start.elapsed() < Duration::from_millis(800) + MARGIN,
+            "{direction:?}"
+        );
+        let during = direct.status(&resource).await.unwrap();
+        match direction {
+            // The request went through: the lock is taken, for a caller told it failed.
+            Direction::ToClient => assert_eq!(during.owner.as_deref(), Some("one-way")),
+            Direction::ToServer => assert_eq!(during.owner, None, "{during:?}"),
+        }
+        sleep(hold + Duration::from_secs(1)).await;
+        let after = direct.status(&resource).await.unwrap();
+        assert!(
+            after.counter > 0,
+            "{direction:?}: never reached Redis: {after:?}"
+        );
+        assert_eq!(
+            after.owner, None,
+            "{direction:?}: a lock nobody holds: {after:?}"
+        );
+    }
+}

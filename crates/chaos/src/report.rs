@@ -618,9 +618,10 @@ impl fmt::Display for Summary {
         if let Some(n) = &self.nemesis {
             writeln!(
                 f,
-                "  nemesis:    {} groups; {} black-holes ({} ms in all), {} resets; {} clock steps (offset {} ms)",
+                "  nemesis:    {} groups; {} black-holes ({} one-way, {} ms in all), {} resets; {} clock steps (offset {} ms)",
                 n.groups,
                 n.black_holes,
+                n.one_way,
                 n.black_hole_ms,
                 n.resets,
                 n.clock_steps,

@@ -143,7 +143,8 @@ fn check_call_bounds(events: &[Value]) {
 }
 
 /// Partitions between two groups of 4 workers and PostgreSQL, one group at a time: black-holes
-/// of 100–250 ms (both ways: bytes wait, connections stay open) and resets (every connection of
+/// of 100–250 ms (bytes wait, connections stay open; 40 % of them one way only: requests, or
+/// PostgreSQL's replies) and resets (every connection of
 /// the group closed), about every 150 ms, with no injected stall: a worker cut off while it
 /// holds a 40 ms lease is the zombie. Fenced: safe; the history file matches the report. The
 /// unfenced control under the same partitions: lost updates.
@@ -171,6 +172,7 @@ async fn partitions_fenced_holds_and_the_unfenced_control_breaks() {
             black_hole_min: Duration::from_millis(100),
             black_hole_max: Duration::from_millis(250),
             reset_share: 0.3,
+            one_way_share: 0.4,
         }),
         history: Some(history.clone()),
         ..Config::default()
@@ -184,6 +186,10 @@ async fn partitions_fenced_holds_and_the_unfenced_control_breaks() {
     assert_eq!(s.stale_reads, 0, "{s}");
     let n = s.nemesis.as_ref().expect("nemesis figures");
     assert!(n.black_holes > 0 && n.resets > 0, "{s}");
+    assert!(
+        n.one_way > 0 && n.one_way < n.black_holes,
+        "both two-way and one-way black-holes: {s}"
+    );
     assert!(
         s.rejected > 0,
         "partitions past the TTL must cause rejections: {s}"
