@@ -227,7 +227,8 @@ pub(crate) async fn partition(
 }
 
 /// A lock server's wall clock that can be stepped (implemented for the testkit's
-/// [`ShimmedRedis`](pgfence_testkit::clock::ShimmedRedis)).
+/// [`ShimmedRedis`](pgfence_testkit::clock::ShimmedRedis) and
+/// [`ShimmedPostgres`](pgfence_testkit::clock::ShimmedPostgres)).
 pub trait SteppableClock: Send + Sync {
     /// Moves the server's wall clock by `step_ms` (negative: backwards) and returns its offset
     /// from real time afterwards, in ms.
@@ -238,6 +239,13 @@ pub trait SteppableClock: Send + Sync {
 }
 
 impl SteppableClock for pgfence_testkit::clock::ShimmedRedis {
+    fn step_ms(&self, step_ms: i64) -> std::io::Result<i64> {
+        self.clock()
+            .step(Duration::from_millis(step_ms.unsigned_abs()), step_ms >= 0)
+    }
+}
+
+impl SteppableClock for pgfence_testkit::clock::ShimmedPostgres {
     fn step_ms(&self, step_ms: i64) -> std::io::Result<i64> {
         self.clock()
             .step(Duration::from_millis(step_ms.unsigned_abs()), step_ms >= 0)

@@ -15,7 +15,7 @@ use pgfence_chaos::{
     Config, Harness, Mode, Outcome, Partitions, Report, SteppableClock, Target, clock_steps,
 };
 use pgfence_testkit::ServerError;
-use pgfence_testkit::clock::ShimmedRedis;
+use pgfence_testkit::clock::{ShimmedPostgres, ShimmedRedis};
 use serde_json::Value;
 use support::{TestDb, redis_url};
 
@@ -279,6 +279,83 @@ async fn clock_steps_fenced_holds_and_the_unfenced_control_breaks() {
         s.nemesis.as_ref().is_some_and(|n| n.clock_steps == steps),
         "{s}"
     );
+    assert!(s.rejected > 0, "early grants must cause rejections: {s}");
+
+    let (control, steps) = run_stepped(Config {
+        mode: Mode::Unfenced,
+        ..cfg
+    })
+    .await;
+    let c = &control.summary;
+    assert!(steps > 0);
+    assert!(
+        c.lost_updates > 0,
+        "clock steps must break the unfenced control: {c}"
+    );
+}
+
+/// The PostgreSQL issuer (`PgIssuer`: leases expire by the database's clock) on a throwaway
+/// PostgreSQL under the wall-clock shim, stepped forward by 5 s about every 300 ms: a lock is
+/// granted again while its holder, by its own clock, still holds it. The same server is the
+/// protected database (its fences compare tokens, no clock). Fenced: safe. The unfenced
+/// control: lost updates. Skips without a C compiler or the PostgreSQL server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pg_issuer_clock_steps_fenced_holds_and_the_unfenced_control_breaks() {
+    let pg = match ShimmedPostgres::start().await {
+        Ok(p) => Arc::new(p),
+        Err(e @ ServerError::NotInstalled { .. }) => {
+            eprintln!("skipped: {e}");
+            return;
+        }
+        Err(e) => panic!("shimmed postgres: {e}"),
+    };
+    let options: sqlx::postgres::PgConnectOptions = pg.url().parse().unwrap();
+    let target = Target {
+        database: options,
+        issuer_url: pg.url(),
+    };
+    let (units, max_duration) = units(120);
+    let cfg = Config {
+        workers: 8,
+        rows: 4,
+        units,
+        ttl: Duration::from_secs(1),
+        acquire_wait: Duration::from_secs(3),
+        pause_probability: 1.0,
+        pause_min: Duration::from_millis(100),
+        pause_max: Duration::from_millis(300),
+        max_duration,
+        ..Config::default()
+    };
+    let run_stepped = |cfg: Config| {
+        let pg = pg.clone();
+        let target = target.clone();
+        async move {
+            let harness = Harness::new(cfg, &target).await.expect("harness setup");
+            let clock: Arc<dyn SteppableClock> = pg;
+            let steps = tokio::spawn(clock_steps(
+                harness.control(),
+                clock,
+                10,
+                Duration::from_millis(300),
+                5_000,
+                11,
+            ));
+            let report = harness.run().await.expect("run");
+            let steps = steps.await.unwrap();
+            eprintln!("{}{}", report.summary, report.summary.json());
+            (report, steps)
+        }
+    };
+
+    let (fenced, steps) = run_stepped(cfg.clone()).await;
+    let s = &fenced.summary;
+    assert_eq!(s.issuer, "postgres", "{s}");
+    assert!(steps > 0, "the clock was stepped");
+    assert!(!s.timed_out, "time limit hit: {s}");
+    assert_eq!(s.violations, 0, "{s}");
+    assert_eq!(s.lost_updates, 0, "{s}");
+    assert_eq!(s.stale_reads, 0, "{s}");
     assert!(s.rejected > 0, "early grants must cause rejections: {s}");
 
     let (control, steps) = run_stepped(Config {
