@@ -762,9 +762,16 @@ fn without_source_lines(text: &str) -> String {
     out
 }
 
+/// What sqlx reports when the connection closes before the server answered its SSLRequest.
+const SSL_REQUEST_EOF: &str = "unexpected response from SSLRequest: 0x00";
+
 fn is_transient_sqlx(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => true,
+        // The connection closed before the server's one-byte answer to the TLS request: sqlx
+        // reads nothing into a zeroed byte and reports it as this protocol error (a reset
+        // while a new connection is set up). Any other byte is the server's own answer.
+        sqlx::Error::Protocol(message) => message.starts_with(SSL_REQUEST_EOF),
         sqlx::Error::Database(db) => matches!(
             db.code().as_deref(),
             // serialization_failure, deadlock_detected, admin/crash shutdown, cannot_connect_now

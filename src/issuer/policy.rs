@@ -10,6 +10,8 @@
 //! sending it twice is harmless; this module decides when it is sent again and for how long.
 
 use std::future::Future;
+use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -62,13 +64,27 @@ pub const PATIENT: Resend = Resend {
     attempt_timeout: None,
 };
 
-/// One acquire as the policy hands it to a backend: validated, with the owner id and the name
-/// PostgreSQL fences the lease under.
+/// One acquire as the policy hands it to a backend: validated, with the owner id, the name
+/// PostgreSQL fences the lease under, and the call's id (all its attempts share it).
 pub struct Ask<'a> {
     pub resource: &'a Resource,
     pub fencing: &'a Resource,
     pub owner: &'a str,
     pub ttl: Duration,
+    /// This acquire call's id ([`next_call_id`]): increasing within the process.
+    pub call: u64,
+}
+
+/// A new acquire call's id: increasing within the process, starting from the wall clock (in
+/// microseconds) at the first call, so that a later process's ids are most likely higher too.
+pub fn next_call_id() -> u64 {
+    static NEXT: LazyLock<AtomicU64> = LazyLock::new(|| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(0));
+        AtomicU64::new(now)
+    });
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 impl Ask<'_> {
@@ -164,6 +180,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
         async {}
     }
 
+    /// The acquire call `ask` returned no lease after an attempt of it whose outcome is
+    /// unknown (cut off by its bound, or lost in transit): that attempt may still take the
+    /// lock, for an owner that was told it failed. Never called when the call returned a
+    /// lease. By default [`Backend::abandoned`]; Redis removes such a lock in the background.
+    fn acquire_abandoned(&self, ask: &Ask<'_>) -> impl Future<Output = ()> + Send {
+        self.abandoned(ask.resource, ask.owner)
+    }
+
     /// Releases the lock if `lease` (owner and token) holds it.
     fn release_once(&self, lease: &Lease) -> impl Future<Output = Result<ReleaseOutcome>> + Send;
 
@@ -236,9 +260,15 @@ pub async fn acquire_as<B: Backend>(
         fencing: &fencing,
         owner,
         ttl,
+        call: next_call_id(),
     };
     let _timer = crate::metrics::Timer::acquire();
-    let result = acquire_attempts(backend, &ask).await;
+    let mut unknown = false;
+    let result = acquire_attempts(backend, &ask, &mut unknown).await;
+    // An attempt whose outcome is unknown may still take the lock; no lease was handed out.
+    if unknown && !matches!(result, Ok(Ok(_))) {
+        backend.acquire_abandoned(&ask).await;
+    }
     crate::metrics::acquisition(match &result {
         Ok(Ok(_)) => "acquired",
         Ok(Err(_)) => "busy",
@@ -247,16 +277,23 @@ pub async fn acquire_as<B: Backend>(
     result
 }
 
+/// The attempts of one acquire call; `unknown` is set when one of them failed with its outcome
+/// unknown ([`Backend::resendable`]: cut off, or lost in transit).
 async fn acquire_attempts<B: Backend>(
     backend: &B,
     ask: &Ask<'_>,
+    unknown: &mut bool,
 ) -> Result<std::result::Result<Lease, Duration>> {
     let until = Instant::now() + backend.call_timeout();
     let (mut failed, mut looked) = (0, 0);
     let mut pause = B::RESEND.first;
     loop {
         let first = failed == 0 && looked == 0;
-        match bounded::<B, _>(until, first, backend.try_acquire(ask)).await {
+        let outcome = bounded::<B, _>(until, first, backend.try_acquire(ask)).await;
+        if outcome.as_ref().is_err_and(B::resendable) {
+            *unknown = true;
+        }
+        match outcome {
             Ok(Attempt::Granted(lease)) => return Ok(Ok(lease)),
             Ok(Attempt::FreshCounter(lease)) => return backend.settle_fresh(lease).await.map(Ok),
             Ok(Attempt::Busy(retry_in)) => return Ok(Err(retry_in)),
@@ -277,12 +314,7 @@ async fn acquire_attempts<B: Backend>(
                 }
                 pause = next_pause(pause, &B::RESEND);
             }
-            Err(e) => {
-                if B::resendable(&e) {
-                    backend.abandoned(ask.resource, ask.owner).await;
-                }
-                return Err(e);
-            }
+            Err(e) => return Err(e),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Every issuer call has a time bound (`docs/issuers.md`, "Time bounds"): through a black hole
 //! (a proxy that stops forwarding; connections stay open, bytes wait) an acquire fails within
-//! its bound instead of hanging, and a PostgreSQL acquire held up on the way and delivered
-//! after the heal leaves no lock behind.
+//! its bound instead of hanging, and a PostgreSQL or Redis acquire held up on the way and
+//! delivered after the heal leaves no lock behind.
 
 use crate::support;
 
@@ -95,6 +95,94 @@ async fn redis_acquire_through_a_black_hole_returns_within_the_configured_bound(
     let start = Instant::now();
     assert!(issuer.status(&resource).await.is_err());
     assert!(start.elapsed() < bound + MARGIN, "{:?}", start.elapsed());
+}
+
+/// A Redis acquire black-holed on every connection fails after its three cut-off attempts;
+/// when the black hole heals, the attempts held on the way reach Redis and take the lock for
+/// an owner that was told the call failed — and the clean-up the failed call queued behind
+/// them on each connection removes it at once: the lock is free, not held by nobody until its
+/// 30 s TTL.
+#[tokio::test]
+async fn redis_black_holed_acquire_leaves_no_lock_after_the_heal() {
+    let (proxy, issuer) = redis_behind_proxy().await;
+    let direct = Issuer::connect(&support::redis_url().await).await.unwrap();
+    let resource = unique_resource("redis-black-hole-heal");
+    let before = direct.status(&resource).await.unwrap().counter;
+    let hold = Duration::from_secs(4);
+    proxy.pause(hold);
+    let start = Instant::now();
+    let outcome = timeout(
+        Duration::from_secs(20),
+        issuer.acquire_as(&resource, "zombie", Duration::from_secs(30)),
+    )
+    .await
+    .expect("the acquire hung");
+    let err = outcome.expect_err("acquired through a black hole");
+    assert!(err.is_retryable(), "{err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(3) + MARGIN,
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(direct.status(&resource).await.unwrap().owner, None);
+
+    // The heal, then time for every held attempt (and what follows it) to reach Redis.
+    sleep(hold + Duration::from_secs(1)).await;
+    let status = direct.status(&resource).await.unwrap();
+    assert!(
+        status.counter > before,
+        "the held attempts never reached Redis: {status:?}"
+    );
+    eprintln!(
+        "Redis acquire black-holed for {hold:?}, healed: {status:?} {:?} after the start",
+        start.elapsed()
+    );
+    assert_eq!(status.owner, None, "a lock nobody holds: {status:?}");
+    let lease = direct
+        .acquire_as(&resource, "other", Duration::from_secs(5))
+        .await
+        .unwrap()
+        .expect("the lock is free");
+    direct.release(&lease).await.unwrap();
+}
+
+/// The clean-up of a failed acquire removes only the lock that call took: when the same owner
+/// acquires again through a path that works (as `acquire_wait` or a caller re-sending
+/// `acquire_as` does) before the failed call's held attempts arrive, the late attempts and the
+/// clean-up behind them leave that newer lease alone.
+#[tokio::test]
+async fn redis_clean_up_of_a_failed_acquire_spares_the_same_owners_later_lease() {
+    let (proxy, issuer) = redis_behind_proxy().await;
+    let direct = Issuer::connect(&support::redis_url().await).await.unwrap();
+    let resource = unique_resource("redis-black-hole-same-owner");
+    let hold = Duration::from_secs(4);
+    proxy.pause(hold);
+    let err = timeout(
+        Duration::from_secs(20),
+        issuer.acquire_as(&resource, "same-owner", Duration::from_secs(30)),
+    )
+    .await
+    .expect("the acquire hung")
+    .expect_err("acquired through a black hole");
+    assert!(err.is_retryable(), "{err}");
+    // The same owner, through a path that works, before the heal.
+    let lease = direct
+        .acquire_as(&resource, "same-owner", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("free before the heal");
+    let before = direct.status(&resource).await.unwrap().counter;
+    assert_eq!(before, lease.token().get());
+    // The heal: the failed call's attempts adopt the lock (same owner, same token, no new
+    // one), then its clean-up runs; wait for both, then some.
+    sleep(hold + Duration::from_secs(1)).await;
+    let status = direct.status(&resource).await.unwrap();
+    assert_eq!(status.owner.as_deref(), Some("same-owner"), "{status:?}");
+    assert_eq!(status.token, Some(lease.token().get()), "{status:?}");
+    assert_eq!(
+        direct.release(&lease).await.unwrap(),
+        pgfence::issuer::ReleaseOutcome::Released
+    );
 }
 
 /// Waits until every connection of the issuer's pool is idle (sqlx returns one to the pool in
@@ -236,4 +324,73 @@ async fn pg_black_holed_extend_and_release_are_bounded() {
     let start = Instant::now();
     let _ = issuer.release(&lease).await;
     assert!(start.elapsed() < bound + MARGIN, "{:?}", start.elapsed());
+}
+
+/// A connection closed while it is being set up (here: a proxy whose server is down, as a
+/// reset would) fails before the server's answer to the TLS request; sqlx reports it as
+/// `unexpected response from SSLRequest: 0x00`, a protocol error, which is transient: the
+/// next connection may well work.
+#[tokio::test]
+async fn a_connection_closed_during_the_tls_request_is_retryable() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let proxy = Proxy::start(dead_port).unwrap();
+    let url = format!("{}?sslmode=prefer", proxy.postgres_url());
+    let err = sqlx::PgPool::connect(&url)
+        .await
+        .expect_err("connected to a server that is down");
+    assert!(
+        err.to_string().contains("SSLRequest"),
+        "not the handshake error: {err}"
+    );
+    let err = pgfence::Error::from(err);
+    assert!(err.is_retryable(), "{err}");
+}
+
+/// A one-way partition (`Proxy::pause_one_way`): with only Redis's replies held, the acquire
+/// runs on the server and takes the lock while its caller, hearing nothing, fails at its
+/// bound; once the replies flow again, the clean-up queued behind it frees the lock. With
+/// only the requests held, nothing reaches Redis until the heal, and then the clean-up runs
+/// right after the late acquire.
+#[tokio::test]
+async fn redis_one_way_partitions_leave_no_lock_after_the_heal() {
+    use pgfence_testkit::Direction;
+    for direction in [Direction::ToClient, Direction::ToServer] {
+        let (proxy, issuer) = redis_behind_proxy().await;
+        let issuer = issuer.with_call_timeout(Duration::from_millis(800));
+        let direct = Issuer::connect(&support::redis_url().await).await.unwrap();
+        let resource = unique_resource("redis-one-way");
+        let hold = Duration::from_secs(2);
+        proxy.pause_one_way(direction, hold);
+        let start = Instant::now();
+        let err = timeout(
+            Duration::from_secs(20),
+            issuer.acquire_as(&resource, "one-way", Duration::from_secs(30)),
+        )
+        .await
+        .expect("the acquire hung")
+        .expect_err("acquired through a one-way partition");
+        assert!(err.is_retryable(), "{direction:?}: {err}");
+        assert!(
+            start.elapsed() < Duration::from_millis(800) + MARGIN,
+            "{direction:?}"
+        );
+        let during = direct.status(&resource).await.unwrap();
+        match direction {
+            // The request went through: the lock is taken, for a caller told it failed.
+            Direction::ToClient => assert_eq!(during.owner.as_deref(), Some("one-way")),
+            Direction::ToServer => assert_eq!(during.owner, None, "{during:?}"),
+        }
+        sleep(hold + Duration::from_secs(1)).await;
+        let after = direct.status(&resource).await.unwrap();
+        assert!(
+            after.counter > 0,
+            "{direction:?}: never reached Redis: {after:?}"
+        );
+        assert_eq!(
+            after.owner, None,
+            "{direction:?}: a lock nobody holds: {after:?}"
+        );
+    }
 }

@@ -200,6 +200,25 @@ pub struct LeaseRecord {
     pub at_ms: u64,
 }
 
+/// One call of the library a worker made — an issuer's `acquire_wait` or `release`, a
+/// repository `update` — timed from before it to after it returned, with the bound it was
+/// configured with (`docs/proof.md`, "History format": `call` lines).
+#[derive(Clone, Debug, Serialize)]
+pub struct LibraryCall {
+    /// What was called: `acquire_wait`, `release` or `update`.
+    pub op: &'static str,
+    /// The worker that made it.
+    pub worker: usize,
+    /// When it was made (ms since the run started).
+    pub at_ms: u64,
+    /// How long it took, in microseconds.
+    pub duration_us: u64,
+    /// What it may take: the call bound (`acquire_wait`: the wait plus one call bound).
+    pub bound_ms: u64,
+    /// Whether it returned `Ok`.
+    pub ok: bool,
+}
+
 /// A fault the run went through.
 #[derive(Clone, Debug, Serialize)]
 pub struct FaultMark {

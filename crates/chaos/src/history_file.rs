@@ -2,7 +2,8 @@
 //! documented in `docs/proof.md`, section "History format").
 //!
 //! One JSON object per line, each with a `type`: a `run` header first, then every
-//! operation's `invoke` and `complete` events, the `nemesis` actions and the `fault` marks,
+//! operation's `invoke` and `complete` events, the library `call`s, the `nemesis` actions and
+//! the `fault` marks,
 //! in time order, then one `final` line per counter row with the value PostgreSQL committed.
 
 use std::io::Write;
@@ -104,7 +105,8 @@ fn complete(a: &Attempt, groups: usize) -> Value {
 impl Report {
     /// Writes the run's history as JSON lines to `out` (format: `docs/proof.md`, "History
     /// format"): a `run` header; each attempt's `invoke` (at its start) and `complete` (at its
-    /// end) events, the `nemesis` actions and the `fault` marks, ordered by `time_ms` (an
+    /// end) events, each library `call` (at its start), the `nemesis` actions and the `fault`
+    /// marks, ordered by `time_ms` (an
     /// attempt's `invoke` before its `complete`); a `final` line per counter row.
     ///
     /// # Errors
@@ -141,6 +143,19 @@ impl Report {
                 "offset_ms": n.offset_ms,
             });
             events.push((n.at_ms, 1, events.len(), event));
+        }
+        for c in &self.calls {
+            let event = json!({
+                "type": "call",
+                "time_ms": c.at_ms,
+                "process": c.worker,
+                "group": group_of(c.worker, groups),
+                "op": c.op,
+                "duration_us": c.duration_us,
+                "bound_ms": c.bound_ms,
+                "outcome": if c.ok { "ok" } else { "error" },
+            });
+            events.push((c.at_ms, 1, events.len(), event));
         }
         for f in &self.faults {
             let event = json!({

@@ -316,7 +316,7 @@ pub use error::ChaosError;
 pub use harness::{Control, FaultHold, Harness};
 pub use history::{
     Attempt, BatchRows, FailoverEvent, FaultMark, LeaseRecord, LeaselessAttempt, LeaselessKind,
-    LeaselessOutcome, Outcome, PgFailoverEvent, RowResult, Stage,
+    LeaselessOutcome, LibraryCall, Outcome, PgFailoverEvent, RowResult, Stage,
 };
 pub use history_file::HISTORY_FORMAT_VERSION;
 pub use nemesis::{NemesisEvent, NemesisFigures, Partitions, SteppableClock, clock_steps};

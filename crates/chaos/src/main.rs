@@ -80,8 +80,9 @@
 //! ```
 //!
 //! `--partition-groups N` splits the workers into N groups, each reaching PostgreSQL through
-//! its own loopback proxy, and black-holes (`--black-hole-ms MIN MAX`) or resets
-//! (`--reset-share`) one group about every `--partition-every-ms`; `--history PATH` writes each
+//! its own loopback proxy, and black-holes (`--black-hole-ms MIN MAX`; `--one-way-share` of
+//! them in one direction only) or resets (`--reset-share`) one group about every
+//! `--partition-every-ms`; `--history PATH` writes each
 //! run's history as JSON lines (docs/proof.md, "History format"):
 //!
 //! ```sh
@@ -196,6 +197,10 @@ struct Args {
     /// black-holing them.
     #[arg(long, default_value_t = 0.3)]
     reset_share: f64,
+    /// Partitions: share of black-holes that stop one direction only (requests to
+    /// PostgreSQL, or its replies, drawn half and half): one-way partitions.
+    #[arg(long, default_value_t = 0.0)]
+    one_way_share: f64,
     /// Delete every Redis counter when this unit starts (repeatable). Redis only, through a
     /// redis:// URL.
     #[arg(long)]
@@ -821,6 +826,7 @@ fn config(args: &Args, issuer: IssuerKind, mode: Mode) -> Config {
             black_hole_min: Duration::from_millis(args.black_hole_ms[0]),
             black_hole_max: Duration::from_millis(args.black_hole_ms[1]),
             reset_share: args.reset_share,
+            one_way_share: args.one_way_share,
         }),
         ..timing
     }

@@ -12,7 +12,10 @@
 //! * **black-holes** it for a while (drawn from [`Partitions::black_hole_min`] to
 //!   [`Partitions::black_hole_max`]): the proxy stops forwarding in both directions, the
 //!   connections stay open and the bytes wait ([`Proxy::pause`]) — a statement sent meanwhile
-//!   arrives, or its reply comes back, only when the partition heals; or
+//!   arrives, or its reply comes back, only when the partition heals —
+//!   [`Partitions::one_way_share`] of them in one direction only, a one-way partition
+//!   ([`Proxy::pause_one_way`]: requests wait, or PostgreSQL runs them and its replies
+//!   wait); or
 //! * **resets** it ([`Partitions::reset_share`] of the partitions): every connection of the
 //!   group is closed under its workers at once ([`Proxy::drop_connections`]); a statement in
 //!   flight fails, and a `COMMIT` in flight has an unknown outcome.
@@ -25,7 +28,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use pgfence_testkit::Proxy;
+use pgfence_testkit::{Direction, Proxy};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -49,6 +52,10 @@ pub struct Partitions {
     /// The share of partitions that reset the group's connections instead of black-holing
     /// them (0: black-holes only, 1: resets only).
     pub reset_share: f64,
+    /// The share of black-holes that stop one direction only (drawn half and half: requests
+    /// to PostgreSQL, or its replies), a one-way partition ([`Proxy::pause_one_way`]); 0: all
+    /// black-holes stop both directions.
+    pub one_way_share: f64,
 }
 
 impl Default for Partitions {
@@ -59,6 +66,7 @@ impl Default for Partitions {
             black_hole_min: Duration::from_millis(100),
             black_hole_max: Duration::from_millis(300),
             reset_share: 0.3,
+            one_way_share: 0.0,
         }
     }
 }
@@ -81,6 +89,9 @@ impl Partitions {
         if !(0.0..=1.0).contains(&self.reset_share) {
             return Err("partitions: reset_share must be in 0..=1".into());
         }
+        if !(0.0..=1.0).contains(&self.one_way_share) {
+            return Err("partitions: one_way_share must be in 0..=1".into());
+        }
         Ok(())
     }
 }
@@ -88,7 +99,8 @@ impl Partitions {
 /// One nemesis action, as it was applied.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct NemesisEvent {
-    /// `black_hole` (a group's connections stalled both ways), `reset` (a group's connections
+    /// `black_hole` (a group's connections stalled both ways), `one_way_to_server` /
+    /// `one_way_to_client` (stalled in that direction only), `reset` (a group's connections
     /// closed) or `clock_step` (the lock server's wall clock stepped).
     pub kind: String,
     /// When it was applied (ms since the run started).
@@ -110,8 +122,10 @@ pub struct NemesisFigures {
     pub groups: usize,
     /// Black-holes applied.
     pub black_holes: u64,
-    /// Their total length, ms.
+    /// Their total length, ms (one-way ones included).
     pub black_hole_ms: u64,
+    /// Of the black-holes, those that stopped one direction only.
+    pub one_way: u64,
     /// Resets applied.
     pub resets: u64,
     /// Clock steps applied.
@@ -135,6 +149,11 @@ impl NemesisFigures {
             match e.kind.as_str() {
                 "black_hole" => {
                     f.black_holes += 1;
+                    f.black_hole_ms += e.duration_ms;
+                }
+                "one_way_to_server" | "one_way_to_client" => {
+                    f.black_holes += 1;
+                    f.one_way += 1;
                     f.black_hole_ms += e.duration_ms;
                 }
                 "reset" => f.resets += 1,
@@ -179,9 +198,23 @@ pub(crate) async fn partition(
             }
         } else {
             let ms = rng.random_range(lo..=hi);
-            proxies[group].pause(Duration::from_millis(ms));
+            let kind = if rng.random_bool(plan.one_way_share) {
+                let direction = if rng.random_bool(0.5) {
+                    Direction::ToServer
+                } else {
+                    Direction::ToClient
+                };
+                proxies[group].pause_one_way(direction, Duration::from_millis(ms));
+                match direction {
+                    Direction::ToServer => "one_way_to_server",
+                    Direction::ToClient => "one_way_to_client",
+                }
+            } else {
+                proxies[group].pause(Duration::from_millis(ms));
+                "black_hole"
+            };
             NemesisEvent {
-                kind: "black_hole".into(),
+                kind: kind.into(),
                 at_ms,
                 group: Some(group),
                 duration_ms: ms,
@@ -194,7 +227,8 @@ pub(crate) async fn partition(
 }
 
 /// A lock server's wall clock that can be stepped (implemented for the testkit's
-/// [`ShimmedRedis`](pgfence_testkit::clock::ShimmedRedis)).
+/// [`ShimmedRedis`](pgfence_testkit::clock::ShimmedRedis) and
+/// [`ShimmedPostgres`](pgfence_testkit::clock::ShimmedPostgres)).
 pub trait SteppableClock: Send + Sync {
     /// Moves the server's wall clock by `step_ms` (negative: backwards) and returns its offset
     /// from real time afterwards, in ms.
@@ -205,6 +239,13 @@ pub trait SteppableClock: Send + Sync {
 }
 
 impl SteppableClock for pgfence_testkit::clock::ShimmedRedis {
+    fn step_ms(&self, step_ms: i64) -> std::io::Result<i64> {
+        self.clock()
+            .step(Duration::from_millis(step_ms.unsigned_abs()), step_ms >= 0)
+    }
+}
+
+impl SteppableClock for pgfence_testkit::clock::ShimmedPostgres {
     fn step_ms(&self, step_ms: i64) -> std::io::Result<i64> {
         self.clock()
             .step(Duration::from_millis(step_ms.unsigned_abs()), step_ms >= 0)

@@ -5,7 +5,8 @@ use std::fmt;
 use serde::Serialize;
 
 use crate::{
-    Attempt, FaultMark, LeaseRecord, LeaselessAttempt, Mode, NemesisEvent, NemesisFigures,
+    Attempt, FaultMark, LeaseRecord, LeaselessAttempt, LibraryCall, Mode, NemesisEvent,
+    NemesisFigures,
 };
 
 /// How the run recovered from one fault. Only leases granted after the fault count (for an
@@ -617,9 +618,10 @@ impl fmt::Display for Summary {
         if let Some(n) = &self.nemesis {
             writeln!(
                 f,
-                "  nemesis:    {} groups; {} black-holes ({} ms in all), {} resets; {} clock steps (offset {} ms)",
+                "  nemesis:    {} groups; {} black-holes ({} one-way, {} ms in all), {} resets; {} clock steps (offset {} ms)",
                 n.groups,
                 n.black_holes,
+                n.one_way,
                 n.black_hole_ms,
                 n.resets,
                 n.clock_steps,
@@ -836,4 +838,7 @@ pub struct Report {
     pub nemesis: Vec<NemesisEvent>,
     /// Each counter row's final value as PostgreSQL committed it, `(row, value)` by row.
     pub final_values: Vec<(i32, i64)>,
+    /// The library calls the workers made (issuer acquire and release, repository update),
+    /// timed, with their bounds; in no particular order.
+    pub calls: Vec<LibraryCall>,
 }

@@ -133,7 +133,9 @@ pub(crate) async fn verify(
     let mut stats = Stats::default();
     let mut begins = Vec::new();
     let mut calls = Vec::new();
+    let mut library_calls = Vec::new();
     for out in output.workers {
+        library_calls.extend(out.library);
         attempts.extend(out.attempts);
         leases.extend(out.leases);
         stats.add(&out.stats);
@@ -298,6 +300,7 @@ pub(crate) async fn verify(
         faults: output.faults,
         nemesis: output.nemesis,
         final_values,
+        calls: library_calls,
     })
 }
 

@@ -27,7 +27,7 @@ use crate::faults::reset_counters;
 use crate::harness::{Ctx, EffectsCtx};
 use crate::schema::{Cell, ClaimCell, CounterTable, Kind, RECORD_MANY_SQL, WRITE_PLAIN};
 use crate::util::millis;
-use crate::{Attempt, BatchRows, LeaseRecord, Mode, Outcome, RowResult, Stage};
+use crate::{Attempt, BatchRows, LeaseRecord, LibraryCall, Mode, Outcome, RowResult, Stage};
 
 /// How a mode's tries run.
 #[derive(Clone, Copy, Debug)]
@@ -280,6 +280,8 @@ pub(crate) struct WorkerOut {
     pub(crate) begins: Vec<BeginRecord>,
     /// Effects modes: every provider call.
     pub(crate) calls: Vec<CallRecord>,
+    /// The library calls it made, timed.
+    pub(crate) library: Vec<LibraryCall>,
 }
 
 /// Effects modes: a lease recorded the charge of `item` in the ledger ([`pgfence::Effects::begin`]
@@ -428,6 +430,7 @@ pub(crate) async fn worker(id: usize, ctx: Arc<Ctx>, started: Instant) -> Worker
             stats: Stats::default(),
             begins: Vec::new(),
             calls: Vec::new(),
+            library: Vec::new(),
         },
     };
     let ctx = w.ctx.clone();
@@ -454,13 +457,16 @@ pub(crate) async fn worker(id: usize, ctx: Arc<Ctx>, started: Instant) -> Worker
         };
         let unit = ctx.shared.units.fetch_add(1, Ordering::SeqCst);
         if unit >= ctx.cfg.units {
-            let _ = ctx.issuer.release(&lease).await;
+            let _ = w.release(&lease).await;
             break;
         }
         w.unit(&lease, row, unit, asked_at_ms).await;
     }
     w.out
 }
+
+/// The bound of the issuer's calls: the harness leaves the default.
+const ISSUER_BOUND: Duration = pgfence::issuer::DEFAULT_CALL_TIMEOUT;
 
 /// A worker's state.
 struct Worker {
@@ -477,16 +483,39 @@ impl Worker {
         millis(self.started.elapsed())
     }
 
+    /// Records a library call `op` made at `at` (with bound `bound`) that returned `ok`.
+    fn timed(&mut self, op: &'static str, at: Instant, bound: Duration, ok: bool) {
+        self.out.library.push(LibraryCall {
+            op,
+            worker: self.id,
+            at_ms: millis(at.duration_since(self.started)),
+            duration_us: u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX),
+            bound_ms: millis(bound),
+            ok,
+        });
+    }
+
+    /// Releases `lease`, timed.
+    async fn release(&mut self, lease: &Lease) -> pgfence::Result<ReleaseOutcome> {
+        let at = Instant::now();
+        let released = self.ctx.issuer.release(lease).await;
+        self.timed("release", at, ISSUER_BOUND, released.is_ok());
+        released
+    }
+
     /// Waits for `resource`'s lock. `None` (counted) when the wait ran out or the issuer
     /// failed.
     async fn acquire(&mut self, resource: &Resource) -> Option<Lease> {
         let cfg = &self.ctx.cfg;
-        match self
+        let at = Instant::now();
+        let got = self
             .ctx
             .issuer
             .acquire_wait(resource, cfg.ttl, cfg.acquire_wait)
-            .await
-        {
+            .await;
+        let bound = cfg.acquire_wait + ISSUER_BOUND;
+        self.timed("acquire_wait", at, bound, got.is_ok());
+        match got {
             Ok(Some(lease)) => Some(lease),
             Ok(None) => {
                 self.out.stats.acquire_timeouts += 1;
@@ -560,6 +589,7 @@ impl Worker {
                 clock: self.started,
                 begins: Vec::new(),
                 calls: Vec::new(),
+                library: Vec::new(),
                 done_skip: false,
             };
             let result = match (&script, ctx.plan.effects) {
@@ -569,6 +599,7 @@ impl Worker {
             };
             self.out.begins.append(&mut t.begins);
             self.out.calls.append(&mut t.calls);
+            self.out.library.append(&mut t.library);
             self.out.stats.done_skips += u64::from(t.done_skip);
             let (outcome, stale) = outcome(result);
             // A batch try that went on with the rows it got may still have met a lost counter.
@@ -627,7 +658,7 @@ impl Worker {
             };
             tokio::time::sleep(Duration::from_millis(backoff)).await;
         }
-        match ctx.issuer.release(lease).await {
+        match self.release(lease).await {
             Ok(ReleaseOutcome::AlreadyExpired) => self.out.stats.released_expired += 1,
             Ok(ReleaseOutcome::TakenByOther) => self.out.stats.released_taken += 1,
             Ok(ReleaseOutcome::Released) | Err(_) => {}
@@ -773,6 +804,8 @@ struct Try<'a> {
     /// Effects modes: this try's ledger begins and provider calls.
     begins: Vec<BeginRecord>,
     calls: Vec<CallRecord>,
+    /// The library calls of this try, timed.
+    library: Vec<LibraryCall>,
     /// Effects modes: the begin found the charge recorded as done, and the call was skipped.
     done_skip: bool,
 }
@@ -1245,7 +1278,7 @@ impl Try<'_> {
     }
 
     /// Writes `value` to the row as the plan says.
-    async fn write_value(&self, conn: &mut PgConnection, value: i64) -> Step<()> {
+    async fn write_value(&mut self, conn: &mut PgConnection, value: i64) -> Step<()> {
         let run = self.ctx.run.as_str();
         match self.ctx.plan.write {
             WriteKind::Plain => {
@@ -1263,11 +1296,17 @@ impl Try<'_> {
                     id: self.row,
                     value,
                 };
-                self.ctx
-                    .repo
-                    .update(conn, self.lease, &cell)
-                    .await
-                    .map_err(at(Stage::Write))?;
+                let started = Instant::now();
+                let written = self.ctx.repo.update(conn, self.lease, &cell).await;
+                self.library.push(LibraryCall {
+                    op: "update",
+                    worker: self.worker,
+                    at_ms: millis(started.duration_since(self.clock)),
+                    duration_us: u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+                    bound_ms: millis(self.ctx.repo.call_timeout()),
+                    ok: written.is_ok(),
+                });
+                written.map_err(at(Stage::Write))?;
             }
         }
         Ok(())

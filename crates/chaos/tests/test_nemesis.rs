@@ -15,7 +15,7 @@ use pgfence_chaos::{
     Config, Harness, Mode, Outcome, Partitions, Report, SteppableClock, Target, clock_steps,
 };
 use pgfence_testkit::ServerError;
-use pgfence_testkit::clock::ShimmedRedis;
+use pgfence_testkit::clock::{ShimmedPostgres, ShimmedRedis};
 use serde_json::Value;
 use support::{TestDb, redis_url};
 
@@ -79,6 +79,7 @@ fn check_history(path: &std::path::Path, report: &Report) {
         }
     }
     assert!(open.is_empty(), "every invoke completes");
+    check_call_bounds(&events);
     let s = &report.summary;
     let attempts = s.attempts;
     assert_eq!(kinds.get("invoke").copied().unwrap_or(0), attempts);
@@ -107,8 +108,43 @@ fn check_history(path: &std::path::Path, report: &Report) {
     assert_eq!(u64::try_from(total).unwrap(), s.accepted);
 }
 
+/// What a library call may take past its bound (scheduling on a loaded machine).
+const CALL_SLACK_MS: u64 = 500;
+
+/// "No library call in the partition tests outlives its bound": every `call` line of the
+/// history (issuer `acquire_wait` and `release`, repository `update`) took at most its
+/// `bound_ms` plus [`CALL_SLACK_MS`]. Prints the longest of each kind against its bound.
+fn check_call_bounds(events: &[Value]) {
+    // op -> (calls, longest in µs, its bound in ms)
+    let mut longest: BTreeMap<String, (u64, u64, u64)> = BTreeMap::new();
+    for e in events.iter().filter(|e| e["type"] == "call") {
+        let op = e["op"].as_str().expect("op").to_owned();
+        let took = e["duration_us"].as_u64().expect("duration_us");
+        let bound = e["bound_ms"].as_u64().expect("bound_ms");
+        assert!(
+            took <= (bound + CALL_SLACK_MS) * 1000,
+            "a library call outlived its bound ({bound} ms + {CALL_SLACK_MS} ms): {e}"
+        );
+        let entry = longest.entry(op).or_default();
+        entry.0 += 1;
+        if took >= entry.1 {
+            (entry.1, entry.2) = (took, bound);
+        }
+    }
+    for op in ["acquire_wait", "release", "update"] {
+        assert!(longest.contains_key(op), "no {op} call in the history");
+    }
+    for (op, (calls, took, bound)) in &longest {
+        eprintln!(
+            "library calls: {op}: {calls} calls, longest {:.1} ms (bound {bound} ms)",
+            *took as f64 / 1000.0
+        );
+    }
+}
+
 /// Partitions between two groups of 4 workers and PostgreSQL, one group at a time: black-holes
-/// of 100–250 ms (both ways: bytes wait, connections stay open) and resets (every connection of
+/// of 100–250 ms (bytes wait, connections stay open; 40 % of them one way only: requests, or
+/// PostgreSQL's replies) and resets (every connection of
 /// the group closed), about every 150 ms, with no injected stall: a worker cut off while it
 /// holds a 40 ms lease is the zombie. Fenced: safe; the history file matches the report. The
 /// unfenced control under the same partitions: lost updates.
@@ -136,6 +172,7 @@ async fn partitions_fenced_holds_and_the_unfenced_control_breaks() {
             black_hole_min: Duration::from_millis(100),
             black_hole_max: Duration::from_millis(250),
             reset_share: 0.3,
+            one_way_share: 0.4,
         }),
         history: Some(history.clone()),
         ..Config::default()
@@ -149,6 +186,10 @@ async fn partitions_fenced_holds_and_the_unfenced_control_breaks() {
     assert_eq!(s.stale_reads, 0, "{s}");
     let n = s.nemesis.as_ref().expect("nemesis figures");
     assert!(n.black_holes > 0 && n.resets > 0, "{s}");
+    assert!(
+        n.one_way > 0 && n.one_way < n.black_holes,
+        "both two-way and one-way black-holes: {s}"
+    );
     assert!(
         s.rejected > 0,
         "partitions past the TTL must cause rejections: {s}"
@@ -238,6 +279,83 @@ async fn clock_steps_fenced_holds_and_the_unfenced_control_breaks() {
         s.nemesis.as_ref().is_some_and(|n| n.clock_steps == steps),
         "{s}"
     );
+    assert!(s.rejected > 0, "early grants must cause rejections: {s}");
+
+    let (control, steps) = run_stepped(Config {
+        mode: Mode::Unfenced,
+        ..cfg
+    })
+    .await;
+    let c = &control.summary;
+    assert!(steps > 0);
+    assert!(
+        c.lost_updates > 0,
+        "clock steps must break the unfenced control: {c}"
+    );
+}
+
+/// The PostgreSQL issuer (`PgIssuer`: leases expire by the database's clock) on a throwaway
+/// PostgreSQL under the wall-clock shim, stepped forward by 5 s about every 300 ms: a lock is
+/// granted again while its holder, by its own clock, still holds it. The same server is the
+/// protected database (its fences compare tokens, no clock). Fenced: safe. The unfenced
+/// control: lost updates. Skips without a C compiler or the PostgreSQL server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pg_issuer_clock_steps_fenced_holds_and_the_unfenced_control_breaks() {
+    let pg = match ShimmedPostgres::start().await {
+        Ok(p) => Arc::new(p),
+        Err(e @ ServerError::NotInstalled { .. }) => {
+            eprintln!("skipped: {e}");
+            return;
+        }
+        Err(e) => panic!("shimmed postgres: {e}"),
+    };
+    let options: sqlx::postgres::PgConnectOptions = pg.url().parse().unwrap();
+    let target = Target {
+        database: options,
+        issuer_url: pg.url(),
+    };
+    let (units, max_duration) = units(120);
+    let cfg = Config {
+        workers: 8,
+        rows: 4,
+        units,
+        ttl: Duration::from_secs(1),
+        acquire_wait: Duration::from_secs(3),
+        pause_probability: 1.0,
+        pause_min: Duration::from_millis(100),
+        pause_max: Duration::from_millis(300),
+        max_duration,
+        ..Config::default()
+    };
+    let run_stepped = |cfg: Config| {
+        let pg = pg.clone();
+        let target = target.clone();
+        async move {
+            let harness = Harness::new(cfg, &target).await.expect("harness setup");
+            let clock: Arc<dyn SteppableClock> = pg;
+            let steps = tokio::spawn(clock_steps(
+                harness.control(),
+                clock,
+                10,
+                Duration::from_millis(300),
+                5_000,
+                11,
+            ));
+            let report = harness.run().await.expect("run");
+            let steps = steps.await.unwrap();
+            eprintln!("{}{}", report.summary, report.summary.json());
+            (report, steps)
+        }
+    };
+
+    let (fenced, steps) = run_stepped(cfg.clone()).await;
+    let s = &fenced.summary;
+    assert_eq!(s.issuer, "postgres", "{s}");
+    assert!(steps > 0, "the clock was stepped");
+    assert!(!s.timed_out, "time limit hit: {s}");
+    assert_eq!(s.violations, 0, "{s}");
+    assert_eq!(s.lost_updates, 0, "{s}");
+    assert_eq!(s.stale_reads, 0, "{s}");
     assert!(s.rejected > 0, "early grants must cause rejections: {s}");
 
     let (control, steps) = run_stepped(Config {

@@ -16,8 +16,11 @@
 //! locks — by its wall clock: a step forward ends every lease early, as a lock server whose
 //! clock jumped would.
 //!
-//! Without a C compiler (`cc`, else `gcc`, on `PATH`) [`WallClockShim::build_in`] and
-//! [`ShimmedRedis::start`] return [`ServerError::NotInstalled`]: tests skip.
+//! [`ShimmedPostgres`] is the same for a throwaway PostgreSQL: the PostgreSQL issuer expires
+//! its leases by the database's clock, so a step forward ends them early too.
+//!
+//! Without a C compiler (`cc`, else `gcc`, on `PATH`) [`WallClockShim::build_in`],
+//! [`ShimmedRedis::start`] and [`ShimmedPostgres::start`] return [`ServerError::NotInstalled`]: tests skip.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -330,4 +333,106 @@ fn ping(port: u16) -> bool {
         && stream
             .read(&mut buf)
             .is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
+}
+
+/// A throwaway PostgreSQL (superuser `postgres`, trust authentication, nothing synced to
+/// disk) running with the wall-clock shim: `now()`, `clock_timestamp()` and so the PostgreSQL
+/// issuer's lease expiry follow the shim's offset. (libfaketime makes PostgreSQL fail
+/// `sem_open`; the shim touches only the wall clock.) `initdb` runs without the shim. As
+/// root, the server runs as the `postgres` user (`setpriv`).
+#[derive(Debug)]
+pub struct ShimmedPostgres {
+    supervisor: Supervisor,
+    clock: WallClockShim,
+    port: u16,
+}
+
+impl ShimmedPostgres {
+    /// Compiles the shim, runs `initdb` and starts `postgres` with the shim on a free port of
+    /// 127.0.0.1, its clock at real time.
+    ///
+    /// # Errors
+    /// [`ServerError::NotInstalled`] without the PostgreSQL server or a C compiler;
+    /// [`ServerError::StartFailed`] when it is not ready within 60 s.
+    pub async fn start() -> Result<Self, ServerError> {
+        let bindir = crate::postgres_bindir()?;
+        if compiler().is_none() {
+            return Err(ServerError::NotInstalled {
+                what: "C compiler (cc)",
+                hint: CC_HINT,
+            });
+        }
+        blocking(move || Self::start_blocking(&bindir)).await
+    }
+
+    fn start_blocking(bindir: &Path) -> Result<Self, ServerError> {
+        let port = free_ports(1)?[0];
+        let template = format!("{}/pgfence-clock-pg.XXXXXX", sh_quote(&scratch_base()));
+        let server = if crate::is_root() {
+            "chmod 755 \"$dir\" && mkdir -p \"$dir/pg\" && chown postgres \"$dir/pg\" && \
+             exec setpriv --reuid=postgres --regid=postgres --init-groups sh \"$dir/run.sh\" \"$dir\""
+        } else {
+            "mkdir -p \"$dir/pg\" && exec sh \"$dir/run.sh\" \"$dir\""
+        };
+        let mut supervisor = Supervisor::member("postgres (clock shim)", &template, server)?;
+        let clock = WallClockShim::build_in(supervisor.dir())?;
+        let bin = sh_quote(bindir);
+        let run = format!(
+            r#"set -e
+dir="$1"
+[ -d "$dir/pg/data" ] || {bin}/initdb -D "$dir/pg/data" -U postgres -A trust -E UTF8 --no-sync >"$dir/pg/init.log" 2>&1
+LD_PRELOAD="$dir/libpgfence_clock.so" {OFFSET_FILE_ENV}="$dir/clock_offset" exec {bin}/postgres \
+  -D "$dir/pg/data" -p {port} -k "$dir/pg" -c listen_addresses=127.0.0.1 -c fsync=off \
+  -c synchronous_commit=off -c full_page_writes=off -c max_connections=200
+"#
+        );
+        std::fs::write(supervisor.dir().join("run.sh"), run)?;
+        supervisor.start()?;
+        let pid_file = supervisor.dir().join("pg/data/postmaster.pid");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let ready = std::fs::read_to_string(&pid_file)
+                .is_ok_and(|pid| pid.lines().nth(7).is_some_and(|l| l.trim() == "ready"));
+            if ready && connects(port, Duration::from_millis(200)) {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(ServerError::StartFailed {
+                    what: "postgres (clock shim)",
+                    detail: supervisor.log_tail(20),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(Self {
+            supervisor,
+            clock,
+            port,
+        })
+    }
+
+    /// `postgres://postgres@127.0.0.1:PORT/postgres`.
+    #[must_use]
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Its port on 127.0.0.1.
+    #[must_use]
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Its clock: [`WallClockShim::step`] moves it.
+    #[must_use]
+    pub fn clock(&self) -> &WallClockShim {
+        &self.clock
+    }
+
+    /// The server's directory (removed when it stops): the shim, its offset file, `run.sh`,
+    /// `server.log`, and the cluster in `pg/data`.
+    #[must_use]
+    pub fn dir(&self) -> &Path {
+        self.supervisor.dir()
+    }
 }

@@ -619,6 +619,10 @@ struct ProxyShared {
     open: std::sync::Mutex<Vec<(TcpStream, TcpStream, ConnPause)>>,
     /// Nothing is forwarded before this instant.
     paused_until: std::sync::Mutex<Option<Instant>>,
+    /// Nothing is forwarded from the clients to the server before this instant.
+    paused_to_server: std::sync::Mutex<Option<Instant>>,
+    /// Nothing is forwarded from the server to the clients before this instant.
+    paused_to_client: std::sync::Mutex<Option<Instant>>,
     accepted: std::sync::atomic::AtomicUsize,
     /// Where new connections go (`127.0.0.1:PORT`).
     target: std::sync::atomic::AtomicU16,
@@ -626,6 +630,15 @@ struct ProxyShared {
 
 /// Nothing is forwarded on one connection before this instant ([`Proxy::pause_open`]).
 type ConnPause = std::sync::Arc<std::sync::Mutex<Option<Instant>>>;
+
+/// One direction of a proxied connection ([`Proxy::pause_one_way`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// From the clients to the server (requests).
+    ToServer,
+    /// From the server to the clients (replies).
+    ToClient,
+}
 
 impl Proxy {
     /// Listens on a free port of 127.0.0.1 and forwards every connection to
@@ -697,14 +710,18 @@ impl Proxy {
             upstream.try_clone()?,
             paused.clone(),
         ));
-        for (from, to) in [
-            (client.try_clone()?, upstream.try_clone()?),
-            (upstream, client),
+        for (from, to, direction) in [
+            (
+                client.try_clone()?,
+                upstream.try_clone()?,
+                Direction::ToServer,
+            ),
+            (upstream, client, Direction::ToClient),
         ] {
             let (shared, paused) = (shared.clone(), paused.clone());
             std::thread::Builder::new()
                 .name("testkit-proxy-pipe".into())
-                .spawn(move || pipe(&shared, &paused, from, to))?;
+                .spawn(move || pipe(&shared, &paused, direction, from, to))?;
         }
         Ok(())
     }
@@ -735,6 +752,19 @@ impl Proxy {
     /// old and new; connections stay open. Returns at once.
     pub fn pause(&self, duration: Duration) {
         *self.shared.paused_until.lock().expect("proxy lock") = Some(Instant::now() + duration);
+    }
+
+    /// Stops forwarding in one `direction` only for `duration` from now, on every connection,
+    /// old and new (a one-way partition: with [`Direction::ToServer`] requests wait and no reply
+    /// comes; with [`Direction::ToClient`] the server runs what it gets, and its replies wait).
+    /// The other direction forwards as usual; connections stay open. Returns at once.
+    pub fn pause_one_way(&self, direction: Direction, duration: Duration) {
+        let until = Some(Instant::now() + duration);
+        let slot = match direction {
+            Direction::ToServer => &self.shared.paused_to_server,
+            Direction::ToClient => &self.shared.paused_to_client,
+        };
+        *slot.lock().expect("proxy lock") = until;
     }
 
     /// Stops forwarding for `duration` from now, in both directions, on the connections open
@@ -791,9 +821,15 @@ impl Drop for Proxy {
     }
 }
 
-/// Copies `from` to `to` until either side closes, holding bytes while the proxy or this
-/// connection (`paused`) is paused.
-fn pipe(shared: &ProxyShared, paused: &ConnPause, mut from: TcpStream, mut to: TcpStream) {
+/// Copies `from` to `to` (in `direction`) until either side closes, holding bytes while the
+/// proxy, this direction or this connection (`paused`) is paused.
+fn pipe(
+    shared: &ProxyShared,
+    paused: &ConnPause,
+    direction: Direction,
+    mut from: TcpStream,
+    mut to: TcpStream,
+) {
     use std::io::Write;
     let mut buf = [0u8; 16 * 1024];
     loop {
@@ -804,7 +840,13 @@ fn pipe(shared: &ProxyShared, paused: &ConnPause, mut from: TcpStream, mut to: T
         loop {
             let all = *shared.paused_until.lock().expect("proxy lock");
             let this = *paused.lock().expect("proxy lock");
-            match all.max(this) {
+            let way = *match direction {
+                Direction::ToServer => &shared.paused_to_server,
+                Direction::ToClient => &shared.paused_to_client,
+            }
+            .lock()
+            .expect("proxy lock");
+            match all.max(this).max(way) {
                 Some(until) if Instant::now() < until => {
                     std::thread::sleep(Duration::from_millis(5).min(until - Instant::now()));
                 }

@@ -117,6 +117,12 @@ impl RedisConnections {
         self.conns.is_empty()
     }
 
+    /// Each of the connections: a command sent on every one runs, on each, after whatever that
+    /// one carried before (Redis runs one connection's commands in order).
+    pub(super) fn lanes(&self) -> Vec<ConnectionManager> {
+        self.conns.to_vec()
+    }
+
     fn pick(&self) -> (usize, ConnectionManager) {
         let i = match self.shared.reconnected.swap(0, Ordering::Relaxed) {
             0 => self.shared.next.fetch_add(1, Ordering::Relaxed) % self.conns.len(),

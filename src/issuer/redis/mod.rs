@@ -4,7 +4,9 @@
 //! Keys for resource `R` are `pgfence:{R}:lock` and `pgfence:{R}:fence`; for resource `NAME`
 //! in fencing domain `D`, `pgfence:{D}:lock:NAME` and the domain's `pgfence:{D}:fence`
 //! (`pgfence` is the default key prefix; [`Issuer::with_key_prefix`] changes it). The
-//! hash tag puts a lock and its counter in one Redis Cluster slot. The counter never expires,
+//! hash tag puts a lock and its counter in one Redis Cluster slot (with `PREFIX:{R}:attempt`,
+//! which records the acquire call that took the lock, expiring with it, for the clean-up of a
+//! failed acquire: `docs/issuers.md`, "Time bounds"). The counter never expires,
 //! and nothing here deletes it but an acquire refused at the token limit, which undoes the
 //! counter it had just created. Redis only hands out numbers: safety comes from Postgres
 //! rejecting old tokens, so a counter that goes backwards costs liveness (rejected writes)
@@ -29,7 +31,7 @@ use tokio::time::Instant;
 pub use acl::{REDIS_ACL_COMMANDS, REDIS_SENTINEL_ACL_RULE, redis_acl_key_pattern, redis_acl_rule};
 use connections::transport_error;
 pub use connections::{RedisConnections, default_connections};
-use scripts::{ACQUIRE, EXTEND, RAISE_FLOOR, REISSUE, RELEASE};
+use scripts::{ABANDON, ABANDON_SOURCE, ACQUIRE, EXTEND, RAISE_FLOOR, REISSUE, RELEASE};
 pub use sentinel::{
     DEFAULT_FAILOVER_WAIT, DEFAULT_SENTINEL_PORT, SENTINEL_SCHEME, SENTINEL_TLS_SCHEME,
     SentinelConnections, SentinelUrl, is_sentinel_url,
@@ -66,6 +68,20 @@ fn prefixed_lock_key(prefix: &str, resource: &Resource) -> String {
             format!("{prefix}:{{{domain}}}:lock:{name}")
         }
         None => format!("{prefix}:{{{resource}}}:lock"),
+    }
+}
+
+/// The key recording which acquire call of the lock's owner took or last renewed the lock
+/// (`PREFIX:{R}:attempt`, or `PREFIX:{D}:attempt:NAME` in a fencing domain), so that the
+/// clean-up of a failed call removes only a lock that call took. It lives as long as the TTL
+/// the acquire asked for.
+fn prefixed_attempt_key(prefix: &str, resource: &Resource) -> String {
+    match resource.domain() {
+        Some(domain) => {
+            let name = &resource.as_str()[domain.len() + 2..];
+            format!("{prefix}:{{{domain}}}:attempt:{name}")
+        }
+        None => format!("{prefix}:{{{resource}}}:attempt"),
     }
 }
 
@@ -370,6 +386,45 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     pub fn keep_alive(&self, lease: &Lease) -> KeepAlive {
         KeepAlive::spawn(Arc::new(self.clone()), lease.clone())
     }
+    /// The clean-up of an acquire call (`ask`) that returned no lease after an attempt whose
+    /// outcome is unknown — one cut off by its bound stays queued on its connection and takes
+    /// the lock when its bytes arrive; one lost with a reset connection is gone or already
+    /// applied. Sent in the background on each of the issuer's connections (Redis runs one
+    /// connection's commands in order, so on the connection that carried the late attempt it
+    /// runs right after it, however late), it removes the lock if the owner holds it by this
+    /// very call (the attempt key): never a lease a later call of the same owner took or
+    /// adopted. Re-sent after transport failures until the TTL the call asked for has passed.
+    fn abandon(&self, ask: &Ask<'_>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let task = || Abandon {
+            lock: self.lock_key(ask.resource),
+            attempt: prefixed_attempt_key(&self.prefix, ask.resource),
+            owner: ask.owner.to_owned(),
+            call: call_id(ask.call),
+            until: Instant::now() + ask.ttl,
+        };
+        let conn: &dyn std::any::Any = &self.conn;
+        if let Some(set) = conn.downcast_ref::<RedisConnections>() {
+            for lane in set.lanes() {
+                runtime.spawn(task().run(lane, true));
+            }
+            return;
+        }
+        if let Some(set) = conn.downcast_ref::<SentinelConnections>() {
+            let lanes = set.lanes();
+            if !lanes.is_empty() {
+                for lane in lanes {
+                    runtime.spawn(task().run(lane, true));
+                }
+                return;
+            }
+        }
+        // One connection (a clone shares it), or a cluster's connection to the key's node.
+        runtime.spawn(task().run(self.conn.clone(), false));
+    }
+
     /// Settles a lease granted on a counter that did not exist (a new resource, or a Redis that
     /// lost its data): with a floor source whose mark is not below the token, the counter is
     /// raised past the mark and the token re-issued.
@@ -429,6 +484,78 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     }
 }
 
+/// An acquire call's id as the scripts take it: 16 hex digits, so that comparing the text
+/// compares the numbers.
+fn call_id(call: u64) -> String {
+    format!("{call:016x}")
+}
+
+/// What [`Issuer::abandon`] sends on one connection.
+struct Abandon {
+    lock: String,
+    attempt: String,
+    owner: String,
+    call: String,
+    /// Given up at (the TTL the call asked for, from its failure).
+    until: Instant,
+}
+
+impl Abandon {
+    /// Sends the clean-up on `conn` until Redis answers it, re-sent after transport failures
+    /// (harmless: it removes only the failed call's lock) until `until`. `pipelined`: the
+    /// script is loaded in the same write (one server: no `NOSCRIPT` round trip that would let
+    /// the wait end before the script ran); otherwise the script is invoked as usual.
+    async fn run<K: ConnectionLike + Send>(self, mut conn: K, pipelined: bool) {
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let sent = async {
+                if pipelined {
+                    redis::pipe()
+                        .cmd("SCRIPT")
+                        .arg("LOAD")
+                        .arg(ABANDON_SOURCE)
+                        .ignore()
+                        .cmd("EVALSHA")
+                        .arg(ABANDON.get_hash())
+                        .arg(2)
+                        .arg(&self.lock)
+                        .arg(&self.attempt)
+                        .arg(&self.owner)
+                        .arg(&self.call)
+                        .query_async::<(i64,)>(&mut conn)
+                        .await
+                        .map(|(code,)| code)
+                } else {
+                    ABANDON
+                        .key(&self.lock)
+                        .key(&self.attempt)
+                        .arg(&self.owner)
+                        .arg(&self.call)
+                        .invoke_async::<i64>(&mut conn)
+                        .await
+                }
+            };
+            match tokio::time::timeout_at(self.until, sent).await {
+                Ok(Ok(code)) => {
+                    if code == 1 {
+                        tracing::info!(target: "pgfence::issuer", lock = self.lock, owner = self.owner, "removed the lock a failed acquire's late attempt took");
+                    }
+                    return;
+                }
+                Ok(Err(e)) if transport_error(&e) && Instant::now() + pause < self.until => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(target: "pgfence::issuer", lock = self.lock, owner = self.owner, error = %e, "could not clean up after a failed acquire; a lock its late attempt took lapses with its TTL");
+                    return;
+                }
+                Err(_) => return,
+            }
+        }
+    }
+}
+
 /// How a Redis call is re-sent: at once (to the connection that just reconnected), then after
 /// 10 ms doubling to 250 ms, at most 8 times (an acquire: 3 times), all within the call bound;
 /// each attempt, an acquire's too, is cut off after 1 s, since a stalled connection is not
@@ -474,9 +601,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for Issuer<C> {
         let reply = ACQUIRE
             .key(&lock)
             .key(&counter)
+            .key(prefixed_attempt_key(&self.prefix, ask.resource))
             .arg(ask.owner)
             .arg(ttl_ms)
             .arg(MAX_TOKEN)
+            .arg(call_id(ask.call))
             .invoke_async::<Vec<Value>>(&mut conn)
             .await
             .map_err(|e| self.redis_error(e))?;
@@ -501,6 +630,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for Issuer<C> {
             )),
             other => Err(unexpected(other)),
         }
+    }
+
+    /// Removes, in the background, the lock a late attempt of the failed call `ask` takes:
+    /// see [`Issuer::abandon`].
+    async fn acquire_abandoned(&self, ask: &Ask<'_>) {
+        self.abandon(ask);
     }
 
     async fn settle_fresh(&self, mut lease: Lease) -> Result<Lease> {

@@ -15,3 +15,6 @@ pub(super) static RAISE_FLOOR: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("lua/raise_floor.lua")));
 pub(super) static REISSUE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("lua/reissue.lua")));
+/// The clean-up of a failed acquire (sent with `SCRIPT LOAD` in one write on a single server).
+pub(super) const ABANDON_SOURCE: &str = include_str!("lua/abandon.lua");
+pub(super) static ABANDON: LazyLock<Script> = LazyLock::new(|| Script::new(ABANDON_SOURCE));

@@ -483,6 +483,16 @@ impl SentinelConnections {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Each connection to the current master (none while there is none): a command sent on
+    /// every one runs, on each, after whatever that one carried before.
+    pub(super) fn lanes(&self) -> Vec<MultiplexedConnection> {
+        self.lock()
+            .master
+            .as_ref()
+            .map(|m| m.conns.to_vec())
+            .unwrap_or_default()
+    }
+
     fn current(&self) -> Option<(u64, String, MultiplexedConnection)> {
         let current = self.lock();
         let master = current.master.as_ref()?;

@@ -2,18 +2,35 @@
 -- KEYS[1] = lock key, KEYS[2] = fence counter (same hash tag, so same cluster slot)
 -- ARGV[1] = owner id, ARGV[2] = TTL in milliseconds, ARGV[3] = the token limit
 -- (pgfence::MAX_TOKEN in decimal; 549755813887 when not given)
+-- KEYS[3] (optional) = the attempt key, ARGV[4] = the id of the acquire call: 16 hex digits,
+-- increasing within a process. It records which call of the owner holds the lock, so that a
+-- failed call's clean-up (abandon.lua) removes the lock only if that call took it.
 -- Lock value: "<owner>:<token>".
 -- Returns {1, token, fresh} when granted. `token` is the counter's exact decimal text (Lua
 -- numbers are doubles); `fresh` is 1 when the counter did not exist before (new resource, or
 -- a Redis that lost its data). Returns {0, pttl} when another owner holds the lock: a
 -- two-element reply starting with 0 is never a token. Returns {-1, counter} when the counter
 -- is already at (or past) the token limit: nothing was changed.
+local function stamp(adopting)
+  if not KEYS[3] then return end
+  if adopting then
+    -- The lock is the owner's already: only a later call of the owner takes it over (the late
+    -- bytes of an earlier, failed call must not).
+    local by = redis.call('GET', KEYS[3])
+    if by and by >= ARGV[4] then
+      redis.call('PEXPIRE', KEYS[3], ARGV[2])
+      return
+    end
+  end
+  redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[2])
+end
 local held = redis.call('GET', KEYS[1])
 if held then
   local owner, token = string.match(held, '^(.*):(%d+)$')
   if owner == ARGV[1] then
     -- The same owner retrying (its first reply was lost): same token, not a new one.
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    stamp(true)
     return {1, token, 0}
   end
   return {0, redis.call('PTTL', KEYS[1])}
@@ -38,4 +55,5 @@ if type(incr) == 'table' and incr.err then
 end
 local token = redis.call('GET', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1] .. ':' .. token, 'PX', ARGV[2])
+stamp(false)
 return {1, token, fresh}
