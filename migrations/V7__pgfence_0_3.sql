@@ -14,10 +14,12 @@
 --  10. The effect ledger (pgfence::Effects): idempotency keys for side effects.
 --  11. schema_version(): which migrations are applied, readable by any role.
 --  12. Upgrading a 0.2.0 database in place: stored data, installed guard triggers, grants.
+--  13. The public surface: the functions only pgfence's own SQL calls are the owner's alone.
 --
 -- Privileges are deny by default (V5): each section revokes PUBLIC's EXECUTE on what it creates
 -- and grants only what every role may run; what applications call is granted by
--- pgfence::admin::grant_sql.
+-- pgfence::admin::grant_sql. The functions users and the library call are the public surface
+-- (docs/sql.md, "Functions", lists each); the rest are internal (section 13).
 --
 -- Every statement is idempotent (CREATE OR REPLACE, IF NOT EXISTS, guarded DO blocks), so the
 -- migration applies again over itself (an owner repairing a history row) and keeps what an
@@ -35,6 +37,11 @@
 -- LANGUAGE sql IMMUTABLE with no SET clause and nothing a search_path could resolve (operators
 -- are OPERATOR(pg_catalog.*), `bigint` is a keyword): the planner inlines them and folds calls
 -- on constants, so a helper in a statement costs what its literal would.
+--
+-- They are internal (section 13): only the schema's owner executes them, so only pgfence's own
+-- functions (SECURITY DEFINER where an application role calls them) use them. Executable by
+-- every role, `SET fence = pgfence.next_step(fence)` would let any writer pass the guard as the
+-- lease that last wrote the row.
 ------------------------------------------------------------------------------------------------
 
 -- Where the token starts in a fence: fence = token << 24 | tag << 12 | sequence.
@@ -137,16 +144,14 @@ AS $$
     SELECT ((p_fence OPERATOR(pg_catalog.>>) pgfence.tag_shift())
             OPERATOR(pg_catalog.&) pgfence.max_tag())::integer
 $$;
-REVOKE ALL ON FUNCTION pgfence.fence_tag(bigint) FROM PUBLIC;
 
--- Numbers only, read by functions that run as the caller (next_fence, admits, lease_fence)
--- and inlined into what any role runs: every role may execute them, like max_token_jump().
-GRANT EXECUTE ON FUNCTION pgfence.token_shift(), pgfence.tag_shift(), pgfence.max_tag(),
+REVOKE ALL ON FUNCTION pgfence.token_shift(), pgfence.tag_shift(), pgfence.max_tag(),
     pgfence.sealed_sequence(), pgfence.sequence_step(), pgfence.fence_token(bigint),
     pgfence.max_token(), pgfence.token_fence(bigint), pgfence.fence_counter(bigint),
     pgfence.fence_holder(bigint), pgfence.fence_sequence(bigint), pgfence.fence_lease(bigint),
-    pgfence.sealed_fence(bigint), pgfence.next_step(bigint), pgfence.other_counter(bigint, bigint)
-    TO PUBLIC;
+    pgfence.sealed_fence(bigint), pgfence.next_step(bigint), pgfence.other_counter(bigint, bigint),
+    pgfence.fence_tag(bigint)
+    FROM PUBLIC;
 
 ------------------------------------------------------------------------------------------------
 -- 2. The poisoning bound
@@ -218,10 +223,9 @@ $$;
 REVOKE ALL ON FUNCTION pgfence.set_max_token_jump(bigint),
     pgfence.refuse_token_jump(bigint, bigint, text)
     FROM PUBLIC;
--- The bound is a number anyone may read; the repository's statements and every function
--- that writes a fence use it.
-GRANT EXECUTE ON FUNCTION pgfence.max_token_jump(), pgfence.refuse_token_jump(bigint, bigint, text)
-    TO PUBLIC;
+-- The bound is a number anyone may read. refuse_token_jump is internal: the functions that
+-- write a fence call it with their owner's rights.
+GRANT EXECUTE ON FUNCTION pgfence.max_token_jump() TO PUBLIC;
 
 ------------------------------------------------------------------------------------------------
 -- 3. A lease's fence on a row
@@ -238,6 +242,7 @@ GRANT EXECUTE ON FUNCTION pgfence.max_token_jump(), pgfence.refuse_token_jump(bi
 -- The lease fence of a token and tag: what the lease's first write to a row stores.
 CREATE OR REPLACE FUNCTION pgfence.lease_fence(p_token bigint, p_tag integer) RETURNS bigint
 LANGUAGE plpgsql IMMUTABLE
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
@@ -258,10 +263,13 @@ $$;
 -- from another counter), PF004 when another lease presented the same token from the same
 -- counter (the counter went backwards), PF005 when the row was sealed (changed outside the
 -- protocol) after this lease wrote it. p_table only names the table in the error.
+-- lease_fence and next_fence run with their owner's rights: they read the layout's helpers,
+-- which no application role may execute (section 13).
 CREATE OR REPLACE FUNCTION pgfence.next_fence(p_current bigint, p_token bigint, p_tag integer DEFAULT 0,
                                               p_table text DEFAULT NULL)
 RETURNS bigint
 LANGUAGE plpgsql IMMUTABLE
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -423,10 +431,14 @@ END
 $$;
 
 -- The non-raising form for SQL callers: false (after an audit row, a WARNING, and the
--- rejection left for pgfence.stop_unless) instead of PF001 / PF004 / PF008.
+-- rejection left for pgfence.stop_unless) instead of PF001 / PF004 / PF008. The shell path's
+-- functions (try_check, admits) run with their owner's rights (they call internal functions);
+-- the audit row's holder is the calling role as the guard trigger names it (the role set by
+-- SET ROLE, else the session's).
 CREATE OR REPLACE FUNCTION pgfence.try_check(p_resource text, p_token bigint, p_tag integer DEFAULT 0)
 RETURNS boolean
 LANGUAGE plpgsql
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -443,7 +455,9 @@ BEGIN
                                 v_message = MESSAGE_TEXT;
     END;
     v_current := coalesce(substring(v_detail FROM 'current=([0-9]+)')::bigint, p_token);
-    PERFORM pgfence.append_audit(p_resource, NULL, NULL, p_token, v_current, current_user::text,
+    PERFORM pgfence.append_audit(p_resource, NULL, NULL, p_token, v_current,
+                                 CASE WHEN current_setting('role') = 'none' THEN session_user::text
+                                      ELSE current_setting('role') END,
                                  'check', v_state = 'PF001' AND strpos(v_detail, 'origin=other') > 0);
     v_message := regexp_replace(v_message, '^pgfence: ', '');
     PERFORM set_config('pgfence.rejected', v_message, false);
@@ -523,8 +537,10 @@ END
 $$;
 
 -- A tombstone's fence never goes down (the trigger on pgfence.tombstone).
+-- It fires for the application role's writes and reads the layout's helpers: owner's rights.
 CREATE OR REPLACE FUNCTION pgfence.reject_lowered_tombstone() RETURNS trigger
 LANGUAGE plpgsql
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
@@ -769,6 +785,7 @@ CREATE OR REPLACE FUNCTION pgfence.admits(p_current bigint, p_token bigint, p_ta
                                p_key text DEFAULT NULL)
 RETURNS boolean
 LANGUAGE plpgsql
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -790,7 +807,9 @@ BEGIN
                                 v_message = MESSAGE_TEXT;
     END;
     PERFORM pgfence.append_audit(NULL, v_table, p_key, p_token, pgfence.fence_token(coalesce(p_current, 0)),
-                                 current_user::text, 'update',
+                                 CASE WHEN current_setting('role') = 'none' THEN session_user::text
+                                      ELSE current_setting('role') END,
+                                 'update',
                                  strpos(v_detail, 'origin=other') > 0);
     v_message := regexp_replace(v_message, '^pgfence: ', '');
     -- Session level on purpose: the statement's own transaction commits the audit row, and
@@ -838,6 +857,7 @@ CREATE OR REPLACE FUNCTION pgfence.failover_refusal(p_timeline bigint, p_token b
                                          p_table text, p_key text, p_operation text)
 RETURNS boolean
 LANGUAGE plpgsql
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -850,7 +870,9 @@ BEGIN
     END IF;
     v_message := format('lease %s fenced out on %s by a database failover: it first wrote on timeline %s, the database is on timeline %s',
                         p_token, v_what, p_timeline, v_now);
-    PERFORM pgfence.append_audit(p_resource, p_table, p_key, p_token, NULL, current_user::text,
+    PERFORM pgfence.append_audit(p_resource, p_table, p_key, p_token, NULL,
+                                 CASE WHEN current_setting('role') = 'none' THEN session_user::text
+                                      ELSE current_setting('role') END,
                                  p_operation, false,
                                  format('failover: lease timeline %s, database timeline %s',
                                         p_timeline, v_now));
@@ -866,6 +888,7 @@ $$;
 CREATE OR REPLACE FUNCTION pgfence.try_check(p_resource text, p_token bigint, p_tag integer, p_timeline bigint)
 RETURNS boolean
 LANGUAGE plpgsql
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
@@ -880,6 +903,7 @@ CREATE OR REPLACE FUNCTION pgfence.admits(p_current bigint, p_token bigint, p_ta
                                p_key text, p_timeline bigint)
 RETURNS boolean
 LANGUAGE plpgsql
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -1815,13 +1839,61 @@ BEGIN
                 AND r.rolname <> current_user
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION pgfence.note_timeline(), '
-                       'pgfence.require_timeline(bigint, bigint, text), '
                        'pgfence.check(text, bigint, integer, bigint), '
                        'pgfence.check_on(text, bigint, integer, bigint), '
                        'pgfence.append_audit(text, text, text, bigint, bigint, text, text, boolean, text), '
-                       'pgfence.failover_refusal(bigint, bigint, text, text, text, text), '
                        'pgfence.try_check(text, bigint, integer, bigint), '
                        'pgfence.admits(bigint, bigint, integer, regclass, text, bigint) TO %I', v);
+    END LOOP;
+END
+$$;
+
+------------------------------------------------------------------------------------------------
+-- 13. The public surface
+--
+-- The functions a user or the library calls are the public surface (docs/sql.md, "Functions",
+-- has an entry for each; a test fails for a function of this schema without one). The others
+-- are internal: only pgfence's own SQL calls them, they stay in this schema, and no role but
+-- the schema's owner may execute them. The public functions that call them on an application
+-- role's behalf run with the owner's rights (SECURITY DEFINER, pinned search_path); triggers
+-- fire without EXECUTE on their function. Grants an earlier build gave (to PUBLIC, or to the
+-- roles that may run pgfence.check) are taken back here.
+------------------------------------------------------------------------------------------------
+
+DO $$
+DECLARE
+    v_fn regprocedure;
+    v_grantee text;
+BEGIN
+    FOREACH v_fn IN ARRAY ARRAY[
+        -- 1. The fence layout.
+        'pgfence.token_shift()', 'pgfence.tag_shift()', 'pgfence.max_tag()',
+        'pgfence.sealed_sequence()', 'pgfence.sequence_step()', 'pgfence.fence_token(bigint)',
+        'pgfence.max_token()', 'pgfence.token_fence(bigint)', 'pgfence.fence_counter(bigint)',
+        'pgfence.fence_holder(bigint)', 'pgfence.fence_sequence(bigint)',
+        'pgfence.fence_lease(bigint)', 'pgfence.sealed_fence(bigint)', 'pgfence.next_step(bigint)',
+        'pgfence.other_counter(bigint, bigint)', 'pgfence.fence_tag(bigint)',
+        -- 2. - 7. The bound, the audit trail's spelling, timelines, the shell path.
+        'pgfence.refuse_token_jump(bigint, bigint, text)', 'pgfence.quoted_table(text, text)',
+        'pgfence.reject_lowered_tombstone()', 'pgfence.require_timeline(bigint, bigint, text)',
+        'pgfence.failover_refusal(bigint, bigint, text, text, text, text)',
+        -- 8. The guard (V1, V6 and this migration).
+        'pgfence.reject_stale_update()', 'pgfence.resolve_table(text, text)',
+        'pgfence.may_bypass(text)', 'pgfence.guard_trigger_ddl(regclass, text)',
+        'pgfence.install_guard_trigger(regclass, text)',
+        -- 9. - 10. The issuer's and the effect ledger's argument checks and lookups.
+        'pgfence.issuer_counter_id(text)', 'pgfence.issuer_check_args(text, text, text, bigint)',
+        'pgfence.issuer_not_held(text, text)', 'pgfence.effect_check_args(text, text, text)'
+    ]::regprocedure[] LOOP
+        EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', v_fn);
+        FOR v_grantee IN
+            SELECT DISTINCT a.grantee::regrole::text
+              FROM pg_proc p, aclexplode(p.proacl) a
+             WHERE p.oid = v_fn AND a.grantee <> 0 AND a.grantee <> p.proowner
+             ORDER BY 1
+        LOOP
+            EXECUTE format('REVOKE ALL ON FUNCTION %s FROM %s', v_fn, v_grantee);
+        END LOOP;
     END LOOP;
 END
 $$;

@@ -13,11 +13,9 @@ const APP_FUNCTIONS: &[&str] = &[
     "pgfence.admits(pg_catalog.int8, pg_catalog.int8, pg_catalog.int4, pg_catalog.regclass, \
      pg_catalog.text, pg_catalog.int8)",
     // Failover fencing (migration V7): the repository records the timeline it writes on, checks a
-    // lease's, and audits a refusal with its reason.
+    // lease's, and audits a refusal with its reason. (The timeline forms' internal helpers,
+    // `require_timeline` and `failover_refusal`, run inside functions with the owner's rights.)
     "pgfence.note_timeline()",
-    "pgfence.require_timeline(pg_catalog.int8, pg_catalog.int8, pg_catalog.text)",
-    "pgfence.failover_refusal(pg_catalog.int8, pg_catalog.int8, pg_catalog.text, pg_catalog.text, \
-     pg_catalog.text, pg_catalog.text)",
     "pgfence.append_audit(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
      pg_catalog.int8, pg_catalog.text, pg_catalog.text, pg_catalog.bool, pg_catalog.text)",
     "pgfence.try_check(pg_catalog.text, pg_catalog.int8, pg_catalog.int4)",
@@ -54,7 +52,8 @@ const APP_FUNCTIONS: &[&str] = &[
 /// first revokes whatever `role` had on the schema's objects, then grants.
 ///
 /// Since migration V5 nothing in the `pgfence` schema is usable by `PUBLIC` (except
-/// `record_rejection`, which runs with the caller's rights and only calls `append_audit`). The
+/// `record_rejection`, which runs with the caller's rights and only calls `append_audit`, and
+/// the numbers `schema_version()`, `timeline()` and `max_token_jump()`). The
 /// functions that touch pgfence's tables on an application's behalf run with their owner's
 /// rights (`SECURITY DEFINER`, pinned `search_path`, static SQL only), so an application role
 /// gets `EXECUTE` on them and, on the tables, only what the library's own statements need:
@@ -62,13 +61,14 @@ const APP_FUNCTIONS: &[&str] = &[
 /// | object | application role |
 /// |---|---|
 /// | schema `pgfence` | `USAGE` (and not `CREATE`: an earlier grant of it is revoked) |
-/// | `check`, `high_water`, `domain_high_water`, `domain_mark_holder`, `append_audit` (owner's rights); `try_check`, `admits`, `stop_unless`, `next_fence`, `lease_fence`, `record_rejection`, `bypass` (caller's rights) | `EXECUTE` |
+/// | `check`, `check_on`, `try_check`, `admits`, `next_fence`, `lease_fence`, `high_water`, `domain_high_water`, `domain_mark_holder`, `note_timeline`, `append_audit` (owner's rights); `stop_unless`, `record_rejection`, `bypass` (caller's rights) | `EXECUTE` |
 /// | the effect ledger's `effect_begin`, `effect_finish`, `effect_status` (owner's rights: fenced like a row write) | `EXECUTE` |
 /// | the PostgreSQL issuer's `issuer_acquire`, `issuer_release`, `issuer_extend`, `issuer_status` (owner's rights: take a free lock, release or extend one's own, never lower a counter) | `EXECUTE` |
 /// | `pgfence.tombstone` | `SELECT`, `INSERT`, `UPDATE (fence, deleted_at)`: a fenced delete writes its tombstone, an upsert reads it; a trigger refuses any update that lowers a tombstone's fence |
 /// | `pgfence.audit` | `INSERT` on the columns the library writes (not `id`, `at`, `db_user`), for the rows an [`Auditor`](crate::audit::Auditor)'s pool writes; no `SELECT`, `UPDATE` or `DELETE` |
 /// | `pgfence.resource_fence`, `guarded_tables`, `issuer_lock`, `issuer_counter`, `effect`, the migration history | nothing |
 /// | `guard`, `unguard`, `unpoison_resource` | nothing (owner and superusers only) |
+/// | the internal functions (the fence layout's helpers, `refuse_token_jump`, `require_timeline`, `failover_refusal`...: docs/sql.md, "Functions") | nothing, and no role but the owner has them: only pgfence's own functions call them |
 /// | `schema_version()` | `EXECUTE` (granted to every role: which migrations are applied) |
 ///
 /// The application role must not own the guarded tables (a table's owner can

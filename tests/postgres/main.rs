@@ -36,5 +36,6 @@ mod raw_sql;
 mod repository;
 mod security;
 mod squash;
+mod surface;
 mod unbreakable;
 mod verify;
