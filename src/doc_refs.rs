@@ -44,7 +44,7 @@ fn joined(text: &str) -> String {
 fn references(text: &str) -> Vec<(String, Option<String>)> {
     let mut found = Vec::new();
     let mut rest = text;
-    while let Some(at) = rest.find(|c| c == 'R' || c == 'd') {
+    while let Some(at) = rest.find(['R', 'd']) {
         rest = &rest[at..];
         let doc_len = if rest.starts_with("README") {
             "README".len()
