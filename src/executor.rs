@@ -265,29 +265,47 @@ where
         let (lent, result) = work(lent).await;
         lent.settle(result).await
     };
+    let started = tokio::time::Instant::now();
     match tokio::time::timeout(bound, call).await {
-        Ok(result) => result,
-        Err(_) => {
-            let outcome = match stage.get() {
-                Step::Uncommitted => crate::error::TimedOut::NotApplied,
-                Step::Committing => crate::error::TimedOut::InDoubt,
-                Step::CallerTransaction => crate::error::TimedOut::CallerTransaction,
-            };
-            let err = crate::Error::TimedOut {
-                operation,
-                target: what(),
-                after: bound,
-                outcome,
-            };
-            tracing::warn!(
-                target: crate::audit::LOG_TARGET,
-                operation,
-                table = %err_target(&err),
-                outcome = ?outcome,
-                bound_ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX),
-                "{err}"
-            );
-            Err(err)
-        }
+        // The gate's own `statement_timeout` (the same bound) fired on the server before the
+        // client's timer did, as it can on a loaded host: the statement ran for the whole
+        // bound, the gate rolled back, and the caller is owed the same answer as when the
+        // client's timer wins. A cancel that came sooner (`pg_cancel_backend`, the caller's
+        // own shorter setting) is not this bound and stays a database error.
+        Ok(Err(e))
+            if stage.get() == Step::Uncommitted
+                && is_query_canceled(&e)
+                && started.elapsed() >= bound => {}
+        Ok(result) => return result,
+        Err(_) => {}
     }
+    let outcome = match stage.get() {
+        Step::Uncommitted => crate::error::TimedOut::NotApplied,
+        Step::Committing => crate::error::TimedOut::InDoubt,
+        Step::CallerTransaction => crate::error::TimedOut::CallerTransaction,
+    };
+    let err = crate::Error::TimedOut {
+        operation,
+        target: what(),
+        after: bound,
+        outcome,
+    };
+    tracing::warn!(
+        target: crate::audit::LOG_TARGET,
+        operation,
+        table = %err_target(&err),
+        outcome = ?outcome,
+        bound_ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX),
+        "{err}"
+    );
+    Err(err)
+}
+
+/// Whether `err` is PostgreSQL's `query_canceled` (57014): a statement timeout or a cancel
+/// request.
+fn is_query_canceled(err: &crate::Error) -> bool {
+    matches!(
+        err,
+        crate::Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("57014")
+    )
 }
