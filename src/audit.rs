@@ -16,7 +16,7 @@ use sqlx::{PgExecutor, PgPool};
 use time::OffsetDateTime;
 
 use crate::Result;
-use crate::executor::Lent;
+use crate::repository::executor::Lent;
 
 /// `tracing` target of the rejection events (WARN) and of audit-write failures (ERROR).
 ///

@@ -14,7 +14,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, PgPool, Row};
 
 use crate::audit::{AuditRow, Auditor, Rejection, RejectionKind};
-use crate::executor::Lent;
+use crate::repository::executor::Lent;
 use crate::timeline::{Seen, Verdict};
 use crate::{Error, Fencing, Resource, Result, WriteExecutor, error::StaleTarget};
 
@@ -190,7 +190,7 @@ impl Effects {
         Self {
             auditor: Auditor::new(pool),
             seen: Seen::default(),
-            call_timeout: crate::executor::DEFAULT_CALL_TIMEOUT,
+            call_timeout: crate::repository::executor::DEFAULT_CALL_TIMEOUT,
         }
     }
 
@@ -200,7 +200,7 @@ impl Effects {
         Self {
             auditor,
             seen: Seen::default(),
-            call_timeout: crate::executor::DEFAULT_CALL_TIMEOUT,
+            call_timeout: crate::repository::executor::DEFAULT_CALL_TIMEOUT,
         }
     }
 
@@ -212,7 +212,7 @@ impl Effects {
     /// # Errors
     /// [`Error::InvalidDuration`] when `bound` is under 10 ms or over a day.
     pub fn with_call_timeout(mut self, bound: std::time::Duration) -> Result<Self> {
-        crate::executor::check_call_timeout(bound)?;
+        crate::repository::executor::check_call_timeout(bound)?;
         self.call_timeout = bound;
         Ok(self)
     }
@@ -239,7 +239,7 @@ impl Effects {
         let resource = effect_resource(&fencing, work_key, step)?;
         let fencing = &fencing;
         // The write's connection goes back before a refusal's audit row takes one.
-        let row = crate::executor::bounded(
+        let row = crate::repository::executor::bounded(
             self.call_timeout,
             "effect",
             || EFFECT_TABLE.to_owned(),
@@ -334,7 +334,7 @@ impl Effects {
         let succeeded = matches!(outcome, EffectOutcome::Succeeded(_));
         let fencing = &fencing;
         // The write's connection goes back before a refusal's audit row takes one.
-        let row = crate::executor::bounded(
+        let row = crate::repository::executor::bounded(
             self.call_timeout,
             "effect_finish",
             || EFFECT_TABLE.to_owned(),

@@ -2,7 +2,7 @@
 //! inserts, a multi-table update): claim the resource for the lease inside the caller's
 //! transaction, or fail with [`Error::StaleToken`].
 
-use sqlx::{PgExecutor, PgPool};
+use sqlx::PgPool;
 
 use crate::audit::{AuditRow, Auditor, Rejection, RejectionKind};
 use crate::timeline::{Seen, Verdict};
@@ -26,7 +26,7 @@ impl Fence {
         Self {
             auditor: Auditor::new(pool),
             seen: Seen::default(),
-            call_timeout: crate::executor::DEFAULT_CALL_TIMEOUT,
+            call_timeout: crate::repository::executor::DEFAULT_CALL_TIMEOUT,
         }
     }
 
@@ -36,7 +36,7 @@ impl Fence {
         Self {
             auditor,
             seen: Seen::default(),
-            call_timeout: crate::executor::DEFAULT_CALL_TIMEOUT,
+            call_timeout: crate::repository::executor::DEFAULT_CALL_TIMEOUT,
         }
     }
 
@@ -48,7 +48,7 @@ impl Fence {
     /// # Errors
     /// [`Error::InvalidDuration`] when `bound` is under 10 ms or over a day.
     pub fn with_call_timeout(mut self, bound: std::time::Duration) -> Result<Self> {
-        crate::executor::check_call_timeout(bound)?;
+        crate::repository::executor::check_call_timeout(bound)?;
         self.call_timeout = bound;
         Ok(self)
     }
@@ -110,7 +110,7 @@ impl Fence {
         let named = fenced_name(resource, &fencing)?;
         let resource = named.as_ref().unwrap_or(resource);
         let fencing = &fencing;
-        let checked = crate::executor::bounded(
+        let checked = crate::repository::executor::bounded(
             self.call_timeout,
             "check",
             || resource.as_str().to_owned(),
@@ -209,7 +209,7 @@ impl Fence {
     /// # Errors
     /// [`Error::Database`].
     pub async fn high_water(&self, resource: &Resource) -> Result<i64> {
-        high_water(self.pool(), resource).await
+        crate::admin::high_water(self.pool(), resource).await
     }
 }
 
@@ -220,38 +220,4 @@ fn fenced_name(resource: &Resource, fencing: &Fencing) -> Result<Option<Resource
         Some(prefix) => resource.in_key_prefix(prefix).map(Some),
         None => Ok(None),
     }
-}
-
-/// The token of the newest lease that checked `resource` (0 when none): the floor its token
-/// counter must stay above. For the marks of an issuer with a key prefix other than the
-/// default, pass that prefix's name ([`Resource::in_key_prefix`],
-/// [`Lease::fencing_resource`](crate::Lease::fencing_resource)).
-///
-/// # Errors
-/// [`Error::Database`].
-pub async fn high_water<'c, E: PgExecutor<'c>>(exec: E, resource: &Resource) -> Result<i64> {
-    let mark = sqlx::query_scalar!(
-        r#"SELECT pgfence.high_water($1) AS "mark!""#,
-        resource.as_str()
-    )
-    .fetch_one(exec)
-    .await?;
-    Ok(mark)
-}
-
-/// The floor of the token counter `resource` draws from: [`high_water`] for a resource of
-/// its own, the highest mark of every resource of its fencing domain otherwise. As for
-/// [`high_water`], a key prefix's marks are read under its name ([`Resource::in_key_prefix`]:
-/// the domain `D` of prefix `P` is `P{D`).
-///
-/// # Errors
-/// [`Error::Database`].
-pub async fn counter_floor<'c, E: PgExecutor<'c>>(exec: E, resource: &Resource) -> Result<i64> {
-    let Some(domain) = resource.domain() else {
-        return high_water(exec, resource).await;
-    };
-    let mark = sqlx::query_scalar!(r#"SELECT pgfence.domain_high_water($1) AS "mark!""#, domain)
-        .fetch_one(exec)
-        .await?;
-    Ok(mark)
 }

@@ -32,46 +32,22 @@ pub mod guide {
 }
 
 pub mod audit;
-mod batch;
-mod doctor;
 pub mod effect;
 pub mod error;
-mod executor;
 mod fence;
-mod grant;
 pub mod guard;
 mod ident;
 pub mod issuer;
-mod layout;
 mod metrics;
-mod migrate;
-mod outcome;
 mod recovery;
-mod rejection;
 pub mod repository;
 pub mod resource;
-mod sql;
 pub mod table;
 mod timeline;
 mod tls;
 pub mod token;
-mod verify;
 
-pub mod admin {
-    //! Deploy-time and operator calls: the schema ([`migrate`], [`migration_status`]), a
-    //! role's least privileges ([`grant`]), the health check ([`doctor`],
-    //! [`acknowledge_failover`]) and the numbers a lock service's counter must stay above
-    //! ([`high_water`], [`counter_floor`]). Guarding tables is [`guard`](crate::guard);
-    //! reading the audit trail is [`audit`](crate::audit).
-
-    pub use crate::doctor::{
-        DEFAULT_LIMIT_MARGIN, DoctorOptions, Finding, FindingKind, Severity, acknowledge_failover,
-        doctor,
-    };
-    pub use crate::fence::{counter_floor, high_water};
-    pub use crate::grant::{grant, grant_sql};
-    pub use crate::migrate::{MigrationInfo, migrate, migration_status};
-}
+pub mod admin;
 
 // The names a job author uses; everything else lives in its module.
 pub use effect::Effects;
@@ -88,5 +64,7 @@ pub use token::{FenceToken, Fencing};
 #[cfg(feature = "derive")]
 pub use pgfence_derive::FencedTable;
 
+#[cfg(test)]
+mod arch_rules;
 #[cfg(test)]
 mod doc_refs;

@@ -72,7 +72,7 @@ async fn one_lease_writes_the_same_row_many_times_in_many_transactions() {
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    let seq = (0..19).fold(0, |s, _| pgfence::token::next_sequence(s));
+    let seq = (0..19).fold(0, |s, _| pgfence::token::StoredFence::next_sequence(s));
     assert_eq!(
         fence,
         pgfence::token::StoredFence::lease(job.token, job.tag()).get() + seq

@@ -207,7 +207,7 @@ async fn the_sql_layout_helpers_are_stored_fence() {
             (1 << StoredFence::TAG_BITS) - 1,
             StoredFence::SEALED_SEQUENCE,
             StoredFence::SEQUENCE_STEP,
-            StoredFence::MAX_TOKEN,
+            pgfence::token::MAX_TOKEN,
             StoredFence::LOW_MASK,
         )
     );

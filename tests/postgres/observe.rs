@@ -109,7 +109,7 @@ async fn observe_lets_an_unfenced_update_through_and_audits_who_wrote() {
     conn.close().await.unwrap();
     assert_eq!(
         balance(&db, 1).await,
-        (100, pgfence::token::SEALED_SEQUENCE),
+        (100, pgfence::token::StoredFence::SEALED_SEQUENCE),
         "let through and sealed against every earlier lease"
     );
 

@@ -543,7 +543,7 @@ fn fences_around(lease: &Fencing) -> Vec<StoredFence> {
         mine.next().unwrap().next().unwrap(),
         StoredFence::from_raw(mine.get() + 4094),
         mine.sealed(),
-        StoredFence::from_raw(StoredFence::MAX_TOKEN << StoredFence::TOKEN_SHIFT),
+        StoredFence::from_raw(pgfence::token::MAX_TOKEN << StoredFence::TOKEN_SHIFT),
         StoredFence::from_raw(i64::MAX),
     ];
     for tag in [

@@ -219,7 +219,7 @@ async fn sql_functions_and_trigger_ignore_shadowing_objects() {
 /// called. Also `migrate`, which takes an advisory lock.
 ///
 /// Ignored until the repository qualifies its operators, functions and casts (see the
-/// report: `Statements::build` in src/repository.rs writes `=`, `<`, `jsonb_build_array`,
+/// report: `Statements::build` in src/repository/sql.rs writes `=`, `<`, `jsonb_build_array`,
 /// `now()`, `::regclass`, `::text` unqualified, so they resolve through the caller's
 /// search_path; `migrate` calls `pg_advisory_lock` unqualified).
 #[tokio::test]

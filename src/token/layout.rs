@@ -46,10 +46,10 @@ impl StoredFence {
     pub const TOKEN_SHIFT: u32 = Self::SEQUENCE_BITS + Self::TAG_BITS;
     /// Bits of the token: what is left of a positive `BIGINT`.
     pub const TOKEN_BITS: u32 = 63 - Self::TOKEN_SHIFT;
-    /// The largest token ([`MAX_TOKEN`](crate::token::MAX_TOKEN)).
-    pub const MAX_TOKEN: i64 = (1 << Self::TOKEN_BITS) - 1;
+    /// The largest token, exported as [`MAX_TOKEN`](crate::token::MAX_TOKEN).
+    pub(crate) const MAX_TOKEN: i64 = (1 << Self::TOKEN_BITS) - 1;
     /// The sequence of a sealed fence (all sequence bits set), and the modulus of the
-    /// sequence cycle ([`SEALED_SEQUENCE`](crate::token::SEALED_SEQUENCE)).
+    /// sequence cycle ([`SEALED_SEQUENCE`](Self::SEALED_SEQUENCE)).
     pub const SEALED_SEQUENCE: i64 = (1 << Self::SEQUENCE_BITS) - 1;
     /// The step of a lease's sequence on a row it writes again: coprime with 4095, so the
     /// cycle visits every value of `0..=4094`, and far from the small numbers a hand-written
@@ -61,6 +61,14 @@ impl StoredFence {
     pub const TOKEN_MASK: i64 = !Self::LOW_MASK;
     /// The counter hash's bits in place (`0xF0_0000`).
     pub const COUNTER_MASK: i64 = ((1 << Self::COUNTER_BITS) - 1) << Self::COUNTER_SHIFT;
+
+    /// The sequence a lease's next write to a row stores after `sequence` (`0..=4094`): the
+    /// cycle the repository's statements, `pgfence.next_fence` and the guard trigger agree on
+    /// ([`StoredFence::next`] on a whole fence).
+    #[must_use]
+    pub const fn next_sequence(sequence: i64) -> i64 {
+        (sequence + Self::SEQUENCE_STEP) % Self::SEALED_SEQUENCE
+    }
 
     /// A stored value, as read from a `fence` column.
     #[must_use]
@@ -140,13 +148,15 @@ impl StoredFence {
     }
 
     /// What the same lease's next write stores over this fence: the next step of its
-    /// sequence cycle ([`next_sequence`](crate::token::next_sequence)); `None` when sealed.
+    /// sequence cycle ([`next_sequence`](Self::next_sequence)); `None` when sealed.
     #[must_use]
     pub const fn next(self) -> Option<Self> {
         if self.is_sealed() {
             None
         } else {
-            Some(Self(self.lease_fence().0 + next_sequence(self.sequence())))
+            Some(Self(
+                self.lease_fence().0 + Self::next_sequence(self.sequence()),
+            ))
         }
     }
 
@@ -172,11 +182,6 @@ impl StoredFence {
             std::cmp::Ordering::Equal => Relation::Own,
         }
     }
-}
-
-/// The sequence a lease's next write to a row stores after `sequence` (`0..=4094`).
-pub(crate) const fn next_sequence(sequence: i64) -> i64 {
-    (sequence + StoredFence::SEQUENCE_STEP) % StoredFence::SEALED_SEQUENCE
 }
 
 /// `count` bits of `value` from bit `shift` (at most 16).

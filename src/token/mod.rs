@@ -30,11 +30,11 @@
 //!   progress.
 //! * **sequence** (12 bits): a lease's first write to a row stores sequence 0
 //!   ([`Fencing::lease_fence`]); each later write by the same lease steps it through a fixed
-//!   cycle of the values `0..=4094`: `next = (sequence + 2731) mod 4095` ([`next_sequence`]).
+//!   cycle of the values `0..=4094`: `next = (sequence + 2731) mod 4095` ([`StoredFence::next_sequence`]).
 //!   Every applied write changes the fence in a way only a lease's write does, so the guard
 //!   trigger can refuse raw SQL that leaves the fence alone *or* bumps it (`fence = fence +
 //!   1` is not a step of the cycle), and the cycle never ends: one lease writes one row any
-//!   number of times. Sequence [`SEALED_SEQUENCE`] (4095) seals the row: it was changed
+//!   number of times. Sequence [`StoredFence::SEALED_SEQUENCE`] (4095) seals the row: it was changed
 //!   outside the protocol (an audited bypass, a write let through in observe mode) after the
 //!   lease that wrote it, whose next write is then rejected
 //!   ([`Error::RowSealed`]).
@@ -46,26 +46,16 @@
 //! [`StoredFence`], which also reads a stored value's parts; everything
 //! here, the repository's SQL and the SQL helpers of migration V7 are built on it.
 
+pub(crate) mod layout;
+
 use std::fmt;
 
-pub use crate::layout::StoredFence;
 use crate::timeline::Binding;
+pub use crate::token::layout::StoredFence;
 use crate::{Error, Resource, Result};
 
 /// The largest token: 39 bits, so that token, tag and sequence fit a positive `BIGINT`.
 pub const MAX_TOKEN: i64 = StoredFence::MAX_TOKEN;
-
-/// The sequence of a sealed fence: the row was changed outside the fencing protocol after the
-/// lease whose token and tag it carries wrote it, so that lease cannot write it again.
-pub const SEALED_SEQUENCE: i64 = StoredFence::SEALED_SEQUENCE;
-
-/// The sequence a lease's next write to a row stores after `sequence` (`0..=4094`): the
-/// cycle the repository's statements, `pgfence.next_fence` and the guard trigger agree on
-/// ([`StoredFence::next`] on a whole fence).
-#[must_use]
-pub const fn next_sequence(sequence: i64) -> i64 {
-    crate::layout::next_sequence(sequence)
-}
 
 /// A fence token: an integer in `1..=`[`MAX_TOKEN`], issued once per lock acquisition and
 /// strictly increasing per resource (or fencing domain). `0` and negative numbers are never
@@ -365,10 +355,14 @@ mod tests {
     #[test]
     fn lease_fences_order_by_token_and_fit_a_bigint() {
         let top = Fencing::new(FenceToken::new(MAX_TOKEN).unwrap()).holder("x");
-        assert!(top.lease_fence().checked_add(SEALED_SEQUENCE).is_some());
+        assert!(
+            top.lease_fence()
+                .checked_add(StoredFence::SEALED_SEQUENCE)
+                .is_some()
+        );
         let older = Fencing::new(FenceToken::new(7).unwrap()).holder("zzz");
         let newer = Fencing::new(FenceToken::new(8).unwrap());
-        assert!(older.lease_fence() + SEALED_SEQUENCE < newer.lease_fence());
+        assert!(older.lease_fence() + StoredFence::SEALED_SEQUENCE < newer.lease_fence());
         assert_eq!(FenceToken::of_fence(newer.lease_fence()), 8);
     }
 
@@ -379,8 +373,8 @@ mod tests {
         for _ in 0..4095 {
             assert!(!seen[usize::try_from(s).unwrap()], "{s} twice");
             seen[usize::try_from(s).unwrap()] = true;
-            let n = next_sequence(s);
-            assert_ne!(n, SEALED_SEQUENCE);
+            let n = StoredFence::next_sequence(s);
+            assert_ne!(n, StoredFence::SEALED_SEQUENCE);
             // `fence = fence + d` for a hand-written d is never a lease's step.
             for d in [1, 2, 3, 5, 10, 100, 1000] {
                 assert_ne!(n, s + d, "sequence {s} + {d}");
@@ -402,7 +396,10 @@ mod tests {
         assert_eq!(me.classify(f), Relation::Own);
         assert_eq!(me.classify(f + 3), Relation::Own);
         assert_eq!(me.classify(f + 4094), Relation::Own);
-        assert_eq!(me.classify(f + SEALED_SEQUENCE), Relation::Sealed);
+        assert_eq!(
+            me.classify(f + StoredFence::SEALED_SEQUENCE),
+            Relation::Sealed
+        );
         assert_eq!(me.classify(twin.lease_fence()), Relation::Duplicate);
         let next = Fencing::new(FenceToken::new(6).unwrap());
         assert_eq!(

@@ -19,6 +19,13 @@
 //! to [`MAX_BATCH_ROWS`] rows in one statement and report one [`RowOutcome`] per row in a
 //! [`BatchOutcome`]. The writes run on a [`WriteExecutor`]: `&pool`, `&mut *tx` or `&mut conn`.
 
+pub(crate) mod batch;
+pub(crate) mod executor;
+pub(crate) mod outcome;
+pub(crate) mod rejection;
+pub(crate) mod sql;
+pub(crate) mod verify;
+
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
@@ -28,16 +35,16 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 
 use crate::audit::Auditor;
-use crate::executor::Lent;
 use crate::ident::{Ident, TableName};
-use crate::rejection::{Explained, Rejecting, audit_failure, judge};
-use crate::sql::{Source, Statement, Statements};
+use crate::repository::executor::Lent;
+use crate::repository::rejection::{Explained, Rejecting, audit_failure, judge};
+use crate::repository::sql::{Source, Statement, Statements};
 use crate::table::FencedTable;
 use crate::timeline::Seen;
 use crate::{Error, Fencing, Result};
 
-pub use crate::executor::{DEFAULT_CALL_TIMEOUT, WriteExecutor};
-pub use crate::outcome::{
+pub use crate::repository::executor::{DEFAULT_CALL_TIMEOUT, WriteExecutor};
+pub use crate::repository::outcome::{
     BatchOutcome, BatchSummary, Claimed, MAX_BATCH_ROWS, RowOutcome, Upserted,
 };
 
@@ -142,7 +149,7 @@ impl<T: FencedTable> Repository<T> {
             auditor,
             seen: Seen::default(),
             partial: Arc::default(),
-            call_timeout: crate::executor::DEFAULT_CALL_TIMEOUT,
+            call_timeout: crate::repository::executor::DEFAULT_CALL_TIMEOUT,
             _row: PhantomData,
         })
     }
@@ -164,7 +171,7 @@ impl<T: FencedTable> Repository<T> {
     /// # Errors
     /// [`Error::InvalidDuration`] when `bound` is under 10 ms or over a day.
     pub fn with_call_timeout(mut self, bound: Duration) -> Result<Self> {
-        crate::executor::check_call_timeout(bound)?;
+        crate::repository::executor::check_call_timeout(bound)?;
         self.call_timeout = bound;
         Ok(self)
     }
@@ -221,7 +228,7 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("update");
         let fencing = fencing.into();
         let source = Source::Row(row);
-        crate::executor::bounded(
+        crate::repository::executor::bounded(
             self.call_timeout,
             "update",
             || self.table.quoted(),
@@ -274,7 +281,7 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("upsert");
         let fencing = fencing.into();
         let source = Source::Row(row);
-        crate::executor::bounded(
+        crate::repository::executor::bounded(
             self.call_timeout,
             "upsert",
             || self.table.quoted(),
@@ -331,7 +338,7 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("delete");
         let fencing = fencing.into();
         let source = Source::<T>::Key(key);
-        crate::executor::bounded(
+        crate::repository::executor::bounded(
             self.call_timeout,
             "delete",
             || self.table.quoted(),
@@ -403,7 +410,7 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("claim");
         let fencing = fencing.into();
         let source = Source::<T>::Key(key);
-        crate::executor::bounded(
+        crate::repository::executor::bounded(
             self.call_timeout,
             "claim",
             || self.table.quoted(),
@@ -552,7 +559,7 @@ impl<T: FencedTable> Repository<T> {
         // Refused before anything is sent (or bound).
         let _ = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
         let source = Source::Row(row);
-        crate::executor::bounded(
+        crate::repository::executor::bounded(
             self.call_timeout,
             "update_columns",
             || self.table.quoted(),
@@ -695,7 +702,7 @@ impl<T: FencedTable> Repository<T> {
     }
 
     /// A single-row write that changed nothing: runs `explain` and returns the write's error
-    /// (logged and audited when it is a rejection: [`crate::rejection`]), or `None` when the
+    /// (logged and audited when it is a rejection: [`crate::repository::rejection`]), or `None` when the
     /// lease now binds to the database's new timeline and the write is to be sent again.
     async fn refusal(
         &self,

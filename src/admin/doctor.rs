@@ -345,7 +345,7 @@ async fn schema(pool: &mut PgConnection, findings: &mut Vec<Finding>) -> Result<
             sqlx::query_as("SELECT version, applied FROM pgfence.schema_version()")
                 .fetch_one(&mut *pool)
                 .await?;
-        let latest = crate::migrate::latest_version();
+        let latest = crate::admin::migrate::latest_version();
         if version > latest {
             findings.push(
                 Finding::new(Severity::Warning, FindingKind::SchemaAhead, object)

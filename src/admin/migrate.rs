@@ -27,30 +27,30 @@ const PINNED_SEARCH_PATH: &str = "SET LOCAL search_path = pg_catalog, pg_temp";
 
 /// The migrations shipped with this version, in order: `(refinery name, SQL)`.
 const MIGRATIONS: &[(&str, &str)] = &[
-    ("V1__core", include_str!("../migrations/V1__core.sql")),
+    ("V1__core", include_str!("../../migrations/V1__core.sql")),
     (
         "V2__guard_refuses_system_schemas",
-        include_str!("../migrations/V2__guard_refuses_system_schemas.sql"),
+        include_str!("../../migrations/V2__guard_refuses_system_schemas.sql"),
     ),
     (
         "V3__audit_from_the_rejecting_statement",
-        include_str!("../migrations/V3__audit_from_the_rejecting_statement.sql"),
+        include_str!("../../migrations/V3__audit_from_the_rejecting_statement.sql"),
     ),
     (
         "V4__one_lease_many_writes",
-        include_str!("../migrations/V4__one_lease_many_writes.sql"),
+        include_str!("../../migrations/V4__one_lease_many_writes.sql"),
     ),
     (
         "V5__least_privilege",
-        include_str!("../migrations/V5__least_privilege.sql"),
+        include_str!("../../migrations/V5__least_privilege.sql"),
     ),
     (
         "V6__observe_mode",
-        include_str!("../migrations/V6__observe_mode.sql"),
+        include_str!("../../migrations/V6__observe_mode.sql"),
     ),
     (
         "V7__pgfence_0_3",
-        include_str!("../migrations/V7__pgfence_0_3.sql"),
+        include_str!("../../migrations/V7__pgfence_0_3.sql"),
     ),
 ];
 

@@ -18,7 +18,7 @@
 //! an older lease (`fence < L & ~0xFFFFFF`, the lease's token with tag and sequence cleared)
 //! or by this very lease and not sealed since (`L <= fence < L + 4095`). The write stores `L`
 //! for a lease's first write to the row, and the next step of the lease's sequence cycle
-//! after that (`L + (fence - L + 2731) % 4095`, [`crate::token::next_sequence`]): the only changes
+//! after that (`L + (fence - L + 2731) % 4095`, [`StoredFence::next_sequence`](crate::token::StoredFence::next_sequence)): the only changes
 //! the guard trigger lets through. A fence with the same token and another tag (a duplicate
 //! token), a sealed fence (`L + 4095`) and every newer lease's fence are not admitted.
 //!
@@ -31,7 +31,7 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 use crate::audit::{DUPLICATE_REASON, SEALED_REASON};
 use crate::ident::{Ident, TableName, quote_literal};
-use crate::layout::sql as layout;
+use crate::token::layout::sql as layout;
 use crate::{FencedTable, Fencing, Result, table::PgQuery};
 
 /// The catalog's operators, spelled so that `search_path` cannot substitute others.

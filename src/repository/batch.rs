@@ -20,10 +20,10 @@
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use crate::executor::{Lent, WriteExecutor};
-use crate::outcome::{BatchOutcome, Claimed, MAX_BATCH_ROWS, RowOutcome};
-use crate::rejection::{Explained, Judgement, audit_failure, judge};
-use crate::sql::{BatchSource, Statement};
+use crate::repository::executor::{Lent, WriteExecutor};
+use crate::repository::outcome::{BatchOutcome, Claimed, MAX_BATCH_ROWS, RowOutcome};
+use crate::repository::rejection::{Explained, Judgement, audit_failure, judge};
+use crate::repository::sql::{BatchSource, Statement};
 use crate::{Error, FencedTable, Fencing, Repository, Result};
 
 impl<T: FencedTable> Repository<T> {
@@ -117,7 +117,7 @@ impl<T: FencedTable> Repository<T> {
             });
         }
         self.check_size(keys.len())?;
-        crate::executor::bounded(
+        crate::repository::executor::bounded(
             self.call_timeout(),
             "claim_many",
             || self.table().quoted(),
@@ -216,7 +216,7 @@ impl<T: FencedTable> Repository<T> {
             Op::Upsert => &self.sql.batch.upsert,
             Op::Delete | Op::Claim => &self.sql.batch.delete,
         };
-        crate::executor::bounded(
+        crate::repository::executor::bounded(
             self.call_timeout(),
             op.batch_name(),
             || self.table().quoted(),

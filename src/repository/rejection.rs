@@ -15,11 +15,11 @@ use sqlx::Row;
 use sqlx::postgres::PgRow;
 
 use crate::audit::{AuditRow, Auditor, Rejection, RejectionKind};
-use crate::executor::Lent;
-use crate::layout::StoredFence;
-use crate::outcome::RowOutcome;
+use crate::repository::executor::Lent;
+use crate::repository::outcome::RowOutcome;
 use crate::timeline::{Seen, Verdict};
 use crate::token::Relation;
+use crate::token::layout::StoredFence;
 use crate::{Error, Fencing, Result, error::StaleTarget};
 
 /// What a write that changed nothing met, judged against its lease.

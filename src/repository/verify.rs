@@ -10,7 +10,7 @@ use sqlx::postgres::PgRow;
 use sqlx::postgres::types::Oid;
 use sqlx::{Column, Executor, Row, Statement, TypeInfo};
 
-use crate::executor::WriteExecutor;
+use crate::repository::executor::WriteExecutor;
 use crate::table::ColumnType;
 use crate::{Error, FencedTable, Repository, Result, table::Ident};
 
@@ -186,7 +186,7 @@ impl<T: FencedTable> Repository<T> {
                 .map(|(_, name, _, _)| Ident::new(*name))
                 .collect::<Result<_>>()?;
             let probe = (&mut *conn)
-                .prepare(crate::sql::select_columns(table, &names))
+                .prepare(crate::repository::sql::select_columns(table, &names))
                 .await?;
             for ((what, name, ty, db_type), column) in typed.iter().zip(probe.columns()) {
                 if !ty.is_compatible(column.type_info()) {
