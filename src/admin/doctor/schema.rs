@@ -1,0 +1,118 @@
+//! Whether pgfence's schema is there, and at this version.
+
+use sqlx::PgConnection;
+
+use super::{Finding, FindingKind, Severity, may, not_permitted};
+use crate::Result;
+
+/// The schema check; `true` when the other checks can run.
+pub(super) async fn schema(pool: &mut PgConnection, findings: &mut Vec<Finding>) -> Result<bool> {
+    let object = "schema pgfence";
+    let (present, usage, versioned): (bool, Option<bool>, Option<bool>) = sqlx::query_as(
+        "SELECT n.oid IS NOT NULL AND EXISTS (
+                    SELECT FROM pg_catalog.pg_class c
+                     WHERE c.relnamespace OPERATOR(pg_catalog.=) n.oid
+                       AND c.relname OPERATOR(pg_catalog.=) 'refinery_schema_history'),
+                CASE WHEN n.oid IS NOT NULL THEN pg_catalog.has_schema_privilege(n.oid, 'USAGE') END,
+                CASE WHEN p.oid IS NOT NULL THEN pg_catalog.has_function_privilege(p.oid, 'EXECUTE') END
+           FROM (SELECT) AS one
+           LEFT JOIN pg_catalog.pg_namespace n ON n.nspname OPERATOR(pg_catalog.=) 'pgfence'
+           LEFT JOIN pg_catalog.pg_proc p ON p.pronamespace OPERATOR(pg_catalog.=) n.oid
+                AND p.proname OPERATOR(pg_catalog.=) 'schema_version'",
+    )
+    .fetch_one(&mut *pool)
+    .await?;
+    if !present {
+        findings.push(
+            Finding::new(Severity::Error, FindingKind::SchemaNotMigrated, object)
+                .says("pgfence's schema is not migrated in this database (other checks skipped)")
+                .fix("run `pgfence migrate` (or pgfence::admin::migrate)"),
+        );
+        return Ok(false);
+    }
+    if usage != Some(true) {
+        findings.push(not_permitted(
+            object,
+            "the schema and everything in it were",
+            "USAGE on schema pgfence (`pgfence grant ROLE` gives it)",
+        ));
+        return Ok(false);
+    }
+    if !may(pool, "refinery_schema_history", "SELECT").await? {
+        // The application role: the version is readable, the history is not.
+        if versioned != Some(true) {
+            findings.push(not_permitted(
+                object,
+                "which migrations are applied was",
+                "SELECT on pgfence.refinery_schema_history (and the schema has no pgfence.schema_version(), added by V7: it is behind this version)",
+            ));
+            return Ok(false);
+        }
+        let (version, applied): (i32, i32) =
+            sqlx::query_as("SELECT version, applied FROM pgfence.schema_version()")
+                .fetch_one(&mut *pool)
+                .await?;
+        let latest = crate::admin::migrate::latest_version();
+        if version > latest {
+            findings.push(
+                Finding::new(Severity::Warning, FindingKind::SchemaAhead, object)
+                    .says(format!(
+                        "the database has pgfence migration V{version}, newer than this version knows (V{latest})"
+                    ))
+                    .fix("upgrade this pgfence (library or CLI) to the version that migrated the database"),
+            );
+        } else if version < latest || i64::from(applied) < i64::from(latest) {
+            findings.push(
+                Finding::new(Severity::Error, FindingKind::SchemaBehind, object)
+                    .says(format!(
+                        "pgfence's schema is behind: V{version} applied, this version ships V{latest} (other checks skipped)"
+                    ))
+                    .fix("run `pgfence migrate` as the schema's owner"),
+            );
+            return Ok(false);
+        }
+        return Ok(true);
+    }
+    let status = match crate::admin::migration_status(&mut *pool).await {
+        Err(e @ crate::Error::UnreleasedMigrations { .. }) => {
+            findings.push(
+                Finding::new(Severity::Error, FindingKind::SchemaBehind, object)
+                    .says(format!("{e} (other checks skipped)"))
+                    .fix("delete the unreleased build's history rows (V7 to V13) as the schema's owner, then run `pgfence migrate`"),
+            );
+            return Ok(false);
+        }
+        status => status?,
+    };
+    let pending: Vec<String> = status
+        .iter()
+        .filter(|m| m.applied_on.is_none())
+        .map(|m| format!("V{}__{}", m.version, m.name))
+        .collect();
+    let known = status.iter().map(|m| m.version).max().unwrap_or(0);
+    let applied: Option<i32> =
+        sqlx::query_scalar("SELECT pg_catalog.max(version) FROM pgfence.refinery_schema_history")
+            .fetch_one(&mut *pool)
+            .await?;
+    if let Some(applied) = applied.filter(|v| *v > known) {
+        findings.push(
+            Finding::new(Severity::Warning, FindingKind::SchemaAhead, object)
+                .says(format!(
+                    "the database has pgfence migration V{applied}, newer than this version knows (V{known})"
+                ))
+                .fix("upgrade this pgfence (library or CLI) to the version that migrated the database"),
+        );
+    }
+    if pending.is_empty() {
+        return Ok(true);
+    }
+    findings.push(
+        Finding::new(Severity::Error, FindingKind::SchemaBehind, object)
+            .says(format!(
+                "pgfence's schema is behind: {} not applied (other checks skipped)",
+                pending.join(", ")
+            ))
+            .fix("run `pgfence migrate` (or pgfence::admin::migrate)"),
+    );
+    Ok(false)
+}
