@@ -76,7 +76,7 @@ fn sql_text_is_made_from_strings_in_the_listed_files_only() {
         "src/admin/migrate.rs",
         "src/issuer/pg.rs",
         "src/repository/executor.rs",
-        "src/repository/sql.rs",
+        "src/repository/sql/mod.rs",
     ];
     let found: Vec<String> = sources(&root().join("src"))
         .into_iter()

@@ -27,6 +27,9 @@
 //! plan is the same as with hand-typed ones), and a test reads them back out of every
 //! statement.
 
+mod batch;
+mod single;
+
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 use crate::audit::{DUPLICATE_REASON, SEALED_REASON};
@@ -393,146 +396,27 @@ impl Statements {
     ) -> Result<Self> {
         let t = table.quoted();
         let table_literal = quote_literal(&t)?;
-        let rel = format!("{table_literal}::pg_catalog.regclass::pg_catalog.oid");
-        let tomb_fence = |key_params: &[String]| {
-            format!(
-                "(SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel {EQ} {rel} \
-                 AND tb.row_key {EQ} {})",
-                key_json(key_params)
-            )
+        let shape = single::Shape {
+            rel: format!("{table_literal}::pg_catalog.regclass::pg_catalog.oid"),
+            t: t.clone(),
+            table_literal: table_literal.clone(),
+            keys,
+            cols,
+            audit_lock_timeout_ms,
         };
-        let set_cols = |col_params: &[String]| -> String {
-            cols.iter()
-                .zip(col_params)
-                .map(|(c, p)| format!("{} = {p}, ", c.quoted()))
-                .collect()
-        };
-
-        let update = {
-            let mut p = Params::default();
-            let key = p.many(Slot::Key, keys.len());
-            let vals = p.many(Slot::Columns, cols.len());
-            let lease = p.lease();
-            p.finish(format!(
-                "UPDATE {t} SET {set}\"fence\" = {next} WHERE {km} AND {admit}",
-                set = set_cols(&vals),
-                next = next_fence("\"fence\"", &lease),
-                km = key_match(keys, &key),
-                admit = admits("\"fence\"", &lease),
-            ))
-        };
-
-        let upsert = {
-            let mut p = Params::default();
-            let key = p.many(Slot::Key, keys.len());
-            let vals = p.many(Slot::Columns, cols.len());
-            let lease = p.lease();
-            let all_vals: Vec<String> = key.iter().chain(&vals).cloned().collect();
-            let (all_cols, conflict_set, key_cols) = upsert_parts(keys, cols);
-            p.finish(format!(
-                "INSERT INTO {t} AS cur ({cols}, \"fence\") SELECT {vals}, {lease} \
-                 WHERE coalesce({tomb_admits}, true) OR EXISTS (SELECT 1 FROM {t} WHERE {km}) \
-                 ON CONFLICT ({keys}) DO UPDATE SET {conflict_set}\"fence\" = {next} \
-                 WHERE {admit} \
-                 RETURNING (xmax {EQ} 0) AS inserted",
-                cols = all_cols.join(", "),
-                vals = all_vals.join(", "),
-                tomb_admits = admits(&tomb_fence(&key), &lease),
-                km = key_match(keys, &key),
-                keys = key_cols.join(", "),
-                next = next_fence("cur.\"fence\"", &lease),
-                admit = admits("cur.\"fence\"", &lease),
-            ))
-        };
-
-        let delete = {
-            let mut p = Params::default();
-            let key = p.many(Slot::Key, keys.len());
-            let lease = p.lease();
-            p.finish(format!(
-                "WITH w AS (DELETE FROM {t} WHERE {km} AND {admit} RETURNING {next} AS f), \
-                 tomb AS (INSERT INTO pgfence.tombstone AS tb (rel, row_key, fence) \
-                 SELECT {rel}, {kj}, w.f FROM w \
-                 ON CONFLICT (rel, row_key) DO UPDATE SET fence = GREATEST(tb.fence, EXCLUDED.fence), \
-                 deleted_at = pg_catalog.now()) \
-                 SELECT EXISTS (SELECT 1 FROM w)",
-                km = key_match(keys, &key),
-                admit = admits("\"fence\"", &lease),
-                next = next_fence("\"fence\"", &lease),
-                kj = key_json(&key),
-            ))
-        };
-
-        let claim = {
-            let mut p = Params::default();
-            let key = p.many(Slot::Key, keys.len());
-            let lease = p.lease();
-            p.finish(format!(
-                "UPDATE {t} SET \"fence\" = {next} WHERE {km} AND {admit} RETURNING *",
-                next = next_fence("\"fence\"", &lease),
-                km = key_match(keys, &key),
-                admit = admits("\"fence\"", &lease),
-            ))
-        };
-
-        // Explaining statements: `current` (the row's fence, NULL when there is no row),
-        // `row_key`, for upsert `tombstone`, and `audit` (see `audit_column`).
-        let explain = |operation: &str, with_tombstone: bool| {
-            let mut p = Params::default();
-            let key = p.many(Slot::Key, keys.len());
-            let lease = p.one(Slot::LeaseFence);
-            let current = if with_tombstone {
-                "coalesce(c.current, c.tombstone)"
-            } else {
-                "c.current"
-            };
-            let audit = audit_column(
-                &mut p,
-                &table_literal,
-                &lease,
-                current,
-                operation,
-                audit_lock_timeout_ms,
-            );
-            let (outer, inner) = if with_tombstone {
-                (
-                    ", c.tombstone",
-                    format!(", {} AS tombstone", tomb_fence(&key)),
-                )
-            } else {
-                ("", String::new())
-            };
-            p.finish(format!(
-                "SELECT c.current, c.row_key{outer}, {audit} AS audit, pgfence.timeline() AS timeline FROM (\
-                 SELECT (SELECT \"fence\" FROM {t} WHERE {km}) AS current, \
-                 {kj} AS row_key{inner} OFFSET 0) c",
-                km = key_match(keys, &key),
-                kj = key_json(&key),
-            ))
-        };
-
-        let fetch = {
-            let mut p = Params::default();
-            let key = p.many(Slot::Key, keys.len());
-            p.finish(format!(
-                "SELECT * FROM {t} WHERE {km}",
-                km = key_match(keys, &key)
-            ))
-        };
-
         Ok(Self {
             table: t.clone(),
             keys: keys.to_vec(),
             cols: cols.to_vec(),
-            fetch,
-            update,
-            upsert,
-            delete,
-            claim,
-            explain_update: explain("update", false),
-            explain_upsert: explain("upsert", true),
-            explain_delete: explain("delete", false),
-            explain_claim: explain("claim", false),
+            fetch: shape.fetch(),
+            update: shape.update(),
+            upsert: shape.upsert(),
+            delete: shape.delete(),
+            claim: shape.claim(),
+            explain_update: shape.explain("update", false),
+            explain_upsert: shape.explain("upsert", true),
+            explain_delete: shape.explain("delete", false),
+            explain_claim: shape.explain("claim", false),
             batch: BatchStatements::build(&t, &table_literal, keys, cols, audit_lock_timeout_ms),
         })
     }
@@ -572,206 +456,6 @@ pub(crate) fn select_columns(table: &TableName, columns: &[Ident]) -> SqlStr {
         table.quoted()
     ))
     .into_sql_str()
-}
-
-impl BatchStatements {
-    fn build(
-        t: &str,
-        table_literal: &str,
-        keys: &[Ident],
-        cols: &[Ident],
-        audit_lock_timeout_ms: Option<i32>,
-    ) -> Self {
-        // Input columns get generated names (k0.., c0.., ord), so no user column can clash.
-        let kn: Vec<String> = (0..keys.len()).map(|i| format!("i.k{i}")).collect();
-        let cn: Vec<String> = (0..cols.len()).map(|i| format!("i.c{i}")).collect();
-        let rel = format!("{table_literal}::pg_catalog.regclass::pg_catalog.oid");
-        let input = |p: &mut Params, with_cols: bool| {
-            let mut arrays = p.many(Slot::KeyArrays, keys.len());
-            let mut names: Vec<String> = (0..keys.len()).map(|i| format!("k{i}")).collect();
-            if with_cols {
-                arrays.extend(p.many(Slot::ColumnArrays, cols.len()));
-                names.extend((0..cols.len()).map(|i| format!("c{i}")));
-            }
-            let unnests: Vec<String> = arrays
-                .iter()
-                .map(|a| format!("pg_catalog.unnest({a})"))
-                .collect();
-            format!(
-                "i AS (SELECT * FROM ROWS FROM ({}) WITH ORDINALITY AS i({}, ord)), \
-                 dup AS (SELECT {kj} AS key FROM i GROUP BY {k} \
-                 HAVING pg_catalog.count(*) OPERATOR(pg_catalog.>) 1)",
-                unnests.join(", "),
-                names.join(", "),
-                kj = key_json(&kn),
-                k = kn.join(", "),
-            )
-        };
-        let matches = |alias: &str| {
-            keys.iter()
-                .zip(&kn)
-                .map(|(c, i)| format!("{alias}.{} {EQ} {i}", c.quoted()))
-                .collect::<Vec<_>>()
-                .join(" AND ")
-        };
-        let set_cols: String = cols
-            .iter()
-            .zip(&cn)
-            .map(|(c, i)| format!("{} = {i}, ", c.quoted()))
-            .collect();
-        let applied_or_dup = "SELECT w.ord, NULL::pg_catalog.text AS dup FROM w \
-             UNION ALL SELECT NULL, dup.key FROM dup";
-        let no_dup = "NOT EXISTS (SELECT 1 FROM dup)";
-
-        let update = {
-            let mut p = Params::default();
-            let i = input(&mut p, true);
-            let lease = p.lease();
-            p.finish(format!(
-                "WITH {i}, w AS (UPDATE {t} AS tgt SET {set_cols}\"fence\" = {next} FROM i \
-                 WHERE {m} AND {admit} AND {no_dup} RETURNING i.ord) {applied_or_dup}",
-                next = next_fence("tgt.\"fence\"", &lease),
-                m = matches("tgt"),
-                admit = admits("tgt.\"fence\"", &lease),
-            ))
-        };
-
-        let upsert = {
-            let mut p = Params::default();
-            let i = input(&mut p, true);
-            let lease = p.lease();
-            let all_vals: Vec<String> = kn.iter().chain(&cn).cloned().collect();
-            let (all_cols, conflict_set, key_cols) = upsert_parts(keys, cols);
-            let returned: Vec<String> = keys
-                .iter()
-                .enumerate()
-                .map(|(n, c)| format!("cur.{} AS r{n}", c.quoted()))
-                .collect();
-            let joined = keys
-                .iter()
-                .enumerate()
-                .map(|(n, _)| format!("w.r{n} {EQ} i.k{n}"))
-                .collect::<Vec<_>>()
-                .join(" AND ");
-            let tomb = format!(
-                "(SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel {EQ} {rel} \
-                 AND tb.row_key {EQ} {})",
-                key_json(&kn)
-            );
-            p.finish(format!(
-                "WITH {i}, w AS (INSERT INTO {t} AS cur ({cols}, \"fence\") \
-                 SELECT {vals}, {lease} FROM i WHERE {no_dup} \
-                 AND (coalesce({tomb_admits}, true) OR EXISTS (SELECT 1 FROM {t} x WHERE {mx})) \
-                 ON CONFLICT ({keys}) DO UPDATE SET {conflict_set}\"fence\" = {next} \
-                 WHERE {admit} \
-                 RETURNING {returned}, (cur.xmax {EQ} 0) AS inserted) \
-                 SELECT i.ord, w.inserted, NULL::pg_catalog.text AS dup FROM w JOIN i ON {joined} \
-                 UNION ALL SELECT NULL, NULL, dup.key FROM dup",
-                cols = all_cols.join(", "),
-                vals = all_vals.join(", "),
-                tomb_admits = admits(&tomb, &lease),
-                mx = matches("x"),
-                keys = key_cols.join(", "),
-                next = next_fence("cur.\"fence\"", &lease),
-                admit = admits("cur.\"fence\"", &lease),
-                returned = returned.join(", "),
-            ))
-        };
-
-        let delete = {
-            let mut p = Params::default();
-            let i = input(&mut p, false);
-            let lease = p.lease();
-            p.finish(format!(
-                "WITH {i}, w AS (DELETE FROM {t} AS tgt USING i WHERE {m} AND {admit} AND {no_dup} \
-                 RETURNING i.ord, {kj} AS key, {next} AS f), \
-                 tomb AS (INSERT INTO pgfence.tombstone AS tb (rel, row_key, fence) \
-                 SELECT {rel}, w.key, w.f FROM w \
-                 ON CONFLICT (rel, row_key) DO UPDATE SET fence = GREATEST(tb.fence, EXCLUDED.fence), \
-                 deleted_at = pg_catalog.now()) {applied_or_dup}",
-                m = matches("tgt"),
-                admit = admits("tgt.\"fence\"", &lease),
-                kj = key_json(&kn),
-                next = next_fence("tgt.\"fence\"", &lease),
-            ))
-        };
-
-        // Claim returns the claimed rows (`tgt.*`) with their position; `pgfence_dups` counts
-        // duplicate keys (then nothing was claimed and the row's other columns are NULL).
-        let claim = {
-            let mut p = Params::default();
-            let i = input(&mut p, false);
-            let lease = p.lease();
-            p.finish(format!(
-                "WITH {i}, w AS (UPDATE {t} AS tgt SET \"fence\" = {next} FROM i \
-                 WHERE {m} AND {admit} AND {no_dup} RETURNING i.ord AS pgfence_ord, tgt.*) \
-                 SELECT d.pgfence_dups, w.* FROM (SELECT pg_catalog.count(*) AS pgfence_dups FROM dup) d \
-                 LEFT JOIN w ON true ORDER BY w.pgfence_ord",
-                next = next_fence("tgt.\"fence\"", &lease),
-                m = matches("tgt"),
-                admit = admits("tgt.\"fence\"", &lease),
-            ))
-        };
-
-        let explain = |operation: &str, with_tombstone: bool| {
-            let mut p = Params::default();
-            let arrays = p.many(Slot::KeyArrays, keys.len());
-            let ords = p.one(Slot::Ordinals);
-            let lease = p.one(Slot::LeaseFence);
-            let mut unnests: Vec<String> = arrays
-                .iter()
-                .map(|a| format!("pg_catalog.unnest({a})"))
-                .collect();
-            unnests.push(format!("pg_catalog.unnest({ords})"));
-            let mut names: Vec<String> = (0..keys.len()).map(|i| format!("k{i}")).collect();
-            names.push("ord".to_owned());
-            let current = if with_tombstone {
-                "coalesce(c.current, c.tombstone)"
-            } else {
-                "c.current"
-            };
-            let audit = audit_column(
-                &mut p,
-                table_literal,
-                &lease,
-                current,
-                operation,
-                audit_lock_timeout_ms,
-            );
-            let (outer, inner) = if with_tombstone {
-                (
-                    ", c.tombstone",
-                    format!(
-                        ", (SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel {EQ} {rel} \
-                         AND tb.row_key {EQ} {}) AS tombstone",
-                        key_json(&kn)
-                    ),
-                )
-            } else {
-                ("", String::new())
-            };
-            p.finish(format!(
-                "SELECT c.ord, c.current, c.row_key{outer}, {audit} AS audit, pgfence.timeline() AS timeline FROM (\
-                 SELECT i.ord, (SELECT tgt.\"fence\" FROM {t} tgt WHERE {m}) AS current, \
-                 {kj} AS row_key{inner} \
-                 FROM ROWS FROM ({u}) AS i({n}) OFFSET 0) c ORDER BY c.ord",
-                m = matches("tgt"),
-                kj = key_json(&kn),
-                u = unnests.join(", "),
-                n = names.join(", "),
-            ))
-        };
-        Self {
-            update,
-            upsert,
-            delete,
-            claim,
-            explain_update: explain("update", false),
-            explain_upsert: explain("upsert", true),
-            explain_delete: explain("delete", false),
-            explain_claim: explain("claim", false),
-        }
-    }
 }
 
 /// The `audit` column of an explaining statement. For a rejection (a newer lease's fence, or

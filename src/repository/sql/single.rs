@@ -1,0 +1,167 @@
+//! The single-row statements of a table: update, upsert, delete, claim, fetch, and the
+//! statement that explains a write that changed nothing.
+
+use super::*;
+
+/// What a table's single-row statements are built from.
+pub(super) struct Shape<'a> {
+    /// The quoted table.
+    pub(super) t: String,
+    /// The quoted table as a string literal.
+    pub(super) table_literal: String,
+    /// The table's OID, as SQL.
+    pub(super) rel: String,
+    pub(super) keys: &'a [Ident],
+    pub(super) cols: &'a [Ident],
+    pub(super) audit_lock_timeout_ms: Option<i32>,
+}
+
+impl Shape<'_> {
+    /// The fence of the key's tombstone, as SQL.
+    fn tomb_fence(&self, key_params: &[String]) -> String {
+        format!(
+            "(SELECT tb.fence FROM pgfence.tombstone tb WHERE tb.rel {EQ} {rel} \
+             AND tb.row_key {EQ} {})",
+            key_json(key_params),
+            rel = self.rel,
+        )
+    }
+
+    /// `"a" = $n, ` for every data column.
+    fn set_cols(&self, col_params: &[String]) -> String {
+        self.cols
+            .iter()
+            .zip(col_params)
+            .map(|(c, p)| format!("{} = {p}, ", c.quoted()))
+            .collect()
+    }
+
+    /// `UPDATE`: the fenced single-row update.
+    pub(super) fn update(&self) -> Statement {
+        let Self { t, keys, cols, .. } = self;
+        let mut p = Params::default();
+        let key = p.many(Slot::Key, keys.len());
+        let vals = p.many(Slot::Columns, cols.len());
+        let lease = p.lease();
+        p.finish(format!(
+            "UPDATE {t} SET {set}\"fence\" = {next} WHERE {km} AND {admit}",
+            set = self.set_cols(&vals),
+            next = next_fence("\"fence\"", &lease),
+            km = key_match(keys, &key),
+            admit = admits("\"fence\"", &lease),
+        ))
+    }
+
+    /// The fenced `INSERT ... ON CONFLICT`; a tombstone of a newer delete refuses it.
+    pub(super) fn upsert(&self) -> Statement {
+        let Self { t, keys, cols, .. } = self;
+        let mut p = Params::default();
+        let key = p.many(Slot::Key, keys.len());
+        let vals = p.many(Slot::Columns, cols.len());
+        let lease = p.lease();
+        let all_vals: Vec<String> = key.iter().chain(&vals).cloned().collect();
+        let (all_cols, conflict_set, key_cols) = upsert_parts(keys, cols);
+        p.finish(format!(
+            "INSERT INTO {t} AS cur ({cols}, \"fence\") SELECT {vals}, {lease} \
+             WHERE coalesce({tomb_admits}, true) OR EXISTS (SELECT 1 FROM {t} WHERE {km}) \
+             ON CONFLICT ({keys}) DO UPDATE SET {conflict_set}\"fence\" = {next} \
+             WHERE {admit} \
+             RETURNING (xmax {EQ} 0) AS inserted",
+            cols = all_cols.join(", "),
+            vals = all_vals.join(", "),
+            tomb_admits = admits(&self.tomb_fence(&key), &lease),
+            km = key_match(keys, &key),
+            keys = key_cols.join(", "),
+            next = next_fence("cur.\"fence\"", &lease),
+            admit = admits("cur.\"fence\"", &lease),
+        ))
+    }
+
+    /// The fenced `DELETE`, leaving a tombstone.
+    pub(super) fn delete(&self) -> Statement {
+        let Self { t, rel, keys, .. } = self;
+        let mut p = Params::default();
+        let key = p.many(Slot::Key, keys.len());
+        let lease = p.lease();
+        p.finish(format!(
+            "WITH w AS (DELETE FROM {t} WHERE {km} AND {admit} RETURNING {next} AS f), \
+             tomb AS (INSERT INTO pgfence.tombstone AS tb (rel, row_key, fence) \
+             SELECT {rel}, {kj}, w.f FROM w \
+             ON CONFLICT (rel, row_key) DO UPDATE SET fence = GREATEST(tb.fence, EXCLUDED.fence), \
+             deleted_at = pg_catalog.now()) \
+             SELECT EXISTS (SELECT 1 FROM w)",
+            km = key_match(keys, &key),
+            admit = admits("\"fence\"", &lease),
+            next = next_fence("\"fence\"", &lease),
+            kj = key_json(&key),
+        ))
+    }
+
+    /// The claim: only the fence moves; returns the row.
+    pub(super) fn claim(&self) -> Statement {
+        let Self { t, keys, .. } = self;
+        let mut p = Params::default();
+        let key = p.many(Slot::Key, keys.len());
+        let lease = p.lease();
+        p.finish(format!(
+            "UPDATE {t} SET \"fence\" = {next} WHERE {km} AND {admit} RETURNING *",
+            next = next_fence("\"fence\"", &lease),
+            km = key_match(keys, &key),
+            admit = admits("\"fence\"", &lease),
+        ))
+    }
+
+    /// An explaining statement: `current` (the row's fence, NULL when there is no row),
+    /// `row_key`, for upsert `tombstone`, and `audit` (see `audit_column`).
+    pub(super) fn explain(&self, operation: &str, with_tombstone: bool) -> Statement {
+        let Self {
+            t,
+            table_literal,
+            keys,
+            audit_lock_timeout_ms,
+            ..
+        } = self;
+        let mut p = Params::default();
+        let key = p.many(Slot::Key, keys.len());
+        let lease = p.one(Slot::LeaseFence);
+        let current = if with_tombstone {
+            "coalesce(c.current, c.tombstone)"
+        } else {
+            "c.current"
+        };
+        let audit = audit_column(
+            &mut p,
+            table_literal,
+            &lease,
+            current,
+            operation,
+            *audit_lock_timeout_ms,
+        );
+        let (outer, inner) = if with_tombstone {
+            (
+                ", c.tombstone",
+                format!(", {} AS tombstone", self.tomb_fence(&key)),
+            )
+        } else {
+            ("", String::new())
+        };
+        p.finish(format!(
+            "SELECT c.current, c.row_key{outer}, {audit} AS audit, pgfence.timeline() AS timeline FROM (\
+             SELECT (SELECT \"fence\" FROM {t} WHERE {km}) AS current, \
+             {kj} AS row_key{inner} OFFSET 0) c",
+            km = key_match(keys, &key),
+            kj = key_json(&key),
+        ))
+    }
+
+    /// The row, by key.
+    pub(super) fn fetch(&self) -> Statement {
+        let Self { t, keys, .. } = self;
+        let mut p = Params::default();
+        let key = p.many(Slot::Key, keys.len());
+        p.finish(format!(
+            "SELECT * FROM {t} WHERE {km}",
+            km = key_match(keys, &key)
+        ))
+    }
+}
