@@ -21,11 +21,11 @@ use crate::tls::{TlsParams, has_scheme};
 use crate::{Error, FenceToken, Resource, Result, token::MAX_TOKEN};
 
 /// The URL scheme that selects the etcd issuer: `etcd://host:2379[,host2:2379...]`.
-pub const ETCD_SCHEME: &str = "etcd://";
+pub const SCHEME: &str = "etcd://";
 
 /// The URL scheme that selects the etcd issuer over TLS (feature `tls`):
 /// `etcd+https://host:2379[,host2:2379...][?cacert=PATH&cert=PATH&key=PATH]`.
-pub const ETCD_TLS_SCHEME: &str = "etcd+https://";
+pub const TLS_SCHEME: &str = "etcd+https://";
 
 /// The port used when an `etcd://` URL names a host without one.
 const DEFAULT_PORT: u16 = 2379;
@@ -34,7 +34,7 @@ const DEFAULT_PORT: u16 = 2379;
 /// (the resource name as is, `{domain}` prefix included). [`EtcdIssuer::lock_key`] gives an
 /// issuer's key, whatever its prefix.
 #[must_use]
-pub fn etcd_lock_key(resource: &Resource) -> String {
+pub fn lock_key(resource: &Resource) -> String {
     prefixed_key(DEFAULT_KEY_PREFIX, resource)
 }
 
@@ -42,18 +42,12 @@ fn prefixed_key(prefix: &str, resource: &Resource) -> String {
     format!("{prefix}/lock/{resource}")
 }
 
-/// Whether `url` selects the etcd issuer (`etcd://...`, or `etcd+https://...` over TLS).
-#[must_use]
-pub fn is_etcd_url(url: &str) -> bool {
-    has_scheme(url, ETCD_SCHEME) || has_scheme(url, ETCD_TLS_SCHEME)
-}
-
 /// Issues leases and fence tokens from an etcd cluster (v3 API; etcd 3.4 or newer; feature
 /// `etcd`).
 ///
 /// The same methods and [`Lease`] / [`ReleaseOutcome`] / [`LeaseState`] / [`LockStatus`] as
 /// the Redis
-/// [`Issuer`](crate::Issuer), so a lease from either is fenced the same way by Postgres. The
+/// [`RedisIssuer`](crate::RedisIssuer), so a lease from either is fenced the same way by Postgres. The
 /// token is the etcd revision that created the lock key: strictly increasing across the whole
 /// cluster and across leader failovers, at most [`MAX_TOKEN`](crate::token::MAX_TOKEN) (an acquire
 /// that would exceed it fails with [`Error::InvalidToken`] and leaves no lock behind).
@@ -88,7 +82,7 @@ pub fn is_etcd_url(url: &str) -> bool {
 ///
 /// # Layout
 ///
-/// The lock of resource `R` is the key `pgfence/lock/R` ([`etcd_lock_key`];
+/// The lock of resource `R` is the key `pgfence/lock/R` ([`lock_key`];
 /// `PREFIX/lock/R` with [`EtcdIssuer::with_key_prefix`]); its value is the
 /// owner id and it is attached to an etcd lease granted for the lock's TTL. A lease's token is
 /// the key's `create_revision`. Taking the lock is one transaction:
@@ -205,7 +199,7 @@ impl EtcdIssuer {
     /// counter of the cluster).
     ///
     /// # Errors
-    /// [`Error::InvalidKeyPrefix`], as for [`Issuer::with_key_prefix`](crate::Issuer::with_key_prefix).
+    /// [`Error::InvalidKeyPrefix`], as for [`RedisIssuer::with_key_prefix`](crate::RedisIssuer::with_key_prefix).
     pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
         self.prefix = check_key_prefix(prefix)?.into();
         Ok(self)
@@ -258,8 +252,8 @@ impl EtcdIssuer {
     /// server). `Ok(None)` when another owner holds it.
     ///
     /// # Errors
-    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::issuer::MIN_TTL)`..=`
-    /// [`MAX_TTL`](crate::issuer::MAX_TTL) (nothing is sent); [`Error::Etcd`] when etcd fails after
+    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::issuer::limits::MIN_TTL)`..=`
+    /// [`MAX_TTL`](crate::issuer::limits::MAX_TTL) (nothing is sent); [`Error::Etcd`] when etcd fails after
     /// retries; [`Error::InvalidToken`] when the cluster's revision reached
     /// [`MAX_TOKEN`](crate::token::MAX_TOKEN) (refused before anything is written).
     pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
@@ -721,10 +715,10 @@ fn parse_url(url: &str) -> Result<EtcdUrl> {
             "etcd URL: {why} (expected etcd://host:port[,host:port...] or etcd+https://host:port[,host:port...][?cacert=PATH&cert=PATH&key=PATH])"
         ))
     };
-    let (scheme_len, tls) = if has_scheme(url, ETCD_SCHEME) {
-        (ETCD_SCHEME.len(), false)
-    } else if has_scheme(url, ETCD_TLS_SCHEME) {
-        (ETCD_TLS_SCHEME.len(), true)
+    let (scheme_len, tls) = if has_scheme(url, SCHEME) {
+        (SCHEME.len(), false)
+    } else if has_scheme(url, TLS_SCHEME) {
+        (TLS_SCHEME.len(), true)
     } else {
         return Err(invalid("not an etcd:// or etcd+https:// URL"));
     };
@@ -779,7 +773,7 @@ fn with_tls(options: ConnectOptions, params: &TlsParams) -> Result<ConnectOption
 /// Without the `tls` feature: [`Error::IssuerNotBuilt`].
 #[cfg(not(feature = "tls"))]
 fn with_tls(_options: ConnectOptions, _params: &TlsParams) -> Result<ConnectOptions> {
-    Err(crate::tls::not_built(ETCD_TLS_SCHEME))
+    Err(crate::tls::not_built(TLS_SCHEME))
 }
 
 /// Whether an etcd error is transient: the connection, a missing or changing leader, a
@@ -857,8 +851,14 @@ mod tests {
         ] {
             assert!(parse_url(bad).is_err(), "{bad}");
         }
-        assert!(is_etcd_url("etcd://h") && !is_etcd_url("redis://h") && !is_etcd_url("etc"));
-        assert!(is_etcd_url("ETCD+HTTPS://h"));
+        for (url, etcd) in [
+            ("etcd://h", true),
+            ("ETCD+HTTPS://h", true),
+            ("redis://h", false),
+        ] {
+            assert_eq!(IssuerKind::of_url(url).unwrap() == IssuerKind::Etcd, etcd, "{url}");
+        }
+        assert!(IssuerKind::of_url("etc").is_err());
     }
 
     #[test]
@@ -893,6 +893,6 @@ mod tests {
     #[test]
     fn keys_keep_the_resource_name() {
         let r = Resource::in_domain("billing", "account:2").unwrap();
-        assert_eq!(etcd_lock_key(&r), "pgfence/lock/{billing}account:2");
+        assert_eq!(lock_key(&r), "pgfence/lock/{billing}account:2");
     }
 }

@@ -17,40 +17,39 @@
 
 mod connect;
 #[cfg(feature = "etcd")]
-mod etcd;
+pub mod etcd;
 mod keepalive;
 mod keys;
 mod lease;
+pub mod limits;
 mod pg;
 mod policy;
-mod redis;
+pub mod redis;
 mod token_issuer;
 mod url;
 #[cfg(feature = "zk")]
-mod zk;
+pub mod zk;
 
 pub use connect::{IssuerOptions, connect_issuer, connect_issuer_with};
 #[cfg(feature = "etcd")]
-pub(crate) use etcd::is_transient as etcd_is_transient;
+pub use etcd::EtcdIssuer;
 #[cfg(feature = "etcd")]
-pub use etcd::{ETCD_SCHEME, ETCD_TLS_SCHEME, EtcdIssuer, etcd_lock_key, is_etcd_url};
+pub(crate) use etcd::is_transient as etcd_is_transient;
 pub use keepalive::{KeepAlive, LeaseLost};
+pub use keys::DEFAULT_KEY_PREFIX;
 pub(crate) use keys::fencing_name;
-pub use keys::{DEFAULT_KEY_PREFIX, MAX_KEY_PREFIX_LEN, check_key_prefix};
-pub use lease::{
-    Lease, LeaseState, LockStatus, MAX_TTL, MIN_TTL, ReleaseOutcome, check_ttl, new_owner_id,
-};
-pub use pg::{POSTGRES_SCHEMES, PgIssuer, is_postgres_url};
+pub use lease::{Lease, LeaseState, LockStatus, ReleaseOutcome};
+pub use pg::PgIssuer;
 pub use policy::DEFAULT_CALL_TIMEOUT;
-pub use redis::{
-    DEFAULT_FAILOVER_WAIT, DEFAULT_SENTINEL_PORT, FloorSource, Issuer, REDIS_ACL_COMMANDS,
-    REDIS_SENTINEL_ACL_RULE, RedisConnections, SENTINEL_SCHEME, SENTINEL_TLS_SCHEME,
-    SentinelConnections, SentinelUrl, counter_key, default_connections, is_sentinel_url, lock_key,
-    redis_acl_key_pattern, redis_acl_rule,
-};
+pub use redis::RedisIssuer;
 pub use token_issuer::{BoxFuture, IssuerKind, TokenIssuer};
 pub(crate) use url::{invalid_redis_url, unanswered, url_host};
 #[cfg(feature = "zk")]
-pub(crate) use zk::is_transient as zk_is_transient;
+pub use zk::ZkIssuer;
 #[cfg(feature = "zk")]
-pub use zk::{ZK_SCHEME, ZkIssuer, is_zk_url, zk_lock_dir};
+pub(crate) use zk::is_transient as zk_is_transient;
+
+/// The Redis issuer's name before 0.3: [`RedisIssuer`], named like [`PgIssuer`] and the
+/// others.
+#[deprecated(since = "0.3.0", note = "renamed `RedisIssuer` (`pgfence::issuer::RedisIssuer`)")]
+pub type Issuer<C = redis::RedisConnections> = RedisIssuer<C>;

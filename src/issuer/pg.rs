@@ -23,11 +23,11 @@ use crate::{Error, FenceToken, Resource, Result};
 
 /// The URL schemes that select the PostgreSQL issuer in
 /// [`connect_issuer`](crate::connect_issuer): `postgres://` and `postgresql://`.
-pub const POSTGRES_SCHEMES: [&str; 2] = ["postgres://", "postgresql://"];
+pub(crate) const POSTGRES_SCHEMES: [&str; 2] = ["postgres://", "postgresql://"];
 
 /// Whether `url` names the PostgreSQL issuer (`postgres://` or `postgresql://`, any case).
 #[must_use]
-pub fn is_postgres_url(url: &str) -> bool {
+pub(crate) fn is_postgres_url(url: &str) -> bool {
     let head = url.get(..13).unwrap_or(url).to_ascii_lowercase();
     POSTGRES_SCHEMES.iter().any(|s| head.starts_with(s))
 }
@@ -202,7 +202,7 @@ impl PgIssuer {
     /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds it.
     ///
     /// # Errors
-    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::issuer::MIN_TTL)`..=`[`MAX_TTL`](crate::issuer::MAX_TTL)
+    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::issuer::limits::MIN_TTL)`..=`[`MAX_TTL`](crate::issuer::limits::MAX_TTL)
     /// (nothing is sent); [`Error::InvalidToken`] when the counter would pass
     /// [`MAX_TOKEN`](crate::token::MAX_TOKEN) (nothing changes); [`Error::Database`].
     pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {

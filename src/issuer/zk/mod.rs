@@ -23,17 +23,17 @@ use super::{Lease, LeaseState, LockStatus, ReleaseOutcome};
 use crate::Error;
 use crate::{Resource, Result};
 use held::{Held, Inner, remove_strays};
-use names::lock_dir;
-pub use names::zk_lock_dir;
+use names::prefixed_lock_dir;
+pub use names::lock_dir;
 pub(crate) use session::is_transient;
 use session::{ended, open_session};
 use url::parse_url;
-pub use url::{ZK_SCHEME, is_zk_url};
+pub use url::SCHEME;
 
 /// Issues leases and fence tokens from a ZooKeeper ensemble (3.5 or newer; feature `zk`).
 ///
 /// The same methods and [`Lease`] / [`ReleaseOutcome`] / [`LeaseState`] / [`LockStatus`] as
-/// the Redis [`Issuer`](crate::Issuer) and the `EtcdIssuer`, and it implements
+/// [`RedisIssuer`](crate::RedisIssuer) and the `EtcdIssuer`, and it implements
 /// [`TokenIssuer`](crate::TokenIssuer) ([`IssuerKind::ZooKeeper`](crate::issuer::IssuerKind::ZooKeeper)),
 /// where [`raise_floor`](crate::TokenIssuer::raise_floor) and
 /// [`recover_from`](crate::TokenIssuer::recover_from) are no-ops: zxids never go backwards.
@@ -69,7 +69,7 @@ pub use url::{ZK_SCHEME, is_zk_url};
 ///
 /// # Layout
 ///
-/// Resource `R`'s lock lives under the persistent node `/pgfence/lock/R` ([`zk_lock_dir`];
+/// Resource `R`'s lock lives under the persistent node `/pgfence/lock/R` ([`lock_dir`];
 /// `/PREFIX/lock/R` with [`ZkIssuer::with_key_prefix`]; names `%`-encoded), created on first
 /// use as a *container* node (ZooKeeper deletes it once it has had children and has none). An
 /// acquire creates the ephemeral sequential child `lock-<owner>-<sequence>` holding the owner
@@ -152,7 +152,7 @@ impl ZkIssuer {
     /// from the ensemble's one zxid sequence).
     ///
     /// # Errors
-    /// [`Error::InvalidKeyPrefix`], as for [`Issuer::with_key_prefix`](crate::Issuer::with_key_prefix).
+    /// [`Error::InvalidKeyPrefix`], as for [`RedisIssuer::with_key_prefix`](crate::RedisIssuer::with_key_prefix).
     pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
         self.prefix = check_key_prefix(prefix)?.into();
         Ok(self)
@@ -185,7 +185,7 @@ impl ZkIssuer {
     /// This issuer's znode for `resource`'s lock nodes: `/PREFIX/lock/R`.
     #[must_use]
     pub fn lock_dir(&self, resource: &Resource) -> String {
-        lock_dir(&self.prefix, resource)
+        prefixed_lock_dir(&self.prefix, resource)
     }
 
     /// The session timeout the servers granted (they bound the one asked for).
@@ -246,8 +246,8 @@ impl ZkIssuer {
     /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds it.
     ///
     /// # Errors
-    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::issuer::MIN_TTL)`..=`
-    /// [`MAX_TTL`](crate::issuer::MAX_TTL) (nothing is sent); [`Error::ZooKeeper`] when ZooKeeper fails
+    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::issuer::limits::MIN_TTL)`..=`
+    /// [`MAX_TTL`](crate::issuer::limits::MAX_TTL) (nothing is sent); [`Error::ZooKeeper`] when ZooKeeper fails
     /// after retries; [`Error::InvalidToken`] when the ensemble's zxid reached
     /// [`MAX_TOKEN`](crate::token::MAX_TOKEN) (no lock node is left behind).
     pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
