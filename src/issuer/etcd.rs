@@ -13,6 +13,7 @@ use tokio::time::Instant;
 
 use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
 use super::lease::check_ttl;
+use super::methods::issuer_methods;
 use super::policy::{self, Ask, Attempt, Backend, DEFAULT_CALL_TIMEOUT, PATIENT, Renewal, Resend};
 use super::token_issuer::IssuerKind;
 use super::url::host_list;
@@ -49,7 +50,7 @@ fn prefixed_key(prefix: &str, resource: &Resource) -> String {
 /// the Redis
 /// [`RedisIssuer`](crate::RedisIssuer), so a lease from either is fenced the same way by Postgres. The
 /// token is the etcd revision that created the lock key: strictly increasing across the whole
-/// cluster and across leader failovers, at most [`MAX_TOKEN`](crate::token::MAX_TOKEN) (an acquire
+/// cluster and across leader failovers, at most [`MAX_TOKEN`] (an acquire
 /// that would exceed it fails with [`Error::InvalidToken`] and leaves no lock behind).
 /// Cloning is cheap; clones share the connections. It implements
 /// [`TokenIssuer`](crate::TokenIssuer), where [`raise_floor`](crate::TokenIssuer::raise_floor)
@@ -211,7 +212,7 @@ impl EtcdIssuer {
         &self.prefix
     }
 
-    /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`](crate::issuer::DEFAULT_CALL_TIMEOUT),
+    /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`],
     /// 5 s, by default): an acquire, release, extend or status read returns within `bound`,
     /// its re-sends included, or fails with an [`Error::Etcd`] timeout ([retryable](Error::is_retryable): the
     /// outcome is unknown). Each request also has the client's own 5 s timeout. The first
@@ -246,35 +247,6 @@ impl EtcdIssuer {
     #[must_use]
     pub fn client(&self) -> &Client {
         &self.client
-    }
-
-    /// Tries once to take `resource`'s lock for `ttl` (rounded up to whole seconds on the
-    /// server). `Ok(None)` when another owner holds it.
-    ///
-    /// # Errors
-    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::issuer::limits::MIN_TTL)`..=`
-    /// [`MAX_TTL`](crate::issuer::limits::MAX_TTL) (nothing is sent); [`Error::Etcd`] when etcd fails after
-    /// retries; [`Error::InvalidToken`] when the cluster's revision reached
-    /// [`MAX_TOKEN`](crate::token::MAX_TOKEN) (refused before anything is written).
-    pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
-        policy::acquire(self, resource, ttl).await
-    }
-
-    /// Like [`EtcdIssuer::acquire`] with a caller-chosen owner id. Re-running it with the same
-    /// owner while the lease is held returns the same token and renews the lock for `ttl` (the
-    /// idempotent retry after a lost reply). Returns `Err(retry_in)` when another owner holds
-    /// the lock: the holder's remaining lease TTL as etcd reports it (whole seconds).
-    ///
-    /// # Errors
-    /// As [`EtcdIssuer::acquire`]; [`Error::InvalidOwner`] for an empty owner id or one
-    /// containing `:`.
-    pub async fn acquire_as(
-        &self,
-        resource: &Resource,
-        owner: &str,
-        ttl: Duration,
-    ) -> Result<std::result::Result<Lease, Duration>> {
-        policy::acquire_as(self, resource, owner, ttl).await
     }
 
     /// One attempt: a read, and a lease grant and a transaction when the lock is free.
@@ -363,63 +335,6 @@ impl EtcdIssuer {
         )
     }
 
-    /// Waits up to `wait` for the lock, retrying with jittered exponential backoff (10 ms
-    /// doubling to 500 ms, never sleeping past the holder's remaining TTL as etcd reports it).
-    /// `Ok(None)` when the wait ran out.
-    ///
-    /// # Errors
-    /// As [`EtcdIssuer::acquire`].
-    pub async fn acquire_wait(
-        &self,
-        resource: &Resource,
-        ttl: Duration,
-        wait: Duration,
-    ) -> Result<Option<Lease>> {
-        policy::acquire_wait(self, resource, ttl, wait).await
-    }
-
-    /// Releases the lock if `lease` still holds it (same owner and token), and revokes its
-    /// etcd lease.
-    ///
-    /// A release lost in transit (a lost connection, no leader, a timeout) is sent again
-    /// within the call bound: releasing is owner-safe. When a re-sent release finds the lock gone before
-    /// the lease's local deadline, the lock cannot have expired, so an earlier attempt
-    /// released it: that is reported as [`ReleaseOutcome::Released`] (as the Redis issuer
-    /// does).
-    ///
-    /// # Errors
-    /// [`Error::Etcd`].
-    pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
-        policy::release(self, lease).await
-    }
-
-    /// Extends the lock to `ttl` from now (rounded up to whole seconds on the server) if
-    /// `lease` still holds it, and moves the lease's local deadline accordingly.
-    ///
-    /// With the TTL the lease was granted with ([`Lease::ttl`]) this is one keep-alive of the
-    /// etcd lease; with another TTL the key moves to a new etcd lease of that TTL (its
-    /// `create_revision`, the token, stays).
-    ///
-    /// # Errors
-    /// [`Error::InvalidDuration`]; [`Error::Etcd`].
-    pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
-        policy::extend(self, lease, ttl).await
-    }
-
-    /// [`EtcdIssuer::extend`], re-sending after transport failures only until `until` (what
-    /// [`KeepAlive`](crate::issuer::KeepAlive) uses, with the lease's local deadline).
-    ///
-    /// # Errors
-    /// As [`EtcdIssuer::extend`].
-    pub async fn extend_until(
-        &self,
-        lease: &mut Lease,
-        ttl: Duration,
-        until: Instant,
-    ) -> Result<LeaseState> {
-        policy::extend_until(self, lease, ttl, until).await
-    }
-
     /// Renews a lock `lease` holds (`held` is its key as just read): one keep-alive when the
     /// etcd lease already has this TTL (`keep`), else a move to a new etcd lease.
     async fn renew(
@@ -482,22 +397,6 @@ impl EtcdIssuer {
         }
     }
 
-    /// Reads `resource`'s lock. `counter` is the cluster's current revision: every token
-    /// issued so far is at most this, and the next one will be above it. `ttl_ms` has etcd's
-    /// resolution, whole seconds. A read lost in transit is sent again within the call bound.
-    ///
-    /// # Errors
-    /// [`Error::Etcd`].
-    pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
-        policy::status(self, resource).await
-    }
-
-    /// Keeps `lease` alive in the background; see [`KeepAlive`](crate::issuer::KeepAlive).
-    #[must_use]
-    pub fn keep_alive(&self, lease: &Lease) -> crate::issuer::KeepAlive {
-        crate::issuer::KeepAlive::spawn(std::sync::Arc::new(self.clone()), lease.clone())
-    }
-
     async fn get(&self, key: &str) -> Result<Option<KeyValue>> {
         let reply = self.client.kv_client().get(key, None).await?;
         Ok(reply.kvs().first().cloned())
@@ -537,6 +436,34 @@ impl EtcdIssuer {
     async fn revoke(&self, id: i64) {
         if let Err(e) = self.client.lease_client().revoke(id).await {
             tracing::debug!(target: "pgfence::issuer", lease = id, error = %e, "etcd lease revoke failed; it will expire");
+        }
+    }
+}
+
+issuer_methods! {
+    impl[] EtcdIssuer {
+        error: "[`Error::Etcd`]",
+        acquire: {
+            /// The TTL is rounded up to whole seconds on the server (see the type's docs, "TTLs").
+        }
+        acquire_as: {
+            /// `retry_in` is the holder's remaining lease TTL as etcd reports it (whole seconds).
+        }
+        acquire_wait: {}
+        release: {
+            /// Its etcd lease is revoked too.
+        }
+        extend: {
+            ///
+            /// The TTL is rounded up to whole seconds on the server. With the TTL the lease was
+            /// granted with ([`Lease::ttl`]) this is one keep-alive of the etcd lease; with
+            /// another TTL the key moves to a new etcd lease of that TTL (its
+            /// `create_revision`, the token, stays).
+        }
+        status: {
+            /// `counter` is the cluster's current revision: every token issued so far is at most
+            /// this, and the next one will be above it. `ttl_ms` has etcd's resolution, whole
+            /// seconds.
         }
     }
 }
@@ -856,7 +783,11 @@ mod tests {
             ("ETCD+HTTPS://h", true),
             ("redis://h", false),
         ] {
-            assert_eq!(IssuerKind::of_url(url).unwrap() == IssuerKind::Etcd, etcd, "{url}");
+            assert_eq!(
+                IssuerKind::of_url(url).unwrap() == IssuerKind::Etcd,
+                etcd,
+                "{url}"
+            );
         }
         assert!(IssuerKind::of_url("etc").is_err());
     }

@@ -1,19 +1,31 @@
 //! Token issuers: leases and strictly increasing fence tokens from a lock service.
 //!
-//! One policy over small backends. `policy` writes once what every issuer does the same way
-//! (validation, re-sending a call lost in transit, waiting for a lock, the retry windows of
-//! release, extend and status, and the [`TokenIssuer`] surface); each backend answers one
-//! attempt at a time:
+//! What most code needs is here: the four issuers ([`RedisIssuer`], [`PgIssuer`],
+//! `EtcdIssuer` with feature `etcd`, `ZkIssuer` with feature `zk`), which share their lease
+//! methods (`acquire`, `acquire_as`, `acquire_wait`, `release`, `extend`, `extend_until`,
+//! `status`, `keep_alive`); the [`TokenIssuer`] trait over all of them, with
+//! [`connect_issuer`] / [`connect_issuer_with`] ([`IssuerOptions`]) to pick one by URL and
+//! [`IssuerKind`] to tell them apart ([`IssuerKind::of_url`]: which issuer a URL names);
+//! what a lease is and what its calls report ([`Lease`], [`LeaseState`], [`ReleaseOutcome`],
+//! [`LockStatus`]); background renewal ([`KeepAlive`], [`LeaseLost`]); and the defaults
+//! ([`DEFAULT_CALL_TIMEOUT`], [`DEFAULT_KEY_PREFIX`]).
+//!
+//! What belongs to one store is in its module: [`redis`] (connections, Sentinel, key names,
+//! the ACL a Redis user needs, the floor source that recovers a lost counter), `etcd` and
+//! `zk` (URL schemes, key names). [`limits`] has the TTL and key-prefix checks every acquire
+//! makes, for validating configuration up front.
+//!
+//! Inside, one policy (`policy`) writes once what every issuer does the same way (validation,
+//! re-sending a call lost in transit, waiting for a lock, the retry windows of release,
+//! extend and status, and the [`TokenIssuer`] surface), and `methods` generates the issuers'
+//! shared methods over it; each backend answers one attempt at a time:
 //!
 //! * `redis`: the default issuer, standalone, Cluster or through Sentinel (one Lua script
-//!   per acquire), whose counter a failover can send backwards ([`FloorSource`], reseeding);
+//!   per acquire), whose counter a failover can send backwards ([`redis::FloorSource`],
+//!   reseeding);
 //! * `etcd` (feature `etcd`): tokens are cluster revisions;
 //! * `zk` (feature `zk`): tokens are the zxids that created the lock nodes;
 //! * `pg`: a lease table in PostgreSQL itself.
-//!
-//! Shared by all: `lease` (what a granted lock is and what its calls report), `keys` (key
-//! prefixes), `url` (URL parsing), `token_issuer` (the trait and [`IssuerKind`]),
-//! `connect` (an issuer picked by URL) and `keepalive` (background renewal).
 
 mod connect;
 #[cfg(feature = "etcd")]
@@ -22,6 +34,7 @@ mod keepalive;
 mod keys;
 mod lease;
 pub mod limits;
+mod methods;
 mod pg;
 mod policy;
 pub mod redis;
@@ -51,5 +64,8 @@ pub(crate) use zk::is_transient as zk_is_transient;
 
 /// The Redis issuer's name before 0.3: [`RedisIssuer`], named like [`PgIssuer`] and the
 /// others.
-#[deprecated(since = "0.3.0", note = "renamed `RedisIssuer` (`pgfence::issuer::RedisIssuer`)")]
+#[deprecated(
+    since = "0.3.0",
+    note = "renamed `RedisIssuer` (`pgfence::issuer::RedisIssuer`)"
+)]
 pub type Issuer<C = redis::RedisConnections> = RedisIssuer<C>;

@@ -39,11 +39,12 @@ pub use sentinel::{
 
 use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
 use super::lease::ttl_millis;
+use super::methods::issuer_methods;
 use super::policy::{
     self, Ask, Attempt, Backend, DEFAULT_CALL_TIMEOUT, Renewal, Resend, limit_refused,
 };
 use super::token_issuer::IssuerKind;
-use super::{KeepAlive, Lease, LeaseState, LockStatus, ReleaseOutcome};
+use super::{Lease, LeaseState, LockStatus, ReleaseOutcome};
 #[cfg(doc)]
 use crate::issuer::limits::{MAX_KEY_PREFIX_LEN, MAX_TTL, MIN_TTL};
 use crate::{Error, FenceToken, Resource, Result, error::StaleTarget, token::MAX_TOKEN};
@@ -268,110 +269,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisIssuer<C> {
         }
     }
 
-    /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds it.
-    ///
-    /// # Errors
-    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`]`..=`[`MAX_TTL`] (nothing is
-    /// sent); [`Error::Redis`] when Redis fails after retries; [`Error::InvalidToken`] when the
-    /// counter is at [`MAX_TOKEN`] (the acquire is refused before anything changes: the lock
-    /// stays free, the counter as it was).
-    ///
-    /// # Example
-    /// ```no_run
-    /// # async fn f() -> pgfence::Result<()> {
-    /// use std::time::Duration;
-    /// let issuer = pgfence::RedisIssuer::connect("redis://127.0.0.1:6379").await?;
-    /// let resource = pgfence::Resource::new("payments:batch:42")?;
-    /// if let Some(lease) = issuer.acquire(&resource, Duration::from_secs(30)).await? {
-    ///     println!("token {}", lease.token());
-    ///     issuer.release(&lease).await?;
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
-        policy::acquire(self, resource, ttl).await
-    }
-
-    /// Like [`RedisIssuer::acquire`] with a caller-chosen owner id. Re-running it with the same
-    /// owner while the lease is held returns the same token (the idempotent retry after a lost
-    /// reply). Returns `Err(retry_in)` when another owner holds the lock.
-    ///
-    /// # Errors
-    /// As [`RedisIssuer::acquire`]; [`Error::InvalidOwner`] for an empty owner id or one containing
-    /// `:`.
-    pub async fn acquire_as(
-        &self,
-        resource: &Resource,
-        owner: &str,
-        ttl: Duration,
-    ) -> Result<std::result::Result<Lease, Duration>> {
-        policy::acquire_as(self, resource, owner, ttl).await
-    }
-
-    /// Waits up to `wait` for the lock, retrying (also after retryable errors, such as a
-    /// failover in progress) with jittered exponential backoff (10 ms
-    /// doubling to 500 ms, never sleeping past the holder's remaining TTL). `Ok(None)` when
-    /// the wait ran out.
-    ///
-    /// # Errors
-    /// As [`RedisIssuer::acquire`].
-    pub async fn acquire_wait(
-        &self,
-        resource: &Resource,
-        ttl: Duration,
-        wait: Duration,
-    ) -> Result<Option<Lease>> {
-        policy::acquire_wait(self, resource, ttl, wait).await
-    }
-
-    /// Releases the lock if `lease` still holds it. The counter is left alone.
-    ///
-    /// A release lost in transit (a dropped or refused connection, a timeout) is sent again
-    /// within the call bound ([`RedisIssuer::with_call_timeout`]): releasing is owner-safe. When a re-sent release finds the lock gone
-    /// before the lease's local deadline, the lock cannot have expired, so an earlier attempt
-    /// released it: that is reported as [`ReleaseOutcome::Released`].
-    ///
-    /// # Errors
-    /// [`Error::Redis`].
-    pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
-        policy::release(self, lease).await
-    }
-
-    /// Extends the lock to `ttl` from now if `lease` still holds it, and moves the lease's
-    /// local deadline accordingly.
-    ///
-    /// An extend lost in transit is sent again (extending is owner-safe and idempotent) within
-    /// the call bound ([`RedisIssuer::with_call_timeout`]); only Redis's answer
-    /// ([`LeaseState::Expired`], [`LeaseState::Taken`]) or running out of time ends it early.
-    ///
-    /// # Errors
-    /// [`Error::InvalidDuration`]; [`Error::Redis`].
-    pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
-        policy::extend(self, lease, ttl).await
-    }
-
-    /// [`RedisIssuer::extend`], re-sending after transport failures until `until` (what
-    /// [`KeepAlive`] uses: it gives up at the lease's local deadline).
-    ///
-    /// # Errors
-    /// As [`RedisIssuer::extend`].
-    pub async fn extend_until(
-        &self,
-        lease: &mut Lease,
-        ttl: Duration,
-        until: Instant,
-    ) -> Result<LeaseState> {
-        policy::extend_until(self, lease, ttl, until).await
-    }
-
-    /// Reads the lock and counter of `resource`.
-    ///
-    /// # Errors
-    /// [`Error::Redis`].
-    pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
-        policy::status(self, resource).await
-    }
-
     /// Raises `resource`'s counter to at least `floor` (never lowers it) and returns its value
     /// afterwards. The next lease gets a token above `floor`.
     ///
@@ -381,11 +278,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisIssuer<C> {
         policy::raise_floor(self, resource, floor).await
     }
 
-    /// Keeps `lease` alive in the background; see [`KeepAlive`].
-    #[must_use]
-    pub fn keep_alive(&self, lease: &Lease) -> KeepAlive {
-        KeepAlive::spawn(Arc::new(self.clone()), lease.clone())
-    }
     /// The clean-up of an acquire call (`ask`) that returned no lease after an attempt whose
     /// outcome is unknown — one cut off by its bound stays queued on its connection and takes
     /// the lock when its bytes arrive; one lost with a reset connection is gone or already
@@ -481,6 +373,41 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisIssuer<C> {
         );
         lease.token = FenceToken::new(token)?;
         Ok(())
+    }
+}
+
+issuer_methods! {
+    impl[C: ConnectionLike + Clone + Send + Sync + 'static] RedisIssuer<C> {
+        error: "[`Error::Redis`]",
+        acquire: {
+            ///
+            /// One round trip: a Lua script takes the lock and increments the counter. Each
+            /// attempt is cut off after 1 s and an acquire is sent at most 3 times (see
+            /// [`with_call_timeout`](Self::with_call_timeout)); a late attempt that takes the
+            /// lock after the call gave up is removed in the background.
+            ///
+            /// # Example
+            /// ```no_run
+            /// # async fn f() -> pgfence::Result<()> {
+            /// use std::time::Duration;
+            /// let issuer = pgfence::RedisIssuer::connect("redis://127.0.0.1:6379").await?;
+            /// let resource = pgfence::Resource::new("payments:batch:42")?;
+            /// if let Some(lease) = issuer.acquire(&resource, Duration::from_secs(30)).await? {
+            ///     println!("token {}", lease.token());
+            ///     issuer.release(&lease).await?;
+            /// }
+            /// # Ok(()) }
+            /// ```
+        }
+        acquire_as: {
+            /// `retry_in` is the holder's remaining TTL (`PTTL`).
+        }
+        acquire_wait: {}
+        release: {
+            /// The counter is left alone.
+        }
+        extend: {}
+        status: {}
     }
 }
 
