@@ -47,10 +47,9 @@ fn prefixed_key(prefix: &str, resource: &Resource) -> String {
 /// `etcd`).
 ///
 /// The same methods and [`Lease`] / [`ReleaseOutcome`] / [`LeaseState`] / [`LockStatus`] as
-/// the Redis
-/// [`RedisIssuer`](crate::RedisIssuer), so a lease from either is fenced the same way by Postgres. The
-/// token is the etcd revision that created the lock key: strictly increasing across the whole
-/// cluster and across leader failovers, at most [`MAX_TOKEN`] (an acquire
+/// [`RedisIssuer`](crate::RedisIssuer), so a lease from either is fenced the same way by
+/// Postgres. The token is the etcd revision that created the lock key: strictly increasing
+/// across the whole cluster and across leader failovers, at most [`MAX_TOKEN`] (an acquire
 /// that would exceed it fails with [`Error::InvalidToken`] and leaves no lock behind).
 /// Cloning is cheap; clones share the connections. It implements
 /// [`TokenIssuer`](crate::TokenIssuer), where [`raise_floor`](crate::TokenIssuer::raise_floor)
