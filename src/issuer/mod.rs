@@ -69,3 +69,16 @@ pub(crate) use zk::is_transient as zk_is_transient;
     note = "renamed `RedisIssuer` (`pgfence::issuer::RedisIssuer`)"
 )]
 pub type Issuer<C = redis::RedisConnections> = RedisIssuer<C>;
+
+#[cfg(test)]
+mod tests {
+    /// Code written against 0.2's name still compiles (with a deprecation warning).
+    #[test]
+    #[allow(deprecated)]
+    fn the_old_redis_issuer_name_still_compiles() {
+        let connect = crate::Issuer::connect("redis://127.0.0.1:1");
+        drop(connect);
+        let typed: Option<super::Issuer> = None;
+        let _: Option<super::RedisIssuer> = typed;
+    }
+}
