@@ -25,7 +25,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use pgfence::{Effects, Error, Fence, Issuer, Lease, Resource, effect::EffectOutcome};
+use pgfence::{Effects, Error, Fence, Lease, RedisIssuer, Resource, effect::EffectOutcome};
 use pgfence_testkit::provider::charge;
 use pgfence_testkit::{Kind, Provider, url_or_start};
 use sqlx::PgPool;
@@ -47,7 +47,7 @@ async fn main() -> Result<()> {
     pgfence::admin::migrate(&pool).await?;
     let schema = format!("recon_{:08x}", rand::random::<u32>());
     setup(&pool, &schema).await?;
-    let issuer = Issuer::connect(&redis_url).await?;
+    let issuer = RedisIssuer::connect(&redis_url).await?;
     let batch = Resource::new(format!("payments:batch:42:{schema}"))?;
     let fence = Fence::new(pool.clone());
     let job = Job {
@@ -155,7 +155,7 @@ async fn setup(pool: &PgPool, schema: &str) -> Result<()> {
 #[derive(Clone)]
 struct Job {
     pool: PgPool,
-    issuer: Issuer,
+    issuer: RedisIssuer,
     fence: Fence,
     effects: Effects,
     batch: Resource,

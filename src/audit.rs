@@ -445,7 +445,7 @@ impl AuditFilter {
     /// # Errors
     /// [`crate::Error::InvalidKeyPrefix`] for an invalid prefix.
     pub fn in_key_prefix(mut self, prefix: &str) -> Result<Self> {
-        let prefix = crate::issuer::check_key_prefix(prefix)?;
+        let prefix = crate::issuer::limits::check_key_prefix(prefix)?;
         if prefix == crate::issuer::DEFAULT_KEY_PREFIX {
             return Ok(self);
         }

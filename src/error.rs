@@ -240,7 +240,7 @@ pub enum Error {
 
     /// Another lease presented the same token at this row or resource: the token counter went
     /// backwards (a Redis failover lost increments) and handed one token out twice. Nothing
-    /// was applied. Reseed the counter ([`Issuer::recover_from`](crate::Issuer::recover_from))
+    /// was applied. Reseed the counter ([`RedisIssuer::recover_from`](crate::RedisIssuer::recover_from))
     /// and take a new lease.
     #[error(
         "duplicate fence token on {target}: token {token} was already presented by another lease (the token counter went backwards; reseed it)"
@@ -434,7 +434,7 @@ pub enum Error {
     #[error("invalid effect: {0}")]
     InvalidEffect(String),
 
-    /// A Redis key prefix ([`Issuer::with_key_prefix`](crate::Issuer::with_key_prefix)) was
+    /// A Redis key prefix ([`RedisIssuer::with_key_prefix`](crate::RedisIssuer::with_key_prefix)) was
     /// empty, too long, or contained braces, whitespace or control characters.
     #[error("invalid key prefix: {0}")]
     InvalidKeyPrefix(String),
@@ -488,8 +488,8 @@ pub enum Error {
 
     /// Redis refused an issuer command for lack of an ACL permission (`NOPERM`, or a script's
     /// command or key refused). `rule` is what the ACL user needs
-    /// ([`redis_acl_rule`](crate::issuer::redis_acl_rule) for the issuer's key prefix, or
-    /// [`REDIS_SENTINEL_ACL_RULE`](crate::issuer::REDIS_SENTINEL_ACL_RULE) on a sentinel). Not
+    /// ([`redis::acl_rule`](crate::issuer::redis::acl_rule) for the issuer's key prefix, or
+    /// [`redis::SENTINEL_ACL_RULE`](crate::issuer::redis::SENTINEL_ACL_RULE) on a sentinel). Not
     /// retryable: fix the user's ACL.
     #[error(
         "Redis ACL user lacks a permission the issuer needs ({source}); {what} needs: ACL SETUSER <user> {rule} (docs/operations.md, \"Redis ACL\")"

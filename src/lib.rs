@@ -52,7 +52,9 @@ pub mod admin;
 // The names a job author uses; everything else lives in its module.
 pub use effect::Effects;
 pub use error::{Error, Result};
-pub use issuer::{Issuer, Lease, TokenIssuer, connect_issuer};
+#[allow(deprecated)]
+pub use issuer::Issuer;
+pub use issuer::{Lease, RedisIssuer, TokenIssuer, connect_issuer};
 pub use repository::{Repository, WriteExecutor};
 pub use resource::{Fence, Resource};
 pub use table::FencedTable;

@@ -12,8 +12,9 @@ use std::sync::Arc;
 use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 
-use crate::issuer::{FloorSource, fencing_name};
-use crate::{Error, Issuer, Resource, Result, admin::counter_floor};
+use crate::issuer::fencing_name;
+use crate::issuer::redis::FloorSource;
+use crate::{Error, RedisIssuer, Resource, Result, admin::counter_floor};
 
 /// A database's high-water marks as an issuer's [`FloorSource`].
 #[derive(Clone, Debug)]
@@ -28,7 +29,7 @@ impl FloorSource for PgFloor {
     }
 }
 
-impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisIssuer<C> {
     /// Makes counter loss recover by itself: when an acquire finds the counter missing (a new
     /// resource, or a Redis that restarted or failed over without its data), the issuer reads
     /// the resource's high-water mark from this database and, if it is not below the new
@@ -37,7 +38,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     ///
     /// The high-water mark is the one [`crate::Fence::check`] maintains. Jobs that only write
     /// rows through a [`crate::Repository`] leave it at 0; for them, recover with
-    /// [`Issuer::recover_from`] on the first rejected write (or `pgfence reseed --floor`).
+    /// [`RedisIssuer::recover_from`] on the first rejected write (or `pgfence reseed --floor`).
     #[must_use]
     pub fn with_floor_source(mut self, pool: PgPool) -> Self {
         self.floor_source = Some(Arc::new(PgFloor(pool)));

@@ -129,7 +129,7 @@ impl Resource {
     /// [`Error::InvalidKeyPrefix`] for an invalid prefix; [`Error::InvalidResource`] when the
     /// name would be longer than [`MAX_RESOURCE_LEN`], or `self` is another prefix's name.
     pub fn in_key_prefix(&self, prefix: &str) -> Result<Self> {
-        let prefix = crate::issuer::check_key_prefix(prefix)?;
+        let prefix = crate::issuer::limits::check_key_prefix(prefix)?;
         if let Some(own) = self.key_prefix() {
             if own == prefix {
                 return Ok(self.clone());

@@ -6,7 +6,7 @@ use sqlx::PgPool;
 
 use super::keys::check_key_prefix;
 use super::token_issuer::{IssuerKind, TokenIssuer};
-use super::{Issuer, PgIssuer};
+use super::{PgIssuer, RedisIssuer};
 #[cfg(any(doc, not(feature = "etcd"), not(feature = "zk")))]
 use crate::Error;
 use crate::Result;
@@ -27,7 +27,7 @@ impl IssuerOptions {
         Self::default()
     }
 
-    /// The key prefix ([`Issuer::with_key_prefix`]; for etcd, keys become
+    /// The key prefix ([`RedisIssuer::with_key_prefix`]; for etcd, keys become
     /// `PREFIX/lock/R`; for ZooKeeper, nodes `/PREFIX/lock/R/...`). Checked when connecting.
     #[must_use]
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
@@ -35,7 +35,7 @@ impl IssuerOptions {
         self
     }
 
-    /// Recover a lost Redis counter from this database ([`Issuer::with_floor_source`]).
+    /// Recover a lost Redis counter from this database ([`RedisIssuer::with_floor_source`]).
     /// Ignored by etcd, ZooKeeper and PostgreSQL, whose counters never go backwards.
     #[must_use]
     pub fn floor_source(mut self, pool: PgPool) -> Self {
@@ -44,7 +44,7 @@ impl IssuerOptions {
     }
 
     /// The bound of every call of the issuer, re-sends included (each issuer's
-    /// `with_call_timeout`, such as [`Issuer::with_call_timeout`]; `docs/issuers.md`, "Time
+    /// `with_call_timeout`, such as [`RedisIssuer::with_call_timeout`]; `docs/issuers.md`, "Time
     /// bounds").
     #[must_use]
     pub fn call_timeout(mut self, bound: std::time::Duration) -> Self {
@@ -64,10 +64,10 @@ pub async fn connect_issuer(url: &str) -> Result<Arc<dyn TokenIssuer>> {
 /// Connects the issuer `url` names, chosen by its scheme:
 ///
 /// * `redis://`, `rediss://` (TLS, feature `tls`), `redis+unix://`, `unix://`: the Redis
-///   [`Issuer`] ([`Issuer::connect`]);
+///   [`RedisIssuer`] ([`RedisIssuer::connect`]);
 /// * `redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db]`, or
 ///   `rediss+sentinel://...` over TLS (feature `tls`): the Redis issuer through Redis Sentinel
-///   ([`Issuer::connect_sentinel`]);
+///   ([`RedisIssuer::connect_sentinel`]);
 /// * `etcd://host:port[,host:port...]`, or `etcd+https://...` over TLS (features `etcd` and
 ///   `tls`): the etcd issuer;
 /// * `zk://host:port[,host:port...][?session_timeout_ms=N]`: the ZooKeeper issuer (feature
@@ -77,7 +77,7 @@ pub async fn connect_issuer(url: &str) -> Result<Arc<dyn TokenIssuer>> {
 ///   migrations.
 ///
 /// The TLS URLs take the query parameters `cacert=PATH`, `cert=PATH` and `key=PATH` (see
-/// [`Issuer::connect`]).
+/// [`RedisIssuer::connect`]).
 ///
 /// # Errors
 /// [`Error::IssuerNotBuilt`] for `etcd://` or `zk://` without the feature, and for a TLS
@@ -95,10 +95,10 @@ pub async fn connect_issuer_with(
     }
     let prefix = options.key_prefix.as_deref();
     match IssuerKind::of_url(url)? {
-        IssuerKind::Redis if super::is_sentinel_url(url) => {
-            redis_with(Issuer::connect_sentinel(url).await?, options)
+        IssuerKind::Redis if super::redis::is_sentinel_url(url) => {
+            redis_with(RedisIssuer::connect_sentinel(url).await?, options)
         }
-        IssuerKind::Redis => redis_with(Issuer::connect(url).await?, options),
+        IssuerKind::Redis => redis_with(RedisIssuer::connect(url).await?, options),
         #[cfg(feature = "etcd")]
         IssuerKind::Etcd => {
             let issuer = super::EtcdIssuer::connect(url).await?;
@@ -157,7 +157,7 @@ fn prefixed<I>(issuer: I, prefix: Option<&str>, with: fn(I, &str) -> Result<I>) 
 }
 
 /// A Redis issuer (standalone or through Sentinel) with `options`' prefix and floor source.
-fn redis_with<C>(issuer: Issuer<C>, options: IssuerOptions) -> Result<Arc<dyn TokenIssuer>>
+fn redis_with<C>(issuer: RedisIssuer<C>, options: IssuerOptions) -> Result<Arc<dyn TokenIssuer>>
 where
     C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
 {
@@ -259,7 +259,9 @@ mod tests {
             "redis://127.0.0.1:x".to_owned(),
             "redis://127.0.0.1:2".into(),
         ];
-        let err = crate::Issuer::connect_cluster(&nodes).await.unwrap_err();
+        let err = crate::RedisIssuer::connect_cluster(&nodes)
+            .await
+            .unwrap_err();
         assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err:?}");
         // With TLS certificates too: the URL is checked before them (this PEM decodes but is
         // no certificate, so building a client with it would fail on its own).
@@ -280,7 +282,9 @@ mod tests {
                 format!("rediss://127.0.0.1:x?cacert={ca}"),
                 "rediss://127.0.0.1:2".into(),
             ];
-            let err = crate::Issuer::connect_cluster(&nodes).await.unwrap_err();
+            let err = crate::RedisIssuer::connect_cluster(&nodes)
+                .await
+                .unwrap_err();
             assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err:?}");
             std::fs::remove_file(&pem).unwrap();
         }

@@ -13,6 +13,7 @@ use tokio::time::Instant;
 
 use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
 use super::lease::check_ttl;
+use super::methods::issuer_methods;
 use super::policy::{self, Ask, Attempt, Backend, DEFAULT_CALL_TIMEOUT, PATIENT, Renewal, Resend};
 use super::token_issuer::IssuerKind;
 use super::url::host_list;
@@ -21,11 +22,11 @@ use crate::tls::{TlsParams, has_scheme};
 use crate::{Error, FenceToken, Resource, Result, token::MAX_TOKEN};
 
 /// The URL scheme that selects the etcd issuer: `etcd://host:2379[,host2:2379...]`.
-pub const ETCD_SCHEME: &str = "etcd://";
+pub const SCHEME: &str = "etcd://";
 
 /// The URL scheme that selects the etcd issuer over TLS (feature `tls`):
 /// `etcd+https://host:2379[,host2:2379...][?cacert=PATH&cert=PATH&key=PATH]`.
-pub const ETCD_TLS_SCHEME: &str = "etcd+https://";
+pub const TLS_SCHEME: &str = "etcd+https://";
 
 /// The port used when an `etcd://` URL names a host without one.
 const DEFAULT_PORT: u16 = 2379;
@@ -34,7 +35,7 @@ const DEFAULT_PORT: u16 = 2379;
 /// (the resource name as is, `{domain}` prefix included). [`EtcdIssuer::lock_key`] gives an
 /// issuer's key, whatever its prefix.
 #[must_use]
-pub fn etcd_lock_key(resource: &Resource) -> String {
+pub fn lock_key(resource: &Resource) -> String {
     prefixed_key(DEFAULT_KEY_PREFIX, resource)
 }
 
@@ -42,20 +43,13 @@ fn prefixed_key(prefix: &str, resource: &Resource) -> String {
     format!("{prefix}/lock/{resource}")
 }
 
-/// Whether `url` selects the etcd issuer (`etcd://...`, or `etcd+https://...` over TLS).
-#[must_use]
-pub fn is_etcd_url(url: &str) -> bool {
-    has_scheme(url, ETCD_SCHEME) || has_scheme(url, ETCD_TLS_SCHEME)
-}
-
 /// Issues leases and fence tokens from an etcd cluster (v3 API; etcd 3.4 or newer; feature
 /// `etcd`).
 ///
 /// The same methods and [`Lease`] / [`ReleaseOutcome`] / [`LeaseState`] / [`LockStatus`] as
-/// the Redis
-/// [`Issuer`](crate::Issuer), so a lease from either is fenced the same way by Postgres. The
-/// token is the etcd revision that created the lock key: strictly increasing across the whole
-/// cluster and across leader failovers, at most [`MAX_TOKEN`](crate::token::MAX_TOKEN) (an acquire
+/// [`RedisIssuer`](crate::RedisIssuer), so a lease from either is fenced the same way by
+/// Postgres. The token is the etcd revision that created the lock key: strictly increasing
+/// across the whole cluster and across leader failovers, at most [`MAX_TOKEN`] (an acquire
 /// that would exceed it fails with [`Error::InvalidToken`] and leaves no lock behind).
 /// Cloning is cheap; clones share the connections. It implements
 /// [`TokenIssuer`](crate::TokenIssuer), where [`raise_floor`](crate::TokenIssuer::raise_floor)
@@ -88,7 +82,7 @@ pub fn is_etcd_url(url: &str) -> bool {
 ///
 /// # Layout
 ///
-/// The lock of resource `R` is the key `pgfence/lock/R` ([`etcd_lock_key`];
+/// The lock of resource `R` is the key `pgfence/lock/R` ([`lock_key`];
 /// `PREFIX/lock/R` with [`EtcdIssuer::with_key_prefix`]); its value is the
 /// owner id and it is attached to an etcd lease granted for the lock's TTL. A lease's token is
 /// the key's `create_revision`. Taking the lock is one transaction:
@@ -205,7 +199,7 @@ impl EtcdIssuer {
     /// counter of the cluster).
     ///
     /// # Errors
-    /// [`Error::InvalidKeyPrefix`], as for [`Issuer::with_key_prefix`](crate::Issuer::with_key_prefix).
+    /// [`Error::InvalidKeyPrefix`], as for [`RedisIssuer::with_key_prefix`](crate::RedisIssuer::with_key_prefix).
     pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
         self.prefix = check_key_prefix(prefix)?.into();
         Ok(self)
@@ -217,7 +211,7 @@ impl EtcdIssuer {
         &self.prefix
     }
 
-    /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`](crate::issuer::DEFAULT_CALL_TIMEOUT),
+    /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`],
     /// 5 s, by default): an acquire, release, extend or status read returns within `bound`,
     /// its re-sends included, or fails with an [`Error::Etcd`] timeout ([retryable](Error::is_retryable): the
     /// outcome is unknown). Each request also has the client's own 5 s timeout. The first
@@ -252,35 +246,6 @@ impl EtcdIssuer {
     #[must_use]
     pub fn client(&self) -> &Client {
         &self.client
-    }
-
-    /// Tries once to take `resource`'s lock for `ttl` (rounded up to whole seconds on the
-    /// server). `Ok(None)` when another owner holds it.
-    ///
-    /// # Errors
-    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::issuer::MIN_TTL)`..=`
-    /// [`MAX_TTL`](crate::issuer::MAX_TTL) (nothing is sent); [`Error::Etcd`] when etcd fails after
-    /// retries; [`Error::InvalidToken`] when the cluster's revision reached
-    /// [`MAX_TOKEN`](crate::token::MAX_TOKEN) (refused before anything is written).
-    pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
-        policy::acquire(self, resource, ttl).await
-    }
-
-    /// Like [`EtcdIssuer::acquire`] with a caller-chosen owner id. Re-running it with the same
-    /// owner while the lease is held returns the same token and renews the lock for `ttl` (the
-    /// idempotent retry after a lost reply). Returns `Err(retry_in)` when another owner holds
-    /// the lock: the holder's remaining lease TTL as etcd reports it (whole seconds).
-    ///
-    /// # Errors
-    /// As [`EtcdIssuer::acquire`]; [`Error::InvalidOwner`] for an empty owner id or one
-    /// containing `:`.
-    pub async fn acquire_as(
-        &self,
-        resource: &Resource,
-        owner: &str,
-        ttl: Duration,
-    ) -> Result<std::result::Result<Lease, Duration>> {
-        policy::acquire_as(self, resource, owner, ttl).await
     }
 
     /// One attempt: a read, and a lease grant and a transaction when the lock is free.
@@ -369,63 +334,6 @@ impl EtcdIssuer {
         )
     }
 
-    /// Waits up to `wait` for the lock, retrying with jittered exponential backoff (10 ms
-    /// doubling to 500 ms, never sleeping past the holder's remaining TTL as etcd reports it).
-    /// `Ok(None)` when the wait ran out.
-    ///
-    /// # Errors
-    /// As [`EtcdIssuer::acquire`].
-    pub async fn acquire_wait(
-        &self,
-        resource: &Resource,
-        ttl: Duration,
-        wait: Duration,
-    ) -> Result<Option<Lease>> {
-        policy::acquire_wait(self, resource, ttl, wait).await
-    }
-
-    /// Releases the lock if `lease` still holds it (same owner and token), and revokes its
-    /// etcd lease.
-    ///
-    /// A release lost in transit (a lost connection, no leader, a timeout) is sent again
-    /// within the call bound: releasing is owner-safe. When a re-sent release finds the lock gone before
-    /// the lease's local deadline, the lock cannot have expired, so an earlier attempt
-    /// released it: that is reported as [`ReleaseOutcome::Released`] (as the Redis issuer
-    /// does).
-    ///
-    /// # Errors
-    /// [`Error::Etcd`].
-    pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
-        policy::release(self, lease).await
-    }
-
-    /// Extends the lock to `ttl` from now (rounded up to whole seconds on the server) if
-    /// `lease` still holds it, and moves the lease's local deadline accordingly.
-    ///
-    /// With the TTL the lease was granted with ([`Lease::ttl`]) this is one keep-alive of the
-    /// etcd lease; with another TTL the key moves to a new etcd lease of that TTL (its
-    /// `create_revision`, the token, stays).
-    ///
-    /// # Errors
-    /// [`Error::InvalidDuration`]; [`Error::Etcd`].
-    pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
-        policy::extend(self, lease, ttl).await
-    }
-
-    /// [`EtcdIssuer::extend`], re-sending after transport failures only until `until` (what
-    /// [`KeepAlive`](crate::issuer::KeepAlive) uses, with the lease's local deadline).
-    ///
-    /// # Errors
-    /// As [`EtcdIssuer::extend`].
-    pub async fn extend_until(
-        &self,
-        lease: &mut Lease,
-        ttl: Duration,
-        until: Instant,
-    ) -> Result<LeaseState> {
-        policy::extend_until(self, lease, ttl, until).await
-    }
-
     /// Renews a lock `lease` holds (`held` is its key as just read): one keep-alive when the
     /// etcd lease already has this TTL (`keep`), else a move to a new etcd lease.
     async fn renew(
@@ -488,22 +396,6 @@ impl EtcdIssuer {
         }
     }
 
-    /// Reads `resource`'s lock. `counter` is the cluster's current revision: every token
-    /// issued so far is at most this, and the next one will be above it. `ttl_ms` has etcd's
-    /// resolution, whole seconds. A read lost in transit is sent again within the call bound.
-    ///
-    /// # Errors
-    /// [`Error::Etcd`].
-    pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
-        policy::status(self, resource).await
-    }
-
-    /// Keeps `lease` alive in the background; see [`KeepAlive`](crate::issuer::KeepAlive).
-    #[must_use]
-    pub fn keep_alive(&self, lease: &Lease) -> crate::issuer::KeepAlive {
-        crate::issuer::KeepAlive::spawn(std::sync::Arc::new(self.clone()), lease.clone())
-    }
-
     async fn get(&self, key: &str) -> Result<Option<KeyValue>> {
         let reply = self.client.kv_client().get(key, None).await?;
         Ok(reply.kvs().first().cloned())
@@ -543,6 +435,34 @@ impl EtcdIssuer {
     async fn revoke(&self, id: i64) {
         if let Err(e) = self.client.lease_client().revoke(id).await {
             tracing::debug!(target: "pgfence::issuer", lease = id, error = %e, "etcd lease revoke failed; it will expire");
+        }
+    }
+}
+
+issuer_methods! {
+    impl[] EtcdIssuer {
+        error: "[`Error::Etcd`]",
+        acquire: {
+            /// The TTL is rounded up to whole seconds on the server (see the type's docs, "TTLs").
+        }
+        acquire_as: {
+            /// `retry_in` is the holder's remaining lease TTL as etcd reports it (whole seconds).
+        }
+        acquire_wait: {}
+        release: {
+            /// Its etcd lease is revoked too.
+        }
+        extend: {
+            ///
+            /// The TTL is rounded up to whole seconds on the server. With the TTL the lease was
+            /// granted with ([`Lease::ttl`]) this is one keep-alive of the etcd lease; with
+            /// another TTL the key moves to a new etcd lease of that TTL (its
+            /// `create_revision`, the token, stays).
+        }
+        status: {
+            /// `counter` is the cluster's current revision: every token issued so far is at most
+            /// this, and the next one will be above it. `ttl_ms` has etcd's resolution, whole
+            /// seconds.
         }
     }
 }
@@ -721,10 +641,10 @@ fn parse_url(url: &str) -> Result<EtcdUrl> {
             "etcd URL: {why} (expected etcd://host:port[,host:port...] or etcd+https://host:port[,host:port...][?cacert=PATH&cert=PATH&key=PATH])"
         ))
     };
-    let (scheme_len, tls) = if has_scheme(url, ETCD_SCHEME) {
-        (ETCD_SCHEME.len(), false)
-    } else if has_scheme(url, ETCD_TLS_SCHEME) {
-        (ETCD_TLS_SCHEME.len(), true)
+    let (scheme_len, tls) = if has_scheme(url, SCHEME) {
+        (SCHEME.len(), false)
+    } else if has_scheme(url, TLS_SCHEME) {
+        (TLS_SCHEME.len(), true)
     } else {
         return Err(invalid("not an etcd:// or etcd+https:// URL"));
     };
@@ -779,7 +699,7 @@ fn with_tls(options: ConnectOptions, params: &TlsParams) -> Result<ConnectOption
 /// Without the `tls` feature: [`Error::IssuerNotBuilt`].
 #[cfg(not(feature = "tls"))]
 fn with_tls(_options: ConnectOptions, _params: &TlsParams) -> Result<ConnectOptions> {
-    Err(crate::tls::not_built(ETCD_TLS_SCHEME))
+    Err(crate::tls::not_built(TLS_SCHEME))
 }
 
 /// Whether an etcd error is transient: the connection, a missing or changing leader, a
@@ -857,8 +777,18 @@ mod tests {
         ] {
             assert!(parse_url(bad).is_err(), "{bad}");
         }
-        assert!(is_etcd_url("etcd://h") && !is_etcd_url("redis://h") && !is_etcd_url("etc"));
-        assert!(is_etcd_url("ETCD+HTTPS://h"));
+        for (url, etcd) in [
+            ("etcd://h", true),
+            ("ETCD+HTTPS://h", true),
+            ("redis://h", false),
+        ] {
+            assert_eq!(
+                IssuerKind::of_url(url).unwrap() == IssuerKind::Etcd,
+                etcd,
+                "{url}"
+            );
+        }
+        assert!(IssuerKind::of_url("etc").is_err());
     }
 
     #[test]
@@ -893,6 +823,6 @@ mod tests {
     #[test]
     fn keys_keep_the_resource_name() {
         let r = Resource::in_domain("billing", "account:2").unwrap();
-        assert_eq!(etcd_lock_key(&r), "pgfence/lock/{billing}account:2");
+        assert_eq!(lock_key(&r), "pgfence/lock/{billing}account:2");
     }
 }

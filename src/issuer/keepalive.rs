@@ -51,12 +51,12 @@ enum State {
 /// backoff, until the lease's local deadline. The lease is reported lost only when Redis
 /// answers that it expired or was taken, or when the deadline passes with no renewal.
 ///
-/// Works with any [`TokenIssuer`]: [`Issuer::keep_alive`](crate::Issuer::keep_alive),
+/// Works with any [`TokenIssuer`]: [`RedisIssuer::keep_alive`](crate::RedisIssuer::keep_alive),
 /// [`KeepAlive::spawn`] with an `Arc<dyn TokenIssuer>` (an issuer chosen at run time by
 /// [`connect_issuer`](crate::connect_issuer)), or with an `Arc` of a concrete issuer.
 ///
 /// ```no_run
-/// # async fn f(issuer: pgfence::Issuer, lease: pgfence::Lease) {
+/// # async fn f(issuer: pgfence::RedisIssuer, lease: pgfence::Lease) {
 /// let mut keep = issuer.keep_alive(&lease);
 /// tokio::select! {
 ///     lost = keep.lost() => eprintln!("lease lost: {lost}; writes will be fenced"),

@@ -2,13 +2,13 @@
 //! name PostgreSQL fences a lease under for a prefix.
 
 #[cfg(doc)]
-use crate::Issuer;
+use crate::RedisIssuer;
 use crate::{Error, Resource, Result};
 
 /// The default key prefix: keys are `pgfence:{R}:lock` and `pgfence:{R}:fence`.
 pub const DEFAULT_KEY_PREFIX: &str = "pgfence";
 
-/// The longest key prefix accepted ([`Issuer::with_key_prefix`]).
+/// The longest key prefix accepted ([`RedisIssuer::with_key_prefix`]).
 pub const MAX_KEY_PREFIX_LEN: usize = 64;
 
 /// Checks a key prefix: non-empty, at most [`MAX_KEY_PREFIX_LEN`] bytes, and free of braces

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 use super::keys::fencing_name;
 use crate::{Error, FenceToken, Fencing, Resource, Result};
 #[cfg(doc)]
-use crate::{Issuer, TokenIssuer};
+use crate::{RedisIssuer, TokenIssuer};
 
 /// Shortest lease accepted.
 pub const MIN_TTL: Duration = Duration::from_millis(10);
@@ -34,9 +34,8 @@ pub(super) fn ttl_millis(ttl: Duration) -> Result<u64> {
         .map_err(|_| Error::InvalidDuration(format!("{ttl:?}")))
 }
 
-/// A new unguessable owner id: 128 random bits from the OS-seeded CSPRNG, as hex.
-#[must_use]
-pub fn new_owner_id() -> String {
+/// A new unguessable owner id ([`Lease::new_owner_id`]).
+pub(super) fn new_owner_id() -> String {
     format!("{:032x}", rand::random::<u128>())
 }
 
@@ -79,6 +78,14 @@ impl PartialEq for Lease {
 impl Eq for Lease {}
 
 impl Lease {
+    /// A new unguessable owner id, for [`TokenIssuer::acquire_as`] (an acquire that can be
+    /// re-sent after a lost reply with the same id): 128 random bits from the OS-seeded CSPRNG,
+    /// as 32 hex digits.
+    #[must_use]
+    pub fn new_owner_id() -> String {
+        new_owner_id()
+    }
+
     /// The locked resource.
     #[must_use]
     pub fn resource(&self) -> &Resource {
@@ -162,7 +169,7 @@ impl Lease {
 
     /// Rebuilds a lease handle from what another process printed (`pgfence lock acquire`),
     /// to release or extend that lock from here. The local deadline is unknown, so it is set
-    /// to now: [`Lease::remaining`] is zero until a successful [`Issuer::extend`].
+    /// to now: [`Lease::remaining`] is zero until a successful [`RedisIssuer::extend`].
     ///
     /// The lease is fenced as one of the default key prefix; [`Lease::with_key_prefix`] puts
     /// it under another.
@@ -234,7 +241,7 @@ impl From<Lease> for Fencing {
     }
 }
 
-/// What [`Issuer::extend`] (and [`TokenIssuer::extend`]) found: whether the lease still
+/// What [`RedisIssuer::extend`] (and [`TokenIssuer::extend`]) found: whether the lease still
 /// holds the lock after the call.
 ///
 /// `Held` means what it says here: the lease still holds the lock, now extended. Releasing
@@ -249,7 +256,7 @@ pub enum LeaseState {
     Taken,
 }
 
-/// What [`Issuer::release`] (and [`TokenIssuer::release`]) did.
+/// What [`RedisIssuer::release`] (and [`TokenIssuer::release`]) did.
 ///
 /// Only [`ReleaseOutcome::Released`] means this call (or an earlier attempt of it lost in
 /// transit) freed the lock. The other two are not errors: the lease had already ended, and

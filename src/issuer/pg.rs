@@ -13,21 +13,22 @@ use tokio::time::Instant;
 
 use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
 use super::lease::{check_owner, ttl_millis};
+use super::methods::issuer_methods;
 use super::policy::{
-    self, Ask, Attempt, Backend, DEFAULT_CALL_TIMEOUT, PATIENT, Renewal, Resend, limit_refused,
+    Ask, Attempt, Backend, DEFAULT_CALL_TIMEOUT, PATIENT, Renewal, Resend, limit_refused,
 };
 use super::token_issuer::IssuerKind;
-use super::{KeepAlive, Lease, LeaseState, LockStatus, ReleaseOutcome};
+use super::{Lease, LeaseState, LockStatus, ReleaseOutcome};
 use crate::ident::quote_literal;
 use crate::{Error, FenceToken, Resource, Result};
 
 /// The URL schemes that select the PostgreSQL issuer in
 /// [`connect_issuer`](crate::connect_issuer): `postgres://` and `postgresql://`.
-pub const POSTGRES_SCHEMES: [&str; 2] = ["postgres://", "postgresql://"];
+pub(crate) const POSTGRES_SCHEMES: [&str; 2] = ["postgres://", "postgresql://"];
 
 /// Whether `url` names the PostgreSQL issuer (`postgres://` or `postgresql://`, any case).
 #[must_use]
-pub fn is_postgres_url(url: &str) -> bool {
+pub(crate) fn is_postgres_url(url: &str) -> bool {
     let head = url.get(..13).unwrap_or(url).to_ascii_lowercase();
     POSTGRES_SCHEMES.iter().any(|s| head.starts_with(s))
 }
@@ -199,95 +200,6 @@ impl PgIssuer {
         &self.pool
     }
 
-    /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds it.
-    ///
-    /// # Errors
-    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::issuer::MIN_TTL)`..=`[`MAX_TTL`](crate::issuer::MAX_TTL)
-    /// (nothing is sent); [`Error::InvalidToken`] when the counter would pass
-    /// [`MAX_TOKEN`](crate::token::MAX_TOKEN) (nothing changes); [`Error::Database`].
-    pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
-        policy::acquire(self, resource, ttl).await
-    }
-
-    /// Like [`PgIssuer::acquire`] with a caller-chosen owner id. Re-running it with the same
-    /// owner while the lease is held returns the same token and renews the TTL (the
-    /// idempotent retry after a lost reply). `Err(retry_in)` (the holder's remaining TTL by the
-    /// database's clock) when another owner holds the lock.
-    ///
-    /// # Errors
-    /// As [`PgIssuer::acquire`]; [`Error::InvalidOwner`] for an empty owner id, one containing
-    /// `:` or a NUL byte, or one longer than 256 bytes.
-    pub async fn acquire_as(
-        &self,
-        resource: &Resource,
-        owner: &str,
-        ttl: Duration,
-    ) -> Result<std::result::Result<Lease, Duration>> {
-        policy::acquire_as(self, resource, owner, ttl).await
-    }
-
-    /// Waits up to `wait` for the lock (see the type's docs, "Waiting"), also through
-    /// retryable errors such as a database restart. `Ok(None)` when the wait ran out.
-    ///
-    /// # Errors
-    /// As [`PgIssuer::acquire`].
-    pub async fn acquire_wait(
-        &self,
-        resource: &Resource,
-        ttl: Duration,
-        wait: Duration,
-    ) -> Result<Option<Lease>> {
-        policy::acquire_wait(self, resource, ttl, wait).await
-    }
-
-    /// Releases the lock if `lease` (owner and token) still holds it. The counter is left
-    /// alone. A release lost in transit is sent again within the call bound; when a re-sent release
-    /// finds the lock gone before the lease's local deadline, an earlier attempt released it.
-    ///
-    /// # Errors
-    /// [`Error::Database`].
-    pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
-        policy::release(self, lease).await
-    }
-
-    /// Extends the lock to `ttl` from now (the database's now) if `lease` still holds it, and
-    /// moves the lease's local deadline accordingly. Re-sent after transport errors within the
-    /// call bound.
-    ///
-    /// # Errors
-    /// [`Error::InvalidDuration`]; [`Error::Database`].
-    pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
-        policy::extend(self, lease, ttl).await
-    }
-
-    /// [`PgIssuer::extend`], re-sending after transport failures until `until` (what
-    /// [`KeepAlive`] uses).
-    ///
-    /// # Errors
-    /// As [`PgIssuer::extend`].
-    pub async fn extend_until(
-        &self,
-        lease: &mut Lease,
-        ttl: Duration,
-        until: Instant,
-    ) -> Result<LeaseState> {
-        policy::extend_until(self, lease, ttl, until).await
-    }
-
-    /// Reads `resource`'s lock (a lapsed one reads as free) and counter.
-    ///
-    /// # Errors
-    /// [`Error::Database`].
-    pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
-        policy::status(self, resource).await
-    }
-
-    /// Keeps `lease` alive in the background; see [`KeepAlive`].
-    #[must_use]
-    pub fn keep_alive(&self, lease: &Lease) -> KeepAlive {
-        KeepAlive::spawn(Arc::new(self.clone()), lease.clone())
-    }
-
     fn prefix_literal(&self) -> Result<String> {
         quote_literal(&self.prefix)
             .map_err(|_| Error::InvalidKeyPrefix("contains a NUL byte".into()))
@@ -322,6 +234,28 @@ impl PgIssuer {
     async fn code(&self, sql: &str) -> Result<i64> {
         let code: i32 = self.one_row(sql).await?.try_get("code")?;
         Ok(i64::from(code))
+    }
+}
+
+issuer_methods! {
+    impl[] PgIssuer {
+        error: "[`Error::Database`]",
+        acquire: {}
+        acquire_as: {
+            /// `retry_in` is the holder's remaining TTL by the database's clock. Owner ids are at
+            /// most 256 bytes here, without NUL bytes ([`Error::InvalidOwner`] otherwise).
+        }
+        acquire_wait: {
+            ///
+            /// See the type's docs, "Waiting".
+        }
+        release: {
+            /// The counter is left alone.
+        }
+        extend: {
+            /// "Now" is the database's.
+        }
+        status: {}
     }
 }
 

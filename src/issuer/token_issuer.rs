@@ -12,7 +12,7 @@ use super::url::{EXPECTED_SCHEMES, scheme};
 use super::{Lease, LeaseState, LockStatus, ReleaseOutcome};
 use crate::{Error, Resource, Result};
 #[cfg(doc)]
-use crate::{Issuer, connect_issuer, issuer::KeepAlive};
+use crate::{RedisIssuer, connect_issuer, issuer::KeepAlive};
 
 /// A boxed, `Send` future borrowing from `'a`: what [`TokenIssuer`]'s methods return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -21,7 +21,7 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum IssuerKind {
-    /// The Redis [`Issuer`] (standalone, cluster or sentinel): a per-resource counter that a
+    /// The [`RedisIssuer`] (standalone, cluster or sentinel): a per-resource counter that a
     /// failover or restart can send backwards; [`TokenIssuer::raise_floor`] reseeds it.
     Redis,
     /// The etcd issuer (`EtcdIssuer`, feature `etcd`): tokens are cluster revisions, which
@@ -105,7 +105,7 @@ impl std::fmt::Display for IssuerKind {
 /// them owner-safely, report a lock's state, and (where the counter can go backwards) raise
 /// the counter after a failover.
 ///
-/// Implemented by the Redis [`Issuer`] (any connection type), by [`PgIssuer`](crate::issuer::PgIssuer), by `EtcdIssuer` (feature
+/// Implemented by [`RedisIssuer`] (any connection type), by [`PgIssuer`](crate::issuer::PgIssuer), by `EtcdIssuer` (feature
 /// `etcd`) and by `ZkIssuer` (feature `zk`). The methods have the same names and meaning as the issuers' own methods, which
 /// stay callable directly; this trait is for code that picks the issuer at run time
 /// ([`connect_issuer`]) or must work with either ([`KeepAlive`](crate::issuer::KeepAlive)).
@@ -119,7 +119,7 @@ impl std::fmt::Display for IssuerKind {
 /// the issuer and every issuer combination monomorphised. The methods therefore return
 /// [`BoxFuture`]s (`Pin<Box<dyn Future + Send>>`): one allocation per call, noise next to a
 /// network round trip. Code that knows its issuer's type statically can keep calling the
-/// concrete methods ([`Issuer::acquire`] etc.), which are plain `async fn`s.
+/// concrete methods ([`RedisIssuer::acquire`] etc.), which are plain `async fn`s.
 ///
 /// # Differences between issuers
 ///
@@ -154,7 +154,7 @@ pub trait TokenIssuer: Send + Sync + std::fmt::Debug + 'static {
     fn kind(&self) -> IssuerKind;
 
     /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds
-    /// it. See [`Issuer::acquire`].
+    /// it. See [`RedisIssuer::acquire`].
     fn acquire<'a>(
         &'a self,
         resource: &'a Resource,
@@ -162,7 +162,7 @@ pub trait TokenIssuer: Send + Sync + std::fmt::Debug + 'static {
     ) -> BoxFuture<'a, Result<Option<Lease>>>;
 
     /// Like [`TokenIssuer::acquire`] with a caller-chosen owner id (an idempotent retry);
-    /// `Err(retry_in)` when another owner holds the lock. See [`Issuer::acquire_as`].
+    /// `Err(retry_in)` when another owner holds the lock. See [`RedisIssuer::acquire_as`].
     fn acquire_as<'a>(
         &'a self,
         resource: &'a Resource,
@@ -171,7 +171,7 @@ pub trait TokenIssuer: Send + Sync + std::fmt::Debug + 'static {
     ) -> BoxFuture<'a, Result<std::result::Result<Lease, Duration>>>;
 
     /// Waits up to `wait` for the lock; `Ok(None)` when the wait ran out. See
-    /// [`Issuer::acquire_wait`].
+    /// [`RedisIssuer::acquire_wait`].
     fn acquire_wait<'a>(
         &'a self,
         resource: &'a Resource,
@@ -179,12 +179,12 @@ pub trait TokenIssuer: Send + Sync + std::fmt::Debug + 'static {
         wait: Duration,
     ) -> BoxFuture<'a, Result<Option<Lease>>>;
 
-    /// Releases the lock if `lease` still holds it. See [`Issuer::release`] and
+    /// Releases the lock if `lease` still holds it. See [`RedisIssuer::release`] and
     /// [`ReleaseOutcome`].
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<ReleaseOutcome>>;
 
     /// Extends the lock to `ttl` from now if `lease` still holds it; [`LeaseState::Held`]
-    /// means it still holds the lock, extended. See [`Issuer::extend`].
+    /// means it still holds the lock, extended. See [`RedisIssuer::extend`].
     fn extend<'a>(
         &'a self,
         lease: &'a mut Lease,
@@ -209,16 +209,16 @@ pub trait TokenIssuer: Send + Sync + std::fmt::Debug + 'static {
 
     /// Raises `resource`'s counter to at least `floor` and returns it afterwards. For etcd a
     /// no-op that returns the current revision (revisions never go backwards). See
-    /// [`Issuer::raise_floor`].
+    /// [`RedisIssuer::raise_floor`].
     fn raise_floor<'a>(&'a self, resource: &'a Resource, floor: i64) -> BoxFuture<'a, Result<i64>>;
 
     /// Recovery from a rejected write: raises the counter past the token the write met;
-    /// whether it was raised. For etcd always `Ok(false)`. See [`Issuer::recover_from`].
+    /// whether it was raised. For etcd always `Ok(false)`. See [`RedisIssuer::recover_from`].
     fn recover_from<'a>(&'a self, err: &'a Error) -> BoxFuture<'a, Result<bool>>;
 
     /// Raises `resource`'s counter to the high-water mark Postgres recorded for it (under
     /// this issuer's key prefix: [`TokenIssuer::fencing_resource`]); the counter afterwards.
-    /// See [`Issuer::reseed`].
+    /// See [`RedisIssuer::reseed`].
     fn reseed<'a>(
         &'a self,
         pool: &'a PgPool,
@@ -230,7 +230,7 @@ pub trait TokenIssuer: Send + Sync + std::fmt::Debug + 'static {
         })
     }
 
-    /// The key prefix ([`Issuer::with_key_prefix`]; the default is
+    /// The key prefix ([`RedisIssuer::with_key_prefix`]; the default is
     /// [`DEFAULT_KEY_PREFIX`](crate::issuer::DEFAULT_KEY_PREFIX), which this default method returns).
     fn key_prefix(&self) -> &str {
         crate::issuer::DEFAULT_KEY_PREFIX

@@ -15,7 +15,7 @@ use std::time::Duration;
 use issuer_suite::{Cluster, Profile};
 use pgfence::{
     Resource, connect_issuer,
-    issuer::{EtcdIssuer, IssuerKind, ReleaseOutcome, etcd_lock_key},
+    issuer::{EtcdIssuer, IssuerKind, ReleaseOutcome, etcd},
 };
 use pgfence_testkit::{EtcdCluster, etcd_installed};
 use support::unique_resource;
@@ -154,7 +154,7 @@ async fn tokens_are_create_revisions_and_compare_across_resources() {
     let b = issuer.acquire(&two, 5 * SEC).await.unwrap().unwrap();
     assert!(b.token() > a.token(), "one cluster-wide revision");
 
-    let key = etcd_lock_key(&two);
+    let key = etcd::lock_key(&two);
     assert!(key.starts_with("pgfence/lock/{billing}account:"));
     let got = raw.get(key.as_str(), None).await.unwrap();
     let kv = &got.kvs()[0];
@@ -165,7 +165,7 @@ async fn tokens_are_create_revisions_and_compare_across_resources() {
     assert!((1..=5).contains(&ttl.ttl()), "{}", ttl.ttl());
 
     // An operator deletes A's lock and someone takes it: A is told so, and cannot free it.
-    raw.delete(etcd_lock_key(&one).as_str(), None)
+    raw.delete(etcd::lock_key(&one).as_str(), None)
         .await
         .unwrap();
     issuer_suite::deleted_lock_is_lost_to_its_holder(&issuer, &one, a, &b).await;

@@ -7,9 +7,9 @@ use crate::support;
 
 use std::time::Duration;
 
-use pgfence::issuer::{counter_key, lock_key};
+use pgfence::issuer::redis::{counter_key, lock_key};
 use pgfence::{
-    Error, Fence, Issuer, Resource,
+    Error, Fence, RedisIssuer, Resource,
     issuer::{LeaseLost, LeaseState, ReleaseOutcome},
 };
 use pgfence_testkit::{RedisCluster, Server};
@@ -55,7 +55,7 @@ issuer_suite::lease_tests!(REDIS, skip, issuer);
 /// shared by this binary's tests): the same backend behind the connections that follow the
 /// master.
 mod through_sentinel {
-    use pgfence::{Issuer, issuer::SentinelConnections};
+    use pgfence::{RedisIssuer, issuer::redis::SentinelConnections};
     use pgfence_testkit::{SentinelConfig, SentinelSet, sentinel_installed};
     use tokio::sync::OnceCell;
 
@@ -71,7 +71,7 @@ mod through_sentinel {
         )
     }
 
-    async fn issuer() -> Issuer<SentinelConnections> {
+    async fn issuer() -> RedisIssuer<SentinelConnections> {
         static SET: OnceCell<(String, Option<SentinelSet>)> = OnceCell::const_new();
         let url = issuer_suite::shared_url(&SET, "PGFENCE_SENTINEL_URL", async {
             let set = SentinelSet::start("pgfence-suite", SentinelConfig::default())
@@ -80,7 +80,7 @@ mod through_sentinel {
             (set.url(), set)
         })
         .await;
-        Issuer::connect_sentinel(&url)
+        RedisIssuer::connect_sentinel(&url)
             .await
             .expect("connect through the sentinels")
     }
@@ -158,8 +158,8 @@ async fn layout_domains_and_a_deleted_lock() {
 #[tokio::test]
 async fn key_prefixes_separate_locks_and_counters() {
     let url = redis_url().await;
-    let default = Issuer::connect(&url).await.unwrap();
-    let a = Issuer::connect(&url)
+    let default = RedisIssuer::connect(&url).await.unwrap();
+    let a = RedisIssuer::connect(&url)
         .await
         .unwrap()
         .with_key_prefix("app-a")
@@ -269,7 +269,7 @@ async fn restarted_redis_recovers_automatically_with_a_floor_source() {
     let db = TestDb::new().await;
     let fence = Fence::new(db.pool.clone());
     let mut server = Server::redis().await.unwrap();
-    let issuer = Issuer::connect(&server.url())
+    let issuer = RedisIssuer::connect(&server.url())
         .await
         .unwrap()
         .with_floor_source(db.pool.clone());
@@ -326,7 +326,7 @@ async fn restarted_redis_recovers_automatically_with_a_floor_source() {
 #[tokio::test]
 async fn keep_alive_outlives_several_ttls_and_reports_loss() {
     let server = Server::redis().await.unwrap();
-    let issuer = Issuer::connect(&server.url()).await.unwrap();
+    let issuer = RedisIssuer::connect(&server.url()).await.unwrap();
     let resource = unique_resource("keepalive");
     let lease = issuer
         .acquire(&resource, Duration::from_millis(600))
@@ -374,7 +374,7 @@ async fn keep_alive_reports_a_taken_lock() {
 async fn works_on_a_three_master_cluster() {
     let cluster = RedisCluster::start(3).await.unwrap();
     let db = TestDb::new().await;
-    let issuer = Issuer::connect_cluster(&cluster.urls()).await.unwrap();
+    let issuer = RedisIssuer::connect_cluster(&cluster.urls()).await.unwrap();
     let mut slots = std::collections::HashSet::new();
     for i in 0..20 {
         let resource = Resource::new(format!("cluster:{i}")).unwrap();
@@ -425,14 +425,14 @@ async fn works_on_a_three_master_cluster() {
     assert!(slots.len() > 10, "resources spread over the cluster");
 }
 
-/// `Issuer::connect_with` opens the connections it is asked for and spreads commands over them:
+/// `RedisIssuer::connect_with` opens the connections it is asked for and spreads commands over them:
 /// Redis (its own server, so no other test's clients are listed) sees three client
 /// connections whose last command was the issuer's script.
 #[tokio::test]
 async fn commands_are_spread_over_the_issuers_connections() {
     let server = Server::redis().await.expect("throwaway Redis");
     let url = server.url();
-    let issuer = Issuer::connect_with(&url, std::num::NonZeroUsize::new(3).unwrap())
+    let issuer = RedisIssuer::connect_with(&url, std::num::NonZeroUsize::new(3).unwrap())
         .await
         .unwrap();
     let res = unique_resource("spread");

@@ -350,7 +350,7 @@ pub async fn retried_acquire_by_the_same_owner_returns_the_same_token<I: TokenIs
     issuer: I,
 ) {
     let resource = unique_resource(&format!("{}-retry", p.name));
-    let owner = pgfence::issuer::new_owner_id();
+    let owner = pgfence::Lease::new_owner_id();
     let first = issuer
         .acquire_as(&resource, &owner, 5 * SEC)
         .await
@@ -368,7 +368,7 @@ pub async fn retried_acquire_by_the_same_owner_returns_the_same_token<I: TokenIs
         "no new token"
     );
     let other = issuer
-        .acquire_as(&resource, &pgfence::issuer::new_owner_id(), 5 * SEC)
+        .acquire_as(&resource, &pgfence::Lease::new_owner_id(), 5 * SEC)
         .await
         .unwrap();
     let retry_in = other.expect_err("another owner is refused");

@@ -1,6 +1,6 @@
 //! The issuers' production connections, through real servers: Redis over TLS (standalone with
 //! a CA file and with required client certificates, Redis Cluster, Sentinel), etcd over mutual
-//! TLS, and the minimal Redis ACL (`pgfence::issuer::redis_acl_rule`) running the issuer's whole
+//! TLS, and the minimal Redis ACL (`pgfence::issuer::redis::acl_rule`) running the issuer's whole
 //! surface, with a refused permission named in the error.
 //!
 //! Every server is a throwaway one (`pgfence_testkit`) with per-run certificates; every call
@@ -12,10 +12,10 @@ use std::future::Future;
 use std::time::Duration;
 
 use pgfence::{
-    Fence, Fencing, Issuer, Resource, TokenIssuer, connect_issuer,
+    Fence, Fencing, RedisIssuer, Resource, TokenIssuer, connect_issuer,
     issuer::{
-        EtcdIssuer, IssuerKind, LeaseState, REDIS_SENTINEL_ACL_RULE, ReleaseOutcome,
-        SentinelConnections, redis_acl_rule,
+        EtcdIssuer, IssuerKind, LeaseState, ReleaseOutcome,
+        redis::{SENTINEL_ACL_RULE, SentinelConnections, acl_rule},
     },
 };
 use pgfence_testkit::{
@@ -78,7 +78,7 @@ async fn rediss_with_a_ca_file_issues_leases_and_refuses_an_unknown_ca() {
     let certs = Certs::generate().unwrap();
     let redis = RedisTls::start(&certs, ClientAuth::None).await.unwrap();
 
-    let issuer = bounded("connect", 20, Issuer::connect(&redis.url_with_ca()))
+    let issuer = bounded("connect", 20, RedisIssuer::connect(&redis.url_with_ca()))
         .await
         .unwrap();
     leases_work(&issuer, "tls-ca").await;
@@ -97,7 +97,7 @@ async fn rediss_with_a_ca_file_issues_leases_and_refuses_an_unknown_ca() {
         format!("{}?cacert={}", redis.url(), other.ca().display()),
     ] {
         let started = Instant::now();
-        let err = bounded("connect with an unknown CA", 30, Issuer::connect(&url))
+        let err = bounded("connect with an unknown CA", 30, RedisIssuer::connect(&url))
             .await
             .unwrap_err();
         let text = err.to_string();
@@ -114,7 +114,7 @@ async fn rediss_with_a_ca_file_issues_leases_and_refuses_an_unknown_ca() {
     // A plaintext client gets nothing from a TLS-only port.
     let plain = format!("redis://127.0.0.1:{}", redis.port());
     assert!(
-        bounded("plaintext connect", 30, Issuer::connect(&plain))
+        bounded("plaintext connect", 30, RedisIssuer::connect(&plain))
             .await
             .is_err()
     );
@@ -130,7 +130,7 @@ async fn rediss_with_required_client_certificates() {
     let err = bounded(
         "connect without a client certificate",
         30,
-        Issuer::connect(&redis.url_with_ca()),
+        RedisIssuer::connect(&redis.url_with_ca()),
     )
     .await
     .unwrap_err();
@@ -163,7 +163,7 @@ async fn rediss_with_required_client_certificates() {
         bounded(
             "connect with a foreign certificate",
             30,
-            Issuer::connect(&foreign)
+            RedisIssuer::connect(&foreign)
         )
         .await
         .is_err()
@@ -171,7 +171,9 @@ async fn rediss_with_required_client_certificates() {
 
     // With one: leases, extend, status and keep-alive work.
     let url = format!("{}{}", redis.url(), mtls_params(&certs, "pgfence-app"));
-    let issuer = bounded("connect", 20, Issuer::connect(&url)).await.unwrap();
+    let issuer = bounded("connect", 20, RedisIssuer::connect(&url))
+        .await
+        .unwrap();
     leases_work(&issuer, "tls-mtls").await;
     let resource = unique_resource("tls-mtls-keep");
     let mut lease = issuer
@@ -202,7 +204,7 @@ async fn redis_cluster_over_tls() {
     let mut nodes = cluster.urls();
     // The CA on one node URL applies to every node.
     nodes[0] = format!("{}?cacert={}", nodes[0], certs.ca().display());
-    let issuer = bounded("connect_cluster", 30, Issuer::connect_cluster(&nodes))
+    let issuer = bounded("connect_cluster", 30, RedisIssuer::connect_cluster(&nodes))
         .await
         .unwrap();
     // Enough resources to land on every node's slots.
@@ -218,7 +220,7 @@ async fn redis_cluster_over_tls() {
     let err = bounded(
         "connect_cluster without the CA",
         30,
-        Issuer::connect_cluster(&cluster.urls()),
+        RedisIssuer::connect_cluster(&cluster.urls()),
     )
     .await
     .unwrap_err();
@@ -241,11 +243,11 @@ async fn sentinel_over_tls() {
         Some(format!("127.0.0.1:{}", set.master().port()))
     );
     assert!(conns.url().tls);
-    leases_work(&Issuer::new(conns), "tls-sentinel").await;
+    leases_work(&RedisIssuer::new(conns), "tls-sentinel").await;
     let issuer = bounded(
         "connect_sentinel",
         30,
-        Issuer::connect_sentinel(&set.url_with_ca()),
+        RedisIssuer::connect_sentinel(&set.url_with_ca()),
     )
     .await
     .unwrap();
@@ -342,7 +344,7 @@ async fn set_user(admin: &mut redis::aio::MultiplexedConnection, user: &str, rul
 }
 
 /// The denials `ACL LOG` recorded, as `(reason, object)`, apart from `client|setinfo` (which
-/// redis-rs sends on Redis 7.2+ and whose refusal it ignores: see `REDIS_ACL_COMMANDS`).
+/// redis-rs sends on Redis 7.2+ and whose refusal it ignores: see `redis::ACL_COMMANDS`).
 async fn acl_denials(admin: &mut redis::aio::MultiplexedConnection) -> Vec<(String, String)> {
     let entries: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("ACL")
         .arg("LOG")
@@ -370,8 +372,8 @@ async fn the_documented_acl_runs_the_whole_issuer() {
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    set_user(&mut admin, "pgfence-app", &redis_acl_rule("pgfence")).await;
-    set_user(&mut admin, "billing-app", &redis_acl_rule("billing")).await;
+    set_user(&mut admin, "pgfence-app", &acl_rule("pgfence")).await;
+    set_user(&mut admin, "billing-app", &acl_rule("billing")).await;
     let () = redis::cmd("ACL")
         .arg("LOG")
         .arg("RESET")
@@ -381,16 +383,16 @@ async fn the_documented_acl_runs_the_whole_issuer() {
 
     let port = server.port();
     // Database 1 (SELECT) with the default prefix; database 0 with a custom prefix.
-    let default = Issuer::connect(&format!("redis://pgfence-app:pw@127.0.0.1:{port}/1"))
+    let default = RedisIssuer::connect(&format!("redis://pgfence-app:pw@127.0.0.1:{port}/1"))
         .await
         .unwrap()
         .with_floor_source(db.pool.clone());
-    let billing = Issuer::connect(&format!("redis://billing-app:pw@127.0.0.1:{port}/0"))
+    let billing = RedisIssuer::connect(&format!("redis://billing-app:pw@127.0.0.1:{port}/0"))
         .await
         .unwrap()
         .with_key_prefix("billing")
         .unwrap();
-    assert_eq!(billing.acl_rule(), redis_acl_rule("billing"));
+    assert_eq!(billing.acl_rule(), acl_rule("billing"));
 
     for (issuer, name) in [(&default, "acl-default"), (&billing, "acl-billing")] {
         leases_work(issuer, name).await;
@@ -491,8 +493,8 @@ async fn a_missing_acl_permission_is_named() {
     let resource = Resource::new("acl:refused").unwrap();
 
     // The keys of another prefix only.
-    set_user(&mut admin, "wrong-keys", &redis_acl_rule("other")).await;
-    let issuer = Issuer::connect(&format!("redis://wrong-keys:pw@127.0.0.1:{port}"))
+    set_user(&mut admin, "wrong-keys", &acl_rule("other")).await;
+    let issuer = RedisIssuer::connect(&format!("redis://wrong-keys:pw@127.0.0.1:{port}"))
         .await
         .unwrap();
     let started = Instant::now();
@@ -524,9 +526,9 @@ async fn a_missing_acl_permission_is_named() {
     assert!(err.to_string().contains("~billing:*"), "{err}");
 
     // A command missing inside a script (INCR): refused by the script, named the same way.
-    let no_incr = redis_acl_rule("pgfence").replace(" +incr", "");
+    let no_incr = acl_rule("pgfence").replace(" +incr", "");
     set_user(&mut admin, "no-incr", &no_incr).await;
-    let issuer = Issuer::connect(&format!("redis://no-incr:pw@127.0.0.1:{port}"))
+    let issuer = RedisIssuer::connect(&format!("redis://no-incr:pw@127.0.0.1:{port}"))
         .await
         .unwrap();
     let err = issuer.acquire(&resource, 10 * SEC).await.unwrap_err();
@@ -537,9 +539,9 @@ async fn a_missing_acl_permission_is_named() {
     eprintln!("no incr: {err}");
     assert!(err.to_string().contains("+incr"), "{err}");
     // ... and a missing top-level command (PTTL, in status).
-    let no_pttl = redis_acl_rule("pgfence").replace(" +pttl", "");
+    let no_pttl = acl_rule("pgfence").replace(" +pttl", "");
     set_user(&mut admin, "no-pttl", &no_pttl).await;
-    let issuer = Issuer::connect(&format!("redis://no-pttl:pw@127.0.0.1:{port}"))
+    let issuer = RedisIssuer::connect(&format!("redis://no-pttl:pw@127.0.0.1:{port}"))
         .await
         .unwrap();
     let err = issuer.status(&resource).await.unwrap_err();
@@ -549,9 +551,9 @@ async fn a_missing_acl_permission_is_named() {
     );
 
     // ... and SELECT, when connecting to another database.
-    let no_select = redis_acl_rule("pgfence").replace(" +select", "");
+    let no_select = acl_rule("pgfence").replace(" +select", "");
     set_user(&mut admin, "no-select", &no_select).await;
-    let err = Issuer::connect(&format!("redis://no-select:pw@127.0.0.1:{port}/2"))
+    let err = RedisIssuer::connect(&format!("redis://no-select:pw@127.0.0.1:{port}/2"))
         .await
         .unwrap_err();
     eprintln!("no select: {err}");
@@ -590,8 +592,8 @@ async fn the_documented_acls_through_sentinel() {
     };
     let mut master = connect(set.master().port()).await;
     let mut sentinel = connect(set.sentinels()[0].port()).await;
-    set_user(&mut master, "app", &redis_acl_rule("pgfence")).await;
-    set_user(&mut sentinel, "sentinel-app", REDIS_SENTINEL_ACL_RULE).await;
+    set_user(&mut master, "app", &acl_rule("pgfence")).await;
+    set_user(&mut sentinel, "sentinel-app", SENTINEL_ACL_RULE).await;
     set_user(&mut sentinel, "no-perm", "-@all").await;
     for conn in [&mut master, &mut sentinel] {
         let () = redis::cmd("ACL")
@@ -606,7 +608,7 @@ async fn the_documented_acls_through_sentinel() {
     let url = format!(
         "redis+sentinel://app:pw@{hosts}?sentinel_username=sentinel-app&sentinel_password=pw"
     );
-    let issuer = bounded("connect_sentinel", 20, Issuer::connect_sentinel(&url))
+    let issuer = bounded("connect_sentinel", 20, RedisIssuer::connect_sentinel(&url))
         .await
         .unwrap();
     leases_work(&issuer, "acl-sentinel").await;
@@ -632,28 +634,28 @@ async fn the_documented_acls_through_sentinel() {
     let err = bounded(
         "refused sentinel user",
         20,
-        Issuer::connect_sentinel(&refused),
+        RedisIssuer::connect_sentinel(&refused),
     )
     .await
     .unwrap_err();
     eprintln!("sentinel refused: {err}");
     assert!(started.elapsed() < 3 * SEC, "took {:?}", started.elapsed());
     assert!(
-        matches!(&err, pgfence::Error::RedisPermission { rule, .. } if rule == REDIS_SENTINEL_ACL_RULE),
+        matches!(&err, pgfence::Error::RedisPermission { rule, .. } if rule == SENTINEL_ACL_RULE),
         "{err}"
     );
     // A master user without ROLE: refused at once, naming the issuer's rule.
     set_user(
         &mut master,
         "no-role",
-        &redis_acl_rule("pgfence").replace(" +role", ""),
+        &acl_rule("pgfence").replace(" +role", ""),
     )
     .await;
     let no_role = url.replacen("app:pw@", "no-role:pw@", 1);
     let err = bounded(
         "refused master user",
         20,
-        Issuer::connect_sentinel(&no_role),
+        RedisIssuer::connect_sentinel(&no_role),
     )
     .await
     .unwrap_err();

@@ -68,12 +68,12 @@ async fn redis_floor_and_recovery_through_the_trait() {
 #[tokio::test]
 async fn bad_prefixes_and_urls_are_refused() {
     let issuer = support::issuer().await;
-    let long = "x".repeat(pgfence::issuer::MAX_KEY_PREFIX_LEN + 1);
+    let long = "x".repeat(pgfence::issuer::limits::MAX_KEY_PREFIX_LEN + 1);
     for bad in ["", "a b", "a{b", "b}", "tab\there", "nl\n", long.as_str()] {
         let err = issuer.clone().with_key_prefix(bad).unwrap_err();
         assert!(matches!(err, Error::InvalidKeyPrefix(_)), "{bad:?}: {err}");
     }
-    let max = "y".repeat(pgfence::issuer::MAX_KEY_PREFIX_LEN);
+    let max = "y".repeat(pgfence::issuer::limits::MAX_KEY_PREFIX_LEN);
     for good in ["myapp", "my-app:prod", "a", max.as_str()] {
         assert_eq!(
             issuer.clone().with_key_prefix(good).unwrap().key_prefix(),
@@ -104,7 +104,7 @@ async fn bad_prefixes_and_urls_are_refused() {
     }
 }
 
-/// `Issuer::keep_alive` still works, and `KeepAlive::spawn` takes a concrete issuer too.
+/// `RedisIssuer::keep_alive` still works, and `KeepAlive::spawn` takes a concrete issuer too.
 #[tokio::test]
 async fn keep_alive_with_a_concrete_issuer() {
     let issuer = support::issuer().await;

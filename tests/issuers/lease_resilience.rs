@@ -12,7 +12,7 @@ use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use pgfence::{
-    Issuer,
+    RedisIssuer,
     issuer::{LeaseLost, LeaseState, ReleaseOutcome},
 };
 use pgfence_testkit::{Proxy, Server};
@@ -42,7 +42,7 @@ async fn holder(server: &Server, resource: &pgfence::Resource) -> Option<String>
         .await
         .unwrap();
     redis::cmd("GET")
-        .arg(pgfence::issuer::lock_key(resource))
+        .arg(pgfence::issuer::redis::lock_key(resource))
         .query_async(&mut conn)
         .await
         .unwrap()
@@ -54,7 +54,9 @@ async fn holder(server: &Server, resource: &pgfence::Resource) -> Option<String>
 #[tokio::test]
 async fn keep_alive_survives_a_server_idle_timeout() {
     let server = redis_with_idle_timeout().await;
-    let issuer = Issuer::connect_with(&server.url(), four()).await.unwrap();
+    let issuer = RedisIssuer::connect_with(&server.url(), four())
+        .await
+        .unwrap();
     let resource = unique_resource("idle-keepalive");
     let lease = issuer
         .acquire(&resource, Duration::from_secs(3))
@@ -82,7 +84,9 @@ async fn keep_alive_survives_a_server_idle_timeout() {
 #[tokio::test]
 async fn calls_after_idleness_do_not_fail() {
     let server = redis_with_idle_timeout().await;
-    let issuer = Issuer::connect_with(&server.url(), four()).await.unwrap();
+    let issuer = RedisIssuer::connect_with(&server.url(), four())
+        .await
+        .unwrap();
     let resource = unique_resource("idle-calls");
     let mut lease = issuer
         .acquire(&resource, Duration::from_secs(10))
@@ -121,7 +125,7 @@ async fn calls_after_idleness_do_not_fail() {
 async fn keep_alive_survives_dropped_connections() {
     let server = Server::redis().await.expect("throwaway Redis");
     let proxy = Proxy::start(server.port()).unwrap();
-    let issuer = Issuer::connect_with(&proxy.redis_url(), four())
+    let issuer = RedisIssuer::connect_with(&proxy.redis_url(), four())
         .await
         .unwrap();
     let resource = unique_resource("dropped");
@@ -164,7 +168,7 @@ async fn keep_alive_survives_dropped_connections() {
 async fn keep_alive_survives_a_short_pause() {
     let server = Server::redis().await.expect("throwaway Redis");
     let proxy = Proxy::start(server.port()).unwrap();
-    let issuer = Issuer::connect_with(&proxy.redis_url(), four())
+    let issuer = RedisIssuer::connect_with(&proxy.redis_url(), four())
         .await
         .unwrap();
     let resource = unique_resource("short-pause");
@@ -193,7 +197,7 @@ async fn keep_alive_survives_a_short_pause() {
 async fn keep_alive_reports_a_long_stall_at_the_deadline() {
     let server = Server::redis().await.expect("throwaway Redis");
     let proxy = Proxy::start(server.port()).unwrap();
-    let issuer = Issuer::connect_with(&proxy.redis_url(), four())
+    let issuer = RedisIssuer::connect_with(&proxy.redis_url(), four())
         .await
         .unwrap();
     let resource = unique_resource("long-pause");
@@ -238,7 +242,7 @@ async fn renewed(keep: &pgfence::issuer::KeepAlive) {
 async fn keep_alive_reports_an_unreachable_redis_at_the_deadline() {
     let server = Server::redis().await.expect("throwaway Redis");
     let proxy = Proxy::start(server.port()).unwrap();
-    let issuer = Issuer::connect_with(&proxy.redis_url(), four())
+    let issuer = RedisIssuer::connect_with(&proxy.redis_url(), four())
         .await
         .unwrap();
     let resource = unique_resource("refused");
@@ -274,7 +278,7 @@ async fn keep_alive_reports_an_unreachable_redis_at_the_deadline() {
 async fn a_taken_lock_is_reported_taken_not_retried() {
     let server = Server::redis().await.expect("throwaway Redis");
     let proxy = Proxy::start(server.port()).unwrap();
-    let issuer = Issuer::connect_with(&proxy.redis_url(), four())
+    let issuer = RedisIssuer::connect_with(&proxy.redis_url(), four())
         .await
         .unwrap();
     let resource = unique_resource("taken");
@@ -290,7 +294,7 @@ async fn a_taken_lock_is_reported_taken_not_retried() {
         .await
         .unwrap();
     let () = redis::cmd("SET")
-        .arg(pgfence::issuer::lock_key(&resource))
+        .arg(pgfence::issuer::redis::lock_key(&resource))
         .arg("someone-else:999")
         .query_async(&mut direct)
         .await

@@ -329,8 +329,8 @@ async fn resources_that_write_the_same_rows_share_a_fencing_domain() {
         &in_domain("reports:daily"),
     ] {
         let _: () = redis::cmd("DEL")
-            .arg(pgfence::issuer::lock_key(r))
-            .arg(pgfence::issuer::counter_key(r))
+            .arg(pgfence::issuer::redis::lock_key(r))
+            .arg(pgfence::issuer::redis::counter_key(r))
             .query_async(&mut conn)
             .await
             .unwrap();
@@ -385,12 +385,12 @@ async fn resources_that_write_the_same_rows_share_a_fencing_domain() {
     let r = issuer.acquire(&report, ttl).await.unwrap().unwrap();
     assert_eq!(r.token().get(), a.token().get() + 1, "one counter");
     assert_ne!(
-        pgfence::issuer::lock_key(&account),
-        pgfence::issuer::lock_key(&report)
+        pgfence::issuer::redis::lock_key(&account),
+        pgfence::issuer::redis::lock_key(&report)
     );
     assert_eq!(
-        pgfence::issuer::counter_key(&account),
-        pgfence::issuer::counter_key(&report)
+        pgfence::issuer::redis::counter_key(&account),
+        pgfence::issuer::redis::counter_key(&report)
     );
     repo.update(&db.pool, &a, &invoice(2, "account job", 1))
         .await

@@ -14,8 +14,8 @@ use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use pgfence::{
-    Error, Fence, Issuer, Lease, Repository, Resource,
-    issuer::{LeaseState, SentinelConnections},
+    Error, Fence, Lease, RedisIssuer, Repository, Resource,
+    issuer::{LeaseState, redis::SentinelConnections},
     table::TableName,
 };
 use pgfence_testkit::{SentinelConfig, SentinelSet, sentinel_installed};
@@ -107,7 +107,7 @@ async fn check_job(
     Ok(None)
 }
 
-async fn acquire(issuer: &Issuer<SentinelConnections>, resource: &Resource) -> Lease {
+async fn acquire(issuer: &RedisIssuer<SentinelConnections>, resource: &Resource) -> Lease {
     issuer
         .acquire(resource, TTL)
         .await
@@ -199,10 +199,10 @@ async fn failover() {
         conns.master_addr().as_deref(),
         Some(format!("127.0.0.1:{old_master}").as_str())
     );
-    let issuer = Issuer::new(conns.clone()).with_floor_source(db.pool.clone());
+    let issuer = RedisIssuer::new(conns.clone()).with_floor_source(db.pool.clone());
     // A second issuer that waits only 250 ms for a master: it shows what a caller sees while
     // no master is reachable.
-    let impatient = Issuer::connect_sentinel_with(
+    let impatient = RedisIssuer::connect_sentinel_with(
         &url,
         NonZeroUsize::new(1).unwrap(),
         Duration::from_millis(250),
@@ -625,7 +625,7 @@ async fn demoted_master() {
     )
     .await
     .unwrap();
-    let issuer = Issuer::new(conns.clone());
+    let issuer = RedisIssuer::new(conns.clone());
     let resource = unique_resource("switchover");
     for expected in 1..=5 {
         let lease = acquire(&issuer, &resource).await;

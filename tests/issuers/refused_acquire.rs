@@ -17,7 +17,7 @@ use crate::support;
 
 use std::time::Duration;
 
-use pgfence::{Error, Issuer, Resource, issuer::PgIssuer, token::MAX_TOKEN};
+use pgfence::{Error, RedisIssuer, Resource, issuer::PgIssuer, token::MAX_TOKEN};
 use pgfence_testkit::{RedisCluster, SentinelConfig, SentinelSet, sentinel_installed};
 use redis::AsyncCommands;
 use redis::aio::ConnectionLike;
@@ -63,7 +63,7 @@ async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
 }
 
 /// The Redis checks, on any deployment: `raw` is a plain connection to the same data.
-async fn redis_refuses_at_the_limit<C, R>(issuer: &Issuer<C>, raw: &mut R, label: &str)
+async fn redis_refuses_at_the_limit<C, R>(issuer: &RedisIssuer<C>, raw: &mut R, label: &str)
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
     R: ConnectionLike + Send + Sync,
@@ -147,7 +147,7 @@ where
 #[tokio::test]
 async fn redis_standalone_refuses_at_the_limit_and_changes_nothing() {
     let url = redis_url().await;
-    let issuer = Issuer::connect(&url).await.unwrap();
+    let issuer = RedisIssuer::connect(&url).await.unwrap();
     redis_refuses_at_the_limit(&issuer, &mut raw(&url).await, "standalone").await;
 }
 
@@ -158,7 +158,7 @@ async fn redis_standalone_refuses_at_the_limit_and_changes_nothing() {
 async fn redis_lost_counter_with_a_mark_at_the_limit_is_refused_and_undone() {
     let url = redis_url().await;
     let db = TestDb::new().await;
-    let issuer = Issuer::connect(&url)
+    let issuer = RedisIssuer::connect(&url)
         .await
         .unwrap()
         .with_floor_source(db.pool.clone());
@@ -196,7 +196,7 @@ async fn redis_lost_counter_with_a_mark_at_the_limit_is_refused_and_undone() {
 #[tokio::test]
 async fn redis_cluster_refuses_at_the_limit_and_changes_nothing() {
     let cluster = RedisCluster::start(3).await.unwrap();
-    let issuer = Issuer::connect_cluster(&cluster.urls()).await.unwrap();
+    let issuer = RedisIssuer::connect_cluster(&cluster.urls()).await.unwrap();
     let mut raw = redis::cluster::ClusterClient::new(cluster.urls())
         .unwrap()
         .get_async_connection()
@@ -219,7 +219,7 @@ async fn redis_sentinel_refuses_at_the_limit_and_changes_nothing() {
         ..SentinelConfig::default()
     };
     let set = SentinelSet::start("pgfence-limit", config).await.unwrap();
-    let issuer = Issuer::connect_sentinel(&set.url()).await.unwrap();
+    let issuer = RedisIssuer::connect_sentinel(&set.url()).await.unwrap();
     redis_refuses_at_the_limit(&issuer, &mut raw(&set.master().url()).await, "sentinel").await;
 }
 

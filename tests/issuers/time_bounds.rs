@@ -9,7 +9,7 @@ use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use pgfence::issuer::{DEFAULT_CALL_TIMEOUT, PgIssuer};
-use pgfence::{Issuer, TokenIssuer};
+use pgfence::{RedisIssuer, TokenIssuer};
 use pgfence_testkit::Proxy;
 use support::{TestDb, unique_resource};
 use tokio::time::{Instant, sleep, timeout};
@@ -29,9 +29,9 @@ fn port_of(url: &str) -> u16 {
 }
 
 /// A Redis issuer whose connections all go through a fresh proxy, every connection used once.
-async fn redis_behind_proxy() -> (Proxy, Issuer) {
+async fn redis_behind_proxy() -> (Proxy, RedisIssuer) {
     let proxy = Proxy::start(port_of(&support::redis_url().await)).unwrap();
-    let issuer = Issuer::connect_with(&proxy.redis_url(), NonZeroUsize::new(2).unwrap())
+    let issuer = RedisIssuer::connect_with(&proxy.redis_url(), NonZeroUsize::new(2).unwrap())
         .await
         .unwrap();
     let resource = unique_resource("warm");
@@ -105,7 +105,9 @@ async fn redis_acquire_through_a_black_hole_returns_within_the_configured_bound(
 #[tokio::test]
 async fn redis_black_holed_acquire_leaves_no_lock_after_the_heal() {
     let (proxy, issuer) = redis_behind_proxy().await;
-    let direct = Issuer::connect(&support::redis_url().await).await.unwrap();
+    let direct = RedisIssuer::connect(&support::redis_url().await)
+        .await
+        .unwrap();
     let resource = unique_resource("redis-black-hole-heal");
     let before = direct.status(&resource).await.unwrap().counter;
     let hold = Duration::from_secs(4);
@@ -153,7 +155,9 @@ async fn redis_black_holed_acquire_leaves_no_lock_after_the_heal() {
 #[tokio::test]
 async fn redis_clean_up_of_a_failed_acquire_spares_the_same_owners_later_lease() {
     let (proxy, issuer) = redis_behind_proxy().await;
-    let direct = Issuer::connect(&support::redis_url().await).await.unwrap();
+    let direct = RedisIssuer::connect(&support::redis_url().await)
+        .await
+        .unwrap();
     let resource = unique_resource("redis-black-hole-same-owner");
     let hold = Duration::from_secs(4);
     proxy.pause(hold);
@@ -359,7 +363,9 @@ async fn redis_one_way_partitions_leave_no_lock_after_the_heal() {
     for direction in [Direction::ToClient, Direction::ToServer] {
         let (proxy, issuer) = redis_behind_proxy().await;
         let issuer = issuer.with_call_timeout(Duration::from_millis(800));
-        let direct = Issuer::connect(&support::redis_url().await).await.unwrap();
+        let direct = RedisIssuer::connect(&support::redis_url().await)
+            .await
+            .unwrap();
         let resource = unique_resource("redis-one-way");
         let hold = Duration::from_secs(2);
         proxy.pause_one_way(direction, hold);

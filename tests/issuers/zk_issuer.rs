@@ -17,7 +17,7 @@ use std::time::Duration;
 use issuer_suite::{Cluster, Profile};
 use pgfence::{
     Error, Resource, connect_issuer,
-    issuer::{IssuerKind, ReleaseOutcome, ZkIssuer, zk_lock_dir},
+    issuer::{IssuerKind, ReleaseOutcome, ZkIssuer, zk},
 };
 use pgfence_testkit::{ZkEnsemble, zk_installed};
 use support::unique_resource;
@@ -169,7 +169,7 @@ async fn tokens_are_creation_zxids_and_compare_across_resources() {
     assert!(b.token() > a.token(), "one ensemble-wide zxid");
     assert_eq!(b.token().get() >> 32, a.token().get() >> 32, "same epoch");
 
-    let dir = zk_lock_dir(&two);
+    let dir = zk::lock_dir(&two);
     assert!(
         dir.starts_with("/pgfence/lock/{billing}account%2F"),
         "{dir}"
@@ -191,7 +191,7 @@ async fn tokens_are_creation_zxids_and_compare_across_resources() {
     );
 
     // An operator deletes A's lock and someone takes it: A is told so, and cannot free it.
-    let dir_one = zk_lock_dir(&one);
+    let dir_one = zk::lock_dir(&one);
     for child in raw.list_children(&dir_one).await.unwrap() {
         raw.delete(&format!("{dir_one}/{child}"), None)
             .await

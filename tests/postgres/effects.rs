@@ -8,7 +8,7 @@ use crate::support;
 use std::time::Duration;
 
 use pgfence::{
-    Effects, Error, Fence, Fencing, Issuer, Lease, Resource, effect::EffectOutcome,
+    Effects, Error, Fence, Fencing, Lease, RedisIssuer, Resource, effect::EffectOutcome,
     error::StaleTarget, issuer::PgIssuer,
 };
 use pgfence_testkit::Provider;
@@ -20,7 +20,7 @@ const SEC: Duration = Duration::from_secs(1);
 const T: Duration = Duration::from_secs(5);
 
 /// Two leases on one resource, `a` older than `b` (a released before b was taken).
-async fn two_leases(issuer: &Issuer, resource: &Resource) -> (Lease, Lease) {
+async fn two_leases(issuer: &RedisIssuer, resource: &Resource) -> (Lease, Lease) {
     let a = issuer.acquire(resource, 10 * SEC).await.unwrap().unwrap();
     issuer.release(&a).await.unwrap();
     let b = issuer.acquire(resource, 10 * SEC).await.unwrap().unwrap();

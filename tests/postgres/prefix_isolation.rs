@@ -5,14 +5,14 @@ use crate::support;
 
 use std::time::Duration;
 
-use pgfence::{Effects, Fence, Fencing, Issuer, Resource, TokenIssuer, audit::AuditFilter};
+use pgfence::{Effects, Fence, Fencing, RedisIssuer, Resource, TokenIssuer, audit::AuditFilter};
 use redis::AsyncCommands;
 use support::{TestDb, redis_url, unique_resource};
 
 const TTL: Duration = Duration::from_secs(10);
 
-async fn prefixed(prefix: &str) -> Issuer {
-    Issuer::connect(&redis_url().await)
+async fn prefixed(prefix: &str) -> RedisIssuer {
+    RedisIssuer::connect(&redis_url().await)
         .await
         .unwrap()
         .with_key_prefix(prefix)
@@ -245,7 +245,7 @@ async fn effects_are_scoped_by_prefix() {
 async fn default_prefix_names_are_unchanged() {
     let db = TestDb::new().await;
     let fence = Fence::new(db.pool.clone());
-    let default = Issuer::connect(&redis_url().await).await.unwrap();
+    let default = RedisIssuer::connect(&redis_url().await).await.unwrap();
     let explicit = prefixed("pgfence").await;
     for resource in [
         unique_resource("iso-default"),
@@ -312,7 +312,7 @@ async fn doctor_reads_each_prefix_s_marks_against_its_own_counters() {
         "{findings:?}"
     );
     // The default prefix's issuer does not compare app_a's mark with its own counter.
-    let default = Issuer::connect(&redis_url().await).await.unwrap();
+    let default = RedisIssuer::connect(&redis_url().await).await.unwrap();
     let findings = pgfence::admin::doctor(&db.pool, Some(&default), &options)
         .await
         .unwrap();

@@ -417,7 +417,7 @@ async fn only_the_owner_can_release_or_extend() {
 
 #[tokio::test]
 async fn owner_ids_are_unpredictable() {
-    let ids: Vec<String> = (0..1000).map(|_| pgfence::issuer::new_owner_id()).collect();
+    let ids: Vec<String> = (0..1000).map(|_| pgfence::Lease::new_owner_id()).collect();
     let unique: HashSet<&String> = ids.iter().collect();
     assert_eq!(unique.len(), 1000, "owner ids repeat");
     let values: Vec<u128> = ids

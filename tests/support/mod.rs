@@ -315,8 +315,8 @@ pub fn unique_resource(prefix: &str) -> pgfence::Resource {
 }
 
 /// An issuer on the shared test Redis.
-pub async fn issuer() -> pgfence::Issuer {
-    pgfence::Issuer::connect(&redis_url().await)
+pub async fn issuer() -> pgfence::RedisIssuer {
+    pgfence::RedisIssuer::connect(&redis_url().await)
         .await
         .expect("connect to Redis")
 }

@@ -195,11 +195,11 @@ impl<R> FenceLayer<R> {
     /// lease.
     ///
     /// # Panics
-    /// Outside pgfence's TTL range ([`pgfence::issuer::MIN_TTL`] to
-    /// [`pgfence::issuer::MAX_TTL`]): a configuration error.
+    /// Outside pgfence's TTL range ([`pgfence::issuer::limits::MIN_TTL`] to
+    /// [`pgfence::issuer::limits::MAX_TTL`]): a configuration error.
     #[must_use]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        if let Err(e) = pgfence::issuer::check_ttl(ttl) {
+        if let Err(e) = pgfence::issuer::limits::check_ttl(ttl) {
             panic!("FenceLayer::ttl: {e}");
         }
         self.ttl = ttl;

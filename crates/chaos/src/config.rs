@@ -148,10 +148,10 @@ impl fmt::Display for Mode {
 /// How workers restore liveness after the Redis counter went backwards.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Recovery {
-    /// Give the issuer a floor source ([`pgfence::Issuer::with_floor_source`]): an acquire
+    /// Give the issuer a floor source ([`pgfence::RedisIssuer::with_floor_source`]): an acquire
     /// that finds the counter missing reseeds it from Postgres's high-water mark by itself.
     pub floor_source: bool,
-    /// After a rejected write, call [`pgfence::Issuer::recover_from`], which raises the
+    /// After a rejected write, call [`pgfence::RedisIssuer::recover_from`], which raises the
     /// counter to the fence the write met (a no-op when the rejection was an ordinary stale
     /// holder).
     pub recover_from: bool,
@@ -342,7 +342,7 @@ impl Config {
         if let Some(p) = &self.partitions {
             p.validate(self.workers).map_err(ChaosError::Config)?;
         }
-        pgfence::issuer::check_ttl(self.ttl)?;
+        pgfence::issuer::limits::check_ttl(self.ttl)?;
         Ok(())
     }
 
@@ -386,7 +386,9 @@ impl Target {
     /// [`ChaosError::Config`] when `database_url` is not a `postgres://` or `postgresql://`
     /// URL or does not parse (the URL is not echoed: it may hold a password).
     pub fn postgres(database_url: &str) -> Result<Self, ChaosError> {
-        if !pgfence::issuer::is_postgres_url(database_url) {
+        if pgfence::issuer::IssuerKind::of_url(database_url).ok()
+            != Some(pgfence::issuer::IssuerKind::Postgres)
+        {
             return Err(ChaosError::Config(
                 "the postgres issuer takes the database's postgres:// or postgresql:// URL".into(),
             ));

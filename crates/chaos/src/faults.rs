@@ -25,7 +25,7 @@ pub(crate) async fn reset_counters(ctx: &Ctx) {
     let keys: Vec<String> = ctx
         .resources
         .iter()
-        .map(pgfence::issuer::counter_key)
+        .map(pgfence::issuer::redis::counter_key)
         .collect();
     let mut conn = conn.clone();
     let mark = FaultMark {

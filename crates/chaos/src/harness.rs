@@ -569,7 +569,7 @@ async fn connect(target: &Target, application_name: &str, max: u32) -> Result<Pg
 /// is set up.
 fn check_counter_resets(url: &str) -> Result<(), ChaosError> {
     match crate::issuer_of_url(url) {
-        Some(IssuerKind::Redis) if pgfence::issuer::is_sentinel_url(url) => {
+        Some(IssuerKind::Redis) if pgfence::issuer::redis::is_sentinel_url(url) => {
             Err(ChaosError::Config(
                 "counter resets need a redis:// URL (they DEL the counters on that server), not \
              redis+sentinel://"

@@ -1187,7 +1187,7 @@ impl Try<'_> {
     /// Batch mode: the rejection `rows` (by default every row outcome of this try) met, as the
     /// error a single write would have returned: [`Error::StaleToken`] with the newest token
     /// met, else [`Error::DuplicateToken`]; `None` when no row was rejected. It names the
-    /// lease's resource, so [`pgfence::Issuer::recover_from`] can raise its counter.
+    /// lease's resource, so [`pgfence::RedisIssuer::recover_from`] can raise its counter.
     fn batch_rejection(&self, rows: Option<&[RowResult]>) -> Option<Error> {
         let all: Vec<RowResult>;
         let rows = match rows {

@@ -17,7 +17,9 @@ use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::time::Duration;
 
-use pgfence::{Error, Fence, Issuer, Repository, Resource, issuer::IssuerKind, table::TableName};
+use pgfence::{
+    Error, Fence, RedisIssuer, Repository, Resource, issuer::IssuerKind, table::TableName,
+};
 use pgfence_chaos::{
     ChaosError, Config, Deployment, FailoverEvent, FailoverFigures, Harness, LeaselessOutcome,
     Mode, Outcome, PgFailoverFigures, Recovery, Report, ReseedCounter, Target, pg_failover_at,
@@ -1724,7 +1726,7 @@ async fn killed_connection_is_retryable_stale_is_not_and_work_is_all_or_nothing(
 
     // A Redis server that went away is a retryable error too.
     let redis = Server::redis().await.unwrap();
-    let issuer = Issuer::connect(&redis.url()).await.unwrap();
+    let issuer = RedisIssuer::connect(&redis.url()).await.unwrap();
     redis.stop();
     let err = issuer
         .acquire(&unique_resource("gone"), Duration::from_secs(1))

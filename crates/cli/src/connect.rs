@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use pgfence::{
-    Issuer, Lease, Resource, TokenIssuer,
+    Lease, RedisIssuer, Resource, TokenIssuer,
     issuer::{IssuerKind, IssuerOptions},
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
@@ -47,7 +47,7 @@ impl Conn {
         match self.key_prefix.as_deref() {
             None => Ok(None),
             Some(prefix) => Ok(Some(
-                pgfence::issuer::check_key_prefix(prefix)
+                pgfence::issuer::limits::check_key_prefix(prefix)
                     .context("bad --key-prefix / PGFENCE_KEY_PREFIX")?,
             )),
         }
@@ -95,7 +95,7 @@ impl Conn {
     }
 
     /// An issuer for taking locks: for Redis, when a PostgreSQL URL is configured, it
-    /// recovers a lost counter by itself ([`Issuer::with_floor_source`]): a lease taken on a
+    /// recovers a lost counter by itself ([`RedisIssuer::with_floor_source`]): a lease taken on a
     /// missing counter gets a token above the resource's high-water mark. Without a
     /// reachable, migrated database it says so on stderr (once the command's outcome is known)
     /// and issues tokens from Redis alone (safety does not depend on it: Postgres still rejects
@@ -179,7 +179,7 @@ pub async fn connect_pg_with(url: &str, max: u32) -> Result<PgPool> {
 /// (`host=db.internal port=5432 dbname=app user=app sslmode=verify-full`).
 pub fn pg_options(url: &str) -> Result<PgConnectOptions> {
     let trimmed = url.trim();
-    if pgfence::issuer::is_postgres_url(trimmed) {
+    if IssuerKind::of_url(trimmed).is_ok_and(|k| k == IssuerKind::Postgres) {
         return PgConnectOptions::from_str(trimmed)
             .map_err(|e| anyhow!("{}", crate::util::scrub(&e.to_string())));
     }
@@ -391,7 +391,7 @@ fn store_name(kind: IssuerKind) -> &'static str {
 /// Whether `url` names a standalone Redis (not Sentinel, not another store).
 pub fn is_plain_redis(url: &str) -> bool {
     IssuerKind::of_url(url).is_ok_and(|k| k == IssuerKind::Redis)
-        && !pgfence::issuer::is_sentinel_url(url)
+        && !pgfence::issuer::redis::is_sentinel_url(url)
 }
 
 /// The issuer `url` names ([`pgfence::issuer::connect_issuer_with`]), giving up after a few seconds.
@@ -419,8 +419,8 @@ pub async fn connect_issuer(url: &str, options: IssuerOptions) -> Result<Arc<dyn
 }
 
 /// An issuer on Redis at `url`, giving up after a few seconds.
-pub async fn connect_redis(url: &str) -> Result<Issuer> {
-    tokio::time::timeout(CONNECT_TIMEOUT, Issuer::connect(url))
+pub async fn connect_redis(url: &str) -> Result<RedisIssuer> {
+    tokio::time::timeout(CONNECT_TIMEOUT, RedisIssuer::connect(url))
         .await
         .map_err(|_| no_answer())
         .and_then(|r| r.map_err(anyhow::Error::from))
@@ -434,7 +434,7 @@ const MAX_BACKOFF: Duration = Duration::from_millis(500);
 /// Takes `resource`'s lock, waiting up to `wait` if given; fails if another holder keeps it,
 /// saying who and for how long.
 ///
-/// The wait is this loop rather than [`Issuer::acquire_wait`]: that one never sleeps past the
+/// The wait is this loop rather than [`RedisIssuer::acquire_wait`]: that one never sleeps past the
 /// holder's remaining TTL, which Redis reports as nothing (PTTL -1) for a lock key without an
 /// expiry, and so polls it about every millisecond. Here the backoff only shortens to a
 /// positive remaining TTL, and a lock that will never expire is reported.
@@ -444,10 +444,10 @@ pub async fn take_lock(
     ttl: Duration,
     wait: Option<Duration>,
 ) -> Result<Lease> {
-    pgfence::issuer::check_ttl(ttl)?;
+    pgfence::issuer::limits::check_ttl(ttl)?;
     let started = Instant::now();
     let give_up = wait.map(|w| started.checked_add(w).unwrap_or_else(far_future));
-    let owner = pgfence::issuer::new_owner_id();
+    let owner = pgfence::Lease::new_owner_id();
     let mut backoff = FIRST_BACKOFF;
     let mut logged = false;
     loop {

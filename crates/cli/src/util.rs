@@ -40,11 +40,11 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 /// bad TTL gets the same one-line usage error.
 pub fn parse_ttl(s: &str) -> Result<Duration, String> {
     let d = parse_duration(s)?;
-    pgfence::issuer::check_ttl(d).map_err(|_| {
+    pgfence::issuer::limits::check_ttl(d).map_err(|_| {
         format!(
             "a lease TTL must be between {} and {}h",
-            fmt_duration(pgfence::issuer::MIN_TTL),
-            pgfence::issuer::MAX_TTL.as_secs() / 3600
+            fmt_duration(pgfence::issuer::limits::MIN_TTL),
+            pgfence::issuer::limits::MAX_TTL.as_secs() / 3600
         )
     })
 }

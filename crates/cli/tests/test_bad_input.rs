@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use pgfence::token::StoredFence;
 use pgfence::{
-    Error, Fence, FenceToken, FencedTable, Issuer, Repository, Resource,
-    issuer::{counter_key, lock_key},
+    Error, Fence, FenceToken, FencedTable, RedisIssuer, Repository, Resource,
+    issuer::redis::{counter_key, lock_key},
     table::{PgQuery, TableName},
 };
 use redis::AsyncCommands;
@@ -235,7 +235,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         .unwrap();
 
     let redis_url = redis_url().await;
-    let issuer = Issuer::connect(&redis_url).await.unwrap();
+    let issuer = RedisIssuer::connect(&redis_url).await.unwrap();
     let mut redis = redis::Client::open(redis_url.as_str())
         .unwrap()
         .get_multiplexed_async_connection()
@@ -746,38 +746,42 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
     // --- connection strings --------------------------------------------------------------------
     case!(
         cases,
-        "Issuer::connect(\"not a url\")",
-        async { Issuer::connect("not a url").await.map(drop) },
+        "RedisIssuer::connect(\"not a url\")",
+        async { RedisIssuer::connect("not a url").await.map(drop) },
         Error::InvalidIssuerUrl(_)
     );
     case!(
         cases,
-        "Issuer::connect(\"\")",
-        async { Issuer::connect("").await.map(drop) },
+        "RedisIssuer::connect(\"\")",
+        async { RedisIssuer::connect("").await.map(drop) },
         Error::InvalidIssuerUrl(_)
     );
     case!(
         cases,
         "Redis URL with port 99999",
-        async { Issuer::connect("redis://127.0.0.1:99999").await.map(drop) },
+        async {
+            RedisIssuer::connect("redis://127.0.0.1:99999")
+                .await
+                .map(drop)
+        },
         Error::InvalidIssuerUrl(_)
     );
     case!(
         cases,
         "Redis URL of a closed port",
-        async { Issuer::connect("redis://127.0.0.1:1").await.map(drop) },
+        async { RedisIssuer::connect("redis://127.0.0.1:1").await.map(drop) },
         Error::Redis(_)
     );
     case!(
         cases,
         "Redis URL with a newline and a command in the database number",
-        async { Issuer::connect(&inject_url).await.map(drop) },
+        async { RedisIssuer::connect(&inject_url).await.map(drop) },
         Error::InvalidIssuerUrl(_)
     );
     case!(
         cases,
         "Redis cluster with no nodes",
-        async { Issuer::connect_cluster(&[]).await.map(drop) },
+        async { RedisIssuer::connect_cluster(&[]).await.map(drop) },
         Error::InvalidIssuerUrl(_)
     );
     case!(

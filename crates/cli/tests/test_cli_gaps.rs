@@ -228,7 +228,7 @@ async fn waiting_on_a_lock_without_expiry_fails_in_one_line() {
     let res = unique_resource("gaps-stuck");
     let r = res.as_str();
     let _: () = rconn
-        .set(pgfence::issuer::lock_key(&res), "someone-else:5")
+        .set(pgfence::issuer::redis::lock_key(&res), "someone-else:5")
         .await
         .unwrap();
     let acquire = ["lock", "acquire", r, "--ttl", "1s", "--wait", "300ms"];
@@ -264,7 +264,10 @@ async fn waiting_on_a_lock_without_expiry_fails_in_one_line() {
             "{err}"
         );
     }
-    let _: () = rconn.del(pgfence::issuer::lock_key(&res)).await.unwrap();
+    let _: () = rconn
+        .del(pgfence::issuer::redis::lock_key(&res))
+        .await
+        .unwrap();
 
     // On success, the held-back warning is still said, after the output.
     let out = output(

@@ -304,10 +304,13 @@ async fn lost_counter_is_recovered_from_postgres() {
         .await
         .unwrap();
     let _: () = rconn
-        .set(pgfence::issuer::counter_key(&res), "3")
+        .set(pgfence::issuer::redis::counter_key(&res), "3")
         .await
         .unwrap();
-    let _: () = rconn.del(pgfence::issuer::counter_key(&res)).await.unwrap();
+    let _: () = rconn
+        .del(pgfence::issuer::redis::counter_key(&res))
+        .await
+        .unwrap();
     let out = pgfence(
         &db.url(),
         &redis,
@@ -337,7 +340,10 @@ async fn lost_counter_is_recovered_from_postgres() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let _: () = rconn.del(pgfence::issuer::counter_key(&res)).await.unwrap();
+    let _: () = rconn
+        .del(pgfence::issuer::redis::counter_key(&res))
+        .await
+        .unwrap();
     let out = pgfence(
         &db.url(),
         &redis,
@@ -431,7 +437,7 @@ async fn waiting_on_a_lock_without_expiry_backs_off_and_says_so() {
         .unwrap();
     let res = pgfence::Resource::new("stuck").unwrap();
     let _: () = rconn
-        .set(pgfence::issuer::lock_key(&res), "someone-else:5")
+        .set(pgfence::issuer::redis::lock_key(&res), "someone-else:5")
         .await
         .unwrap();
     let commands = |info: String| -> u64 {

@@ -201,7 +201,7 @@ async fn key_prefix_separates_locks_and_counters() {
     let _: () = conn
         .del(&[
             format!("cli-app:{{{r}}}:fence"),
-            pgfence::issuer::counter_key(&res),
+            pgfence::issuer::redis::counter_key(&res),
         ])
         .await
         .unwrap();

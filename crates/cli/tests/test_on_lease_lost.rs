@@ -31,7 +31,7 @@ async fn run_and_steal(policy: &str, script: &str) -> (Option<i32>, String, Dura
     let client = redis::Client::open(redis).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     let _: () = redis::cmd("SET")
-        .arg(pgfence::issuer::lock_key(&res))
+        .arg(pgfence::issuer::redis::lock_key(&res))
         .arg("someone-else:999")
         .arg("PX")
         .arg(60_000)

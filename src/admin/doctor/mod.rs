@@ -27,7 +27,7 @@
 //!
 //! Counters: for each resource in `pgfence.resource_fence` (resources that ran
 //! `pgfence.check`) and each of [`DoctorOptions::resources`], doctor compares the token of
-//! `pgfence.high_water(resource)` with the Redis counter ([`Issuer::status`](crate::Issuer::status)). Rows carry no
+//! `pgfence.high_water(resource)` with the Redis counter ([`RedisIssuer::status`](crate::RedisIssuer::status)). Rows carry no
 //! resource name, so a table's highest token (the token of `max(fence)`) is only compared with the
 //! highest counter doctor read: above it means the table was written by a counter doctor was
 //! not told about (list its resource in [`DoctorOptions::resources`]), or one that went
@@ -248,7 +248,7 @@ impl DoctorOptions {
 ///
 /// # Example
 /// ```no_run
-/// # async fn f(pool: sqlx::PgPool, issuer: pgfence::Issuer) -> pgfence::Result<()> {
+/// # async fn f(pool: sqlx::PgPool, issuer: pgfence::RedisIssuer) -> pgfence::Result<()> {
 /// use std::time::Duration;
 /// let options = pgfence::admin::DoctorOptions::default().audit_retention(Duration::from_secs(30 * 86_400));
 /// for finding in pgfence::admin::doctor(&pool, Some(&issuer), &options).await? {

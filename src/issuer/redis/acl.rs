@@ -21,18 +21,18 @@ use crate::Error;
 /// (the library's name and version, for `CLIENT LIST`) and ignores a refusal, which `ACL LOG`
 /// records; add `+client|setinfo` there to keep the log clean (Redis 7.0 rejects that rule:
 /// it has no such command).
-pub const REDIS_ACL_COMMANDS: &str = "-@all +evalsha +script|load +get +set +pexpire +pttl +incr +del +ping +role +select +cluster|slots +asking";
+pub const ACL_COMMANDS: &str = "-@all +evalsha +script|load +get +set +pexpire +pttl +incr +del +ping +role +select +cluster|slots +asking";
 
 /// The ACL rules a sentinel's user needs for the issuer's `rediss+sentinel://` /
 /// `redis+sentinel://` connections (the user of `sentinel_username` / `sentinel_password`):
 /// the issuer asks the sentinels only `SENTINEL get-master-addr-by-name`.
-pub const REDIS_SENTINEL_ACL_RULE: &str = "-@all +sentinel|get-master-addr-by-name";
+pub const SENTINEL_ACL_RULE: &str = "-@all +sentinel|get-master-addr-by-name";
 
 /// The Redis ACL key pattern of an issuer with key prefix `prefix`: `~PREFIX:*` (`~pgfence:*`
 /// by default), with the glob characters of the prefix escaped. Every lock and counter key of
-/// the issuer matches it ([`lock_key`](crate::issuer::lock_key), [`counter_key`](crate::issuer::counter_key)).
+/// the issuer matches it ([`lock_key`](crate::issuer::redis::lock_key), [`counter_key`](crate::issuer::redis::counter_key)).
 #[must_use]
-pub fn redis_acl_key_pattern(prefix: &str) -> String {
+pub fn acl_key_pattern(prefix: &str) -> String {
     let mut pattern = String::with_capacity(prefix.len() + 3);
     pattern.push('~');
     for c in prefix.chars() {
@@ -47,8 +47,8 @@ pub fn redis_acl_key_pattern(prefix: &str) -> String {
 
 /// The minimal Redis ACL for the issuer's user with key prefix `prefix`
 /// ([`DEFAULT_KEY_PREFIX`](crate::issuer::DEFAULT_KEY_PREFIX) unless
-/// [`Issuer::with_key_prefix`](crate::Issuer::with_key_prefix) sets another): its keys
-/// ([`redis_acl_key_pattern`]), no Pub/Sub channel, and [`REDIS_ACL_COMMANDS`]. The rules go
+/// [`RedisIssuer::with_key_prefix`](crate::RedisIssuer::with_key_prefix) sets another): its keys
+/// ([`acl_key_pattern`]), no Pub/Sub channel, and [`ACL_COMMANDS`]. The rules go
 /// after the user's name and password:
 ///
 /// ```text
@@ -56,21 +56,21 @@ pub fn redis_acl_key_pattern(prefix: &str) -> String {
 /// ```
 ///
 /// (in `users.acl` or `redis.conf`: `user pgfence-app on >PASSWORD resetkeys ...`). Through
-/// Sentinel, the sentinels' user needs [`REDIS_SENTINEL_ACL_RULE`]. A command Redis refuses
+/// Sentinel, the sentinels' user needs [`SENTINEL_ACL_RULE`]. A command Redis refuses
 /// for lack of one of these permissions fails with [`Error::RedisPermission`], which quotes
 /// this rule.
 ///
 /// ```
 /// assert_eq!(
-///     pgfence::issuer::redis_acl_rule("billing"),
+///     pgfence::issuer::redis::acl_rule("billing"),
 ///     "resetkeys ~billing:* resetchannels -@all +evalsha +script|load +get +set +pexpire +pttl +incr +del +ping +role +select +cluster|slots +asking"
 /// );
 /// ```
 #[must_use]
-pub fn redis_acl_rule(prefix: &str) -> String {
+pub fn acl_rule(prefix: &str) -> String {
     format!(
-        "resetkeys {} resetchannels {REDIS_ACL_COMMANDS}",
-        redis_acl_key_pattern(prefix)
+        "resetkeys {} resetchannels {ACL_COMMANDS}",
+        acl_key_pattern(prefix)
     )
 }
 
@@ -99,13 +99,13 @@ pub(super) fn redis_error(e: RedisError, prefix: &str) -> Error {
     if e.to_string().contains(SENTINEL_REFUSED) {
         Error::RedisPermission {
             what: "the sentinels' user",
-            rule: REDIS_SENTINEL_ACL_RULE.to_owned(),
+            rule: SENTINEL_ACL_RULE.to_owned(),
             source: e,
         }
     } else {
         Error::RedisPermission {
             what: "the issuer's user",
-            rule: redis_acl_rule(prefix),
+            rule: acl_rule(prefix),
             source: e,
         }
     }
@@ -134,8 +134,8 @@ mod tests {
 
     #[test]
     fn key_patterns_escape_globs() {
-        assert_eq!(redis_acl_key_pattern("pgfence"), "~pgfence:*");
-        assert_eq!(redis_acl_key_pattern("a*b?[c]\\"), r"~a\*b\?\[c\]\\:*");
+        assert_eq!(acl_key_pattern("pgfence"), "~pgfence:*");
+        assert_eq!(acl_key_pattern("a*b?[c]\\"), r"~a\*b\?\[c\]\\:*");
     }
 
     #[test]
@@ -170,7 +170,7 @@ mod tests {
         ));
         let err = redis_error(sentinel, "pgfence");
         assert!(
-            matches!(&err, Error::RedisPermission { rule, .. } if rule == REDIS_SENTINEL_ACL_RULE),
+            matches!(&err, Error::RedisPermission { rule, .. } if rule == SENTINEL_ACL_RULE),
             "{err}"
         );
 

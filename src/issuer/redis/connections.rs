@@ -80,11 +80,11 @@ impl std::fmt::Debug for RedisConnections {
 
 impl RedisConnections {
     /// Opens `count` connections to the standalone Redis at `url` (`redis://host:port/db`, or
-    /// `rediss://` with the TLS parameters of [`Issuer::connect`](crate::Issuer::connect)).
+    /// `rediss://` with the TLS parameters of [`RedisIssuer::connect`](crate::RedisIssuer::connect)).
     /// Each reconnects by itself, with 5 s connect and response timeouts.
     ///
     /// # Errors
-    /// As [`Issuer::connect`](crate::Issuer::connect).
+    /// As [`RedisIssuer::connect`](crate::RedisIssuer::connect).
     pub async fn open(url: &str, count: NonZeroUsize) -> Result<Self> {
         let client = crate::tls::redis_client(url)?;
         let config = redis::aio::ConnectionManagerConfig::new()
@@ -197,7 +197,7 @@ impl ConnectionLike for RedisConnections {
     }
 }
 
-/// Connections [`Issuer::connect`](crate::Issuer::connect) opens: one per CPU, at most 8.
+/// Connections [`RedisIssuer::connect`](crate::RedisIssuer::connect) opens: one per CPU, at most 8.
 #[must_use]
 pub fn default_connections() -> NonZeroUsize {
     let cpus = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);

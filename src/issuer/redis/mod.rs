@@ -3,7 +3,7 @@
 //!
 //! Keys for resource `R` are `pgfence:{R}:lock` and `pgfence:{R}:fence`; for resource `NAME`
 //! in fencing domain `D`, `pgfence:{D}:lock:NAME` and the domain's `pgfence:{D}:fence`
-//! (`pgfence` is the default key prefix; [`Issuer::with_key_prefix`] changes it). The
+//! (`pgfence` is the default key prefix; [`RedisIssuer::with_key_prefix`] changes it). The
 //! hash tag puts a lock and its counter in one Redis Cluster slot (with `PREFIX:{R}:attempt`,
 //! which records the acquire call that took the lock, expiring with it, for the clean-up of a
 //! failed acquire: `docs/issuers.md`, "Time bounds"). The counter never expires,
@@ -28,7 +28,7 @@ use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 use tokio::time::Instant;
 
-pub use acl::{REDIS_ACL_COMMANDS, REDIS_SENTINEL_ACL_RULE, redis_acl_key_pattern, redis_acl_rule};
+pub use acl::{ACL_COMMANDS, SENTINEL_ACL_RULE, acl_key_pattern, acl_rule};
 use connections::transport_error;
 pub use connections::{RedisConnections, default_connections};
 use scripts::{ABANDON, ABANDON_SOURCE, ACQUIRE, EXTEND, RAISE_FLOOR, REISSUE, RELEASE};
@@ -39,17 +39,18 @@ pub use sentinel::{
 
 use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
 use super::lease::ttl_millis;
+use super::methods::issuer_methods;
 use super::policy::{
     self, Ask, Attempt, Backend, DEFAULT_CALL_TIMEOUT, Renewal, Resend, limit_refused,
 };
 use super::token_issuer::IssuerKind;
-use super::{KeepAlive, Lease, LeaseState, LockStatus, ReleaseOutcome};
+use super::{Lease, LeaseState, LockStatus, ReleaseOutcome};
 #[cfg(doc)]
-use crate::issuer::{MAX_KEY_PREFIX_LEN, MAX_TTL, MIN_TTL};
+use crate::issuer::limits::{MAX_KEY_PREFIX_LEN, MAX_TTL, MIN_TTL};
 use crate::{Error, FenceToken, Resource, Result, error::StaleTarget, token::MAX_TOKEN};
 
 /// Where an issuer reads the mark a fresh counter must start above (Postgres's high-water
-/// mark, through [`Issuer::with_floor_source`]): the issuer's only view of the database.
+/// mark, through [`RedisIssuer::with_floor_source`]): the issuer's only view of the database.
 pub trait FloorSource: Send + Sync + std::fmt::Debug + 'static {
     /// The highest token `resource` has been checked with (0 when none). `resource` is the
     /// name PostgreSQL fences the lease under ([`Lease::fencing_resource`]: with a key prefix
@@ -91,7 +92,7 @@ fn prefixed_counter_key(prefix: &str, resource: &Resource) -> String {
 
 /// The Redis key of `resource`'s lock with the default prefix: `pgfence:{R}:lock`, or
 /// `pgfence:{D}:lock:NAME` for resource `NAME` in fencing domain `D` (one hash slot per
-/// domain). [`Issuer::lock_key`] gives an issuer's key, whatever its prefix.
+/// domain). [`RedisIssuer::lock_key`] gives an issuer's key, whatever its prefix.
 #[must_use]
 pub fn lock_key(resource: &Resource) -> String {
     prefixed_lock_key(DEFAULT_KEY_PREFIX, resource)
@@ -99,7 +100,7 @@ pub fn lock_key(resource: &Resource) -> String {
 
 /// The Redis key of `resource`'s token counter with the default prefix: `pgfence:{R}:fence`,
 /// or the domain's `pgfence:{D}:fence`, shared by every resource of the domain.
-/// [`Issuer::counter_key`] gives an issuer's key, whatever its prefix.
+/// [`RedisIssuer::counter_key`] gives an issuer's key, whatever its prefix.
 #[must_use]
 pub fn counter_key(resource: &Resource) -> String {
     prefixed_counter_key(DEFAULT_KEY_PREFIX, resource)
@@ -110,25 +111,25 @@ const REDIS_LIMIT_FIX: &str = "if it was raised by mistake (set by hand, a bogus
 
 /// Issues leases and fence tokens from Redis.
 ///
-/// Generic over the connection: [`Issuer::connect`] gives a set of reconnecting connections
-/// ([`RedisConnections`]), [`Issuer::connect_cluster`] a Redis Cluster connection, and
-/// [`Issuer::new`] takes any [`ConnectionLike`] (for example one [`ConnectionManager`](redis::aio::ConnectionManager)).
+/// Generic over the connection: [`RedisIssuer::connect`] gives a set of reconnecting connections
+/// ([`RedisConnections`]), [`RedisIssuer::connect_cluster`] a Redis Cluster connection, and
+/// [`RedisIssuer::new`] takes any [`ConnectionLike`] (for example one [`ConnectionManager`](redis::aio::ConnectionManager)).
 ///
-/// Every key starts with the key prefix, `pgfence` unless [`Issuer::with_key_prefix`] sets
+/// Every key starts with the key prefix, `pgfence` unless [`RedisIssuer::with_key_prefix`] sets
 /// another: issuers with different prefixes share no lock and no counter on one Redis, and
 /// no mark in one database (their leases are fenced under their prefix's name,
 /// [`Lease::fencing_resource`]).
 #[derive(Clone)]
-pub struct Issuer<C = RedisConnections> {
+pub struct RedisIssuer<C = RedisConnections> {
     conn: C,
     pub(crate) floor_source: Option<Arc<dyn FloorSource>>,
     prefix: Arc<str>,
     call_timeout: Duration,
 }
 
-impl<C> std::fmt::Debug for Issuer<C> {
+impl<C> std::fmt::Debug for RedisIssuer<C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Issuer")
+        f.debug_struct("RedisIssuer")
             .field("key_prefix", &self.prefix)
             .field("floor_source", &self.floor_source.is_some())
             .field("call_timeout", &self.call_timeout)
@@ -136,7 +137,7 @@ impl<C> std::fmt::Debug for Issuer<C> {
     }
 }
 
-impl<C> Issuer<C> {
+impl<C> RedisIssuer<C> {
     /// The same issuer with another key prefix: keys become `PREFIX:{R}:lock` and
     /// `PREFIX:{R}:fence` (`PREFIX:{D}:lock:NAME` and `PREFIX:{D}:fence` in a fencing domain).
     /// Applications that share a Redis but must not share locks use different prefixes. With
@@ -171,7 +172,7 @@ impl<C> Issuer<C> {
         self
     }
 
-    /// The call bound (see [`Issuer::with_call_timeout`]).
+    /// The call bound (see [`RedisIssuer::with_call_timeout`]).
     #[must_use]
     pub fn call_timeout(&self) -> Duration {
         self.call_timeout
@@ -190,10 +191,10 @@ impl<C> Issuer<C> {
     }
 
     /// The minimal Redis ACL of this issuer's user, for its key prefix (see
-    /// [`redis_acl_rule`]).
+    /// [`acl_rule`]).
     #[must_use]
     pub fn acl_rule(&self) -> String {
-        redis_acl_rule(&self.prefix)
+        acl_rule(&self.prefix)
     }
 
     /// A Redis error as the caller gets it: an ACL refusal names the rule the user needs
@@ -203,7 +204,7 @@ impl<C> Issuer<C> {
     }
 }
 
-impl Issuer<RedisConnections> {
+impl RedisIssuer<RedisConnections> {
     /// Connects to a standalone Redis (`redis://[user:password@]host:port/db`) with
     /// [`default_connections`] reconnecting connections, used in turn.
     ///
@@ -220,7 +221,7 @@ impl Issuer<RedisConnections> {
     /// rediss://pgfence-app:PASSWORD@redis.internal:6380/0?cacert=/etc/pgfence/ca.pem&cert=/etc/pgfence/client.pem&key=/etc/pgfence/client.key
     /// ```
     ///
-    /// For the user's ACL, see [`redis_acl_rule`].
+    /// For the user's ACL, see [`acl_rule`].
     ///
     /// # Errors
     /// [`Error::InvalidIssuerUrl`] for a malformed URL; [`Error::Redis`] for an unreachable
@@ -232,19 +233,19 @@ impl Issuer<RedisConnections> {
         Self::connect_with(url, default_connections()).await
     }
 
-    /// Like [`Issuer::connect`] with `connections` connections.
+    /// Like [`RedisIssuer::connect`] with `connections` connections.
     ///
     /// # Errors
-    /// As [`Issuer::connect`].
+    /// As [`RedisIssuer::connect`].
     pub async fn connect_with(url: &str, connections: NonZeroUsize) -> Result<Self> {
         Ok(Self::new(RedisConnections::open(url, connections).await?))
     }
 }
 
-impl Issuer<redis::cluster_async::ClusterConnection> {
+impl RedisIssuer<redis::cluster_async::ClusterConnection> {
     /// Connects to a Redis Cluster through any of its nodes: `redis://host:port` URLs, or
     /// `rediss://host:port` for TLS (feature `tls`) with the optional `cacert`, `cert` and
-    /// `key` parameters of [`Issuer::connect`] on any one node URL (they apply to every node).
+    /// `key` parameters of [`RedisIssuer::connect`] on any one node URL (they apply to every node).
     ///
     /// # Errors
     /// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters;
@@ -256,7 +257,7 @@ impl Issuer<redis::cluster_async::ClusterConnection> {
     }
 }
 
-impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisIssuer<C> {
     /// An issuer on an existing connection.
     #[must_use]
     pub fn new(conn: C) -> Self {
@@ -268,110 +269,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         }
     }
 
-    /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds it.
-    ///
-    /// # Errors
-    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`]`..=`[`MAX_TTL`] (nothing is
-    /// sent); [`Error::Redis`] when Redis fails after retries; [`Error::InvalidToken`] when the
-    /// counter is at [`MAX_TOKEN`] (the acquire is refused before anything changes: the lock
-    /// stays free, the counter as it was).
-    ///
-    /// # Example
-    /// ```no_run
-    /// # async fn f() -> pgfence::Result<()> {
-    /// use std::time::Duration;
-    /// let issuer = pgfence::Issuer::connect("redis://127.0.0.1:6379").await?;
-    /// let resource = pgfence::Resource::new("payments:batch:42")?;
-    /// if let Some(lease) = issuer.acquire(&resource, Duration::from_secs(30)).await? {
-    ///     println!("token {}", lease.token());
-    ///     issuer.release(&lease).await?;
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
-        policy::acquire(self, resource, ttl).await
-    }
-
-    /// Like [`Issuer::acquire`] with a caller-chosen owner id. Re-running it with the same
-    /// owner while the lease is held returns the same token (the idempotent retry after a lost
-    /// reply). Returns `Err(retry_in)` when another owner holds the lock.
-    ///
-    /// # Errors
-    /// As [`Issuer::acquire`]; [`Error::InvalidOwner`] for an empty owner id or one containing
-    /// `:`.
-    pub async fn acquire_as(
-        &self,
-        resource: &Resource,
-        owner: &str,
-        ttl: Duration,
-    ) -> Result<std::result::Result<Lease, Duration>> {
-        policy::acquire_as(self, resource, owner, ttl).await
-    }
-
-    /// Waits up to `wait` for the lock, retrying (also after retryable errors, such as a
-    /// failover in progress) with jittered exponential backoff (10 ms
-    /// doubling to 500 ms, never sleeping past the holder's remaining TTL). `Ok(None)` when
-    /// the wait ran out.
-    ///
-    /// # Errors
-    /// As [`Issuer::acquire`].
-    pub async fn acquire_wait(
-        &self,
-        resource: &Resource,
-        ttl: Duration,
-        wait: Duration,
-    ) -> Result<Option<Lease>> {
-        policy::acquire_wait(self, resource, ttl, wait).await
-    }
-
-    /// Releases the lock if `lease` still holds it. The counter is left alone.
-    ///
-    /// A release lost in transit (a dropped or refused connection, a timeout) is sent again
-    /// within the call bound ([`Issuer::with_call_timeout`]): releasing is owner-safe. When a re-sent release finds the lock gone
-    /// before the lease's local deadline, the lock cannot have expired, so an earlier attempt
-    /// released it: that is reported as [`ReleaseOutcome::Released`].
-    ///
-    /// # Errors
-    /// [`Error::Redis`].
-    pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
-        policy::release(self, lease).await
-    }
-
-    /// Extends the lock to `ttl` from now if `lease` still holds it, and moves the lease's
-    /// local deadline accordingly.
-    ///
-    /// An extend lost in transit is sent again (extending is owner-safe and idempotent) within
-    /// the call bound ([`Issuer::with_call_timeout`]); only Redis's answer
-    /// ([`LeaseState::Expired`], [`LeaseState::Taken`]) or running out of time ends it early.
-    ///
-    /// # Errors
-    /// [`Error::InvalidDuration`]; [`Error::Redis`].
-    pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
-        policy::extend(self, lease, ttl).await
-    }
-
-    /// [`Issuer::extend`], re-sending after transport failures until `until` (what
-    /// [`KeepAlive`] uses: it gives up at the lease's local deadline).
-    ///
-    /// # Errors
-    /// As [`Issuer::extend`].
-    pub async fn extend_until(
-        &self,
-        lease: &mut Lease,
-        ttl: Duration,
-        until: Instant,
-    ) -> Result<LeaseState> {
-        policy::extend_until(self, lease, ttl, until).await
-    }
-
-    /// Reads the lock and counter of `resource`.
-    ///
-    /// # Errors
-    /// [`Error::Redis`].
-    pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
-        policy::status(self, resource).await
-    }
-
     /// Raises `resource`'s counter to at least `floor` (never lowers it) and returns its value
     /// afterwards. The next lease gets a token above `floor`.
     ///
@@ -381,11 +278,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
         policy::raise_floor(self, resource, floor).await
     }
 
-    /// Keeps `lease` alive in the background; see [`KeepAlive`].
-    #[must_use]
-    pub fn keep_alive(&self, lease: &Lease) -> KeepAlive {
-        KeepAlive::spawn(Arc::new(self.clone()), lease.clone())
-    }
     /// The clean-up of an acquire call (`ask`) that returned no lease after an attempt whose
     /// outcome is unknown — one cut off by its bound stays queued on its connection and takes
     /// the lock when its bytes arrive; one lost with a reset connection is gone or already
@@ -484,13 +376,48 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Issuer<C> {
     }
 }
 
+issuer_methods! {
+    impl[C: ConnectionLike + Clone + Send + Sync + 'static] RedisIssuer<C> {
+        error: "[`Error::Redis`]",
+        acquire: {
+            ///
+            /// One round trip: a Lua script takes the lock and increments the counter. Each
+            /// attempt is cut off after 1 s and an acquire is sent at most 3 times (see
+            /// [`with_call_timeout`](Self::with_call_timeout)); a late attempt that takes the
+            /// lock after the call gave up is removed in the background.
+            ///
+            /// # Example
+            /// ```no_run
+            /// # async fn f() -> pgfence::Result<()> {
+            /// use std::time::Duration;
+            /// let issuer = pgfence::RedisIssuer::connect("redis://127.0.0.1:6379").await?;
+            /// let resource = pgfence::Resource::new("payments:batch:42")?;
+            /// if let Some(lease) = issuer.acquire(&resource, Duration::from_secs(30)).await? {
+            ///     println!("token {}", lease.token());
+            ///     issuer.release(&lease).await?;
+            /// }
+            /// # Ok(()) }
+            /// ```
+        }
+        acquire_as: {
+            /// `retry_in` is the holder's remaining TTL (`PTTL`).
+        }
+        acquire_wait: {}
+        release: {
+            /// The counter is left alone.
+        }
+        extend: {}
+        status: {}
+    }
+}
+
 /// An acquire call's id as the scripts take it: 16 hex digits, so that comparing the text
 /// compares the numbers.
 fn call_id(call: u64) -> String {
     format!("{call:016x}")
 }
 
-/// What [`Issuer::abandon`] sends on one connection.
+/// What [`RedisIssuer::abandon`] sends on one connection.
 struct Abandon {
     lock: String,
     attempt: String,
@@ -568,7 +495,7 @@ const RESEND: Resend = Resend {
     attempt_timeout: Some(Duration::from_secs(1)),
 };
 
-impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for Issuer<C> {
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for RedisIssuer<C> {
     const KIND: IssuerKind = IssuerKind::Redis;
     const RESEND: Resend = RESEND;
 
@@ -633,7 +560,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for Issuer<C> {
     }
 
     /// Removes, in the background, the lock a late attempt of the failed call `ask` takes:
-    /// see [`Issuer::abandon`].
+    /// see [`RedisIssuer::abandon`].
     async fn acquire_abandoned(&self, ask: &Ask<'_>) {
         self.abandon(ask);
     }
@@ -703,7 +630,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for Issuer<C> {
     }
 
     fn recover_from(&self, err: &Error) -> impl Future<Output = Result<bool>> + Send {
-        Issuer::recover_from(self, err)
+        RedisIssuer::recover_from(self, err)
     }
 
     fn reseed(
@@ -711,7 +638,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for Issuer<C> {
         pool: &PgPool,
         resource: &Resource,
     ) -> impl Future<Output = Result<i64>> + Send {
-        Issuer::reseed(self, pool, resource)
+        RedisIssuer::reseed(self, pool, resource)
     }
 }
 

@@ -35,7 +35,7 @@ use redis::{
 use tokio::time::Instant;
 
 use super::acl::{SENTINEL_REFUSED, is_acl_denial};
-use super::{Issuer, default_connections};
+use super::{RedisIssuer, default_connections};
 use crate::tls::{TlsFiles, TlsParams, percent_decode};
 use crate::{Error, Result};
 
@@ -811,7 +811,7 @@ impl ConnectionLike for SentinelConnections {
     }
 }
 
-impl Issuer<SentinelConnections> {
+impl RedisIssuer<SentinelConnections> {
     /// Connects through Redis Sentinel:
     /// `redis+sentinel://[user:pass@]host1:port1[,host2:port2...]/<master-name>[/db]`, or
     /// `rediss+sentinel://...` over TLS ([`SentinelUrl`]). The issuer follows the master
@@ -823,11 +823,11 @@ impl Issuer<SentinelConnections> {
         Ok(Self::new(SentinelConnections::open(url).await?))
     }
 
-    /// Like [`Issuer::connect_sentinel`] with `count` connections to the master, and commands
+    /// Like [`RedisIssuer::connect_sentinel`] with `count` connections to the master, and commands
     /// waiting up to `failover_wait` for a master while none is reachable.
     ///
     /// # Errors
-    /// As [`Issuer::connect_sentinel`].
+    /// As [`RedisIssuer::connect_sentinel`].
     pub async fn connect_sentinel_with(
         url: &str,
         count: NonZeroUsize,

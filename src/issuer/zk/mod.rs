@@ -13,27 +13,27 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tokio::time::Instant;
 use zookeeper_client::Client;
 
 use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
-use super::policy;
+use super::methods::issuer_methods;
+#[cfg(doc)]
 use super::{Lease, LeaseState, LockStatus, ReleaseOutcome};
 #[cfg(doc)]
 use crate::Error;
 use crate::{Resource, Result};
 use held::{Held, Inner, remove_strays};
-use names::lock_dir;
-pub use names::zk_lock_dir;
+pub use names::lock_dir;
+use names::prefixed_lock_dir;
 pub(crate) use session::is_transient;
 use session::{ended, open_session};
+pub use url::SCHEME;
 use url::parse_url;
-pub use url::{ZK_SCHEME, is_zk_url};
 
 /// Issues leases and fence tokens from a ZooKeeper ensemble (3.5 or newer; feature `zk`).
 ///
 /// The same methods and [`Lease`] / [`ReleaseOutcome`] / [`LeaseState`] / [`LockStatus`] as
-/// the Redis [`Issuer`](crate::Issuer) and the `EtcdIssuer`, and it implements
+/// [`RedisIssuer`](crate::RedisIssuer) and the `EtcdIssuer`, and it implements
 /// [`TokenIssuer`](crate::TokenIssuer) ([`IssuerKind::ZooKeeper`](crate::issuer::IssuerKind::ZooKeeper)),
 /// where [`raise_floor`](crate::TokenIssuer::raise_floor) and
 /// [`recover_from`](crate::TokenIssuer::recover_from) are no-ops: zxids never go backwards.
@@ -69,7 +69,7 @@ pub use url::{ZK_SCHEME, is_zk_url};
 ///
 /// # Layout
 ///
-/// Resource `R`'s lock lives under the persistent node `/pgfence/lock/R` ([`zk_lock_dir`];
+/// Resource `R`'s lock lives under the persistent node `/pgfence/lock/R` ([`lock_dir`];
 /// `/PREFIX/lock/R` with [`ZkIssuer::with_key_prefix`]; names `%`-encoded), created on first
 /// use as a *container* node (ZooKeeper deletes it once it has had children and has none). An
 /// acquire creates the ephemeral sequential child `lock-<owner>-<sequence>` holding the owner
@@ -152,7 +152,7 @@ impl ZkIssuer {
     /// from the ensemble's one zxid sequence).
     ///
     /// # Errors
-    /// [`Error::InvalidKeyPrefix`], as for [`Issuer::with_key_prefix`](crate::Issuer::with_key_prefix).
+    /// [`Error::InvalidKeyPrefix`], as for [`RedisIssuer::with_key_prefix`](crate::RedisIssuer::with_key_prefix).
     pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
         self.prefix = check_key_prefix(prefix)?.into();
         Ok(self)
@@ -185,7 +185,7 @@ impl ZkIssuer {
     /// This issuer's znode for `resource`'s lock nodes: `/PREFIX/lock/R`.
     #[must_use]
     pub fn lock_dir(&self, resource: &Resource) -> String {
-        lock_dir(&self.prefix, resource)
+        prefixed_lock_dir(&self.prefix, resource)
     }
 
     /// The session timeout the servers granted (they bound the one asked for).
@@ -243,60 +243,6 @@ impl ZkIssuer {
             .cloned()
     }
 
-    /// Tries once to take `resource`'s lock for `ttl`. `Ok(None)` when another owner holds it.
-    ///
-    /// # Errors
-    /// [`Error::InvalidDuration`] for a TTL outside [`MIN_TTL`](crate::issuer::MIN_TTL)`..=`
-    /// [`MAX_TTL`](crate::issuer::MAX_TTL) (nothing is sent); [`Error::ZooKeeper`] when ZooKeeper fails
-    /// after retries; [`Error::InvalidToken`] when the ensemble's zxid reached
-    /// [`MAX_TOKEN`](crate::token::MAX_TOKEN) (no lock node is left behind).
-    pub async fn acquire(&self, resource: &Resource, ttl: Duration) -> Result<Option<Lease>> {
-        policy::acquire(self, resource, ttl).await
-    }
-
-    /// Like [`ZkIssuer::acquire`] with a caller-chosen owner id. Re-running it with the same
-    /// owner while this issuer holds the lock returns the same token and renews the lock for
-    /// `ttl` (the idempotent retry after a lost reply). Returns `Err(retry_in)` when another
-    /// owner holds the lock; ZooKeeper does not know the holder's remaining TTL, so `retry_in`
-    /// is zero ("unknown").
-    ///
-    /// # Errors
-    /// As [`ZkIssuer::acquire`]; [`Error::InvalidOwner`] for an empty owner id or one
-    /// containing `:`.
-    pub async fn acquire_as(
-        &self,
-        resource: &Resource,
-        owner: &str,
-        ttl: Duration,
-    ) -> Result<std::result::Result<Lease, Duration>> {
-        policy::acquire_as(self, resource, owner, ttl).await
-    }
-
-    /// Waits up to `wait` for the lock, retrying with jittered exponential backoff (10 ms
-    /// doubling to 500 ms). `Ok(None)` when the wait ran out.
-    ///
-    /// # Errors
-    /// As [`ZkIssuer::acquire`].
-    pub async fn acquire_wait(
-        &self,
-        resource: &Resource,
-        ttl: Duration,
-        wait: Duration,
-    ) -> Result<Option<Lease>> {
-        policy::acquire_wait(self, resource, ttl, wait).await
-    }
-
-    /// Releases the lock if `lease` still holds it (its node, same owner and token, still
-    /// exists), from any issuer on the ensemble. A release lost in transit is sent again
-    /// within the call bound; one that then finds its node gone before the lease's local deadline reports
-    /// [`ReleaseOutcome::Released`] (an earlier attempt deleted it), as the other issuers do.
-    ///
-    /// # Errors
-    /// [`Error::ZooKeeper`].
-    pub async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome> {
-        policy::release(self, lease).await
-    }
-
     /// Leaves the lock nodes `owner` may have left in `dir` to a cleanup task (see
     /// `Inner::strays`), unless an acquire of the same owner takes the lock over first.
     async fn sweep(&self, dir: &str, owner: &str) {
@@ -304,46 +250,31 @@ impl ZkIssuer {
         self.inner.strays.lock().await.insert(key.clone());
         tokio::spawn(remove_strays(Arc::downgrade(&self.inner), key));
     }
+}
 
-    /// Extends the lock to `ttl` from now if `lease` still holds it, and moves the lease's
-    /// local deadline accordingly. The node's existence is checked on the ensemble (one read);
-    /// the deadline is this issuer's timer.
-    ///
-    /// # Errors
-    /// [`Error::InvalidDuration`]; [`Error::ZooKeeper`]; [`Error::InvalidOwner`] when the lock
-    /// is held by another session's issuer (only the issuer that acquired a lease extends it).
-    pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<LeaseState> {
-        policy::extend(self, lease, ttl).await
-    }
-
-    /// [`ZkIssuer::extend`], re-sending after transport failures only until `until` (what
-    /// [`KeepAlive`](crate::issuer::KeepAlive) uses, with the lease's local deadline).
-    ///
-    /// # Errors
-    /// As [`ZkIssuer::extend`].
-    pub async fn extend_until(
-        &self,
-        lease: &mut Lease,
-        ttl: Duration,
-        until: Instant,
-    ) -> Result<LeaseState> {
-        policy::extend_until(self, lease, ttl, until).await
-    }
-
-    /// Reads `resource`'s lock. `counter` is the zxid of the last change to the resource's lock
-    /// nodes (every token issued for it so far is at most this; the next is above it). `ttl_ms`
-    /// is known only for locks this issuer holds. A read lost in transit is sent again within
-    /// the call bound.
-    ///
-    /// # Errors
-    /// [`Error::ZooKeeper`].
-    pub async fn status(&self, resource: &Resource) -> Result<LockStatus> {
-        policy::status(self, resource).await
-    }
-
-    /// Keeps `lease` alive in the background; see [`KeepAlive`](crate::issuer::KeepAlive).
-    #[must_use]
-    pub fn keep_alive(&self, lease: &Lease) -> crate::issuer::KeepAlive {
-        crate::issuer::KeepAlive::spawn(Arc::new(self.clone()), lease.clone())
+issuer_methods! {
+    impl[] ZkIssuer {
+        error: "[`Error::ZooKeeper`]",
+        acquire: {}
+        acquire_as: {
+            /// ZooKeeper does not know the holder's remaining TTL, so `retry_in` is zero
+            /// ("unknown").
+        }
+        acquire_wait: {}
+        release: {
+            ///
+            /// Any issuer on the ensemble can release it (its node, same owner and token).
+        }
+        extend: {
+            ///
+            /// The node's existence is checked on the ensemble (one read); the deadline is this
+            /// issuer's timer. Only the issuer that acquired a lease (its session) extends it:
+            /// another gets [`Error::InvalidOwner`].
+        }
+        status: {
+            /// `counter` is the zxid of the last change to the resource's lock nodes (every token
+            /// issued for it so far is at most this; the next is above it). `ttl_ms` is known
+            /// only for locks this issuer holds.
+        }
     }
 }

@@ -12,11 +12,11 @@ pub(super) const NODE_PREFIX: &str = "lock-";
 /// `/pgfence/lock/<resource>`, the resource name with `%`, `/` and characters ZooKeeper does
 /// not allow in a node name written as `%XX` (so `a/b` is `/pgfence/lock/a%2Fb`).
 #[must_use]
-pub fn zk_lock_dir(resource: &Resource) -> String {
-    lock_dir(DEFAULT_KEY_PREFIX, resource)
+pub fn lock_dir(resource: &Resource) -> String {
+    prefixed_lock_dir(DEFAULT_KEY_PREFIX, resource)
 }
 
-pub(super) fn lock_dir(prefix: &str, resource: &Resource) -> String {
+pub(super) fn prefixed_lock_dir(prefix: &str, resource: &Resource) -> String {
     format!(
         "/{}/lock/{}",
         node_name(prefix),
@@ -80,15 +80,15 @@ mod tests {
     #[test]
     fn node_names_are_safe_and_injective() {
         let r = Resource::in_domain("billing", "account:2").unwrap();
-        assert_eq!(zk_lock_dir(&r), "/pgfence/lock/{billing}account:2");
+        assert_eq!(lock_dir(&r), "/pgfence/lock/{billing}account:2");
         let r = Resource::new("a/b%c..d").unwrap();
-        assert_eq!(zk_lock_dir(&r), "/pgfence/lock/a%2Fb%25c..d");
+        assert_eq!(lock_dir(&r), "/pgfence/lock/a%2Fb%25c..d");
         assert_eq!(node_name(".."), "%2E%2E");
         assert_eq!(node_name("."), "%2E");
         assert_eq!(node_name("é"), "%C3%A9");
         assert_ne!(node_name("a/b"), node_name("a%2Fb"));
         assert_eq!(
-            lock_dir("app/x", &Resource::new("r").unwrap()),
+            prefixed_lock_dir("app/x", &Resource::new("r").unwrap()),
             "/app%2Fx/lock/r"
         );
     }

@@ -7,7 +7,7 @@ use crate::tls::zk_tls_unsupported as tls_unsupported;
 use crate::{Error, Result};
 
 /// The URL scheme that selects the ZooKeeper issuer: `zk://host:2181[,host2:2181...]`.
-pub const ZK_SCHEME: &str = "zk://";
+pub const SCHEME: &str = "zk://";
 
 /// The port used when a `zk://` URL names a host without one.
 const DEFAULT_PORT: u16 = 2181;
@@ -17,9 +17,9 @@ const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Whether `url` selects the ZooKeeper issuer (`zk://...`).
 #[must_use]
-pub fn is_zk_url(url: &str) -> bool {
-    url.get(..ZK_SCHEME.len())
-        .is_some_and(|s| s.eq_ignore_ascii_case(ZK_SCHEME))
+pub(super) fn is_zk_url(url: &str) -> bool {
+    url.get(..SCHEME.len())
+        .is_some_and(|s| s.eq_ignore_ascii_case(SCHEME))
 }
 
 /// Query parameters that ask for TLS, which this issuer does not speak (see [`ZkIssuer`]).
@@ -39,7 +39,7 @@ pub(super) fn parse_url(url: &str) -> Result<(String, Duration)> {
     if !is_zk_url(url) {
         return Err(invalid("not a zk:// URL"));
     }
-    let rest = &url[ZK_SCHEME.len()..];
+    let rest = &url[SCHEME.len()..];
     let (hosts, query) = rest.split_once('?').unwrap_or((rest, ""));
     let hosts = hosts.strip_suffix('/').unwrap_or(hosts);
     let mut session_timeout = DEFAULT_SESSION_TIMEOUT;

@@ -15,7 +15,7 @@ use crate::measure::{Outcome, Sample, TOKENS, Workload, lease_fence};
 use crate::servers::{Env, prefix, prep, redis_conn, resync_tokens};
 use crate::{LEASE_TTL, PAYLOAD};
 
-/// The acquire script, byte for byte what [`pgfence::Issuer::acquire`] sends (the library's
+/// The acquire script, byte for byte what [`pgfence::RedisIssuer::acquire`] sends (the library's
 /// own file).
 const ACQUIRE_LUA: &str = include_str!("../../../../src/issuer/redis/lua/acquire.lua");
 

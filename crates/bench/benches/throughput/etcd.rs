@@ -8,7 +8,7 @@
 //!   the measurement, unmeasured, so that their expiry does not load later figures).
 //! - 8c raw etcd-client, same client: lease grant, create-if-absent transaction putting the
 //!   key under the lease, lease revoke (which deletes the key): 3 requests, all Raft writes.
-//! - 8d the Redis [`Issuer`] acquire + release (3c), measured again next to 8a.
+//! - 8d [`RedisIssuer`] acquire + release (3c), measured again next to 8a.
 //!
 //! The etcd server is a throwaway single node ([`EtcdCluster::single`], data on `/dev/shm`
 //! when writable) unless `PGFENCE_ETCD_URL` names one (`etcd://host:port`); its CPU per
@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Result;
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
-use pgfence::{Issuer, issuer::EtcdIssuer};
+use pgfence::{RedisIssuer, issuer::EtcdIssuer};
 use pgfence_testkit::{EtcdCluster, ServerError};
 
 use crate::LEASE_TTL;
@@ -134,7 +134,7 @@ pub(crate) async fn etcd(
     put(out, round, "etcd.raw_cycle", sample);
 
     let work = IssuerCycle {
-        issuer: Issuer::connect(&env.redis_url).await?,
+        issuer: RedisIssuer::connect(&env.redis_url).await?,
         prefix: prefix(env, "etcd-vs-redis"),
     };
     let sample = measure_redis(env, work).await?;

@@ -15,7 +15,7 @@
 //! - `batch`: [`Repository::update_many`] of 10, 100 and 1,000 rows per batch (a fresh token
 //!   per batch), in rows/s, against the same round's 1a and 2d; and the same batch statement
 //!   (captured from `pg_prepared_statements`) through pgbench, the Postgres-side ceiling.
-//! - `acquire`: [`Issuer::acquire`] on a fresh resource each time vs `redis-benchmark` sending
+//! - `acquire`: [`RedisIssuer::acquire`] on a fresh resource each time vs `redis-benchmark` sending
 //!   the same Lua script by `EVALSHA` on fresh random keys; acquire+release cycles (also with
 //!   the issuer on one multiplexed connection) vs the `rslock` crate's lock+unlock and a
 //!   hand-rolled `SET NX PX` + Lua compare-and-delete.
@@ -84,7 +84,7 @@
 //! [`Repository::update_sql`]: pgfence::Repository::update_sql
 //! [`Repository::claim`]: pgfence::Repository::claim
 //! [`Repository::update_many`]: pgfence::Repository::update_many
-//! [`Issuer::acquire`]: pgfence::Issuer::acquire
+//! [`RedisIssuer::acquire`]: pgfence::RedisIssuer::acquire
 
 // A benchmark's report is its standard output.
 #![allow(clippy::print_stdout)]

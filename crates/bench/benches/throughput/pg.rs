@@ -15,7 +15,7 @@
 //!   counter rows deleted, so that every round starts from the same tables.
 //! - 10b' the same with the rows of 10,000 other resources (an expired lock and a counter
 //!   each) in the tables, analyzed, before the figure starts (deleted afterwards).
-//! - 10c the Redis [`Issuer`] acquire + release (3c), measured again in the same round.
+//! - 10c [`RedisIssuer`] acquire + release (3c), measured again in the same round.
 //! - 10d `SELECT pg_try_advisory_lock($1)` + `SELECT pg_advisory_unlock($1)` on one pooled
 //!   connection (sqlx prepared statements): a session-level lock, so it does not survive a
 //!   transaction-mode pooler, and it carries no token.
@@ -51,7 +51,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use pgfence::{Issuer, Resource, issuer::PgIssuer};
+use pgfence::{RedisIssuer, Resource, issuer::PgIssuer};
 use sqlx::PgPool;
 
 use crate::LEASE_TTL;
@@ -143,7 +143,7 @@ pub(crate) async fn pg(env: &Env, round: usize, out: &mut Results) -> Result<()>
         .execute(&env.admin)
         .await
         .context("creating bench_lease")?;
-    let redis = Issuer::connect(&env.redis_url).await?;
+    let redis = RedisIssuer::connect(&env.redis_url).await?;
     // Advisory lock keys of this run: high bits from the run, low bits per figure and task.
     let advisory_base = i64::from(rand::random::<u32>()) << 20;
 
@@ -488,7 +488,7 @@ impl Workload for LeaseCycle {
     }
 
     async fn op(&self, (resource, last): &mut Self::State) -> Outcome {
-        let owner = pgfence::issuer::new_owner_id();
+        let owner = pgfence::Lease::new_owner_id();
         let ttl_secs = LEASE_TTL.as_secs_f64();
         let run = async {
             let token: Option<i64> = sqlx::query_scalar(LEASE_ACQUIRE_SQL)
@@ -546,7 +546,7 @@ impl Workload for PreparedFunctions {
     }
 
     async fn op(&self, resource: &mut Self::State) -> Outcome {
-        let owner = pgfence::issuer::new_owner_id();
+        let owner = pgfence::Lease::new_owner_id();
         let ttl_ms = i64::try_from(LEASE_TTL.as_millis()).expect("ttl fits i64");
         let run = async {
             let (acquired, token): (bool, Option<i64>) = sqlx::query_as(

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use pgfence::admin::DoctorOptions;
 use pgfence::audit::AuditFilter;
-use pgfence::{Issuer, Repository, TokenIssuer, table::TableName};
+use pgfence::{RedisIssuer, Repository, TokenIssuer, table::TableName};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, SqlSafeStr};
 
 use crate::PAYLOAD;
@@ -432,7 +432,7 @@ pub(crate) async fn scale(
     );
 
     // 12g / 12h: doctor, as `pgfence doctor --no-redis` and with the Redis issuer.
-    let issuer = Issuer::connect(&env.redis_url).await?;
+    let issuer = RedisIssuer::connect(&env.redis_url).await?;
     for (key, with_issuer) in [("scale.doctor", false), ("scale.doctor_redis", true)] {
         let pool = tuned_pool(env, 1).await?;
         let start = Instant::now();

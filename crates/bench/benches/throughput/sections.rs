@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
 use anyhow::Result;
-use pgfence::{Issuer, Repository, Resource};
+use pgfence::{RedisIssuer, Repository, Resource};
 use redis::aio::ConnectionManager;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, SqlSafeStr};
@@ -70,7 +70,7 @@ pub(crate) async fn condition(env: &Env) -> Result<()> {
         measure(cfg, tasks, Metric::Applied, work).await?;
     }
     let work = JobCycle {
-        issuer: Issuer::connect(&env.redis_url).await?,
+        issuer: RedisIssuer::connect(&env.redis_url).await?,
         repo: Repository::new(pool.clone())?,
         pool: pool.clone(),
         prefix: format!("{}:job", env.run_id),
@@ -307,7 +307,7 @@ pub(crate) async fn measure_redis<W: Workload>(env: &Env, work: W) -> Result<Sam
 /// Section `acquire`: 3a–3e.
 pub(crate) async fn acquire(env: &Env, round: usize, out: &mut Results) -> Result<()> {
     let cfg = &env.cfg;
-    let issuer = Issuer::connect(&env.redis_url).await?;
+    let issuer = RedisIssuer::connect(&env.redis_url).await?;
 
     let work = AcquireFresh {
         issuer: issuer.clone(),
@@ -329,11 +329,11 @@ pub(crate) async fn acquire(env: &Env, round: usize, out: &mut Results) -> Resul
     let sample = measure_redis(env, work).await?;
     put(out, round, "acquire.issuer_cycle", sample);
 
-    // The issuer on one multiplexed connection (what `Issuer::connect` opened before it
+    // The issuer on one multiplexed connection (what `RedisIssuer::connect` opened before it
     // opened one per CPU).
     let client = redis::Client::open(env.redis_url.as_str())?;
     let work = IssuerCycle {
-        issuer: Issuer::new(ConnectionManager::new(client).await?),
+        issuer: RedisIssuer::new(ConnectionManager::new(client).await?),
         prefix: prefix(env, "cycle-single"),
     };
     let sample = measure_redis(env, work).await?;
@@ -362,7 +362,7 @@ pub(crate) async fn job(env: &Env, round: usize, out: &mut Results) -> Result<()
     let pool = tuned_pool(env, cfg.pool).await?;
     prep(env).await?;
     let work = JobCycle {
-        issuer: Issuer::connect(&env.redis_url).await?,
+        issuer: RedisIssuer::connect(&env.redis_url).await?,
         repo: Repository::new(pool.clone())?,
         pool: pool.clone(),
         // The same resources every round: their counters keep rising with the rows' fences.

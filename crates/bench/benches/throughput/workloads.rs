@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use pgfence::{Fencing, Issuer, Lease, Repository, Resource, issuer::ReleaseOutcome};
+use pgfence::{Fencing, Lease, RedisIssuer, Repository, Resource, issuer::ReleaseOutcome};
 use sqlx::{PgPool, SqlStr};
 
 use crate::measure::{BatchKeys, Keys, Outcome, Workload, next_token, stale_token};
@@ -230,7 +230,7 @@ impl Workload for RawFencedSql {
 /// 3a: one acquire per operation, each on a resource never used before (fresh lock key and
 /// fresh counter, like `redis-benchmark` on random keys). Leases are left to expire.
 pub(crate) struct AcquireFresh {
-    pub(crate) issuer: Issuer,
+    pub(crate) issuer: RedisIssuer,
     pub(crate) prefix: String,
 }
 
@@ -272,7 +272,7 @@ pub(crate) trait CycleIssuer: Send + Sync + 'static {
     ) -> impl Future<Output = pgfence::Result<ReleaseOutcome>> + Send;
 }
 
-impl<C> CycleIssuer for Issuer<C>
+impl<C> CycleIssuer for RedisIssuer<C>
 where
     C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
 {
@@ -281,19 +281,19 @@ where
         resource: &Resource,
         ttl: Duration,
     ) -> impl Future<Output = pgfence::Result<Option<Lease>>> + Send {
-        Issuer::acquire(self, resource, ttl)
+        RedisIssuer::acquire(self, resource, ttl)
     }
 
     fn release(
         &self,
         lease: &Lease,
     ) -> impl Future<Output = pgfence::Result<ReleaseOutcome>> + Send {
-        Issuer::release(self, lease)
+        RedisIssuer::release(self, lease)
     }
 }
 
 /// 3c (and 8a, 9a): acquire + release of one resource per task.
-pub(crate) struct IssuerCycle<I = Issuer> {
+pub(crate) struct IssuerCycle<I = RedisIssuer> {
     pub(crate) issuer: I,
     pub(crate) prefix: String,
 }
@@ -321,7 +321,7 @@ impl<I: CycleIssuer> Workload for IssuerCycle<I> {
 /// 4: a job: acquire the task's resource, write one of its rows with the lease's token,
 /// release.
 pub(crate) struct JobCycle {
-    pub(crate) issuer: Issuer,
+    pub(crate) issuer: RedisIssuer,
     pub(crate) pool: PgPool,
     pub(crate) repo: Repository<JobRow>,
     pub(crate) prefix: String,

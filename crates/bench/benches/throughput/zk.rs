@@ -11,7 +11,7 @@
 //! - 9c raw zookeeper-client, its own session: create an ephemeral sequential node under a
 //!   per-task persistent parent (created beforehand), delete it: 2 requests, both writes —
 //!   the least a ZooKeeper lock can cost.
-//! - 9d the Redis [`Issuer`] acquire + release (3c), measured again next to 9a.
+//! - 9d [`RedisIssuer`] acquire + release (3c), measured again next to 9a.
 //!
 //! The ZooKeeper server is a throwaway standalone server ([`ZkEnsemble::single`]: data on
 //! `/dev/shm` when writable, `forceSync=no`) unless `PGFENCE_ZK_URL` names one
@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use pgfence::{Issuer, Resource, issuer::ZkIssuer};
+use pgfence::{RedisIssuer, Resource, issuer::ZkIssuer};
 use pgfence_testkit::{ServerError, ZkEnsemble};
 use zookeeper_client::{Acls, Client, CreateMode};
 
@@ -65,7 +65,7 @@ impl LocalServer for ZkEnsemble {
 /// The connect string of a `zk://` URL (`host:port,...`), for the raw client: the scheme, a
 /// trailing `/` and the query are dropped; a host without a port gets 2181.
 fn hosts(url: &str) -> String {
-    let rest = url.get(pgfence::issuer::ZK_SCHEME.len()..).unwrap_or("");
+    let rest = url.get(pgfence::issuer::zk::SCHEME.len()..).unwrap_or("");
     let hosts = rest.split('?').next().unwrap_or("");
     hosts
         .trim_end_matches('/')
@@ -95,7 +95,7 @@ impl Workload for RawZkCycle {
     type State = (String, String);
 
     fn state(&self, task: usize) -> Self::State {
-        let owner = pgfence::issuer::new_owner_id();
+        let owner = pgfence::Lease::new_owner_id();
         (format!("{}/{task}/lock-{owner}-", self.base), owner)
     }
 
@@ -188,7 +188,7 @@ pub(crate) async fn zk(
     put(out, round, "zk.raw_cycle", sample?);
 
     let work = IssuerCycle {
-        issuer: Issuer::connect(&env.redis_url).await?,
+        issuer: RedisIssuer::connect(&env.redis_url).await?,
         prefix: prefix(env, "zk-vs-redis"),
     };
     let sample = measure_redis(env, work).await?;

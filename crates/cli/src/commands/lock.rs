@@ -42,7 +42,7 @@ pub async fn acquire(
     json: bool,
 ) -> Result<ExitCode> {
     let resource = lock_resource(conn, resource)?;
-    pgfence::issuer::check_ttl(ttl)?;
+    pgfence::issuer::limits::check_ttl(ttl)?;
     let issuer = conn.lock_issuer().await?;
     if issuer.kind() == pgfence::issuer::IssuerKind::ZooKeeper {
         // Its lock node is ephemeral: it would be gone as soon as this command exits.

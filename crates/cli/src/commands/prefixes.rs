@@ -117,7 +117,7 @@ async fn redis_counters(
     let client = redis::Client::open(url)?;
     let mut conn = client.get_multiplexed_async_connection().await?;
     // The key's form, from the library: `PREFIX:{COUNTER}:fence`.
-    let key = pgfence::issuer::counter_key(resource);
+    let key = pgfence::issuer::redis::counter_key(resource);
     let suffix = &key[DEFAULT_KEY_PREFIX.len()..];
     let mut pattern = String::from("*");
     for c in suffix.chars() {
@@ -148,7 +148,7 @@ async fn redis_counters(
         let Some(prefix) = key.strip_suffix(suffix) else {
             continue;
         };
-        if prefix == own || pgfence::issuer::check_key_prefix(prefix).is_err() {
+        if prefix == own || pgfence::issuer::limits::check_key_prefix(prefix).is_err() {
             continue;
         }
         let value: Option<i64> = redis::cmd("GET").arg(&key).query_async(&mut conn).await?;

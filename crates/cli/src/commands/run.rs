@@ -119,7 +119,7 @@ pub async fn run(
     command: &[String],
 ) -> Result<ExitCode> {
     let resource = util::resource(resource)?;
-    pgfence::issuer::check_ttl(ttl)?;
+    pgfence::issuer::limits::check_ttl(ttl)?;
     let Some(program) = command.first() else {
         bail!("no command given after --")
     };

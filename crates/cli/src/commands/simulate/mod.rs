@@ -34,7 +34,7 @@ use crate::util::fmt_duration;
 /// Sets up the servers and the demo table, runs the race, prints what happened; succeeds if
 /// the outcome is the one the mode predicts.
 pub async fn simulate(conn: &Conn, args: &SimulateArgs) -> Result<ExitCode> {
-    pgfence::issuer::check_ttl(args.ttl)?;
+    pgfence::issuer::limits::check_ttl(args.ttl)?;
     if args.pg_failover {
         return failover::simulate_failover(conn, args).await;
     }
