@@ -6,8 +6,7 @@
 //! Run one module's tests with `cargo test --test issuers <module>::`, e.g.
 //! `cargo test --test issuers etcd_issuer::`.
 
-#[path = "../support/mod.rs"]
-mod support;
+use pgfence_test_support as support;
 
 mod issuer_suite;
 

@@ -5,8 +5,7 @@
 //! Run one feature's tests with `cargo test --test postgres <module>::`, e.g.
 //! `cargo test --test postgres pg_failover::`.
 
-#[path = "../support/mod.rs"]
-mod support;
+use pgfence_test_support as support;
 
 mod audit;
 mod batch;

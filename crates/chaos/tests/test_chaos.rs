@@ -10,8 +10,7 @@
 //! Rejections are counted by each harness's own audit sink; reseeds by one global `tracing`
 //! layer keyed by resource, so runs that happen concurrently in this binary do not mix.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use pgfence_test_support as support;
 
 use std::collections::BTreeMap;
 use std::str::FromStr;

@@ -4,8 +4,7 @@
 //! (no violation, no lost update) and unfenced (the control: the same nemesis must break it).
 //! The partition run also writes its history as JSON lines, parsed back here.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use pgfence_test_support as support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -2,8 +2,7 @@
 //! with real apalis-postgres worker processes (`zombie`). PostgreSQL from `DATABASE_URL`, or a
 //! throwaway server (see `pgfence_testkit`); each test gets a fresh database.
 
-#[path = "../../../../tests/support/mod.rs"]
-mod support;
+use pgfence_test_support as support;
 
 #[path = "../../examples/zombie/scenario.rs"]
 mod scenario;

@@ -3,8 +3,7 @@
 //! `pgfence.stop_unless`. The live holder's refund applies; a zombie's is refused, leaves one
 //! audit row per rejection and fails the job; a missing row is "not found", not stale.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::process::{Command, Output, Stdio};

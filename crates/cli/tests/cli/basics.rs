@@ -1,7 +1,6 @@
 //! The `pgfence` binary against real servers.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;

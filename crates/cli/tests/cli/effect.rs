@@ -3,8 +3,7 @@
 //! zombie's late call carries the new holder's key and is deduplicated by the provider, and its
 //! outcome is refused.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::process::{Command, Output, Stdio};
 

@@ -6,8 +6,7 @@
 //! Needs the binary built with the ZooKeeper issuer (`--features pgfence/zk`, or a workspace
 //! build whose pgfence has it) and ZooKeeper installed; skipped (and passing) otherwise.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;

@@ -3,8 +3,7 @@
 //! certificate user), Debian's PgBouncer in transaction and session mode, the least-privilege
 //! application role, a hostile `search_path`, and the URLs people paste.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::net::Ipv4Addr;
 use std::process::{Command, Output, Stdio};

@@ -3,8 +3,7 @@
 //! without expiry, the command of `run` dying with it, fast and clear connection errors,
 //! unmigrated databases, SQL case folding of table names.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::process::{Command, Output, Stdio};

@@ -6,8 +6,7 @@
 //! One table-driven test: the cases share one database and one Redis, and a snapshot is taken
 //! before and after each. A second table-driven test does the same for the `pgfence` binary.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::future::Future;

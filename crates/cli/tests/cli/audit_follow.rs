@@ -1,7 +1,6 @@
 //! `pgfence audit --follow`: existing rejections first, then new ones as they are recorded.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

@@ -2,8 +2,7 @@
 //! `guard --help` shows the migration file name whole, the audit text view shows
 //! `application_name` and `reason`, and an error is one line with no warning before it.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};

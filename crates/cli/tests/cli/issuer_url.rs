@@ -3,8 +3,7 @@
 //! or a workspace build whose pgfence has them: `cargo test` at the root) and they are
 //! installed.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::process::{Command, Output, Stdio};
 

@@ -1,7 +1,6 @@
 //! `pgfence run --on-lease-lost kill|wait`: what happens to the command when its lease is lost.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

@@ -1,8 +1,7 @@
 //! `pgfence doctor` and the guard modes through the binary: exit codes, one line per
 //! finding, `--json`.
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::process::{Command, Output, Stdio};
 

@@ -2,7 +2,6 @@
 //!
 //! `DATABASE_URL` / `REDIS_URL` select running servers; without them each test binary starts
 //! its own throwaway servers from the installed binaries (see `pgfence_testkit`).
-#![allow(dead_code)]
 
 use std::io::Write;
 use std::str::FromStr;
@@ -48,8 +47,11 @@ pub async fn redis_url() -> String {
 
 /// A fresh database, migrated, dropped when the test ends.
 pub struct TestDb {
+    /// A pool on the database.
     pub pool: PgPool,
+    /// How to connect to it (as the server's superuser).
     pub options: PgConnectOptions,
+    /// The database's name.
     pub name: String,
     admin: PgConnectOptions,
 }
@@ -298,6 +300,7 @@ impl Logs {
 }
 
 /// Number of audit rows.
+/// How many rows `pgfence.audit` holds.
 pub async fn audit_count(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM pgfence.audit")
         .fetch_one(pool)
@@ -305,6 +308,7 @@ pub async fn audit_count(pool: &PgPool) -> i64 {
         .unwrap()
 }
 
+/// Token `n` (panics when `n` is not a token).
 pub fn token(n: i64) -> pgfence::FenceToken {
     pgfence::FenceToken::new(n).unwrap()
 }
@@ -341,11 +345,13 @@ pub fn assert_stale(err: &pgfence::Error, presented: i64, current: i64) {
 /// A login role created for one test; dropped (with everything it owns or was granted in the
 /// test database) when the test ends, even on panic.
 pub struct Role {
+    /// The role's name (unquoted).
     pub name: String,
     admin: PgConnectOptions,
 }
 
 impl Role {
+    /// Creates a login role named after `prefix`, with `attributes` (`NOSUPERUSER`...).
     pub async fn create(db: &TestDb, prefix: &str, attributes: &str) -> Self {
         let name = format!("{prefix}_{}_{}", std::process::id(), rand::random::<u32>());
         let quoted = pgfence::table::Ident::new(name.as_str()).unwrap().quoted();
@@ -357,10 +363,12 @@ impl Role {
         }
     }
 
+    /// The role's name as an identifier.
     pub fn ident(&self) -> pgfence::table::Ident {
         pgfence::table::Ident::new(self.name.as_str()).unwrap()
     }
 
+    /// The role's name, quoted for SQL.
     pub fn quoted(&self) -> String {
         self.ident().quoted()
     }

@@ -6,8 +6,7 @@
 //! `PGFENCE_TEST_BIN` runs these against another build of the binary (to compare with an
 //! older one).
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::process::{Command, Output, Stdio};
 
