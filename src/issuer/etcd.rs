@@ -3,6 +3,8 @@
 //!
 //! The design is documented on [`EtcdIssuer`].
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{
@@ -91,6 +93,15 @@ fn prefixed_key(prefix: &str, resource: &Resource) -> String {
 /// lock can release or extend it: an older lease of the same owner is told
 /// [`ReleaseOutcome::TakenByOther`] / [`LeaseState::Taken`].
 ///
+/// # A failed acquire
+///
+/// An acquire call that returns no lease (an error, or busy) after an attempt whose outcome is
+/// unknown (cut off by the call bound, or lost with its connection) revokes, in the
+/// background, the etcd leases that call granted: a transaction of it that took the lock, or
+/// takes it when delivered late, then leaves no lock that nobody holds. A later call of the
+/// same owner that finds the lock moves it to a new etcd lease of its own, so the revoke never
+/// removes a lease that was handed out. See `docs/issuers.md`, "Time bounds".
+///
 /// # Fencing domains
 ///
 /// Revisions are cluster-wide, so tokens from this issuer compare across **all** resources:
@@ -114,6 +125,8 @@ pub struct EtcdIssuer {
     endpoints: Vec<String>,
     prefix: std::sync::Arc<str>,
     call_timeout: Duration,
+    /// The etcd leases of the acquire calls in flight (shared by clones).
+    grants: Arc<Grants>,
 }
 
 impl std::fmt::Debug for EtcdIssuer {
@@ -178,6 +191,7 @@ impl EtcdIssuer {
             endpoints,
             prefix: DEFAULT_KEY_PREFIX.into(),
             call_timeout: DEFAULT_CALL_TIMEOUT,
+            grants: Arc::default(),
         })
     }
 
@@ -191,6 +205,7 @@ impl EtcdIssuer {
             endpoints: Vec::new(),
             prefix: DEFAULT_KEY_PREFIX.into(),
             call_timeout: DEFAULT_CALL_TIMEOUT,
+            grants: Arc::default(),
         }
     }
 
@@ -268,8 +283,7 @@ impl EtcdIssuer {
         if revision >= MAX_TOKEN {
             return Err(limit_refused(resource, revision, false));
         }
-        let mut leases = self.client.lease_client();
-        let lease_id = leases.grant(secs, None).await?.id();
+        let lease_id = self.grant(ask.call, secs).await?;
         let txn = Txn::new()
             .when([Compare::create_revision(key, CompareOp::Equal, 0)])
             .and_then([
@@ -278,7 +292,9 @@ impl EtcdIssuer {
             ])
             .or_else([TxnOp::get(key, None)]);
         // On an error the transaction may have applied: the lease is then the lock's, so it
-        // is not revoked, and a retry (same owner) finds the lock and returns its token.
+        // is not revoked here; a retry (same owner) finds the lock, moves it to a lease of its
+        // own and returns its token, and a call that returns no lease revokes the leases it
+        // granted ([`EtcdIssuer::abandon`]).
         let reply = self.client.kv_client().txn(txn).await?;
         let kv = last_kv(&reply);
         if !reply.succeeded() {
@@ -325,7 +341,7 @@ impl EtcdIssuer {
         // The same owner again: renew for the TTL asked now, as Redis's PEXPIRE does.
         Ok(
             match self
-                .renew(key, &mut lease, held, secs, false, sent_at)
+                .renew(key, &mut lease, held, secs, false, sent_at, Some(ask.call))
                 .await?
             {
                 LeaseState::Held => Attempt::Granted(lease),
@@ -335,7 +351,10 @@ impl EtcdIssuer {
     }
 
     /// Renews a lock `lease` holds (`held` is its key as just read): one keep-alive when the
-    /// etcd lease already has this TTL (`keep`), else a move to a new etcd lease.
+    /// etcd lease already has this TTL (`keep`), else a move to a new etcd lease. `call`: the
+    /// acquire call adopting the lock (the new lease is recorded as that call's, and the move
+    /// happens only if the lock is still under the lease read), or `None` for an extend.
+    #[allow(clippy::too_many_arguments)]
     async fn renew(
         &self,
         key: &str,
@@ -344,6 +363,7 @@ impl EtcdIssuer {
         secs: i64,
         keep: bool,
         sent_at: Instant,
+        call: Option<u64>,
     ) -> Result<LeaseState> {
         let old = held.lease();
         if keep && old != 0 {
@@ -364,9 +384,19 @@ impl EtcdIssuer {
                 Err(e) => return Err(e.into()),
             }
         }
-        let new = self.client.lease_client().grant(secs, None).await?.id();
+        let new = match call {
+            Some(call) => self.grant(call, secs).await?,
+            None => self.client.lease_client().grant(secs, None).await?.id(),
+        };
+        let mut owned = owned_by(key, lease).to_vec();
+        if call.is_some() {
+            // An acquire adopting the lock moves it only from the lease it found: the late
+            // transaction of an earlier call (same owner) cannot take back a lock a later call
+            // moved to a lease of its own, and the earlier call's clean-up then spares it.
+            owned.push(Compare::lease(key, CompareOp::Equal, old));
+        }
         let txn = Txn::new()
-            .when(owned_by(key, lease))
+            .when(owned)
             .and_then([TxnOp::put(
                 key,
                 lease.owner.as_str(),
@@ -376,7 +406,8 @@ impl EtcdIssuer {
         let reply = match self.client.kv_client().txn(txn).await {
             Ok(reply) => reply,
             Err(e) => {
-                // Unknown outcome: the new lease may now carry the lock; leave both to expire.
+                // Unknown outcome: the new lease may now carry the lock; leave both to expire
+                // (an acquire call that returns no lease revokes the new one).
                 return Err(e.into());
             }
         };
@@ -428,6 +459,87 @@ impl EtcdIssuer {
         }
         if lease_id != 0 {
             self.revoke(lease_id).await;
+        }
+    }
+
+    /// Grants an etcd lease of `secs` seconds for the acquire call `call`, and records it as
+    /// that call's until the call returns (see [`EtcdIssuer::abandon`]).
+    async fn grant(&self, call: u64, secs: i64) -> Result<i64> {
+        let granted = self.client.lease_client().grant(secs, None).await?;
+        // The server may have raised the TTL to its minimum: the lease lives that long.
+        let ttl = u64::try_from(granted.ttl().max(secs)).unwrap_or(0);
+        self.grants.record(
+            call,
+            Grant {
+                id: granted.id(),
+                expires: Instant::now() + Duration::from_secs(ttl) + EXPIRY_SLACK,
+            },
+        );
+        tracing::debug!(target: "pgfence::issuer", lease = granted.id(), "granted an etcd lease; taking the lock under it");
+        Ok(granted.id())
+    }
+
+    /// The clean-up of an acquire call (`ask`) that returned no lease (an error, or busy)
+    /// after an attempt whose outcome is unknown: that attempt's transaction, cut off or lost
+    /// with its connection, may have taken the lock — or may still, delivered late — under an
+    /// etcd lease the call granted, for an owner told the call failed. Revoking those leases
+    /// deletes such a lock, and a transaction that arrives after the revoke fails (its lease
+    /// is gone), so the order does not matter. Sent in the background, each revoke bounded by
+    /// the call bound and re-sent after transport failures until the lease has expired by
+    /// itself.
+    ///
+    /// It never removes a lease a later call handed out: a later call of the same owner that
+    /// finds the lock (`acquire_wait`, or `acquire_as` re-sent) moves it to a new etcd lease of
+    /// its own ([`EtcdIssuer::renew`]) before returning it, so the lock is then under no lease
+    /// this call granted, and a late transaction of this call that would move it back finds
+    /// it under another lease than it read and changes nothing. A call that returned a lease
+    /// revokes none.
+    fn abandon(&self, ask: &Ask<'_>) {
+        let grants = self.grants.take(ask.call);
+        if grants.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let key: Arc<str> = self.lock_key(ask.resource).into();
+        for grant in grants {
+            runtime.spawn(self.clone().revoke_abandoned(grant, key.clone()));
+        }
+    }
+
+    /// Revokes `grant`, an etcd lease of a failed acquire of the lock `key`, re-sent after
+    /// transport failures (harmless: revoking twice changes nothing) until it has expired.
+    async fn revoke_abandoned(self, grant: Grant, key: Arc<str>) {
+        let key = &*key;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let left = grant.expires.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            let budget = self.call_timeout.max(Duration::from_millis(100)).min(left);
+            let mut leases = self.client.lease_client();
+            match tokio::time::timeout(budget, leases.revoke(grant.id)).await {
+                Ok(Ok(_)) => {
+                    tracing::debug!(target: "pgfence::issuer", key, lease = grant.id, "revoked the etcd lease of a failed acquire (and the lock, had its late transaction taken it)");
+                    return;
+                }
+                Ok(Err(e)) if lease_not_found(&e) => {
+                    tracing::debug!(target: "pgfence::issuer", key, lease = grant.id, "the etcd lease of a failed acquire is already gone");
+                    return;
+                }
+                Ok(Err(e)) if !is_transient(&e) => {
+                    tracing::warn!(target: "pgfence::issuer", key, lease = grant.id, error = %e, "could not revoke the etcd lease of a failed acquire; a lock its late transaction took lapses with its TTL");
+                    return;
+                }
+                // A transport failure, or no answer within the bound.
+                _ if Instant::now() + pause < grant.expires => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                _ => return,
+            }
         }
     }
 
@@ -488,7 +600,18 @@ impl Backend for EtcdIssuer {
     }
 
     async fn try_acquire(&self, ask: &Ask<'_>) -> Result<Attempt> {
-        self.acquire_once(ask).await
+        let attempt = self.acquire_once(ask).await;
+        if let Ok(Attempt::Granted(_)) = &attempt {
+            // The call returns this lease: none of its leases is revoked.
+            self.grants.forget(ask.call);
+        }
+        attempt
+    }
+
+    /// Revokes, in the background, the etcd leases the failed call `ask` granted: see
+    /// [`EtcdIssuer::abandon`].
+    async fn acquire_abandoned(&self, ask: &Ask<'_>) {
+        self.abandon(ask);
     }
 
     async fn release_once(&self, lease: &Lease) -> Result<ReleaseOutcome> {
@@ -528,7 +651,7 @@ impl Backend for EtcdIssuer {
         let mut renewed = lease.clone();
         renewed.ttl = ttl;
         let state = self
-            .renew(&key, &mut renewed, held, secs, same_ttl, sent_at)
+            .renew(&key, &mut renewed, held, secs, same_ttl, sent_at, None)
             .await?;
         Ok(Renewal::of(state, renewed.deadline))
     }
@@ -569,6 +692,52 @@ impl Backend for EtcdIssuer {
             counter,
         })
     }
+}
+
+/// How long past its TTL an etcd lease may still be there: etcd expires leases lazily (about
+/// twice a second) and renews them all when a new leader is elected.
+const EXPIRY_SLACK: Duration = Duration::from_secs(1);
+
+/// An etcd lease an acquire call granted, and when it will have expired by itself.
+#[derive(Clone, Copy, Debug)]
+struct Grant {
+    id: i64,
+    expires: Instant,
+}
+
+/// The etcd leases granted by each acquire call in flight, by call id ([`Ask::call`]): kept
+/// until the call returns a lease (forgotten), its clean-up takes them
+/// ([`EtcdIssuer::abandon`]), or they have expired by themselves (pruned).
+#[derive(Debug, Default)]
+struct Grants(Mutex<HashMap<u64, Vec<Grant>>>);
+
+impl Grants {
+    fn calls(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Vec<Grant>>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn record(&self, call: u64, grant: Grant) {
+        let mut calls = self.calls();
+        let now = Instant::now();
+        calls.retain(|_, grants| grants.iter().any(|g| g.expires > now));
+        calls.entry(call).or_default().push(grant);
+    }
+
+    fn forget(&self, call: u64) {
+        self.calls().remove(&call);
+    }
+
+    fn take(&self, call: u64) -> Vec<Grant> {
+        self.calls().remove(&call).unwrap_or_default()
+    }
+}
+
+/// Whether `e` is etcd's "requested lease not found" (revoked, or expired).
+fn lease_not_found(e: &etcd_client::Error) -> bool {
+    // gRPC code NotFound (5).
+    matches!(e, etcd_client::Error::GRpcStatus(status) if i32::from(status.code()) == 5)
 }
 
 /// The refusal at the token limit: the cluster's revision is at `revision`.
@@ -818,6 +987,35 @@ mod tests {
         assert_eq!(lease_secs(Duration::from_millis(1000)).unwrap(), 1);
         assert_eq!(lease_secs(Duration::from_millis(1001)).unwrap(), 2);
         assert!(lease_secs(Duration::ZERO).is_err());
+    }
+
+    #[tokio::test]
+    async fn grants_are_kept_per_call_until_returned_taken_or_expired() {
+        let grants = Grants::default();
+        let now = Instant::now();
+        let live = |id| Grant {
+            id,
+            expires: now + Duration::from_secs(30),
+        };
+        grants.record(1, live(10));
+        grants.record(1, live(11));
+        grants.record(2, live(20));
+        grants.record(
+            3,
+            Grant {
+                id: 30,
+                expires: now,
+            },
+        );
+        // The next record prunes the call whose leases have all expired.
+        grants.record(4, live(40));
+        assert!(grants.take(3).is_empty());
+        let ids = |v: Vec<Grant>| v.into_iter().map(|g| g.id).collect::<Vec<_>>();
+        assert_eq!(ids(grants.take(1)), [10, 11]);
+        assert!(grants.take(1).is_empty(), "taken once");
+        grants.forget(2);
+        assert!(grants.take(2).is_empty());
+        assert_eq!(ids(grants.take(4)), [40]);
     }
 
     #[test]

@@ -35,7 +35,7 @@ const ETCD: Profile = Profile {
     counter_is_last_token: false,
 };
 
-fn skip(test: &str) -> bool {
+pub(crate) fn skip(test: &str) -> bool {
     let external = std::env::var("PGFENCE_ETCD_URL").is_ok_and(|u| !u.is_empty());
     issuer_suite::skipped(
         test,
@@ -46,7 +46,7 @@ fn skip(test: &str) -> bool {
 }
 
 /// The URL of the etcd the single-node tests share (one throwaway member per test binary).
-async fn etcd_url() -> String {
+pub(crate) async fn etcd_url() -> String {
     static SINGLE: OnceCell<(String, Option<EtcdCluster>)> = OnceCell::const_new();
     issuer_suite::shared_url(&SINGLE, "PGFENCE_ETCD_URL", async {
         let node = EtcdCluster::single().await.expect("start throwaway etcd");

@@ -8,6 +8,8 @@ use crate::support;
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
+#[cfg(feature = "etcd")]
+use pgfence::issuer::EtcdIssuer;
 use pgfence::issuer::{DEFAULT_CALL_TIMEOUT, PgIssuer};
 use pgfence::{RedisIssuer, TokenIssuer};
 use pgfence_testkit::Proxy;
@@ -399,4 +401,276 @@ async fn redis_one_way_partitions_leave_no_lock_after_the_heal() {
             "{direction:?}: a lock nobody holds: {after:?}"
         );
     }
+}
+
+/// An etcd issuer whose connections all go through a fresh proxy, and one that goes straight to
+/// the same etcd (to look under the black hole).
+#[cfg(feature = "etcd")]
+async fn etcd_behind_proxy() -> (std::sync::Arc<Proxy>, EtcdIssuer, EtcdIssuer) {
+    let url = crate::etcd_issuer::etcd_url().await;
+    let first = url.trim_start_matches("etcd://");
+    let first = first.rsplit_once('@').map_or(first, |(_, h)| h);
+    let first = first.split(',').next().unwrap();
+    let proxy = Proxy::start(port_of(&format!("etcd://{first}"))).unwrap();
+    let issuer = EtcdIssuer::connect(&format!("etcd://127.0.0.1:{}", proxy.port()))
+        .await
+        .unwrap();
+    issuer
+        .status(&unique_resource("warm"))
+        .await
+        .expect("etcd through the proxy");
+    let direct = EtcdIssuer::connect(&url).await.unwrap();
+    (std::sync::Arc::new(proxy), issuer, direct)
+}
+
+/// A `tracing` layer for this thread (`#[tokio::test]` runs the issuer and its background
+/// tasks on it) that sees the etcd issuer's events: on its first "granted an etcd lease"
+/// (the lease grant of an acquire answered, its transaction about to go out) it runs `on_grant`
+/// once, and it keeps the messages of the events that follow.
+#[cfg(feature = "etcd")]
+struct EtcdEvents {
+    on_grant: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+#[cfg(feature = "etcd")]
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for EtcdEvents {
+    fn register_callsite(
+        &self,
+        metadata: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        if metadata.target() == "pgfence::issuer" {
+            tracing::subscriber::Interest::always()
+        } else {
+            tracing::subscriber::Interest::never()
+        }
+    }
+
+    fn enabled(
+        &self,
+        metadata: &tracing::Metadata<'_>,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        metadata.target() == "pgfence::issuer"
+    }
+
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.0 = format!("{value:?}");
+                }
+            }
+        }
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        if message.0.starts_with("granted an etcd lease")
+            && let Some(hook) = self.on_grant.lock().unwrap().take()
+        {
+            hook();
+        }
+        self.seen.lock().unwrap().push(message.0);
+    }
+}
+
+/// Black-holes the proxy right after the first etcd lease grant of this thread, until the
+/// heal `hold` later. `replies_first`: the replies at once, so the acquire's transaction still
+/// reaches etcd and takes the lock but its answer is held, and the requests too from 200 ms
+/// later, so that what the failed call sends next (its clean-up) is held until the heal;
+/// otherwise both ways at once (the transaction itself is held). Returns the event messages
+/// seen so far, and the guard of the thread's subscriber.
+#[cfg(feature = "etcd")]
+fn black_hole_after_the_grant(
+    proxy: &std::sync::Arc<Proxy>,
+    hold: Duration,
+    replies_first: bool,
+) -> (
+    std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    tracing::subscriber::DefaultGuard,
+) {
+    use pgfence_testkit::Direction;
+    use tracing_subscriber::layer::SubscriberExt;
+    let proxy = proxy.clone();
+    let seen = std::sync::Arc::default();
+    let layer = EtcdEvents {
+        on_grant: std::sync::Mutex::new(Some(Box::new(move || {
+            if !replies_first {
+                proxy.pause(hold);
+                return;
+            }
+            proxy.pause_one_way(Direction::ToClient, hold);
+            let later = Duration::from_millis(200);
+            std::thread::spawn(move || {
+                std::thread::sleep(later);
+                proxy.pause_one_way(Direction::ToServer, hold - later);
+            });
+        }))),
+        seen: std::sync::Arc::clone(&seen),
+    };
+    let guard = tracing::subscriber::set_default(tracing_subscriber::registry().with(layer));
+    (seen, guard)
+}
+
+/// Waits (at most `within`) until `seen` has a message containing `what`.
+#[cfg(feature = "etcd")]
+async fn wait_for_event(seen: &std::sync::Mutex<Vec<String>>, what: &str, within: Duration) {
+    let give_up = Instant::now() + within;
+    while !seen.lock().unwrap().iter().any(|m| m.contains(what)) {
+        assert!(
+            Instant::now() < give_up,
+            "no {what:?} within {within:?}: {:?}",
+            seen.lock().unwrap()
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// An etcd acquire whose transaction reached etcd and took the lock, but whose answer was
+/// black-holed (and then everything it sent) fails at its bound; its clean-up, the revoke of
+/// the etcd lease the call granted, is held in the black hole with the rest, re-sent as the
+/// connections die, and goes through after the heal: the lock is then gone at once, not held
+/// by nobody until its 30 s TTL.
+#[cfg(feature = "etcd")]
+#[tokio::test]
+async fn etcd_black_holed_acquire_leaves_no_lock_after_the_heal() {
+    if crate::etcd_issuer::skip("etcd_black_holed_acquire_leaves_no_lock_after_the_heal") {
+        return;
+    }
+    let (proxy, issuer, direct) = etcd_behind_proxy().await;
+    let bound = Duration::from_millis(1500);
+    let issuer = issuer.with_call_timeout(bound);
+    let resource = unique_resource("etcd-black-hole-heal");
+    let hold = Duration::from_secs(4);
+    let (seen, _events) = black_hole_after_the_grant(&proxy, hold, true);
+    let start = Instant::now();
+    let err = timeout(
+        Duration::from_secs(20),
+        issuer.acquire_as(&resource, "zombie", Duration::from_secs(30)),
+    )
+    .await
+    .expect("the acquire hung")
+    .expect_err("acquired through a black hole");
+    assert!(err.is_retryable(), "{err}");
+    assert!(start.elapsed() < bound + MARGIN, "{:?}", start.elapsed());
+    // The transaction got through: the lock is taken, for a caller told the call failed.
+    let during = direct.status(&resource).await.unwrap();
+    assert_eq!(during.owner.as_deref(), Some("zombie"), "{during:?}");
+
+    // The heal; then the clean-up gets through (at most a second's pause between re-sends).
+    let free = loop {
+        let status = direct.status(&resource).await.unwrap();
+        if status.owner.is_none() {
+            break start.elapsed();
+        }
+        assert!(
+            start.elapsed() < hold + Duration::from_secs(5),
+            "a lock nobody holds after the heal: {status:?}; events: {:?}",
+            seen.lock().unwrap()
+        );
+        sleep(Duration::from_millis(100)).await;
+    };
+    eprintln!(
+        "etcd acquire black-holed for {hold:?}: the lock it took was gone {free:?} after the start"
+    );
+    assert!(
+        free >= hold - MARGIN,
+        "the clean-up went through the black hole: {free:?}"
+    );
+    let lease = direct
+        .acquire_as(&resource, "other", Duration::from_secs(5))
+        .await
+        .unwrap()
+        .expect("the lock is free");
+    direct.release(&lease).await.unwrap();
+}
+
+/// The clean-up of a failed etcd acquire revokes only the leases that call granted: when the
+/// same owner acquires again through a path that works (as `acquire_wait` or a caller
+/// re-sending `acquire_as` does), it adopts the lock the failed call's transaction took (same
+/// token) and binds it to a new etcd lease of its own, so the revoke that goes through after
+/// the heal leaves that lease alone.
+#[cfg(feature = "etcd")]
+#[tokio::test]
+async fn etcd_clean_up_of_a_failed_acquire_spares_the_same_owners_later_lease() {
+    if crate::etcd_issuer::skip(
+        "etcd_clean_up_of_a_failed_acquire_spares_the_same_owners_later_lease",
+    ) {
+        return;
+    }
+    let (proxy, issuer, direct) = etcd_behind_proxy().await;
+    let issuer = issuer.with_call_timeout(Duration::from_millis(1500));
+    let resource = unique_resource("etcd-black-hole-same-owner");
+    let hold = Duration::from_secs(4);
+    let (seen, _events) = black_hole_after_the_grant(&proxy, hold, true);
+    let err = timeout(
+        Duration::from_secs(20),
+        issuer.acquire_as(&resource, "same-owner", Duration::from_secs(30)),
+    )
+    .await
+    .expect("the acquire hung")
+    .expect_err("acquired through a black hole");
+    assert!(err.is_retryable(), "{err}");
+    // The same owner, through a path that works, before the heal: it adopts the lock.
+    let taken = direct.status(&resource).await.unwrap();
+    assert_eq!(taken.owner.as_deref(), Some("same-owner"), "{taken:?}");
+    let lease = direct
+        .acquire_as(&resource, "same-owner", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("the owner's own lock");
+    assert_eq!(
+        taken.token,
+        Some(lease.token().get()),
+        "adopted, same token"
+    );
+    // The heal, and the failed call's clean-up: wait until it has answered, then some.
+    wait_for_event(&seen, "of a failed acquire", hold + Duration::from_secs(6)).await;
+    sleep(Duration::from_millis(500)).await;
+    let status = direct.status(&resource).await.unwrap();
+    assert_eq!(status.owner.as_deref(), Some("same-owner"), "{status:?}");
+    assert_eq!(status.token, Some(lease.token().get()), "{status:?}");
+    assert_eq!(
+        direct.release(&lease).await.unwrap(),
+        pgfence::issuer::ReleaseOutcome::Released
+    );
+}
+
+/// An etcd acquire black-holed both ways right after its lease grant: its transaction is held
+/// on the way, and so is the clean-up the failed call sends. After the heal both reach etcd, in
+/// either order (re-sent revokes go out on new connections): a transaction that comes first
+/// takes the lock and the revoke deletes it; one that comes after the revoke fails, its lease
+/// gone (etcd may also drop it, the client having cancelled it). Either way no lock is left.
+#[cfg(feature = "etcd")]
+#[tokio::test]
+async fn etcd_late_transaction_of_a_failed_acquire_leaves_no_lock() {
+    if crate::etcd_issuer::skip("etcd_late_transaction_of_a_failed_acquire_leaves_no_lock") {
+        return;
+    }
+    let (proxy, issuer, direct) = etcd_behind_proxy().await;
+    let bound = Duration::from_millis(1500);
+    let issuer = issuer.with_call_timeout(bound);
+    let resource = unique_resource("etcd-late-txn");
+    let hold = Duration::from_secs(3);
+    let (seen, _events) = black_hole_after_the_grant(&proxy, hold, false);
+    let start = Instant::now();
+    let err = timeout(
+        Duration::from_secs(20),
+        issuer.acquire_as(&resource, "late", Duration::from_secs(30)),
+    )
+    .await
+    .expect("the acquire hung")
+    .expect_err("acquired through a black hole");
+    assert!(err.is_retryable(), "{err}");
+    assert!(start.elapsed() < bound + MARGIN, "{:?}", start.elapsed());
+    assert_eq!(direct.status(&resource).await.unwrap().owner, None);
+    // The heal; the clean-up answers; then time for a late transaction to land.
+    wait_for_event(&seen, "of a failed acquire", hold + Duration::from_secs(6)).await;
+    sleep(Duration::from_secs(1)).await;
+    let status = direct.status(&resource).await.unwrap();
+    eprintln!(
+        "etcd acquire black-holed both ways for {hold:?}, healed: {status:?}; events {:?}",
+        seen.lock().unwrap()
+    );
+    assert_eq!(status.owner, None, "a lock nobody holds: {status:?}");
 }
