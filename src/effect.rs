@@ -15,7 +15,7 @@ use sqlx::{PgExecutor, PgPool, Row};
 
 use crate::audit::{AuditRow, Auditor, Rejection, RejectionKind};
 use crate::repository::executor::Lent;
-use crate::timeline::{Seen, Verdict};
+use crate::timeline::Verdict;
 use crate::{Error, Fencing, Resource, Result, WriteExecutor, error::StaleTarget};
 
 /// The table the ledger lives in, as named in errors and audit rows.
@@ -176,31 +176,21 @@ pub struct EffectRecord {
 /// commit it before the call: the claim rejects the zombie.
 #[derive(Clone, Debug)]
 pub struct Effects {
-    auditor: Auditor,
-    /// The PostgreSQL timeline this handle last saw (what leases bind to).
-    seen: Seen,
-    /// Every call's bound ([`Effects::with_call_timeout`]).
-    call_timeout: std::time::Duration,
+    handle: crate::repository::executor::Handle,
 }
 
 impl Effects {
     /// A ledger handle that audits refusals through `pool`.
     #[must_use]
     pub fn new(pool: PgPool) -> Self {
-        Self {
-            auditor: Auditor::new(pool),
-            seen: Seen::default(),
-            call_timeout: crate::repository::executor::DEFAULT_CALL_TIMEOUT,
-        }
+        Self::with_auditor(Auditor::new(pool))
     }
 
     /// A ledger handle with a custom [`Auditor`].
     #[must_use]
     pub fn with_auditor(auditor: Auditor) -> Self {
         Self {
-            auditor,
-            seen: Seen::default(),
-            call_timeout: crate::repository::executor::DEFAULT_CALL_TIMEOUT,
+            handle: crate::repository::executor::Handle::new(auditor),
         }
     }
 
@@ -212,8 +202,7 @@ impl Effects {
     /// # Errors
     /// [`Error::InvalidDuration`] when `bound` is under 10 ms or over a day.
     pub fn with_call_timeout(mut self, bound: std::time::Duration) -> Result<Self> {
-        crate::repository::executor::check_call_timeout(bound)?;
-        self.call_timeout = bound;
+        self.handle = self.handle.with_call_timeout(bound)?;
         Ok(self)
     }
 
@@ -240,7 +229,7 @@ impl Effects {
         let fencing = &fencing;
         // The write's connection goes back before a refusal's audit row takes one.
         let row = crate::repository::executor::bounded(
-            self.call_timeout,
+            self.handle.call_timeout,
             "effect",
             || EFFECT_TABLE.to_owned(),
             exec.into_target(),
@@ -335,7 +324,7 @@ impl Effects {
         let fencing = &fencing;
         // The write's connection goes back before a refusal's audit row takes one.
         let row = crate::repository::executor::bounded(
-            self.call_timeout,
+            self.handle.call_timeout,
             "effect_finish",
             || EFFECT_TABLE.to_owned(),
             exec.into_target(),
@@ -432,16 +421,20 @@ impl Effects {
         operation: &'static str,
     ) -> Result<()> {
         loop {
-            self.seen.bind(&fencing.timeline, lent.conn()).await?;
+            self.handle
+                .seen
+                .bind(&fencing.timeline, lent.conn())
+                .await?;
             let now: i64 = sqlx::query_scalar("SELECT pgfence.timeline()")
                 .fetch_one(lent.conn())
                 .await
                 .map_err(|e| {
                     let e = Error::from(e);
-                    self.seen.forget_on(&e);
+                    self.handle.seen.forget_on(&e);
                     e
                 })?;
-            let (lease_timeline, timeline) = match self.seen.verdict(&fencing.timeline, now) {
+            let (lease_timeline, timeline) = match self.handle.seen.verdict(&fencing.timeline, now)
+            {
                 Verdict::Fine => return Ok(()),
                 Verdict::Again => continue,
                 Verdict::Refused {
@@ -461,7 +454,7 @@ impl Effects {
                 reason: Some(crate::timeline::failover_reason(lease_timeline, timeline)),
                 kind: RejectionKind::Failover,
             };
-            self.auditor.record_beside(&rejection, lent).await;
+            self.handle.auditor.record_beside(&rejection, lent).await;
             return Err(Error::FencedByFailover {
                 target: StaleTarget::Resource(resource.to_string()),
                 presented: fencing.token.get(),
@@ -532,7 +525,10 @@ impl Effects {
             reason: kind.reason(),
             kind,
         };
-        self.auditor.record(&rejection, AuditRow::Pending).await;
+        self.handle
+            .auditor
+            .record(&rejection, AuditRow::Pending)
+            .await;
         err
     }
 }

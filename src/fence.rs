@@ -5,38 +5,28 @@
 use sqlx::PgPool;
 
 use crate::audit::{AuditRow, Auditor, Rejection, RejectionKind};
-use crate::timeline::{Seen, Verdict};
+use crate::timeline::Verdict;
 use crate::{Error, Fencing, Resource, Result, WriteExecutor, error::StaleTarget};
 
 /// A handle on a database with pgfence's schema: the transaction-scope check and high-water
 /// marks, audited through one [`Auditor`].
 #[derive(Clone, Debug)]
 pub struct Fence {
-    auditor: Auditor,
-    /// The PostgreSQL timeline this handle last saw (what leases bind to).
-    seen: Seen,
-    /// Every check's bound ([`Fence::with_call_timeout`]).
-    call_timeout: std::time::Duration,
+    handle: crate::repository::executor::Handle,
 }
 
 impl Fence {
     /// A handle that audits through `pool`.
     #[must_use]
     pub fn new(pool: PgPool) -> Self {
-        Self {
-            auditor: Auditor::new(pool),
-            seen: Seen::default(),
-            call_timeout: crate::repository::executor::DEFAULT_CALL_TIMEOUT,
-        }
+        Self::with_auditor(Auditor::new(pool))
     }
 
     /// A handle with a custom [`Auditor`] (for example a shorter audit timeout).
     #[must_use]
     pub fn with_auditor(auditor: Auditor) -> Self {
         Self {
-            auditor,
-            seen: Seen::default(),
-            call_timeout: crate::repository::executor::DEFAULT_CALL_TIMEOUT,
+            handle: crate::repository::executor::Handle::new(auditor),
         }
     }
 
@@ -48,22 +38,21 @@ impl Fence {
     /// # Errors
     /// [`Error::InvalidDuration`] when `bound` is under 10 ms or over a day.
     pub fn with_call_timeout(mut self, bound: std::time::Duration) -> Result<Self> {
-        crate::repository::executor::check_call_timeout(bound)?;
-        self.call_timeout = bound;
+        self.handle = self.handle.with_call_timeout(bound)?;
         Ok(self)
     }
 
     /// The pool audit rows go through.
     #[must_use]
     pub fn pool(&self) -> &PgPool {
-        self.auditor.pool()
+        self.handle.auditor.pool()
     }
 
     /// The audit configuration, to share with repositories
     /// ([`Repository::with_auditor`](crate::Repository::with_auditor)).
     #[must_use]
     pub fn auditor(&self) -> &Auditor {
-        &self.auditor
+        &self.handle.auditor
     }
 
     /// Claims `resource` for the lease inside `exec`'s transaction: raises its high-water
@@ -111,14 +100,18 @@ impl Fence {
         let resource = named.as_ref().unwrap_or(resource);
         let fencing = &fencing;
         let checked = crate::repository::executor::bounded(
-            self.call_timeout,
+            self.handle.call_timeout,
             "check",
             || resource.as_str().to_owned(),
             exec.into_target(),
             |mut lent| async move {
                 let result = async {
                     loop {
-                        let timeline = self.seen.bind(&fencing.timeline, lent.conn()).await?;
+                        let timeline = self
+                            .handle
+                            .seen
+                            .bind(&fencing.timeline, lent.conn())
+                            .await?;
                         let outcome: sqlx::Result<i64> =
                             sqlx::query_scalar("SELECT pgfence.check_on($1, $2, $3, $4)")
                                 .bind(resource.as_str())
@@ -130,11 +123,11 @@ impl Fence {
                         let now = match outcome.map_err(Error::from) {
                             Ok(now) => now,
                             Err(e) => {
-                                self.seen.forget_on(&e);
+                                self.handle.seen.forget_on(&e);
                                 return Err(e);
                             }
                         };
-                        match self.seen.verdict(&fencing.timeline, now) {
+                        match self.handle.seen.verdict(&fencing.timeline, now) {
                             Verdict::Fine => return Ok(()),
                             Verdict::Again => {}
                             Verdict::Refused {
@@ -156,7 +149,10 @@ impl Fence {
                                     )),
                                     kind: RejectionKind::Failover,
                                 };
-                                self.auditor.record_beside(&rejection, &mut lent).await;
+                                self.handle
+                                    .auditor
+                                    .record_beside(&rejection, &mut lent)
+                                    .await;
                                 return Err(Error::FencedByFailover {
                                     target: StaleTarget::Resource(resource.as_str().to_owned()),
                                     presented: fencing.token.get(),
@@ -200,7 +196,10 @@ impl Fence {
             reason: kind.reason(),
             kind,
         };
-        self.auditor.record(&rejection, AuditRow::Pending).await;
+        self.handle
+            .auditor
+            .record(&rejection, AuditRow::Pending)
+            .await;
         Err(err)
     }
 

@@ -309,3 +309,33 @@ fn is_query_canceled(err: &crate::Error) -> bool {
         crate::Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("57014")
     )
 }
+
+/// What a fenced handle outside the repository carries ([`Fence`](crate::Fence),
+/// [`Effects`](crate::Effects)): where refusals are audited, the timeline it last saw (what
+/// leases bind to), and every call's bound.
+#[derive(Clone, Debug)]
+pub(crate) struct Handle {
+    pub(crate) auditor: crate::audit::Auditor,
+    /// The PostgreSQL timeline this handle last saw.
+    pub(crate) seen: crate::timeline::Seen,
+    /// Every call's bound (`with_call_timeout`).
+    pub(crate) call_timeout: std::time::Duration,
+}
+
+impl Handle {
+    /// A handle auditing through `auditor`, bounded by [`DEFAULT_CALL_TIMEOUT`].
+    pub(crate) fn new(auditor: crate::audit::Auditor) -> Self {
+        Self {
+            auditor,
+            seen: crate::timeline::Seen::default(),
+            call_timeout: DEFAULT_CALL_TIMEOUT,
+        }
+    }
+
+    /// The same handle bounded by `bound` ([`check_call_timeout`]).
+    pub(crate) fn with_call_timeout(mut self, bound: std::time::Duration) -> crate::Result<Self> {
+        check_call_timeout(bound)?;
+        self.call_timeout = bound;
+        Ok(self)
+    }
+}

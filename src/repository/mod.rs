@@ -94,6 +94,46 @@ impl<T> std::fmt::Debug for Repository<T> {
     }
 }
 
+/// The loop every single-row write shares, in its gate and within the call's bound: bind the
+/// lease's timeline, send the write (`attempt`, an async block on `lent` that is `Some` when the
+/// write applied), and when it changed nothing ask why ([`Repository::refusal`]): a refusal
+/// ends the call, a lease rebound to the database's new timeline sends the write again.
+/// `(call, operation)`: the call's name (in its bound's WARN event) and the write's (in
+/// rejections and the audit trail). A macro rather than a function taking a closure: a
+/// closure's future borrowing the connection would make every write's future `Send` only
+/// for one lifetime, and `tokio::spawn` refuses that.
+macro_rules! fenced_write {
+    ($repo:expr, $exec:expr, ($call:expr, $operation:expr), $fencing:expr, $source:expr,
+     $explain:expr, |$lent:ident| $attempt:expr) => {
+        crate::repository::executor::bounded(
+            $repo.call_timeout,
+            $call,
+            || $repo.table.quoted(),
+            $exec.into_target(),
+            |mut $lent| async move {
+                let result = async {
+                    loop {
+                        $repo.seen.bind(&$fencing.timeline, $lent.conn()).await?;
+                        let applied: Result<Option<_>> = $attempt.await;
+                        if let Some(done) = applied? {
+                            return Ok(done);
+                        }
+                        if let Some(err) = $repo
+                            .refusal($explain, $source, &$fencing, $operation, &mut $lent)
+                            .await?
+                        {
+                            return Err(err);
+                        }
+                    }
+                }
+                .await;
+                ($lent, result)
+            },
+        )
+        .await
+    };
+}
+
 impl<T: FencedTable> Repository<T> {
     /// Validates `T`'s declaration and prepares its SQL. `pool` is used for audit records.
     ///
@@ -228,42 +268,21 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("update");
         let fencing = fencing.into();
         let source = Source::Row(row);
-        crate::repository::executor::bounded(
-            self.call_timeout,
-            "update",
-            || self.table.quoted(),
-            exec.into_target(),
-            |mut lent| async move {
-                let result = async {
-                    loop {
-                        self.seen.bind(&fencing.timeline, lent.conn()).await?;
-                        let write = self.sql.update.bind(source, &fencing, false);
-                        let done = self
-                            .written(write.execute(lent.conn()).await, &fencing, "update")
-                            .await?;
-                        if done.rows_affected() > 0 {
-                            return Ok(());
-                        }
-                        match self
-                            .refusal(
-                                &self.sql.explain_update,
-                                source,
-                                &fencing,
-                                "update",
-                                &mut lent,
-                            )
-                            .await?
-                        {
-                            Some(err) => return Err(err),
-                            None => continue,
-                        }
-                    }
-                }
-                .await;
-                (lent, result)
-            },
+        fenced_write!(
+            self,
+            exec,
+            ("update", "update"),
+            fencing,
+            source,
+            &self.sql.explain_update,
+            |lent| async {
+                let write = self.sql.update.bind(source, &fencing, false);
+                let done = self
+                    .written(write.execute(lent.conn()).await, &fencing, "update")
+                    .await?;
+                Ok((done.rows_affected() > 0).then_some(()))
+            }
         )
-        .await
     }
 
     /// Inserts `row`, or updates it if no newer lease has written it. A row that a newer lease
@@ -281,46 +300,28 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("upsert");
         let fencing = fencing.into();
         let source = Source::Row(row);
-        crate::repository::executor::bounded(
-            self.call_timeout,
-            "upsert",
-            || self.table.quoted(),
-            exec.into_target(),
-            |mut lent| async move {
-                let result = async {
-                    loop {
-                        self.seen.bind(&fencing.timeline, lent.conn()).await?;
-                        let write = self.sql.upsert.bind(source, &fencing, false);
-                        let done = self
-                            .written(write.fetch_optional(lent.conn()).await, &fencing, "upsert")
-                            .await?;
-                        if let Some(done) = done {
-                            return Ok(if done.try_get::<bool, _>(0)? {
-                                Upserted::Inserted
-                            } else {
-                                Upserted::Updated
-                            });
-                        }
-                        match self
-                            .refusal(
-                                &self.sql.explain_upsert,
-                                source,
-                                &fencing,
-                                "upsert",
-                                &mut lent,
-                            )
-                            .await?
-                        {
-                            Some(err) => return Err(err),
-                            None => continue,
-                        }
-                    }
-                }
-                .await;
-                (lent, result)
-            },
+        fenced_write!(
+            self,
+            exec,
+            ("upsert", "upsert"),
+            fencing,
+            source,
+            &self.sql.explain_upsert,
+            |lent| async {
+                let write = self.sql.upsert.bind(source, &fencing, false);
+                let done = self
+                    .written(write.fetch_optional(lent.conn()).await, &fencing, "upsert")
+                    .await?;
+                done.map(|done| {
+                    Ok(if done.try_get::<bool, _>(0)? {
+                        Upserted::Inserted
+                    } else {
+                        Upserted::Updated
+                    })
+                })
+                .transpose()
+            }
         )
-        .await
     }
 
     /// Deletes the row with `key` if no newer lease has written it, and records a tombstone
@@ -338,42 +339,21 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("delete");
         let fencing = fencing.into();
         let source = Source::<T>::Key(key);
-        crate::repository::executor::bounded(
-            self.call_timeout,
-            "delete",
-            || self.table.quoted(),
-            exec.into_target(),
-            |mut lent| async move {
-                let result = async {
-                    loop {
-                        self.seen.bind(&fencing.timeline, lent.conn()).await?;
-                        let write = self.sql.delete.bind(source, &fencing, false);
-                        let deleted = self
-                            .written(write.fetch_one(lent.conn()).await, &fencing, "delete")
-                            .await?;
-                        if deleted.try_get::<bool, _>(0)? {
-                            return Ok(());
-                        }
-                        match self
-                            .refusal(
-                                &self.sql.explain_delete,
-                                source,
-                                &fencing,
-                                "delete",
-                                &mut lent,
-                            )
-                            .await?
-                        {
-                            Some(err) => return Err(err),
-                            None => continue,
-                        }
-                    }
-                }
-                .await;
-                (lent, result)
-            },
+        fenced_write!(
+            self,
+            exec,
+            ("delete", "delete"),
+            fencing,
+            source,
+            &self.sql.explain_delete,
+            |lent| async {
+                let write = self.sql.delete.bind(source, &fencing, false);
+                let deleted = self
+                    .written(write.fetch_one(lent.conn()).await, &fencing, "delete")
+                    .await?;
+                Ok(deleted.try_get::<bool, _>(0)?.then_some(()))
+            }
         )
-        .await
     }
 
     /// Claims the row with `key` for this lease and reads it, in one statement (`UPDATE ...
@@ -410,80 +390,62 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("claim");
         let fencing = fencing.into();
         let source = Source::<T>::Key(key);
-        crate::repository::executor::bounded(
-            self.call_timeout,
-            "claim",
-            || self.table.quoted(),
-            exec.into_target(),
-            |mut lent| async move {
-                let result = async {
-                    loop {
-                        self.seen.bind(&fencing.timeline, lent.conn()).await?;
-                        let write = self.sql.claim.bind(source, &fencing, false);
-                        // The claim and the decoding of its row are one transaction: the
-                        // write's own (its gate, which `settle` rolls back after a decode
-                        // error), or a savepoint inside the caller's. A row that does not
-                        // decode into `R` is left as it was.
-                        if lent.gated() {
-                            let claimed = self
-                                .written(write.fetch_optional(lent.conn()).await, &fencing, "claim")
-                                .await?;
-                            if let Some(row) = claimed {
-                                return R::from_row(&row).map_err(|e| Error::Decode {
+        fenced_write!(
+            self,
+            exec,
+            ("claim", "claim"),
+            fencing,
+            source,
+            &self.sql.explain_claim,
+            |lent| async {
+                let write = self.sql.claim.bind(source, &fencing, false);
+                // The claim and the decoding of its row are one transaction: the
+                // write's own (its gate, which `settle` rolls back after a decode
+                // error), or a savepoint inside the caller's. A row that does not
+                // decode into `R` is left as it was.
+                if lent.gated() {
+                    let claimed = self
+                        .written(write.fetch_optional(lent.conn()).await, &fencing, "claim")
+                        .await?;
+                    if let Some(row) = claimed {
+                        return R::from_row(&row).map(Some).map_err(|e| Error::Decode {
+                            table: self.table.quoted(),
+                            operation: "claim",
+                            source: e,
+                        });
+                    }
+                } else {
+                    let mut tx = sqlx::Connection::begin(lent.conn()).await?;
+                    let claimed = match write.fetch_optional(&mut *tx).await {
+                        Ok(claimed) => claimed,
+                        Err(e) => {
+                            // The statement's own error is the answer, whatever the
+                            // rollback says.
+                            let _ = tx.rollback().await;
+                            return Err(self.write_error(e, &fencing, "claim").await);
+                        }
+                    };
+                    if let Some(row) = claimed {
+                        return match R::from_row(&row) {
+                            Ok(decoded) => {
+                                tx.commit().await?;
+                                Ok(Some(decoded))
+                            }
+                            Err(e) => {
+                                tx.rollback().await?;
+                                Err(Error::Decode {
                                     table: self.table.quoted(),
                                     operation: "claim",
                                     source: e,
-                                });
+                                })
                             }
-                        } else {
-                            let mut tx = sqlx::Connection::begin(lent.conn()).await?;
-                            let claimed = match write.fetch_optional(&mut *tx).await {
-                                Ok(claimed) => claimed,
-                                Err(e) => {
-                                    // The statement's own error is the answer, whatever the
-                                    // rollback says.
-                                    let _ = tx.rollback().await;
-                                    return Err(self.write_error(e, &fencing, "claim").await);
-                                }
-                            };
-                            if let Some(row) = claimed {
-                                return match R::from_row(&row) {
-                                    Ok(decoded) => {
-                                        tx.commit().await?;
-                                        Ok(decoded)
-                                    }
-                                    Err(e) => {
-                                        tx.rollback().await?;
-                                        Err(Error::Decode {
-                                            table: self.table.quoted(),
-                                            operation: "claim",
-                                            source: e,
-                                        })
-                                    }
-                                };
-                            }
-                            tx.commit().await?;
-                        }
-                        match self
-                            .refusal(
-                                &self.sql.explain_claim,
-                                source,
-                                &fencing,
-                                "claim",
-                                &mut lent,
-                            )
-                            .await?
-                        {
-                            Some(err) => return Err(err),
-                            None => continue,
-                        }
+                        };
                     }
+                    tx.commit().await?;
                 }
-                .await;
-                (lent, result)
-            },
+                Ok(None)
+            }
         )
-        .await
     }
 
     /// Reads the row with `key` (`SELECT * FROM <table> WHERE <key>`), or `None`: a plain
@@ -559,42 +521,21 @@ impl<T: FencedTable> Repository<T> {
         // Refused before anything is sent (or bound).
         let _ = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
         let source = Source::Row(row);
-        crate::repository::executor::bounded(
-            self.call_timeout,
-            "update_columns",
-            || self.table.quoted(),
-            exec.into_target(),
-            |mut lent| async move {
-                let result = async {
-                    loop {
-                        self.seen.bind(&fencing.timeline, lent.conn()).await?;
-                        let write = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
-                        let done = self
-                            .written(write.execute(lent.conn()).await, &fencing, "update")
-                            .await?;
-                        if done.rows_affected() > 0 {
-                            return Ok(());
-                        }
-                        match self
-                            .refusal(
-                                &self.sql.explain_update,
-                                source,
-                                &fencing,
-                                "update",
-                                &mut lent,
-                            )
-                            .await?
-                        {
-                            Some(err) => return Err(err),
-                            None => continue,
-                        }
-                    }
-                }
-                .await;
-                (lent, result)
-            },
+        fenced_write!(
+            self,
+            exec,
+            ("update_columns", "update"),
+            fencing,
+            source,
+            &self.sql.explain_update,
+            |lent| async {
+                let write = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
+                let done = self
+                    .written(write.execute(lent.conn()).await, &fencing, "update")
+                    .await?;
+                Ok((done.rows_affected() > 0).then_some(()))
+            }
         )
-        .await
     }
 
     /// The partial-update statement for `columns`, from the cache or built (and cached).
