@@ -1,37 +1,48 @@
 //! The library's error type, [`Error`]: every rejection, however it was detected (the
 //! repository, the guard trigger, `pgfence.check`), is the same typed variant, and
 //! [`Error::kind`] groups the variants into what a caller does about them ([`ErrorKind`]).
-//! The `SQLSTATE_*` constants are the codes pgfence's SQL raises.
+//! [`sqlstate`] holds the codes pgfence's SQL raises.
 
 use std::fmt;
 
-/// SQLSTATE raised by pgfence's SQL (the guard trigger and `pgfence.check`) when a fence token
-/// is not newer than the one already recorded. Custom class `PF` ("pgfence").
-pub const SQLSTATE_STALE: &str = "PF001";
-/// SQLSTATE raised by `pgfence.guard` when the table has a `fence` column that is not `bigint`.
-pub const SQLSTATE_FENCE_TYPE: &str = "PF002";
+/// The SQLSTATEs pgfence's SQL raises: custom class `PF` ("pgfence"). docs/sql.md,
+/// "SQLSTATEs", says what each means and what its `DETAIL` carries.
+pub mod sqlstate {
+    /// SQLSTATE raised by pgfence's SQL (the guard trigger and `pgfence.check`) when a fence token
+    /// is not newer than the one already recorded. Custom class `PF` ("pgfence").
+    pub const STALE: &str = "PF001";
+    /// SQLSTATE raised by `pgfence.guard` when the table has a `fence` column that is not `bigint`.
+    pub const FENCE_TYPE: &str = "PF002";
 
-/// SQLSTATE raised by `pgfence.guard` for tables in the `pgfence` schema or a system schema.
-pub const SQLSTATE_PROTECTED: &str = "PF003";
-/// SQLSTATE raised by `pgfence.check` / `pgfence.next_fence` when another lease already
-/// presented the same token (the token counter went backwards).
-pub const SQLSTATE_DUPLICATE: &str = "PF004";
-/// SQLSTATE raised by `pgfence.next_fence` when the row was sealed (changed outside the
-/// fencing protocol) after this lease wrote it.
-pub const SQLSTATE_SEALED: &str = "PF005";
-/// SQLSTATE raised by the guard trigger for a bypass it refuses: set with a plain `SET` (not
-/// `pgfence.bypass()` in the writing transaction), or by a role that may not bypass.
-pub const SQLSTATE_BYPASS_REFUSED: &str = "PF006";
-/// SQLSTATE raised by the guard trigger for a lease-less UPDATE that changed the fence in a
-/// way no lease's write does (`fence = fence + 1`).
-pub const SQLSTATE_LEASELESS: &str = "PF007";
-/// SQLSTATE raised when a token is more than the poisoning bound (`pgfence.max_token_jump()`,
-/// 2^36 by default) above a resource mark's or row's current token.
-pub const SQLSTATE_TOKEN_JUMP: &str = "PF008";
-/// SQLSTATE raised when a lease that first wrote or checked on an earlier PostgreSQL timeline
-/// presents itself after the database was promoted to a new one (a failover that may have lost
-/// commits): the lease is fenced out.
-pub const SQLSTATE_FAILED_OVER: &str = "PF009";
+    /// SQLSTATE raised by `pgfence.guard` for tables in the `pgfence` schema or a system schema.
+    pub const PROTECTED: &str = "PF003";
+    /// SQLSTATE raised by `pgfence.check` / `pgfence.next_fence` when another lease already
+    /// presented the same token (the token counter went backwards).
+    pub const DUPLICATE: &str = "PF004";
+    /// SQLSTATE raised by `pgfence.next_fence` when the row was sealed (changed outside the
+    /// fencing protocol) after this lease wrote it.
+    pub const SEALED: &str = "PF005";
+    /// SQLSTATE raised by the guard trigger for a bypass it refuses: set with a plain `SET` (not
+    /// `pgfence.bypass()` in the writing transaction), or by a role that may not bypass.
+    pub const BYPASS_REFUSED: &str = "PF006";
+    /// SQLSTATE raised by the guard trigger for a lease-less UPDATE that changed the fence in a
+    /// way no lease's write does (`fence = fence + 1`).
+    pub const LEASELESS: &str = "PF007";
+    /// SQLSTATE raised when a token is more than the poisoning bound (`pgfence.max_token_jump()`,
+    /// 2^36 by default) above a resource mark's or row's current token.
+    pub const TOKEN_JUMP: &str = "PF008";
+    /// SQLSTATE raised when a lease that first wrote or checked on an earlier PostgreSQL timeline
+    /// presents itself after the database was promoted to a new one (a failover that may have lost
+    /// commits): the lease is fenced out.
+    pub const FAILED_OVER: &str = "PF009";
+}
+
+use sqlstate::{
+    BYPASS_REFUSED as SQLSTATE_BYPASS_REFUSED, DUPLICATE as SQLSTATE_DUPLICATE,
+    FAILED_OVER as SQLSTATE_FAILED_OVER, FENCE_TYPE as SQLSTATE_FENCE_TYPE,
+    LEASELESS as SQLSTATE_LEASELESS, PROTECTED as SQLSTATE_PROTECTED, SEALED as SQLSTATE_SEALED,
+    STALE as SQLSTATE_STALE, TOKEN_JUMP as SQLSTATE_TOKEN_JUMP,
+};
 
 const TOKEN_AS_FENCE_NOTE: &str = " (the statement set the fence to a fence token, not a fence: hand-written SQL sets fence = Lease::fence() / $PGFENCE_FENCE; docs/sql.md, \"Porting hand-written fenced SQL\")";
 
@@ -825,19 +836,9 @@ impl From<sqlx::Error> for Error {
                         };
                     }
                 }
-                SQLSTATE_FAILED_OVER => {
-                    if let Some(e) = parse_failover_detail(pg.detail().unwrap_or("")) {
-                        return e;
-                    }
-                }
-                SQLSTATE_TOKEN_JUMP => {
-                    if let Some(e) = parse_jump_detail(pg.detail().unwrap_or("")) {
-                        return e;
-                    }
-                }
-                SQLSTATE_STALE | SQLSTATE_DUPLICATE | SQLSTATE_SEALED => {
-                    if let Some(rejected) = parse_fence_detail(pg.code(), pg.detail().unwrap_or(""))
-                    {
+                SQLSTATE_STALE | SQLSTATE_DUPLICATE | SQLSTATE_SEALED | SQLSTATE_TOKEN_JUMP
+                | SQLSTATE_FAILED_OVER => {
+                    if let Some(rejected) = from_detail(pg.code(), pg.detail().unwrap_or("")) {
                         return rejected;
                     }
                 }
@@ -867,46 +868,6 @@ impl From<redis::RedisError> for Error {
     }
 }
 
-/// Parses the `DETAIL` of a `PF008` error:
-/// `presented=<token> current=<token> max_jump=<n> <kind>=<text>`.
-fn parse_jump_detail(detail: &str) -> Option<Error> {
-    let rest = detail.strip_prefix("presented=")?;
-    let (presented, rest) = rest.split_once(" current=")?;
-    let (current, rest) = rest.split_once(" max_jump=")?;
-    let (max_jump, rest) = rest.split_once(' ')?;
-    let target = if let Some(r) = rest.strip_prefix("resource=") {
-        StaleTarget::Resource(r.to_owned())
-    } else {
-        StaleTarget::Table(rest.strip_prefix("table=")?.to_owned())
-    };
-    Some(Error::TokenJump {
-        target,
-        presented: presented.parse().ok()?,
-        current: current.parse().ok()?,
-        max_jump: max_jump.parse().ok()?,
-    })
-}
-
-/// Parses the `DETAIL` of a `PF009` error:
-/// `presented=<token> lease_timeline=<n> timeline=<m> <kind>=<text>`.
-fn parse_failover_detail(detail: &str) -> Option<Error> {
-    let rest = detail.strip_prefix("presented=")?;
-    let (presented, rest) = rest.split_once(" lease_timeline=")?;
-    let (lease_timeline, rest) = rest.split_once(" timeline=")?;
-    let (timeline, rest) = rest.split_once(' ')?;
-    let target = if let Some(r) = rest.strip_prefix("resource=") {
-        StaleTarget::Resource(r.to_owned())
-    } else {
-        StaleTarget::Table(rest.strip_prefix("table=")?.to_owned())
-    };
-    Some(Error::FencedByFailover {
-        target,
-        presented: presented.parse().ok()?,
-        lease_timeline: lease_timeline.parse().ok()?,
-        timeline: timeline.parse().ok()?,
-    })
-}
-
 /// `"schema"."table"` of an error the guard trigger raised (its SCHEMA and TABLE fields).
 fn guard_table(pg: &sqlx::postgres::PgDatabaseError) -> String {
     pg.schema()
@@ -928,37 +889,79 @@ fn missing_relation(pg: &sqlx::postgres::PgDatabaseError) -> String {
         .to_owned()
 }
 
-/// Parses the `DETAIL` of a `PF001`/`PF004`/`PF005` error (docs/sql.md, "SQLSTATEs"):
-/// `presented=<token> current=<token> <kind>=<text>`, kind `resource` or `table`.
-fn parse_fence_detail(code: &str, detail: &str) -> Option<Error> {
-    let rest = detail.strip_prefix("presented=")?;
-    let (presented, rest) = rest.split_once(" current=")?;
-    let (current, rest) = rest.split_once(' ')?;
-    let (other_counter, rest) = match rest.strip_prefix("origin=other ") {
-        Some(rest) => (true, rest),
-        None => (false, rest),
-    };
-    let target = if let Some(r) = rest.strip_prefix("resource=") {
-        StaleTarget::Resource(r.to_owned())
-    } else {
-        StaleTarget::Table(rest.strip_prefix("table=")?.to_owned())
-    };
-    let (presented, current) = (presented.parse().ok()?, current.parse().ok()?);
+/// The `DETAIL` of an error pgfence's SQL raised (docs/sql.md, "SQLSTATEs"): `name=value`
+/// fields separated by spaces, then the target, `resource=<name>` or `table=<name>`, to the
+/// end (a name may contain spaces).
+struct Detail<'a> {
+    fields: Vec<(&'a str, &'a str)>,
+    target: StaleTarget,
+}
+
+impl<'a> Detail<'a> {
+    fn parse(detail: &'a str) -> Option<Self> {
+        let mut fields = Vec::new();
+        let mut rest = detail;
+        loop {
+            if let Some(name) = rest.strip_prefix("resource=") {
+                let target = StaleTarget::Resource(name.to_owned());
+                return Some(Self { fields, target });
+            }
+            if let Some(name) = rest.strip_prefix("table=") {
+                let target = StaleTarget::Table(name.to_owned());
+                return Some(Self { fields, target });
+            }
+            let (field, tail) = rest.split_once(' ')?;
+            fields.push(field.split_once('=')?);
+            rest = tail;
+        }
+    }
+
+    fn get(&self, name: &str) -> Option<&'a str> {
+        self.fields
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| *v)
+    }
+
+    fn num(&self, name: &str) -> Option<i64> {
+        self.get(name)?.parse().ok()
+    }
+}
+
+/// The typed error for a pgfence SQLSTATE whose `DETAIL` says who was refused
+/// (`PF001`, `PF004`, `PF005`, `PF008`, `PF009`); `None` for another code or a `DETAIL` that
+/// does not parse.
+fn from_detail(code: &str, detail: &str) -> Option<Error> {
+    let d = Detail::parse(detail)?;
+    let presented = d.num("presented")?;
     Some(match code {
+        SQLSTATE_STALE => Error::StaleToken {
+            presented,
+            current: d.num("current")?,
+            other_counter: d.get("origin") == Some("other"),
+            target: d.target,
+        },
         SQLSTATE_DUPLICATE => Error::DuplicateToken {
-            target,
+            target: d.target,
             token: presented,
         },
         SQLSTATE_SEALED => Error::RowSealed {
-            target,
+            target: d.target,
             token: presented,
         },
-        _ => Error::StaleToken {
-            target,
+        SQLSTATE_TOKEN_JUMP => Error::TokenJump {
             presented,
-            current,
-            other_counter,
+            current: d.num("current")?,
+            max_jump: d.num("max_jump")?,
+            target: d.target,
         },
+        SQLSTATE_FAILED_OVER => Error::FencedByFailover {
+            presented,
+            lease_timeline: d.num("lease_timeline")?,
+            timeline: d.num("timeline")?,
+            target: d.target,
+        },
+        _ => return None,
     })
 }
 
@@ -1034,7 +1037,8 @@ mod tests {
 
     #[test]
     fn parses_token_jump_detail() {
-        let e = parse_jump_detail(
+        let e = from_detail(
+            "PF008",
             "presented=549755813887 current=5 max_jump=68719476736 table=\"public\".\"t\"",
         )
         .unwrap();
@@ -1042,41 +1046,46 @@ mod tests {
             matches!(e, Error::TokenJump { presented: 549_755_813_887, current: 5, max_jump: 68_719_476_736, target: StaleTarget::Table(ref t) } if t == "\"public\".\"t\""),
             "{e:?}"
         );
-        let e = parse_jump_detail("presented=9 current=1 max_jump=2 resource=a:b").unwrap();
+        let e = from_detail("PF008", "presented=9 current=1 max_jump=2 resource=a:b").unwrap();
         assert!(
             matches!(e, Error::TokenJump { target: StaleTarget::Resource(ref r), .. } if r == "a:b")
         );
-        assert!(parse_jump_detail("presented=x current=1 max_jump=2 resource=a").is_none());
-        assert!(parse_jump_detail("nonsense").is_none());
+        assert!(from_detail("PF008", "presented=x current=1 max_jump=2 resource=a").is_none());
+        assert!(from_detail("PF008", "nonsense").is_none());
     }
 
     #[test]
     fn parses_failover_detail() {
-        let e =
-            parse_failover_detail("presented=4 lease_timeline=1 timeline=2 resource=a:b").unwrap();
+        let e = from_detail(
+            "PF009",
+            "presented=4 lease_timeline=1 timeline=2 resource=a:b",
+        )
+        .unwrap();
         assert!(
             matches!(e, Error::FencedByFailover { presented: 4, lease_timeline: 1, timeline: 2, target: StaleTarget::Resource(ref r) } if r == "a:b"),
             "{e:?}"
         );
         assert!(e.to_string().contains("timeline 2"), "{e}");
         assert!(
-            parse_failover_detail("presented=4 lease_timeline=x timeline=2 resource=a").is_none()
+            from_detail(
+                "PF009",
+                "presented=4 lease_timeline=x timeline=2 resource=a"
+            )
+            .is_none()
         );
     }
 
     #[test]
     fn parses_trigger_detail() {
-        let e =
-            parse_fence_detail("PF001", "presented=1 current=2 table=\"public\".\"t\"").unwrap();
+        let e = from_detail("PF001", "presented=1 current=2 table=\"public\".\"t\"").unwrap();
         assert!(
             matches!(e, Error::StaleToken { presented: 1, current: 2, other_counter: false, target: StaleTarget::Table(ref t) } if t == "\"public\".\"t\"")
         );
-        let e = parse_fence_detail("PF004", "presented=3 current=3 resource=a:b").unwrap();
+        let e = from_detail("PF004", "presented=3 current=3 resource=a:b").unwrap();
         assert!(
             matches!(e, Error::DuplicateToken { token: 3, target: StaleTarget::Resource(ref r) } if r == "a:b")
         );
-        let e =
-            parse_fence_detail("PF001", "presented=1 current=9 origin=other resource=r").unwrap();
+        let e = from_detail("PF001", "presented=1 current=9 origin=other resource=r").unwrap();
         assert!(matches!(
             e,
             Error::StaleToken {
@@ -1085,6 +1094,6 @@ mod tests {
             }
         ));
         assert!(e.to_string().contains("fencing domain"), "{e}");
-        assert!(parse_fence_detail("PF001", "garbage").is_none());
+        assert!(from_detail("PF001", "garbage").is_none());
     }
 }

@@ -1,5 +1,5 @@
 //! Guarding tables: the `fence` column and the trigger that rejects any UPDATE — library or
-//! raw SQL — that does not advance a row's fence (SQLSTATE [`crate::error::SQLSTATE_STALE`]).
+//! raw SQL — that does not advance a row's fence (SQLSTATE [`crate::error::sqlstate::STALE`]).
 
 use serde::Serialize;
 use sqlx::PgExecutor;

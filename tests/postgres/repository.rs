@@ -244,7 +244,7 @@ async fn raw_sql_that_does_not_advance_the_fence_fails_with_the_documented_sqlst
             .map(|c| c.into_owned());
         assert_eq!(
             code.as_deref(),
-            Some(pgfence::error::SQLSTATE_LEASELESS),
+            Some(pgfence::error::sqlstate::LEASELESS),
             "{sql}"
         );
         match Error::from(err) {
@@ -264,7 +264,7 @@ async fn raw_sql_that_does_not_advance_the_fence_fails_with_the_documented_sqlst
         .map(|c| c.into_owned());
     assert_eq!(
         code.as_deref(),
-        Some(pgfence::error::SQLSTATE_STALE),
+        Some(pgfence::error::sqlstate::STALE),
         "{sql}"
     );
     match Error::from(err) {
