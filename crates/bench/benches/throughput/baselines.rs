@@ -239,11 +239,16 @@ async fn run_redis_benchmark(
     let out = cmd
         .args(["-u", &env.redis_url, "-c", &env.cfg.tasks.to_string()])
         .args(["-n", &n.to_string(), "-r", "1000000000", "--csv"])
-        .args(["EVALSHA", sha, "2"])
+        // What the issuer sends: the lock, counter and attempt keys; owner, TTL, token limit
+        // and the acquire call's id (the attempt record costs the script one more SET).
+        .args(["EVALSHA", sha, "3"])
         .arg(format!("pgfence:{{{tag}:__rand_int__}}:lock"))
         .arg(format!("pgfence:{{{tag}:__rand_int__}}:fence"))
+        .arg(format!("pgfence:{{{tag}:__rand_int__}}:attempt"))
         .arg("0123456789abcdef0123456789abcdef")
         .arg(LEASE_TTL.as_millis().to_string())
+        .arg(pgfence::token::MAX_TOKEN.to_string())
+        .arg("0000000000000001")
         .stdin(std::process::Stdio::null())
         .output()
         .await
