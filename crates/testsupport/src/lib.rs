@@ -166,26 +166,33 @@ impl TestDb {
 
 impl Drop for TestDb {
     fn drop(&mut self) {
-        let admin = self.admin.clone();
-        let name = self.name.clone();
-        // Drop needs async I/O; a short-lived thread with its own runtime does it.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            rt.block_on(async {
-                let mut conn = PgConnection::connect_with(&admin).await.ok()?;
-                sqlx::raw_sql(AssertSqlSafe(format!(
-                    "DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"
-                )))
+        let name = &self.name;
+        run_on_drop(
+            &self.admin,
+            format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"),
+        );
+    }
+}
+
+/// Runs `sql` as `admin` from a `Drop`: drop cannot await, so a short-lived thread with its
+/// own runtime does it, and the drop waits for it. Failures are ignored (the server may be
+/// gone already).
+fn run_on_drop(admin: &PgConnectOptions, sql: String) {
+    let admin = admin.clone();
+    let _ = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        rt.block_on(async {
+            let mut conn = PgConnection::connect_with(&admin).await.ok()?;
+            sqlx::raw_sql(AssertSqlSafe(sql))
                 .execute(&mut conn)
                 .await
                 .ok()
-            })
         })
-        .join();
-    }
+    })
+    .join();
 }
 
 /// Captured `tracing` output for the current thread: JSON lines, or the plain text an
@@ -385,23 +392,12 @@ impl Role {
 
 impl Drop for Role {
     fn drop(&mut self) {
-        let admin = self.admin.clone();
         let role = self.quoted();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            rt.block_on(async {
-                let mut conn = PgConnection::connect_with(&admin).await.ok()?;
-                sqlx::raw_sql(AssertSqlSafe(format!(
-                    "REASSIGN OWNED BY {role} TO CURRENT_USER; DROP OWNED BY {role}; DROP ROLE {role}"
-                )))
-                .execute(&mut conn)
-                .await
-                .ok()
-            })
-        })
-        .join();
+        run_on_drop(
+            &self.admin,
+            format!(
+                "REASSIGN OWNED BY {role} TO CURRENT_USER; DROP OWNED BY {role}; DROP ROLE {role}"
+            ),
+        );
     }
 }
