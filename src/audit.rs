@@ -443,7 +443,7 @@ impl AuditFilter {
     /// ```
     ///
     /// # Errors
-    /// [`crate::Error::InvalidKeyPrefix`] for an invalid prefix.
+    /// [`InvalidInput::KeyPrefix`](crate::error::InvalidInput::KeyPrefix) for an invalid prefix.
     pub fn in_key_prefix(mut self, prefix: &str) -> Result<Self> {
         let prefix = crate::issuer::limits::check_key_prefix(prefix)?;
         if prefix == crate::issuer::DEFAULT_KEY_PREFIX {
@@ -475,7 +475,7 @@ impl Default for AuditFilter {
 /// Lists audit rows, newest first (oldest first with [`AuditFilter::after_id`]).
 ///
 /// # Errors
-/// [`crate::Error::Database`].
+/// [`Error::Backend`](crate::Error::Backend).
 pub async fn list<'c, E: PgExecutor<'c>>(exec: E, filter: &AuditFilter) -> Result<Vec<AuditEntry>> {
     let rows = sqlx::query_as!(
         AuditEntry,
@@ -503,7 +503,7 @@ pub async fn list<'c, E: PgExecutor<'c>>(exec: E, filter: &AuditFilter) -> Resul
 /// Deletes audit rows older than `older_than` and returns how many were deleted.
 ///
 /// # Errors
-/// [`crate::Error::Database`].
+/// [`Error::Backend`](crate::Error::Backend).
 pub async fn prune<'c, E: PgExecutor<'c>>(exec: E, older_than: OffsetDateTime) -> Result<u64> {
     let done = sqlx::query!(
         "DELETE FROM pgfence.audit WHERE at OPERATOR(pg_catalog.<) $1",

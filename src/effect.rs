@@ -10,6 +10,7 @@
 //! and hands the same key to every later holder, together with the outcome a previous holder
 //! recorded, so a new holder does not call again when the call is known to be done.
 
+use crate::error::InvalidInput;
 use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, PgPool, Row};
 
@@ -200,7 +201,7 @@ impl Effects {
     /// [`Error::TimedOut`] when the call is not done by then.
     ///
     /// # Errors
-    /// [`Error::InvalidDuration`] when `bound` is under 10 ms or over a day.
+    /// [`InvalidInput::Duration`] when `bound` is under 10 ms or over a day.
     pub fn with_call_timeout(mut self, bound: std::time::Duration) -> Result<Self> {
         self.handle = self.handle.with_call_timeout(bound)?;
         Ok(self)
@@ -215,8 +216,8 @@ impl Effects {
     /// [`Error::StaleToken`] (logged and audited, operation `effect`) when a newer lease
     /// recorded this effect or checked the resource: do not make the call;
     /// [`Error::DuplicateToken`], [`Error::RowSealed`] as for row writes;
-    /// [`Error::InvalidEffect`] for an empty or too long work key or step, or a `fencing`
-    /// without its resource (pass the [`Lease`](crate::Lease)); [`Error::Database`].
+    /// [`InvalidInput::Effect`] for an empty or too long work key or step, or a `fencing`
+    /// without its resource (pass the [`Lease`](crate::Lease)); [`Error::Backend`].
     pub async fn begin<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
@@ -292,8 +293,8 @@ impl Effects {
     /// [`Error::StaleToken`] (logged and audited, operation `effect_finish`) when a newer
     /// lease recorded or finished the effect, or checked the resource;
     /// [`Error::NotFound`] when no lease began it (nothing is written);
-    /// [`Error::DuplicateToken`], [`Error::RowSealed`], [`Error::InvalidEffect`],
-    /// [`Error::Database`] as for [`Effects::begin`].
+    /// [`Error::DuplicateToken`], [`Error::RowSealed`], [`InvalidInput::Effect`],
+    /// [`Error::Backend`] as for [`Effects::begin`].
     pub async fn finish<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
@@ -378,7 +379,7 @@ impl Effects {
     /// displays and reconciliation.
     ///
     /// # Errors
-    /// [`Error::InvalidEffect`]; [`Error::Database`].
+    /// [`InvalidInput::Effect`]; [`Error::Backend`].
     pub async fn status<'c, E: PgExecutor<'c>>(
         &self,
         exec: E,
@@ -538,7 +539,7 @@ fn json_column(row: &PgRow, column: &str) -> Result<Option<serde_json::Value>> {
     let text: Option<String> = row.try_get(column)?;
     text.map(|t| {
         serde_json::from_str(&t).map_err(|e| {
-            Error::Database(sqlx::Error::Decode(
+            Error::database(sqlx::Error::Decode(
                 format!("{EFFECT_TABLE}.{column} is not JSON: {e}").into(),
             ))
         })
@@ -549,10 +550,10 @@ fn json_column(row: &PgRow, column: &str) -> Result<Option<serde_json::Value>> {
 fn effect_resource<'f>(fencing: &'f Fencing, work_key: &str, step: &str) -> Result<&'f Resource> {
     check_names(work_key, step)?;
     fencing.resource.as_ref().ok_or_else(|| {
-        Error::InvalidEffect(
+        Error::Invalid(InvalidInput::Effect(
             "an effect is recorded under a lease: pass the Lease (or a Fencing with its resource)"
                 .into(),
-        )
+        ))
     })
 }
 
@@ -562,15 +563,15 @@ fn check_names(work_key: &str, step: &str) -> Result<()> {
         ("step", step, MAX_STEP_LEN),
     ] {
         if value.is_empty() || value.len() > max {
-            return Err(Error::InvalidEffect(format!(
+            return Err(Error::Invalid(InvalidInput::Effect(format!(
                 "an effect's {what} is 1 to {max} bytes, got {}",
                 value.len()
-            )));
+            ))));
         }
         if value.contains('\0') {
-            return Err(Error::InvalidEffect(format!(
+            return Err(Error::Invalid(InvalidInput::Effect(format!(
                 "an effect's {what} contains a NUL byte"
-            )));
+            ))));
         }
     }
     Ok(())
@@ -588,15 +589,21 @@ mod tests {
     #[test]
     fn names_are_checked() {
         assert!(check_names("invoice:42", "charge").is_ok());
-        assert!(matches!(check_names("", "x"), Err(Error::InvalidEffect(_))));
-        assert!(matches!(check_names("x", ""), Err(Error::InvalidEffect(_))));
+        assert!(matches!(
+            check_names("", "x"),
+            Err(Error::Invalid(InvalidInput::Effect(_)))
+        ));
+        assert!(matches!(
+            check_names("x", ""),
+            Err(Error::Invalid(InvalidInput::Effect(_)))
+        ));
         assert!(matches!(
             check_names(&"k".repeat(201), "x"),
-            Err(Error::InvalidEffect(_))
+            Err(Error::Invalid(InvalidInput::Effect(_)))
         ));
         assert!(matches!(
             check_names("a\0b", "x"),
-            Err(Error::InvalidEffect(_))
+            Err(Error::Invalid(InvalidInput::Effect(_)))
         ));
         assert_eq!(effect_key_json("a\"b", "s"), r#"["a\"b","s"]"#);
     }
@@ -606,7 +613,7 @@ mod tests {
         let f = Fencing::new(crate::FenceToken::new(1).unwrap());
         assert!(matches!(
             effect_resource(&f, "w", "s"),
-            Err(Error::InvalidEffect(_))
+            Err(Error::Invalid(InvalidInput::Effect(_)))
         ));
     }
 }

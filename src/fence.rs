@@ -36,7 +36,7 @@ impl Fence {
     /// [`Error::TimedOut`] when the check is not done by then.
     ///
     /// # Errors
-    /// [`Error::InvalidDuration`] when `bound` is under 10 ms or over a day.
+    /// [`InvalidInput::Duration`](crate::error::InvalidInput::Duration) when `bound` is under 10 ms or over a day.
     pub fn with_call_timeout(mut self, bound: std::time::Duration) -> Result<Self> {
         self.handle = self.handle.with_call_timeout(bound)?;
         Ok(self)
@@ -75,7 +75,7 @@ impl Fence {
     /// [`Error::StaleToken`] (logged and audited) when a newer lease has checked;
     /// [`Error::DuplicateToken`] (audited) when another lease checked with the same token;
     /// [`Error::TokenJump`] (audited) for a token absurdly far above the resource's mark.
-    /// The transaction is then aborted: roll it back. [`Error::InvalidResource`] when
+    /// The transaction is then aborted: roll it back. [`InvalidInput::Resource`](crate::error::InvalidInput::Resource) when
     /// `resource` is another key prefix's name, or too long under the lease's.
     ///
     /// # Example
@@ -206,7 +206,7 @@ impl Fence {
     /// The token of the newest lease that checked `resource` (0 when none).
     ///
     /// # Errors
-    /// [`Error::Database`].
+    /// [`Error::Backend`](crate::Error::Backend).
     pub async fn high_water(&self, resource: &Resource) -> Result<i64> {
         crate::admin::high_water(self.pool(), resource).await
     }

@@ -14,7 +14,7 @@ use crate::ident::{Ident, TableName, quote_literal};
 ///
 /// # Errors
 /// [`crate::Error::TableNotFound`]; [`crate::Error::FenceColumnType`] when `fence` exists with
-/// another type; [`crate::Error::Database`].
+/// another type; [`Error::Backend`](crate::Error::Backend).
 ///
 /// # Example
 /// ```no_run
@@ -114,7 +114,7 @@ pub async fn guard_with<'c, E: PgExecutor<'c>>(
 /// The mode of `table`'s guard trigger, or `None` when it is not guarded.
 ///
 /// # Errors
-/// [`crate::Error::Database`].
+/// [`Error::Backend`](crate::Error::Backend).
 pub async fn guard_mode<'c, E: PgExecutor<'c>>(
     exec: E,
     table: &TableName,
@@ -144,7 +144,7 @@ pub struct GuardedTable {
 /// Lists guarded tables with their mode and whether the trigger is enabled.
 ///
 /// # Errors
-/// [`crate::Error::Database`].
+/// [`Error::Backend`](crate::Error::Backend).
 pub async fn guarded_tables_with_modes<'c, E: PgExecutor<'c>>(
     exec: E,
 ) -> Result<Vec<GuardedTable>> {
@@ -170,7 +170,7 @@ pub async fn guarded_tables_with_modes<'c, E: PgExecutor<'c>>(
 /// Returns `true` if anything changed.
 ///
 /// # Errors
-/// [`crate::Error::TableNotFound`]; [`crate::Error::Database`].
+/// [`crate::Error::TableNotFound`]; [`Error::Backend`](crate::Error::Backend).
 pub async fn unguard<'c, E: PgExecutor<'c>>(
     exec: E,
     table: &TableName,
@@ -191,7 +191,7 @@ pub async fn unguard<'c, E: PgExecutor<'c>>(
 /// Lists guarded tables.
 ///
 /// # Errors
-/// [`crate::Error::Database`].
+/// [`Error::Backend`](crate::Error::Backend).
 pub async fn guarded_tables<'c, E: PgExecutor<'c>>(exec: E) -> Result<Vec<TableName>> {
     let rows = sqlx::query!(
         r#"SELECT schema_name AS "schema!", table_name AS "table!" FROM pgfence.guarded_tables ORDER BY 1, 2"#
@@ -262,7 +262,7 @@ $pgfence$;\n";
 /// as the owner of the `pgfence` schema. Returns `true` if the role was not allowed before.
 ///
 /// # Errors
-/// [`crate::Error::InvalidIdentifier`] for a name that is not a role name; [`crate::Error::Database`]
+/// [`InvalidInput::Identifier`](crate::error::InvalidInput::Identifier) for a name that is not a role name; [`Error::Backend`](crate::Error::Backend)
 /// when the role does not exist (SQLSTATE `42704`) or the caller is not the schema's owner.
 pub async fn allow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &str) -> Result<bool> {
     let role = Ident::new(role)?;
@@ -280,7 +280,7 @@ pub async fn allow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &str) -> Result<
 /// if the role was allowed.
 ///
 /// # Errors
-/// [`crate::Error::InvalidIdentifier`]; [`crate::Error::Database`].
+/// [`InvalidInput::Identifier`](crate::error::InvalidInput::Identifier); [`Error::Backend`](crate::Error::Backend).
 pub async fn disallow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &str) -> Result<bool> {
     let role = Ident::new(role)?;
     let changed = sqlx::query_scalar!(
@@ -300,7 +300,7 @@ pub async fn disallow_bypass<'c, E: PgExecutor<'c>>(exec: E, role: &str) -> Resu
 /// would outlive it on a pooled connection) bypasses nothing ([`crate::Error::BypassRefused`]).
 ///
 /// # Errors
-/// [`crate::Error::Database`] for an empty reason or one over 500 characters (SQLSTATE
+/// [`Error::Backend`](crate::Error::Backend) for an empty reason or one over 500 characters (SQLSTATE
 /// `22023`), or a role without `EXECUTE` on `pgfence.bypass` (not allowed).
 ///
 /// # Example

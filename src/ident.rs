@@ -2,6 +2,7 @@
 //! text is made from user-supplied names: every other module goes through [`Ident`] and
 //! [`TableName`].
 
+use crate::error::InvalidInput;
 use std::fmt;
 
 use crate::{Error, Result};
@@ -19,7 +20,7 @@ impl Ident {
     /// Validates `name`: 1 to 63 bytes, no NUL. Any other character is allowed and quoted.
     ///
     /// # Errors
-    /// [`Error::InvalidIdentifier`].
+    /// [`InvalidInput::Identifier`](crate::error::InvalidInput::Identifier).
     pub fn new(name: impl Into<String>) -> Result<Self> {
         let name = name.into();
         let reason = if name.is_empty() {
@@ -32,10 +33,10 @@ impl Ident {
             None
         };
         match reason {
-            Some(reason) => Err(Error::InvalidIdentifier {
+            Some(reason) => Err(Error::Invalid(InvalidInput::Identifier {
                 name: display_name(&name),
                 reason,
-            }),
+            })),
             None => Ok(Self(name)),
         }
     }
@@ -78,7 +79,7 @@ impl TableName {
     /// A table in `schema`.
     ///
     /// # Errors
-    /// [`Error::InvalidIdentifier`] for either part.
+    /// [`InvalidInput::Identifier`](crate::error::InvalidInput::Identifier) for either part.
     pub fn new(schema: &str, name: &str) -> Result<Self> {
         Ok(Self {
             schema: Ident::new(schema)?,
@@ -94,16 +95,16 @@ impl TableName {
     /// `Payments`. [`TableName::new`] takes names as stored, without folding.
     ///
     /// # Errors
-    /// [`Error::InvalidIdentifier`] for malformed input.
+    /// [`InvalidInput::Identifier`](crate::error::InvalidInput::Identifier) for malformed input.
     pub fn parse(s: &str) -> Result<Self> {
         let parts = split_qualified(s)?;
         match parts.as_slice() {
             [name] => Self::new("public", name),
             [schema, name] => Self::new(schema, name),
-            _ => Err(Error::InvalidIdentifier {
+            _ => Err(Error::Invalid(InvalidInput::Identifier {
                 name: display_name(s),
                 reason: "expected table or schema.table",
-            }),
+            })),
         }
     }
 
@@ -133,9 +134,11 @@ impl fmt::Display for TableName {
 }
 
 fn split_qualified(s: &str) -> Result<Vec<String>> {
-    let bad = |reason| Error::InvalidIdentifier {
-        name: display_name(s),
-        reason,
+    let bad = |reason| {
+        Error::Invalid(InvalidInput::Identifier {
+            name: display_name(s),
+            reason,
+        })
     };
     let mut parts = Vec::new();
     let mut chars = s.chars().peekable();
@@ -182,13 +185,13 @@ fn split_qualified(s: &str) -> Result<Vec<String>> {
 /// migration files pgfence writes and the PostgreSQL issuer's simple-protocol statements.
 ///
 /// # Errors
-/// [`Error::InvalidIdentifier`] when `value` contains a NUL byte.
+/// [`InvalidInput::Identifier`](crate::error::InvalidInput::Identifier) when `value` contains a NUL byte.
 pub fn quote_literal(value: &str) -> Result<String> {
     if value.contains('\0') {
-        return Err(Error::InvalidIdentifier {
+        return Err(Error::Invalid(InvalidInput::Identifier {
             name: display_name(value),
             reason: "contains a NUL byte",
-        });
+        }));
     }
     if value.contains('\\') {
         return Ok(format!(

@@ -52,7 +52,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisIssuer<C> {
     /// ([`Resource::in_key_prefix`]).
     ///
     /// # Errors
-    /// [`Error::Database`]; [`Error::Redis`]; [`Error::InvalidResource`] for a name too long
+    /// [`Error::Backend`]; [`Error::Backend`]; [`InvalidInput::Resource`](crate::error::InvalidInput::Resource) for a name too long
     /// under the key prefix.
     pub async fn reseed(&self, pool: &PgPool, resource: &Resource) -> Result<i64> {
         let mark = counter_floor(pool, &fencing_name(self.key_prefix(), resource)?).await?;
@@ -68,7 +68,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisIssuer<C> {
     /// of another key prefix ([`Resource::in_key_prefix`]) is not this issuer's: `Ok(false)`.
     ///
     /// # Errors
-    /// [`Error::Redis`]; [`Error::InvalidResource`] if the error names an invalid resource.
+    /// [`Error::Backend`]; [`InvalidInput::Resource`](crate::error::InvalidInput::Resource) if the error names an invalid resource.
     pub async fn recover_from(&self, err: &Error) -> Result<bool> {
         let (target, floor) = match err {
             Error::StaleToken {

@@ -5,6 +5,7 @@
 
 pub use crate::fence::Fence;
 
+use crate::error::InvalidInput;
 use std::fmt;
 
 use crate::{Error, Result, issuer::DEFAULT_KEY_PREFIX};
@@ -42,7 +43,7 @@ impl Resource {
     /// A resource in fencing domain `domain`: its own lock, the domain's token counter.
     ///
     /// # Errors
-    /// [`Error::InvalidResource`] when either part is empty or invalid, or the whole is too
+    /// [`InvalidInput::Resource`] when either part is empty or invalid, or the whole is too
     /// long.
     pub fn in_domain(domain: &str, name: &str) -> Result<Self> {
         Self::new(format!("{{{domain}}}{name}"))
@@ -51,11 +52,11 @@ impl Resource {
     /// Validates `name` (`{domain}rest` for a resource in a fencing domain).
     ///
     /// # Errors
-    /// [`Error::InvalidResource`] saying what is wrong.
+    /// [`InvalidInput::Resource`] saying what is wrong.
     pub fn new(name: impl Into<String>) -> Result<Self> {
         let name = name.into();
         if name.is_empty() {
-            return Err(Error::InvalidResource("empty".into()));
+            return Err(Error::Invalid(InvalidInput::Resource("empty".into())));
         }
         let plain = match name.strip_prefix('{').map(|rest| rest.split_once('}')) {
             None => name.as_str(),
@@ -64,16 +65,16 @@ impl Resource {
                 rest
             }
             Some(_) => {
-                return Err(Error::InvalidResource(
+                return Err(Error::Invalid(InvalidInput::Resource(
                     "a domain is written {domain}name, both non-empty".into(),
-                ));
+                )));
             }
         };
         if name.len() > MAX_RESOURCE_LEN {
-            return Err(Error::InvalidResource(format!(
+            return Err(Error::Invalid(InvalidInput::Resource(format!(
                 "{} bytes long, at most {MAX_RESOURCE_LEN} allowed",
                 name.len()
-            )));
+            ))));
         }
         check_chars(plain)?;
         Ok(Self(name))
@@ -126,7 +127,7 @@ impl Resource {
     /// ```
     ///
     /// # Errors
-    /// [`Error::InvalidKeyPrefix`] for an invalid prefix; [`Error::InvalidResource`] when the
+    /// [`InvalidInput::KeyPrefix`] for an invalid prefix; [`InvalidInput::Resource`] when the
     /// name would be longer than [`MAX_RESOURCE_LEN`], or `self` is another prefix's name.
     pub fn in_key_prefix(&self, prefix: &str) -> Result<Self> {
         let prefix = crate::issuer::limits::check_key_prefix(prefix)?;
@@ -134,11 +135,11 @@ impl Resource {
             if own == prefix {
                 return Ok(self.clone());
             }
-            return Err(Error::InvalidResource(format!(
+            return Err(Error::Invalid(InvalidInput::Resource(format!(
                 "{} is already the PostgreSQL name of {} under key prefix {own}, not {prefix}",
                 self.0,
                 self.without_key_prefix()
-            )));
+            ))));
         }
         if prefix == DEFAULT_KEY_PREFIX {
             return Ok(self.clone());
@@ -148,11 +149,11 @@ impl Resource {
             None => format!("{prefix}{{{}", self.0),
         };
         if name.len() > MAX_RESOURCE_LEN {
-            return Err(Error::InvalidResource(format!(
+            return Err(Error::Invalid(InvalidInput::Resource(format!(
                 "{} under key prefix {prefix} is fenced in PostgreSQL as {name}, {} bytes long: at most {MAX_RESOURCE_LEN} allowed (shorten the name or the prefix)",
                 self.0,
                 name.len()
-            )));
+            ))));
         }
         Ok(Self(name))
     }
@@ -172,7 +173,7 @@ impl Resource {
     /// ```
     ///
     /// # Errors
-    /// [`Error::InvalidResource`] for anything else.
+    /// [`InvalidInput::Resource`] for anything else.
     pub fn parse_fenced(name: &str) -> Result<Self> {
         let plain_err = match Self::new(name) {
             Ok(r) => return Ok(r),
@@ -227,9 +228,9 @@ fn check_chars(part: &str) -> Result<()> {
         .chars()
         .find(|c| c.is_control() || c.is_whitespace() || matches!(c, '{' | '}'))
     {
-        Some(c) => Err(Error::InvalidResource(format!(
+        Some(c) => Err(Error::Invalid(InvalidInput::Resource(format!(
             "character {c:?} not allowed (no whitespace, control characters, or '{{' '}}' outside a leading {{domain}})"
-        ))),
+        )))),
         None => Ok(()),
     }
 }
@@ -333,7 +334,7 @@ mod tests {
         assert!(long.in_key_prefix("abcd").is_ok());
         assert!(matches!(
             long.in_key_prefix("abcde"),
-            Err(Error::InvalidResource(_))
+            Err(Error::Invalid(InvalidInput::Resource(_)))
         ));
         // What is no prefix's name.
         for bad in [

@@ -63,7 +63,7 @@ pub trait FencedTable: Send + Sync + 'static {
     /// Binds the key columns of `rows` as arrays, one per key column in
     /// [`Self::KEY_COLUMNS`] order, for batch writes ([`Repository::update_many`](crate::Repository::update_many)...).
     /// [`fenced_table!`](crate::fenced_table) implements it; the default returns `None`, and
-    /// batch methods then fail with [`Error::InvalidBatch`](crate::Error::InvalidBatch).
+    /// batch methods then fail with [`InvalidInput::Batch`](crate::error::InvalidInput::Batch).
     fn bind_key_arrays(rows: &[&Self], query: PgQuery) -> Option<PgQuery> {
         let _ = (rows, query);
         None
@@ -83,7 +83,7 @@ pub trait FencedTable: Send + Sync + 'static {
     /// Binds this row's value of one data column, `column` (one of [`Self::COLUMNS`]), for
     /// [`Repository::update_columns`](crate::Repository::update_columns). The derive and [`fenced_table!`](crate::fenced_table)
     /// implement it; the default returns `None`, and `update_columns` then fails with
-    /// [`Error::InvalidTable`](crate::Error::InvalidTable) before sending anything.
+    /// [`InvalidInput::Table`](crate::error::InvalidInput::Table) before sending anything.
     fn bind_column(&self, column: &str, query: PgQuery) -> Option<PgQuery> {
         let _ = (column, query);
         None

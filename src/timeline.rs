@@ -227,9 +227,9 @@ impl Seen {
 
     /// Forgets the timeline when `err` is a lost connection.
     pub(crate) fn forget_on(&self, err: &crate::Error) {
-        if let crate::Error::Database(
-            sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed,
-        ) = err
+        if let crate::Error::Backend(b) = err
+            && let Some(sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed) =
+                b.as_sqlx()
         {
             self.forget();
         }

@@ -17,6 +17,7 @@
 //! connection would silently protect nothing. The files are read once, when connecting; to
 //! pick up rotated certificates, connect again.
 
+use crate::error::InvalidInput;
 use std::path::{Path, PathBuf};
 
 use crate::{Error, Result};
@@ -63,7 +64,7 @@ impl TlsParams {
     /// without them (other parameters and a `#fragment` kept, in order) and the parameters.
     ///
     /// # Errors
-    /// [`Error::InvalidTls`] for a parameter given twice or empty, a value that is not valid
+    /// [`InvalidInput::Tls`](crate::error::InvalidInput::Tls) for a parameter given twice or empty, a value that is not valid
     /// percent-encoded UTF-8, or `cert` without `key` (or the reverse).
     pub(crate) fn split(url: &str) -> Result<(String, Self)> {
         let (rest, fragment) = match url.split_once('#') {
@@ -87,27 +88,31 @@ impl TlsParams {
                 }
             };
             let value = percent_decode(value).ok_or_else(|| {
-                Error::InvalidTls(format!(
+                Error::Invalid(InvalidInput::Tls(format!(
                     "the value of `{name}` is not valid percent-encoded UTF-8"
-                ))
+                )))
             })?;
             if value.is_empty() {
-                return Err(Error::InvalidTls(format!("`{name}` names no file")));
+                return Err(Error::Invalid(InvalidInput::Tls(format!(
+                    "`{name}` names no file"
+                ))));
             }
             if slot.replace(PathBuf::from(value)).is_some() {
-                return Err(Error::InvalidTls(format!("`{name}` is given twice")));
+                return Err(Error::Invalid(InvalidInput::Tls(format!(
+                    "`{name}` is given twice"
+                ))));
             }
         }
         match (&params.cert, &params.key) {
             (Some(_), None) => {
-                return Err(Error::InvalidTls(
+                return Err(Error::Invalid(InvalidInput::Tls(
                     "`cert` (a client certificate) needs `key`, its private key".into(),
-                ));
+                )));
             }
             (None, Some(_)) => {
-                return Err(Error::InvalidTls(
+                return Err(Error::Invalid(InvalidInput::Tls(
                     "`key` (a client private key) needs `cert`, its certificate".into(),
-                ));
+                )));
             }
             _ => {}
         }
@@ -127,7 +132,7 @@ impl TlsParams {
     /// instead (`rediss://`, `etcd+https://`).
     ///
     /// # Errors
-    /// [`Error::InvalidTls`] when any parameter was given.
+    /// [`InvalidInput::Tls`](crate::error::InvalidInput::Tls) when any parameter was given.
     pub(crate) fn refuse_on_plain(&self, scheme: &str, tls_scheme: &str) -> Result<()> {
         if self.is_empty() {
             return Ok(());
@@ -138,7 +143,7 @@ impl TlsParams {
             .filter(|(_, v)| v.is_some())
             .map(|(name, _)| *name)
             .collect();
-        Err(Error::InvalidTls(format!(
+        Err(Error::Invalid(InvalidInput::Tls(format!(
             "{} {}, but {scheme} connects without TLS: use {tls_scheme}",
             given
                 .iter()
@@ -150,14 +155,14 @@ impl TlsParams {
             } else {
                 "are TLS settings"
             },
-        )))
+        ))))
     }
 
     /// Reads the files and checks that the CA file holds certificates, the `cert` file a
     /// certificate chain and the `key` file a private key (PEM).
     ///
     /// # Errors
-    /// [`Error::TlsFile`] naming the parameter and the file that could not be read, or that
+    /// [`InvalidInput::TlsFile`](crate::error::InvalidInput::TlsFile) naming the parameter and the file that could not be read, or that
     /// does not hold what it should.
     pub(crate) fn read(&self) -> Result<TlsFiles> {
         let ca = self
@@ -184,10 +189,12 @@ enum Pem {
 }
 
 fn read_pem(path: &Path, param: &'static str, want: Pem) -> Result<Vec<u8>> {
-    let file_error = |reason: String| Error::TlsFile {
-        param,
-        path: path.to_owned(),
-        reason,
+    let file_error = |reason: String| {
+        Error::Invalid(InvalidInput::TlsFile {
+            param,
+            path: path.to_owned(),
+            reason,
+        })
     };
     let bytes = std::fs::read(path).map_err(|e| file_error(e.to_string()))?;
     check_pem(&bytes, want).map_err(file_error)?;
@@ -306,9 +313,9 @@ fn bad_redis_url(url: &str) -> impl FnOnce(redis::RedisError) -> Error + '_ {
 /// pgfence's TLS parameters applied ([`TlsParams`]).
 ///
 /// # Errors
-/// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters;
+/// [`InvalidInput::Tls`](crate::error::InvalidInput::Tls) / [`InvalidInput::TlsFile`](crate::error::InvalidInput::TlsFile) for the TLS parameters;
 /// [`Error::IssuerNotBuilt`] for `rediss://` without the `tls` feature;
-/// [`Error::InvalidIssuerUrl`] for a URL redis-rs rejects.
+/// [`InvalidInput::IssuerUrl`](crate::error::InvalidInput::IssuerUrl) for a URL redis-rs rejects.
 pub(crate) fn redis_client(url: &str) -> Result<redis::Client> {
     let (url, params) = TlsParams::split(url)?;
     if !has_scheme(&url, "rediss://") {
@@ -328,8 +335,8 @@ pub(crate) fn redis_client(url: &str) -> Result<redis::Client> {
 /// and client certificate of `files` (the system trust store without a CA).
 ///
 /// # Errors
-/// [`Error::IssuerNotBuilt`] without the `tls` feature; [`Error::InvalidIssuerUrl`] for a URL
-/// redis-rs rejects; [`Error::Redis`] for certificates it refuses.
+/// [`Error::IssuerNotBuilt`] without the `tls` feature; [`InvalidInput::IssuerUrl`](crate::error::InvalidInput::IssuerUrl) for a URL
+/// redis-rs rejects; [`Error::Backend`](crate::Error::Backend) for certificates it refuses.
 #[cfg(feature = "tls")]
 pub(crate) fn redis_tls_client(
     info: impl redis::IntoConnectionInfo,
@@ -361,7 +368,7 @@ pub(crate) fn redis_tls_client(
 /// node), and when given on several, they must be the same.
 ///
 /// # Errors
-/// As [`redis_client`]; [`Error::InvalidTls`] when nodes give different TLS parameters.
+/// As [`redis_client`]; [`InvalidInput::Tls`](crate::error::InvalidInput::Tls) when nodes give different TLS parameters.
 pub(crate) fn redis_cluster_client(nodes: &[String]) -> Result<redis::cluster::ClusterClient> {
     let mut params: Option<TlsParams> = None;
     let mut urls = Vec::with_capacity(nodes.len());
@@ -370,11 +377,11 @@ pub(crate) fn redis_cluster_client(nodes: &[String]) -> Result<redis::cluster::C
         if !given.is_empty() {
             match &params {
                 Some(before) if *before != given => {
-                    return Err(Error::InvalidTls(
+                    return Err(Error::Invalid(InvalidInput::Tls(
                         "the node URLs give different TLS settings: give them on one node URL, \
                          or the same on each"
                             .into(),
-                    ));
+                    )));
                 }
                 _ => params = Some(given),
             }
@@ -496,7 +503,10 @@ mod tests {
             ("rediss://h?cacert=%zz", "percent-encoded"),
         ] {
             let err = TlsParams::split(bad).unwrap_err();
-            assert!(matches!(err, Error::InvalidTls(_)), "{bad}: {err}");
+            assert!(
+                matches!(err, Error::Invalid(InvalidInput::Tls(_))),
+                "{bad}: {err}"
+            );
             assert!(err.to_string().contains(says), "{bad}: {err}");
         }
     }
@@ -507,7 +517,7 @@ mod tests {
         let err = p
             .refuse_on_plain("a redis:// URL", "rediss://")
             .unwrap_err();
-        assert!(matches!(err, Error::InvalidTls(_)), "{err}");
+        assert!(matches!(err, Error::Invalid(InvalidInput::Tls(_))), "{err}");
         assert!(err.to_string().contains("use rediss://"), "{err}");
         assert!(
             err.to_string().contains("`cacert` is a TLS setting"),
@@ -529,7 +539,7 @@ mod tests {
         };
         let err = p.read().unwrap_err();
         assert!(
-            matches!(&err, Error::TlsFile { param: "cacert", path, .. } if *path == missing),
+            matches!(&err, Error::Invalid(InvalidInput::TlsFile { param: "cacert", path, .. }) if *path == missing),
             "{err}"
         );
         assert!(
@@ -546,7 +556,13 @@ mod tests {
         };
         let err = p.read().unwrap_err();
         std::fs::remove_file(&not_pem).ok();
-        assert!(matches!(err, Error::TlsFile { param: "cert", .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::Invalid(InvalidInput::TlsFile { param: "cert", .. })
+            ),
+            "{err}"
+        );
     }
 
     #[cfg(not(feature = "tls"))]

@@ -1,5 +1,6 @@
 //! Least privilege for application roles: [`grant_sql`] and [`grant`].
 
+use crate::error::InvalidInput;
 use sqlx::{Acquire, AssertSqlSafe, Postgres};
 
 use crate::{Error, Result, table::Ident};
@@ -109,9 +110,9 @@ pub fn grant_sql(role: &Ident) -> String {
 /// the owner of the `pgfence` schema or a superuser, after [`migrate`](crate::admin::migrate).
 ///
 /// # Errors
-/// [`Error::InvalidIdentifier`] when `role` owns the `pgfence` schema (it already has every
+/// [`InvalidInput::Identifier`](crate::error::InvalidInput::Identifier) when `role` owns the `pgfence` schema (it already has every
 /// privilege, and the revocations would take them away), or names `PUBLIC` (every role) or a
-/// predefined `pg_*` role; [`Error::Database`] when the role does not exist, pgfence's schema
+/// predefined `pg_*` role; [`Error::Backend`](crate::Error::Backend) when the role does not exist, pgfence's schema
 /// is missing, or the caller may not grant.
 ///
 /// # Example
@@ -125,16 +126,16 @@ where
     A: Acquire<'c, Database = Postgres>,
 {
     if role.as_str().eq_ignore_ascii_case("public") {
-        return Err(Error::InvalidIdentifier {
+        return Err(Error::Invalid(InvalidInput::Identifier {
             name: role.as_str().to_owned(),
             reason: "is every role (PUBLIC): grant an application's rights to one role, not to all",
-        });
+        }));
     }
     if role.as_str().starts_with("pg_") {
-        return Err(Error::InvalidIdentifier {
+        return Err(Error::Invalid(InvalidInput::Identifier {
             name: role.as_str().to_owned(),
             reason: "is a predefined PostgreSQL role (pg_*): grant to the application's own role",
-        });
+        }));
     }
     let mut conn = conn.begin().await?;
     // GRANT and REVOKE by a role without the right only warn ("no privileges were granted"):
@@ -166,10 +167,10 @@ where
     .fetch_optional(&mut *conn)
     .await?;
     if owns_schema == Some(true) {
-        return Err(Error::InvalidIdentifier {
+        return Err(Error::Invalid(InvalidInput::Identifier {
             name: role.as_str().to_owned(),
             reason: "owns the pgfence schema; grant is for application roles",
-        });
+        }));
     }
     // The role name is quoted by `Ident::quoted`; everything else is constant text.
     sqlx::raw_sql(AssertSqlSafe(grant_sql(role)))

@@ -11,7 +11,7 @@ use crate::{Resource, Result};
 /// [`Lease::fencing_resource`](crate::Lease::fencing_resource)).
 ///
 /// # Errors
-/// [`Error::Database`](crate::Error::Database).
+/// [`Error::Backend`](crate::Error::Backend).
 pub async fn high_water<'c, E: PgExecutor<'c>>(exec: E, resource: &Resource) -> Result<i64> {
     let mark = sqlx::query_scalar!(
         r#"SELECT pgfence.high_water($1) AS "mark!""#,
@@ -28,7 +28,7 @@ pub async fn high_water<'c, E: PgExecutor<'c>>(exec: E, resource: &Resource) -> 
 /// the domain `D` of prefix `P` is `P{D`).
 ///
 /// # Errors
-/// [`Error::Database`](crate::Error::Database).
+/// [`Error::Backend`](crate::Error::Backend).
 pub async fn counter_floor<'c, E: PgExecutor<'c>>(exec: E, resource: &Resource) -> Result<i64> {
     let Some(domain) = resource.domain() else {
         return high_water(exec, resource).await;

@@ -118,11 +118,11 @@ pub struct MigrationInfo {
 /// it; on a schema that is behind, such a role gets [`Error::MigrationNotPermitted`].
 ///
 /// # Errors
-/// [`Error::Migration`] when a migration fails or the applied history diverges from the
+/// [`Error::Backend`](crate::Error::Backend) when a migration fails or the applied history diverges from the
 /// embedded migrations; [`Error::UnreleasedMigrations`] when the history holds migrations of
 /// an unreleased 0.3 build (V7 to V13 before they were squashed);
 /// [`Error::MigrationNotPermitted`] when the schema is behind and this role may not migrate
-/// it; [`Error::Database`] when the database cannot be reached.
+/// it; [`Error::Backend`](crate::Error::Backend) when the database cannot be reached.
 ///
 /// # Example
 /// ```no_run
@@ -174,7 +174,7 @@ where
             let applied = runner(&migrations)
                 .get_applied_migrations_async(&mut RefineryConn(&mut tx))
                 .await
-                .map_err(|e| Error::Migration(Box::new(e)))?;
+                .map_err(Error::migration)?;
             refuse_unreleased_history(&applied)?;
         }
         Applied::Behind { .. } => {}
@@ -198,7 +198,7 @@ where
     let report = runner(&migrations)
         .run_async(&mut RefineryConn(&mut tx))
         .await
-        .map_err(|e| Error::Migration(Box::new(e)))?;
+        .map_err(Error::migration)?;
     restore_search_path(&mut tx, &callers_path).await?;
     tx.commit().await?;
     Ok(report.applied_migrations().iter().map(info).collect())
@@ -325,11 +325,11 @@ async fn scalar(conn: &mut PgConnection, sql: &'static str) -> Result<bool> {
 /// Lists every embedded migration with its applied time (`None` when pending).
 ///
 /// Reads the history table (the schema owner's); a role without `SELECT` on it gets
-/// [`Error::Database`] (permission denied) — [`migrate`] and [`doctor`](crate::admin::doctor) read
+/// [`Error::Backend`](crate::Error::Backend) (permission denied) — [`migrate`] and [`doctor`](crate::admin::doctor) read
 /// `pgfence.schema_version()` instead.
 ///
 /// # Errors
-/// [`Error::Database`] when the database cannot be read; [`Error::UnreleasedMigrations`] when
+/// [`Error::Backend`](crate::Error::Backend) when the database cannot be read; [`Error::UnreleasedMigrations`] when
 /// the history holds migrations of an unreleased 0.3 build (its V7 would read as applied).
 pub async fn migration_status<'c, A>(conn: A) -> Result<Vec<MigrationInfo>>
 where
@@ -346,7 +346,7 @@ where
         runner(&migrations)
             .get_applied_migrations_async(&mut RefineryConn(&mut conn))
             .await
-            .map_err(|e| Error::Migration(Box::new(e)))?
+            .map_err(Error::migration)?
     } else {
         Vec::new()
     };
@@ -367,9 +367,7 @@ where
 fn embedded() -> Result<Vec<Migration>> {
     MIGRATIONS
         .iter()
-        .map(|(name, sql)| {
-            Migration::unapplied(name, sql).map_err(|e| Error::Migration(Box::new(e)))
-        })
+        .map(|(name, sql)| Migration::unapplied(name, sql).map_err(Error::migration))
         .collect()
 }
 

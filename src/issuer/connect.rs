@@ -82,10 +82,10 @@ pub async fn connect_issuer(url: &str) -> Result<Arc<dyn TokenIssuer>> {
 /// # Errors
 /// [`Error::IssuerNotBuilt`] for `etcd://` or `zk://` without the feature, and for a TLS
 /// scheme without the `tls` feature; [`Error::TlsUnsupported`] for ZooKeeper over TLS;
-/// [`Error::InvalidIssuerUrl`] for any other scheme; [`Error::InvalidKeyPrefix`];
-/// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters; the issuer's
-/// connection error ([`Error::Redis`], [`Error::RedisPermission`], `Error::Etcd`,
-/// `Error::ZooKeeper`).
+/// [`InvalidInput::IssuerUrl`](crate::error::InvalidInput::IssuerUrl) for any other scheme; [`InvalidInput::KeyPrefix`](crate::error::InvalidInput::KeyPrefix);
+/// [`InvalidInput::Tls`](crate::error::InvalidInput::Tls) / [`InvalidInput::TlsFile`](crate::error::InvalidInput::TlsFile) for the TLS parameters; the issuer's
+/// connection error ([`Error::Backend`](crate::Error::Backend), [`Error::RedisPermission`], [`Error::Backend`](crate::Error::Backend),
+/// [`Error::Backend`](crate::Error::Backend)).
 pub async fn connect_issuer_with(
     url: &str,
     options: IssuerOptions,
@@ -177,6 +177,7 @@ where
 mod tests {
     use super::*;
     use crate::Error;
+    use crate::error::InvalidInput;
 
     #[test]
     fn kinds_of_urls() {
@@ -201,16 +202,25 @@ mod tests {
     #[tokio::test]
     async fn rejects_unknown_schemes_and_bad_prefixes() {
         let err = connect_issuer("nope://x").await.unwrap_err();
-        assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err}");
+        assert!(
+            matches!(err, Error::Invalid(InvalidInput::IssuerUrl(_))),
+            "{err}"
+        );
         let err = connect_issuer("").await.unwrap_err();
-        assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err}");
+        assert!(
+            matches!(err, Error::Invalid(InvalidInput::IssuerUrl(_))),
+            "{err}"
+        );
         let err = connect_issuer_with(
             "redis://127.0.0.1:1",
             IssuerOptions::new().key_prefix("a b"),
         )
         .await
         .unwrap_err();
-        assert!(matches!(err, Error::InvalidKeyPrefix(_)), "{err}");
+        assert!(
+            matches!(err, Error::Invalid(InvalidInput::KeyPrefix(_))),
+            "{err}"
+        );
         #[cfg(not(feature = "etcd"))]
         {
             let err = connect_issuer("etcd://127.0.0.1:2379").await.unwrap_err();
@@ -250,7 +260,10 @@ mod tests {
         }
         for url in bad {
             let err = connect_issuer(url).await.unwrap_err();
-            assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{url}: {err:?}");
+            assert!(
+                matches!(err, Error::Invalid(InvalidInput::IssuerUrl(_))),
+                "{url}: {err:?}"
+            );
             assert_eq!(err.kind(), crate::error::ErrorKind::Invalid, "{url}");
             assert!(!err.to_string().contains("hunter2"), "{url}: {err}");
         }
@@ -262,7 +275,10 @@ mod tests {
         let err = crate::RedisIssuer::connect_cluster(&nodes)
             .await
             .unwrap_err();
-        assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err:?}");
+        assert!(
+            matches!(err, Error::Invalid(InvalidInput::IssuerUrl(_))),
+            "{err:?}"
+        );
         // With TLS certificates too: the URL is checked before them (this PEM decodes but is
         // no certificate, so building a client with it would fail on its own).
         #[cfg(feature = "tls")]
@@ -276,7 +292,10 @@ mod tests {
             let ca = pem.display();
             let url = format!("rediss://:hunter2@127.0.0.1:notaport?cacert={ca}");
             let err = connect_issuer(&url).await.unwrap_err();
-            assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{url}: {err:?}");
+            assert!(
+                matches!(err, Error::Invalid(InvalidInput::IssuerUrl(_))),
+                "{url}: {err:?}"
+            );
             assert!(!err.to_string().contains("hunter2"), "{err}");
             let nodes = [
                 format!("rediss://127.0.0.1:x?cacert={ca}"),
@@ -285,7 +304,10 @@ mod tests {
             let err = crate::RedisIssuer::connect_cluster(&nodes)
                 .await
                 .unwrap_err();
-            assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err:?}");
+            assert!(
+                matches!(err, Error::Invalid(InvalidInput::IssuerUrl(_))),
+                "{err:?}"
+            );
             std::fs::remove_file(&pem).unwrap();
         }
     }
@@ -296,18 +318,21 @@ mod tests {
         let err = connect_issuer("redis://127.0.0.1:1?cacert=/ca.pem")
             .await
             .unwrap_err();
-        assert!(matches!(err, Error::InvalidTls(_)), "{err}");
+        assert!(matches!(err, Error::Invalid(InvalidInput::Tls(_))), "{err}");
         let err = connect_issuer("redis+sentinel://127.0.0.1:1/m?cacert=/ca.pem")
             .await
             .unwrap_err();
-        assert!(matches!(err, Error::InvalidTls(_)), "{err}");
+        assert!(matches!(err, Error::Invalid(InvalidInput::Tls(_))), "{err}");
         assert!(err.to_string().contains("rediss+sentinel://"), "{err}");
         for url in [
             "rediss://127.0.0.1:1?cert=/c.pem",
             "rediss+sentinel://127.0.0.1:1/m?key=/k.pem",
         ] {
             let err = connect_issuer(url).await.unwrap_err();
-            assert!(matches!(err, Error::InvalidTls(_)), "{url}: {err}");
+            assert!(
+                matches!(err, Error::Invalid(InvalidInput::Tls(_))),
+                "{url}: {err}"
+            );
         }
         #[cfg(feature = "tls")]
         {
@@ -320,10 +345,10 @@ mod tests {
                 assert!(
                     matches!(
                         &err,
-                        Error::TlsFile {
+                        Error::Invalid(InvalidInput::TlsFile {
                             param: "cacert",
                             ..
-                        }
+                        })
                     ),
                     "{url}: {err}"
                 );

@@ -3,6 +3,7 @@
 //!
 //! The design is documented on [`EtcdIssuer`].
 
+use crate::error::InvalidInput;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -52,7 +53,7 @@ fn prefixed_key(prefix: &str, resource: &Resource) -> String {
 /// [`RedisIssuer`](crate::RedisIssuer), so a lease from either is fenced the same way by
 /// Postgres. The token is the etcd revision that created the lock key: strictly increasing
 /// across the whole cluster and across leader failovers, at most [`MAX_TOKEN`] (an acquire
-/// that would exceed it fails with [`Error::InvalidToken`] and leaves no lock behind).
+/// that would exceed it fails with [`InvalidInput::Token`] and leaves no lock behind).
 /// Cloning is cheap; clones share the connections. It implements
 /// [`TokenIssuer`](crate::TokenIssuer), where [`raise_floor`](crate::TokenIssuer::raise_floor)
 /// and [`recover_from`](crate::TokenIssuer::recover_from) are no-ops (revisions never go
@@ -164,9 +165,9 @@ impl EtcdIssuer {
     /// ```
     ///
     /// # Errors
-    /// [`Error::InvalidIssuerUrl`] for a malformed URL; [`Error::Etcd`] for an unreachable
+    /// [`InvalidInput::IssuerUrl`] for a malformed URL; [`Error::Backend`] for an unreachable
     /// cluster;
-    /// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters;
+    /// [`InvalidInput::Tls`] / [`InvalidInput::TlsFile`] for the TLS parameters;
     /// [`Error::IssuerNotBuilt`] for `etcd+https://` without the `tls` feature.
     pub async fn connect(url: &str) -> Result<Self> {
         let EtcdUrl {
@@ -214,7 +215,7 @@ impl EtcdIssuer {
     /// counter of the cluster).
     ///
     /// # Errors
-    /// [`Error::InvalidKeyPrefix`], as for [`RedisIssuer::with_key_prefix`](crate::RedisIssuer::with_key_prefix).
+    /// [`InvalidInput::KeyPrefix`], as for [`RedisIssuer::with_key_prefix`](crate::RedisIssuer::with_key_prefix).
     pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
         self.prefix = check_key_prefix(prefix)?.into();
         Ok(self)
@@ -228,7 +229,7 @@ impl EtcdIssuer {
 
     /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`],
     /// 5 s, by default): an acquire, release, extend or status read returns within `bound`,
-    /// its re-sends included, or fails with an [`Error::Etcd`] timeout ([retryable](Error::is_retryable): the
+    /// its re-sends included, or fails with an [`Error::Backend`] timeout ([retryable](Error::is_retryable): the
     /// outcome is unknown). Each request also has the client's own 5 s timeout. The first
     /// attempt of a call gets at least 100 ms however small `bound` is. See
     /// `docs/issuers.md`, "Time bounds".
@@ -553,7 +554,7 @@ impl EtcdIssuer {
 
 issuer_methods! {
     impl[] EtcdIssuer {
-        error: "[`Error::Etcd`]",
+        error: "[`Error::Backend`](crate::Error::Backend)",
         acquire: {
             /// The TTL is rounded up to whole seconds on the server (see the type's docs, "TTLs").
         }
@@ -593,7 +594,7 @@ impl Backend for EtcdIssuer {
     }
 
     fn no_reply(after: Duration) -> Error {
-        Error::Etcd(etcd_client::Error::IoError(std::io::Error::new(
+        Error::etcd(etcd_client::Error::IoError(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             format!("no reply from etcd within {after:?}"),
         )))
@@ -787,7 +788,7 @@ fn last_kv(reply: &TxnResponse) -> Option<KeyValue> {
 fn lease_secs(ttl: Duration) -> Result<i64> {
     let millis = check_ttl(ttl)?.as_millis();
     i64::try_from(millis.div_ceil(1000).max(1))
-        .map_err(|_| Error::InvalidDuration(format!("{ttl:?}")))
+        .map_err(|_| Error::Invalid(InvalidInput::Duration(format!("{ttl:?}"))))
 }
 
 type Credentials = Option<(String, String)>;
@@ -806,9 +807,9 @@ struct EtcdUrl {
 /// TLS parameters `cacert`, `cert` and `key` → credentials, endpoints and TLS parameters.
 fn parse_url(url: &str) -> Result<EtcdUrl> {
     let invalid = |why: &str| {
-        Error::InvalidIssuerUrl(format!(
+        Error::Invalid(InvalidInput::IssuerUrl(format!(
             "etcd URL: {why} (expected etcd://host:port[,host:port...] or etcd+https://host:port[,host:port...][?cacert=PATH&cert=PATH&key=PATH])"
-        ))
+        )))
     };
     let (scheme_len, tls) = if has_scheme(url, SCHEME) {
         (SCHEME.len(), false)
@@ -908,7 +909,7 @@ fn tls_rejected(e: &etcd_client::Error) -> bool {
 
 impl From<etcd_client::Error> for Error {
     fn from(e: etcd_client::Error) -> Self {
-        Error::Etcd(e)
+        Error::etcd(e)
     }
 }
 
@@ -975,10 +976,10 @@ mod tests {
         assert!(u.tls.is_some_and(|t| t.is_empty()));
 
         let err = parse_url("etcd://h?cacert=/ca.pem").unwrap_err();
-        assert!(matches!(err, Error::InvalidTls(_)), "{err}");
+        assert!(matches!(err, Error::Invalid(InvalidInput::Tls(_))), "{err}");
         assert!(err.to_string().contains("use etcd+https://"), "{err}");
         let err = parse_url("etcd+https://h?cert=/c.pem").unwrap_err();
-        assert!(matches!(err, Error::InvalidTls(_)), "{err}");
+        assert!(matches!(err, Error::Invalid(InvalidInput::Tls(_))), "{err}");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 #[cfg(doc)]
 use crate::RedisIssuer;
+use crate::error::InvalidInput;
 use crate::{Error, Resource, Result};
 
 /// The default key prefix: keys are `pgfence:{R}:lock` and `pgfence:{R}:fence`.
@@ -15,7 +16,7 @@ pub const MAX_KEY_PREFIX_LEN: usize = 64;
 /// (which would move the Redis Cluster hash tag), whitespace and control characters.
 ///
 /// # Errors
-/// [`Error::InvalidKeyPrefix`] saying what is wrong.
+/// [`InvalidInput::KeyPrefix`](crate::error::InvalidInput::KeyPrefix) saying what is wrong.
 pub fn check_key_prefix(prefix: &str) -> Result<&str> {
     let why = if prefix.is_empty() {
         Some("it is empty".to_owned())
@@ -32,10 +33,10 @@ pub fn check_key_prefix(prefix: &str) -> Result<&str> {
         None
     };
     match why {
-        Some(why) => Err(Error::InvalidKeyPrefix(format!(
+        Some(why) => Err(Error::Invalid(InvalidInput::KeyPrefix(format!(
             "{:?}: {why}",
             prefix.escape_debug().to_string()
-        ))),
+        )))),
         None => Ok(prefix),
     }
 }
@@ -45,11 +46,11 @@ pub fn check_key_prefix(prefix: &str) -> Result<&str> {
 /// a resource name, never on a prefix's PostgreSQL name.
 pub(crate) fn fencing_name(prefix: &str, resource: &Resource) -> Result<Resource> {
     if let Some(other) = resource.key_prefix() {
-        return Err(Error::InvalidResource(format!(
+        return Err(Error::Invalid(InvalidInput::Resource(format!(
             "{resource} is the PostgreSQL name of {} under key prefix {other}: lock {} itself (with that key prefix)",
             resource.without_key_prefix(),
             resource.without_key_prefix()
-        )));
+        ))));
     }
     resource.in_key_prefix(prefix)
 }

@@ -1,6 +1,7 @@
 //! What a granted lock is (a [`Lease`]) and what release, extend and status report about
 //! it, shared by every issuer, with the checks every acquire makes before sending anything.
 
+use crate::error::InvalidInput;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -18,20 +19,20 @@ pub const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// Validates a lease TTL.
 ///
 /// # Errors
-/// [`Error::InvalidDuration`] outside [`MIN_TTL`]`..=`[`MAX_TTL`].
+/// [`InvalidInput::Duration`](crate::error::InvalidInput::Duration) outside [`MIN_TTL`]`..=`[`MAX_TTL`].
 pub fn check_ttl(ttl: Duration) -> Result<Duration> {
     if (MIN_TTL..=MAX_TTL).contains(&ttl) {
         Ok(ttl)
     } else {
-        Err(Error::InvalidDuration(format!(
+        Err(Error::Invalid(InvalidInput::Duration(format!(
             "lease TTL {ttl:?}: a lease TTL must be between {MIN_TTL:?} and {MAX_TTL:?}"
-        )))
+        ))))
     }
 }
 
 pub(super) fn ttl_millis(ttl: Duration) -> Result<u64> {
     u64::try_from(check_ttl(ttl)?.as_millis())
-        .map_err(|_| Error::InvalidDuration(format!("{ttl:?}")))
+        .map_err(|_| Error::Invalid(InvalidInput::Duration(format!("{ttl:?}"))))
 }
 
 /// A new unguessable owner id ([`Lease::new_owner_id`]).
@@ -42,9 +43,9 @@ pub(super) fn new_owner_id() -> String {
 /// Validates a lock owner id (stored as `owner:token`, so it cannot contain `:`).
 pub(super) fn check_owner(owner: &str) -> Result<()> {
     if owner.is_empty() || owner.contains(':') {
-        return Err(Error::InvalidOwner(
+        return Err(Error::Invalid(InvalidInput::Owner(
             "owner ids are non-empty and contain no ':'".into(),
-        ));
+        )));
     }
     Ok(())
 }
@@ -191,7 +192,7 @@ impl Lease {
     /// issuer, for its fenced writes).
     ///
     /// # Errors
-    /// [`Error::InvalidKeyPrefix`]; [`Error::InvalidResource`] when the name would be too long
+    /// [`InvalidInput::KeyPrefix`](crate::error::InvalidInput::KeyPrefix); [`InvalidInput::Resource`](crate::error::InvalidInput::Resource) when the name would be too long
     /// (see [`Resource::in_key_prefix`]).
     pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
         self.fencing = fencing_name(prefix, &self.resource)?;

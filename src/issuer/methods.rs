@@ -9,7 +9,7 @@
 /// ```ignore
 /// issuer_methods! {
 ///     impl[] PgIssuer {
-///         error: "[`Error::Database`](crate::Error::Database)",
+///         error: "[`Error::Backend`](crate::Error::Backend)",
 ///         acquire: { /// notes appended to the shared docs, before `# Errors` }
 ///         acquire_as: {}
 ///         acquire_wait: {}
@@ -41,9 +41,9 @@ macro_rules! issuer_methods {
             $(#[$acquire])*
             ///
             /// # Errors
-            /// [`Error::InvalidDuration`](crate::Error::InvalidDuration) for a TTL outside
+            /// [`InvalidInput::Duration`](crate::error::InvalidInput::Duration) for a TTL outside
             /// [`MIN_TTL`](crate::issuer::limits::MIN_TTL)`..=`[`MAX_TTL`](crate::issuer::limits::MAX_TTL)
-            /// (nothing is sent); [`Error::InvalidToken`](crate::Error::InvalidToken) when the
+            /// (nothing is sent); [`InvalidInput::Token`](crate::error::InvalidInput::Token) when the
             /// token would pass [`MAX_TOKEN`](crate::token::MAX_TOKEN) (the acquire is refused
             /// and leaves no lock behind);
             #[doc = concat!(" ", $error, " when the store fails after re-sends.")]
@@ -63,7 +63,7 @@ macro_rules! issuer_methods {
             $(#[$acquire_as])*
             ///
             /// # Errors
-            /// As [`acquire`](Self::acquire); [`Error::InvalidOwner`](crate::Error::InvalidOwner)
+            /// As [`acquire`](Self::acquire); [`InvalidInput::Owner`](crate::error::InvalidInput::Owner)
             /// for an empty owner id or one containing `:`.
             pub async fn acquire_as(
                 &self,
@@ -122,7 +122,7 @@ macro_rules! issuer_methods {
             $(#[$extend])*
             ///
             /// # Errors
-            /// [`Error::InvalidDuration`](crate::Error::InvalidDuration);
+            /// [`InvalidInput::Duration`](crate::error::InvalidInput::Duration);
             #[doc = concat!(" ", $error, ".")]
             pub async fn extend(
                 &self,

@@ -2,6 +2,7 @@
 //! (migration V7: `pgfence.issuer_lock`, `pgfence.issuer_counter` and the `pgfence.issuer_*`
 //! functions).
 
+use crate::error::InvalidInput;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -101,20 +102,20 @@ impl PgIssuer {
     /// migrations (V7 or later).
     ///
     /// # Errors
-    /// [`Error::InvalidIssuerUrl`] for a URL that does not parse (the URL is not echoed: it
-    /// may hold a password); [`Error::Database`] when the server cannot be reached.
+    /// [`InvalidInput::IssuerUrl`](crate::error::InvalidInput::IssuerUrl) for a URL that does not parse (the URL is not echoed: it
+    /// may hold a password); [`Error::Backend`](crate::Error::Backend) when the server cannot be reached.
     pub async fn connect(url: &str) -> Result<Self> {
         if !is_postgres_url(url) {
-            return Err(Error::InvalidIssuerUrl(
+            return Err(Error::Invalid(InvalidInput::IssuerUrl(
                 "the PostgreSQL issuer takes postgres:// or postgresql:// URLs".into(),
-            ));
+            )));
         }
         let options = PgConnectOptions::from_str(url).map_err(|e| {
-            Error::InvalidIssuerUrl(format!(
+            Error::Invalid(InvalidInput::IssuerUrl(format!(
                 "the PostgreSQL URL {} did not parse: {}",
                 super::url_host(url),
                 redacted(&e)
-            ))
+            )))
         })?;
         let addr = pg_addr(&options);
         // One connection first, directly: a pool retries a refused connection until its
@@ -162,7 +163,7 @@ impl PgIssuer {
 
     /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`], 5 s, by default):
     /// an acquire, release, extend or status read returns within `bound`, its re-sends
-    /// included, or fails with an I/O timeout ([`Error::Database`], retryable). The server
+    /// included, or fails with an I/O timeout ([`Error::Backend`](crate::Error::Backend), retryable). The server
     /// ends a transaction of the issuer's left idle for `bound`, and a statement of it waiting
     /// on a lock or running for `bound` (see the type's docs, "Time bound"). The first attempt
     /// of a call gets at least 100 ms however small `bound` is.
@@ -182,7 +183,7 @@ impl PgIssuer {
     /// and no counter on one database.
     ///
     /// # Errors
-    /// [`Error::InvalidKeyPrefix`] (see [`check_key_prefix`]).
+    /// [`InvalidInput::KeyPrefix`](crate::error::InvalidInput::KeyPrefix) (see [`check_key_prefix`]).
     pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
         self.prefix = Arc::from(check_key_prefix(prefix)?);
         Ok(self)
@@ -202,7 +203,7 @@ impl PgIssuer {
 
     fn prefix_literal(&self) -> Result<String> {
         quote_literal(&self.prefix)
-            .map_err(|_| Error::InvalidKeyPrefix("contains a NUL byte".into()))
+            .map_err(|_| Error::Invalid(InvalidInput::KeyPrefix("contains a NUL byte".into())))
     }
 
     /// One statement, simple query protocol (no named prepared statement for a pooler to
@@ -239,11 +240,11 @@ impl PgIssuer {
 
 issuer_methods! {
     impl[] PgIssuer {
-        error: "[`Error::Database`]",
+        error: "[`Error::Backend`](crate::Error::Backend)",
         acquire: {}
         acquire_as: {
             /// `retry_in` is the holder's remaining TTL by the database's clock. Owner ids are at
-            /// most 256 bytes here, without NUL bytes ([`Error::InvalidOwner`] otherwise).
+            /// most 256 bytes here, without NUL bytes ([`InvalidInput::Owner`](crate::error::InvalidInput::Owner) otherwise).
         }
         acquire_wait: {
             ///
@@ -272,7 +273,7 @@ impl Backend for PgIssuer {
     }
 
     fn no_reply(after: Duration) -> Error {
-        Error::Database(sqlx::Error::Io(std::io::Error::new(
+        Error::database(sqlx::Error::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             format!("no reply from PostgreSQL within {after:?}"),
         )))
@@ -299,9 +300,11 @@ impl Backend for PgIssuer {
                 u64::try_from(ms).unwrap_or(0),
             )));
         }
-        let token: i64 = row
-            .try_get::<Option<i64>, _>("token")?
-            .ok_or_else(|| Error::InvalidToken("NULL from pgfence.issuer_acquire".into()))?;
+        let token: i64 = row.try_get::<Option<i64>, _>("token")?.ok_or_else(|| {
+            Error::Invalid(InvalidInput::Token(
+                "NULL from pgfence.issuer_acquire".into(),
+            ))
+        })?;
         Ok(Attempt::Granted(
             ask.lease(FenceToken::new(token)?, sent_at),
         ))
@@ -366,7 +369,7 @@ impl Uncommitted {
     fn conn(&mut self) -> Result<&mut PoolConnection<Postgres>> {
         self.0
             .as_mut()
-            .ok_or(Error::Database(sqlx::Error::PoolClosed))
+            .ok_or(Error::database(sqlx::Error::PoolClosed))
     }
 
     /// The transaction committed: the connection goes back to the pool.
@@ -384,11 +387,12 @@ impl Drop for Uncommitted {
     }
 }
 
-/// The acquire's refusal to pass the token limit (SQLSTATE 22003) as [`Error::InvalidToken`].
+/// The acquire's refusal to pass the token limit (SQLSTATE 22003) as [`InvalidInput::Token`](crate::error::InvalidInput::Token).
 /// `pgfence.issuer_acquire` raises it after its writes, in the one statement it is, so they
 /// roll back with it: the lock stays free and the counter as it was.
 fn token_limit(e: Error, resource: &Resource) -> Error {
-    if let Error::Database(sqlx::Error::Database(db)) = &e
+    if let Error::Backend(b) = &e
+        && let Some(sqlx::Error::Database(db)) = b.as_sqlx()
         && db.code().as_deref() == Some("22003")
     {
         // DETAIL: `counter=<counter id> token=<the token it would have issued>`.
@@ -412,18 +416,19 @@ fn token_limit(e: Error, resource: &Resource) -> Error {
 
 fn resource_literal(resource: &Resource) -> Result<String> {
     quote_literal(resource.as_str())
-        .map_err(|_| Error::InvalidResource("contains a NUL byte".into()))
+        .map_err(|_| Error::Invalid(InvalidInput::Resource("contains a NUL byte".into())))
 }
 
 fn owner_literal(owner: &str) -> Result<String> {
     check_owner(owner)?;
     if owner.len() > 256 {
-        return Err(Error::InvalidOwner(format!(
+        return Err(Error::Invalid(InvalidInput::Owner(format!(
             "{} bytes long, at most 256 allowed",
             owner.len()
-        )));
+        ))));
     }
-    quote_literal(owner).map_err(|_| Error::InvalidOwner("contains a NUL byte".into()))
+    quote_literal(owner)
+        .map_err(|_| Error::Invalid(InvalidInput::Owner("contains a NUL byte".into())))
 }
 
 /// How long connecting may take.
@@ -444,7 +449,7 @@ fn pg_addr(options: &PgConnectOptions) -> String {
 /// A server that did not answer (refused, unreachable, timed out): `PostgreSQL at HOST:PORT
 /// did not answer within 5s: CAUSE`, an I/O error (so still retryable).
 fn unanswered_pg(addr: &str, cause: Option<&std::io::Error>) -> Error {
-    Error::Database(sqlx::Error::Io(super::unanswered(
+    Error::database(sqlx::Error::Io(super::unanswered(
         "PostgreSQL",
         addr,
         CONNECT_TIMEOUT,
@@ -479,11 +484,17 @@ mod tests {
     fn literals_quote_hostile_text() {
         let r = Resource::new(r"a'b\c").unwrap();
         assert_eq!(resource_literal(&r).unwrap(), r"E'a''b\\c'");
-        assert!(matches!(owner_literal("a:b"), Err(Error::InvalidOwner(_))));
-        assert!(matches!(owner_literal("a\0b"), Err(Error::InvalidOwner(_))));
+        assert!(matches!(
+            owner_literal("a:b"),
+            Err(Error::Invalid(InvalidInput::Owner(_)))
+        ));
+        assert!(matches!(
+            owner_literal("a\0b"),
+            Err(Error::Invalid(InvalidInput::Owner(_)))
+        ));
         assert!(matches!(
             owner_literal(&"x".repeat(257)),
-            Err(Error::InvalidOwner(_))
+            Err(Error::Invalid(InvalidInput::Owner(_)))
         ));
     }
 }

@@ -9,6 +9,7 @@
 //! one of them is owner-safe (it compares owner and token, or re-sends the same owner id), so
 //! sending it twice is harmless; this module decides when it is sent again and for how long.
 
+use crate::error::InvalidInput;
 use std::future::Future;
 use std::sync::LazyLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -463,7 +464,7 @@ pub async fn raise_floor<B: Backend + ?Sized>(
     floor: i64,
 ) -> Result<i64> {
     if floor < 0 {
-        return Err(Error::InvalidToken(floor.to_string()));
+        return Err(Error::Invalid(InvalidInput::Token(floor.to_string())));
     }
     let until = Instant::now() + backend.call_timeout();
     resend::<B, _, _, _>(until, B::RESEND.max_attempts, || {
@@ -518,16 +519,16 @@ fn next_pause(pause: Duration, policy: &Resend) -> Duration {
 /// race with the limit on etcd and ZooKeeper, whose counters cannot be read before a write
 /// they did not see, or a lost Redis counter whose floor is at the limit). `counter` names
 /// what reached the limit (with its value), `fix` what to do about it.
-/// [`Error::InvalidToken`], the error a token past the limit has always been.
+/// [`InvalidInput::Token`](crate::error::InvalidInput::Token), the error a token past the limit has always been.
 pub fn limit_refused(resource: &Resource, counter: &str, fix: &str, undone: bool) -> Error {
     let outcome = if undone {
         "left nothing behind (what it had written was removed again)"
     } else {
         "changed nothing (no lock taken, the counter as it was)"
     };
-    Error::InvalidToken(format!(
+    Error::Invalid(InvalidInput::Token(format!(
         "for resource {resource}: {counter} reached the token limit, so the acquire was refused and {outcome}; {fix}; `pgfence doctor --resource '{resource}'` reports the counters and marks near the limit"
-    ))
+    )))
 }
 
 // The `TokenIssuer` surface of every backend, written once.

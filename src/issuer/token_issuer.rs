@@ -1,6 +1,7 @@
 //! [`TokenIssuer`]: one interface over every issuer (Redis, etcd, ZooKeeper, PostgreSQL), and
 //! [`IssuerKind`], which tells them apart (and reads which one a URL names).
 
+use crate::error::InvalidInput;
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
@@ -66,7 +67,7 @@ impl IssuerKind {
     /// (a CLI giving Redis a floor source).
     ///
     /// # Errors
-    /// [`Error::InvalidIssuerUrl`] without a scheme or with one no issuer handles; the message
+    /// [`InvalidInput::IssuerUrl`](crate::error::InvalidInput::IssuerUrl) without a scheme or with one no issuer handles; the message
     /// never repeats the URL (it may hold a password).
     pub fn of_url(url: &str) -> Result<Self> {
         match scheme(url).as_deref() {
@@ -78,12 +79,12 @@ impl IssuerKind {
             // `zks://` and kin: ZooKeeper, which connecting refuses (`Error::TlsUnsupported`).
             Some(zk) if zk == "zk://" || crate::tls::is_zk_tls_url(zk) => Ok(IssuerKind::ZooKeeper),
             Some("postgres://" | "postgresql://") => Ok(IssuerKind::Postgres),
-            Some(other) => Err(Error::InvalidIssuerUrl(format!(
+            Some(other) => Err(Error::Invalid(InvalidInput::IssuerUrl(format!(
                 "unknown scheme {other:?}; expected {EXPECTED_SCHEMES}"
-            ))),
-            None => Err(Error::InvalidIssuerUrl(format!(
+            )))),
+            None => Err(Error::Invalid(InvalidInput::IssuerUrl(format!(
                 "no scheme; expected {EXPECTED_SCHEMES}"
-            ))),
+            )))),
         }
     }
 
@@ -241,7 +242,7 @@ pub trait TokenIssuer: Send + Sync + std::fmt::Debug + 'static {
     /// [`crate::admin::high_water`] and [`crate::admin::counter_floor`] read for this issuer.
     ///
     /// # Errors
-    /// [`Error::InvalidResource`] when the name would be too long, or `resource` is already a
+    /// [`InvalidInput::Resource`](crate::error::InvalidInput::Resource) when the name would be too long, or `resource` is already a
     /// key prefix's name.
     fn fencing_resource(&self, resource: &Resource) -> Result<Resource> {
         super::keys::fencing_name(self.key_prefix(), resource)

@@ -1,6 +1,8 @@
 //! Parsing shared by the issuers' URLs: the scheme that picks an issuer, and the host lists of
 //! the consensus stores.
 
+use crate::error::InvalidInput;
+
 /// The issuer URL schemes, for error messages.
 pub(super) const EXPECTED_SCHEMES: &str = "redis://, rediss://, redis+sentinel://, rediss+sentinel://, etcd://, etcd+https://, zk://, postgres:// or postgresql://";
 
@@ -59,9 +61,9 @@ pub(crate) fn invalid_redis_url(url: Option<&str>, e: &redis::RedisError) -> cra
             .replace("Redis URL did not parse", "not a valid URL")
     });
     let which = url.map_or_else(String::new, |u| format!(" {}", url_host(u)));
-    crate::Error::InvalidIssuerUrl(format!(
+    crate::Error::Invalid(InvalidInput::IssuerUrl(format!(
         "the Redis URL{which} did not parse: {why} (expected redis://host:port/db, rediss:// for TLS)"
-    ))
+    )))
 }
 
 /// What is wrong with a `redis://` / `rediss://` URL, when it is one of the usual mistakes.

@@ -11,12 +11,13 @@
 //! Each rejected row is logged as its own WARN event with the usual fields.
 //!
 //! Rules: an empty batch is a no-op (no statement is sent); a batch naming one key twice is
-//! refused before anything is written ([`Error::InvalidBatch`], listing the keys); a batch
+//! refused before anything is written ([`InvalidInput::Batch`](crate::error::InvalidInput::Batch), listing the keys); a batch
 //! of more than [`MAX_BATCH_ROWS`] rows is refused (split it; parameters never run out, as
 //! each column is one array parameter). Inside the caller's transaction (`&mut *tx`) a batch
 //! is part of that transaction; on a pool it is a transaction of its own, applied rows and
 //! rejections alike.
 
+use crate::error::InvalidInput;
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
@@ -31,8 +32,8 @@ impl<T: FencedTable> Repository<T> {
     /// [`Repository::update`] for each row, with one [`RowOutcome`] per row in input order.
     ///
     /// # Errors
-    /// [`Error::InvalidBatch`] for a key given twice, more than [`MAX_BATCH_ROWS`] rows, or a
-    /// table type that does not bind arrays (nothing is written); [`Error::Database`].
+    /// [`InvalidInput::Batch`] for a key given twice, more than [`MAX_BATCH_ROWS`] rows, or a
+    /// table type that does not bind arrays (nothing is written); [`Error::Backend`].
     /// Stale, duplicate-token and missing rows are outcomes, not errors.
     ///
     /// # Example
@@ -391,10 +392,10 @@ impl<T: FencedTable> Repository<T> {
     }
 
     fn invalid(&self, reason: &str) -> Error {
-        Error::InvalidBatch {
+        Error::Invalid(InvalidInput::Batch {
             table: self.table().quoted(),
             reason: reason.to_owned(),
-        }
+        })
     }
 }
 
@@ -434,7 +435,7 @@ fn index(ord: i64, len: usize) -> Result<usize> {
         .and_then(|o| o.checked_sub(1))
         .filter(|&i| i < len)
         .ok_or_else(|| {
-            Error::Database(sqlx::Error::Protocol(format!(
+            Error::database(sqlx::Error::Protocol(format!(
                 "batch statement returned position {ord} for a batch of {len}"
             )))
         })

@@ -3,6 +3,7 @@
 //! repository, the resource check, the effect ledger and `verify`; the module is private, so
 //! [`WriteTarget`] cannot be named outside the crate.
 
+use crate::error::InvalidInput;
 use sqlx::{PgPool, Postgres};
 
 /// What a repository write runs on: `&PgPool` (each statement is a transaction of its own)
@@ -238,10 +239,10 @@ pub(crate) const CALL_TIMEOUT_RANGE: (std::time::Duration, std::time::Duration) 
 pub(crate) fn check_call_timeout(bound: std::time::Duration) -> crate::Result<()> {
     let (min, max) = CALL_TIMEOUT_RANGE;
     if bound < min || bound > max {
-        return Err(crate::Error::InvalidDuration(format!(
+        return Err(crate::Error::Invalid(InvalidInput::Duration(format!(
             "call timeout {bound:?}: a call timeout must be between {min:?} and {}s",
             max.as_secs()
-        )));
+        ))));
     }
     Ok(())
 }
@@ -304,10 +305,7 @@ where
 /// Whether `err` is PostgreSQL's `query_canceled` (57014): a statement timeout or a cancel
 /// request.
 fn is_query_canceled(err: &crate::Error) -> bool {
-    matches!(
-        err,
-        crate::Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("57014")
-    )
+    matches!(err, crate::Error::Backend(b) if b.sqlstate() == Some("57014"))
 }
 
 /// What a fenced handle outside the repository carries ([`Fence`](crate::Fence),

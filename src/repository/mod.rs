@@ -26,6 +26,7 @@ pub(crate) mod rejection;
 pub(crate) mod sql;
 pub(crate) mod verify;
 
+use crate::error::InvalidInput;
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
@@ -138,7 +139,7 @@ impl<T: FencedTable> Repository<T> {
     /// Validates `T`'s declaration and prepares its SQL. `pool` is used for audit records.
     ///
     /// # Errors
-    /// [`Error::InvalidIdentifier`] / [`Error::InvalidTable`] for a bad declaration.
+    /// [`InvalidInput::Identifier`] / [`InvalidInput::Table`] for a bad declaration.
     pub fn new(pool: PgPool) -> Result<Self> {
         Self::with_auditor(Auditor::new(pool))
     }
@@ -165,9 +166,11 @@ impl<T: FencedTable> Repository<T> {
     fn build(auditor: Auditor, table: TableName) -> Result<Self> {
         let keys = idents(T::KEY_COLUMNS)?;
         let cols = idents(T::COLUMNS)?;
-        let invalid = |reason: &str| Error::InvalidTable {
-            table: table.quoted(),
-            reason: reason.to_owned(),
+        let invalid = |reason: &str| {
+            Error::Invalid(InvalidInput::Table {
+                table: table.quoted(),
+                reason: reason.to_owned(),
+            })
         };
         if keys.is_empty() {
             return Err(invalid("no key columns"));
@@ -209,7 +212,7 @@ impl<T: FencedTable> Repository<T> {
     /// Inside the caller's transaction, the caller's `COMMIT` is that gate.
     ///
     /// # Errors
-    /// [`Error::InvalidDuration`] when `bound` is under 10 ms or over a day.
+    /// [`InvalidInput::Duration`] when `bound` is under 10 ms or over a day.
     pub fn with_call_timeout(mut self, bound: Duration) -> Result<Self> {
         crate::repository::executor::check_call_timeout(bound)?;
         self.call_timeout = bound;
@@ -244,7 +247,7 @@ impl<T: FencedTable> Repository<T> {
     /// [`Error::StaleToken`] when a newer lease wrote or claimed the row (audited and logged);
     /// [`Error::DuplicateToken`] when another lease presented the same token there (audited);
     /// [`Error::NotFound`] when there is no such row; [`Error::RowSealed`];
-    /// [`Error::Database`] otherwise.
+    /// [`Error::Backend`] otherwise.
     ///
     /// # Example
     /// ```no_run
@@ -290,7 +293,7 @@ impl<T: FencedTable> Repository<T> {
     ///
     /// # Errors
     /// [`Error::StaleToken`] when a newer lease wrote (or deleted) the row;
-    /// [`Error::DuplicateToken`]; [`Error::RowSealed`]; [`Error::Database`] otherwise.
+    /// [`Error::DuplicateToken`]; [`Error::RowSealed`]; [`Error::Backend`] otherwise.
     pub async fn upsert<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
@@ -329,7 +332,7 @@ impl<T: FencedTable> Repository<T> {
     ///
     /// # Errors
     /// [`Error::StaleToken`] when a newer lease wrote the row; [`Error::DuplicateToken`];
-    /// [`Error::NotFound`] when there is no such row; [`Error::Database`] otherwise.
+    /// [`Error::NotFound`] when there is no such row; [`Error::Backend`] otherwise.
     pub async fn delete<'c, E: WriteExecutor<'c>>(
         &self,
         exec: E,
@@ -454,7 +457,7 @@ impl<T: FencedTable> Repository<T> {
     /// To read a row and keep older leases from writing it, [`claim`](Repository::claim) it.
     ///
     /// # Errors
-    /// [`Error::Database`].
+    /// [`Error::Backend`].
     ///
     /// # Example
     /// ```no_run
@@ -487,7 +490,7 @@ impl<T: FencedTable> Repository<T> {
     /// column set's statement is built once and kept.
     ///
     /// # Errors
-    /// [`Error::InvalidTable`] before anything is sent when `columns` is empty, names a column
+    /// [`InvalidInput::Table`] before anything is sent when `columns` is empty, names a column
     /// that is not declared (or a key column), or `T`'s impl does not bind single columns
     /// ([`FencedTable::bind_column`]); otherwise as [`Repository::update`].
     ///
@@ -576,10 +579,10 @@ impl<T: FencedTable> Repository<T> {
     }
 
     fn invalid_table(&self, reason: &str) -> Error {
-        Error::InvalidTable {
+        Error::Invalid(InvalidInput::Table {
             table: self.table.quoted(),
             reason: reason.to_owned(),
-        }
+        })
     }
 
     /// The other resource of the lease's fencing domain whose lease, with `token`, holds a row

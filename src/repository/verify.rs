@@ -6,6 +6,7 @@
 //! SQL is not. [`Repository::verify`] reads the catalog once (at start-up, or in a test) and
 //! reports every mismatch at once, naming the columns.
 
+use crate::error::InvalidInput;
 use sqlx::postgres::PgRow;
 use sqlx::postgres::types::Oid;
 use sqlx::{Column, Executor, Row, Statement, TypeInfo};
@@ -37,9 +38,9 @@ impl<T: FencedTable> Repository<T> {
     /// start-up, or in a test, to fail before the first write instead of at it.
     ///
     /// # Errors
-    /// [`Error::TableNotFound`] when there is no such table; [`Error::InvalidTable`] listing
+    /// [`Error::TableNotFound`] when there is no such table; [`InvalidInput::Table`] listing
     /// every mismatch, each naming its column (`column "stauts" does not exist (did you mean
-    /// "status"?)`); [`Error::Database`] when the catalog cannot be read.
+    /// "status"?)`); [`Error::Backend`] when the catalog cannot be read.
     ///
     /// # Example
     /// ```no_run
@@ -68,10 +69,10 @@ impl<T: FencedTable> Repository<T> {
         if problems.is_empty() {
             Ok(())
         } else {
-            Err(Error::InvalidTable {
+            Err(Error::Invalid(InvalidInput::Table {
                 table: table.quoted(),
                 reason: problems.join("; "),
-            })
+            }))
         }
     }
 }

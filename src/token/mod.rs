@@ -48,6 +48,7 @@
 
 pub(crate) mod layout;
 
+use crate::error::InvalidInput;
 use std::fmt;
 
 use crate::timeline::Binding;
@@ -75,12 +76,12 @@ impl FenceToken {
     /// Validates `value` as a token.
     ///
     /// # Errors
-    /// [`Error::InvalidToken`] when `value` is outside `1..=`[`MAX_TOKEN`].
+    /// [`InvalidInput::Token`] when `value` is outside `1..=`[`MAX_TOKEN`].
     pub fn new(value: i64) -> Result<Self> {
         if (1..=MAX_TOKEN).contains(&value) {
             Ok(Self(value))
         } else {
-            Err(Error::InvalidToken(value.to_string()))
+            Err(Error::Invalid(InvalidInput::Token(value.to_string())))
         }
     }
 
@@ -88,10 +89,10 @@ impl FenceToken {
     /// argument), refusing values that do not fit instead of wrapping them.
     ///
     /// # Errors
-    /// [`Error::InvalidToken`] when `value` is `0` or larger than [`MAX_TOKEN`].
+    /// [`InvalidInput::Token`] when `value` is `0` or larger than [`MAX_TOKEN`].
     pub fn from_u64(value: u64) -> Result<Self> {
         i64::try_from(value)
-            .map_err(|_| Error::InvalidToken(value.to_string()))
+            .map_err(|_| Error::Invalid(InvalidInput::Token(value.to_string())))
             .and_then(Self::new)
     }
 
@@ -122,7 +123,7 @@ impl std::str::FromStr for FenceToken {
         let text = s.trim();
         let v: i64 = text
             .parse()
-            .map_err(|_| Error::InvalidToken(format!("{text:?}")))?;
+            .map_err(|_| Error::Invalid(InvalidInput::Token(format!("{text:?}"))))?;
         Self::new(v)
     }
 }

@@ -96,7 +96,7 @@ async fn bad_ttls_and_names_are_refused_before_touching_redis() {
     let resource = unique_resource("bad-ttl");
     assert!(matches!(
         issuer.acquire(&resource, Duration::ZERO).await,
-        Err(Error::InvalidDuration(_))
+        Err(Error::Invalid(pgfence::error::InvalidInput::Duration(_)))
     ));
     let mut conn = raw(&redis_url().await).await;
     let exists: i64 = conn
@@ -114,7 +114,10 @@ async fn bad_ttls_and_names_are_refused_before_touching_redis() {
         &"x".repeat(201),
     ] {
         assert!(
-            matches!(Resource::new(bad), Err(Error::InvalidResource(_))),
+            matches!(
+                Resource::new(bad),
+                Err(Error::Invalid(pgfence::error::InvalidInput::Resource(_)))
+            ),
             "{bad:?}"
         );
     }

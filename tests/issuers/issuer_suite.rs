@@ -449,7 +449,7 @@ pub async fn bad_ttls_and_owners_are_refused<I: TokenIssuer>(p: &Profile, issuer
         assert!(
             matches!(
                 issuer.acquire(&resource, ttl).await,
-                Err(Error::InvalidDuration(_))
+                Err(Error::Invalid(pgfence::error::InvalidInput::Duration(_)))
             ),
             "{ttl:?}"
         );
@@ -457,7 +457,7 @@ pub async fn bad_ttls_and_owners_are_refused<I: TokenIssuer>(p: &Profile, issuer
     for owner in ["", "own:er"] {
         assert!(matches!(
             issuer.acquire_as(&resource, owner, SEC).await,
-            Err(Error::InvalidOwner(_))
+            Err(Error::Invalid(pgfence::error::InvalidInput::Owner(_)))
         ));
     }
     let status = issuer.status(&resource).await.unwrap();
@@ -882,11 +882,11 @@ pub async fn lease_semantics(issuer: Arc<dyn TokenIssuer>, short: Duration, expi
     // Bad input is refused before anything is sent.
     assert!(matches!(
         issuer.acquire(&resource, Duration::ZERO).await,
-        Err(Error::InvalidDuration(_))
+        Err(Error::Invalid(pgfence::error::InvalidInput::Duration(_)))
     ));
     assert!(matches!(
         issuer.acquire_as(&resource, "", SEC).await,
-        Err(Error::InvalidOwner(_))
+        Err(Error::Invalid(pgfence::error::InvalidInput::Owner(_)))
     ));
 }
 
@@ -904,7 +904,7 @@ pub async fn floor_and_recovery_are_no_ops<I: TokenIssuer + ?Sized>(
     assert!(after >= counter && after < i64::MAX / 2, "{after}");
     assert!(matches!(
         issuer.raise_floor(resource, -1).await,
-        Err(Error::InvalidToken(_))
+        Err(Error::Invalid(pgfence::error::InvalidInput::Token(_)))
     ));
     let stale = Error::StaleToken {
         target: pgfence::error::StaleTarget::Resource(resource.to_string()),

@@ -326,7 +326,13 @@ async fn etcd_over_mutual_tls() {
     let err = EtcdIssuer::connect(&format!("{plain}?cacert={}", certs.ca().display()))
         .await
         .unwrap_err();
-    assert!(matches!(err, pgfence::Error::InvalidTls(_)), "{err}");
+    assert!(
+        matches!(
+            err,
+            pgfence::Error::Invalid(pgfence::error::InvalidInput::Tls(_))
+        ),
+        "{err}"
+    );
 }
 
 /// Runs `ACL SETUSER user on >password <rules>` on a plaintext throwaway Redis.

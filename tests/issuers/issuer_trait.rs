@@ -71,7 +71,13 @@ async fn bad_prefixes_and_urls_are_refused() {
     let long = "x".repeat(pgfence::issuer::limits::MAX_KEY_PREFIX_LEN + 1);
     for bad in ["", "a b", "a{b", "b}", "tab\there", "nl\n", long.as_str()] {
         let err = issuer.clone().with_key_prefix(bad).unwrap_err();
-        assert!(matches!(err, Error::InvalidKeyPrefix(_)), "{bad:?}: {err}");
+        assert!(
+            matches!(
+                err,
+                Error::Invalid(pgfence::error::InvalidInput::KeyPrefix(_))
+            ),
+            "{bad:?}: {err}"
+        );
     }
     let max = "y".repeat(pgfence::issuer::limits::MAX_KEY_PREFIX_LEN);
     for good in ["myapp", "my-app:prod", "a", max.as_str()] {
@@ -82,11 +88,11 @@ async fn bad_prefixes_and_urls_are_refused() {
     }
     assert!(matches!(
         connect_issuer("memcached://127.0.0.1").await,
-        Err(Error::InvalidIssuerUrl(_))
+        Err(Error::Invalid(pgfence::error::InvalidInput::IssuerUrl(_)))
     ));
     assert!(matches!(
         connect_issuer_with(&redis_url().await, IssuerOptions::new().key_prefix("{x}")).await,
-        Err(Error::InvalidKeyPrefix(_))
+        Err(Error::Invalid(pgfence::error::InvalidInput::KeyPrefix(_)))
     ));
     #[cfg(not(feature = "etcd"))]
     {
@@ -132,7 +138,13 @@ async fn redis_url_and_connection_errors_name_the_host() {
     let err = connect_issuer("redis://:s3cret@cache.internal:notaport")
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Error::Invalid(pgfence::error::InvalidInput::IssuerUrl(_))
+        ),
+        "{err:?}"
+    );
     let text = err.to_string();
     assert!(
         text.contains(

@@ -85,14 +85,14 @@ async fn bad_ttls_owners_and_urls_are_refused_before_touching_postgres() {
     for owner in ["a\0b".to_owned(), "x".repeat(257)] {
         assert!(matches!(
             issuer.acquire_as(&resource, &owner, SEC).await,
-            Err(Error::InvalidOwner(_))
+            Err(Error::Invalid(pgfence::error::InvalidInput::Owner(_)))
         ));
     }
     for url in ["redis://127.0.0.1:6379", "postgres:/nohost", "mysql://h/db"] {
         assert!(
             matches!(
                 PgIssuer::connect(url).await,
-                Err(Error::InvalidIssuerUrl(_))
+                Err(Error::Invalid(pgfence::error::InvalidInput::IssuerUrl(_)))
             ),
             "{url}"
         );
@@ -101,7 +101,13 @@ async fn bad_ttls_owners_and_urls_are_refused_before_touching_postgres() {
     let err = connect_issuer("postgres://user:s3cret@127.0.0.1:notaport/db")
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Error::Invalid(pgfence::error::InvalidInput::IssuerUrl(_))
+        ),
+        "{err:?}"
+    );
     assert!(!err.to_string().contains("s3cret"), "{err}");
 }
 
@@ -158,11 +164,11 @@ async fn pg_key_prefixes_separate_locks_and_counters() {
     );
     assert!(matches!(
         PgIssuer::new(db.pool.clone()).with_key_prefix("a b"),
-        Err(Error::InvalidKeyPrefix(_))
+        Err(Error::Invalid(pgfence::error::InvalidInput::KeyPrefix(_)))
     ));
     assert!(matches!(
         connect_issuer_with(&db.url(), IssuerOptions::new().key_prefix("")).await,
-        Err(Error::InvalidKeyPrefix(_))
+        Err(Error::Invalid(pgfence::error::InvalidInput::KeyPrefix(_)))
     ));
 }
 
@@ -296,7 +302,10 @@ async fn a_refused_acquire_at_the_token_limit_changes_nothing() {
         .await
         .unwrap();
     let err = issuer.acquire(&resource, SEC).await.unwrap_err();
-    assert!(matches!(err, Error::InvalidToken(_)), "{err:?}");
+    assert!(
+        matches!(err, Error::Invalid(pgfence::error::InvalidInput::Token(_))),
+        "{err:?}"
+    );
     assert!(err.to_string().contains("token limit"), "{err}");
     let status = issuer.status(&resource).await.unwrap();
     assert_eq!(status.owner, None, "the lock stays free");

@@ -30,7 +30,10 @@ const SEC: Duration = Duration::from_secs(1);
 /// and what to run.
 #[track_caller]
 fn assert_refused(err: &Error, resource: &Resource, undone: bool) {
-    assert!(matches!(err, Error::InvalidToken(_)), "{err:?}");
+    assert!(
+        matches!(err, Error::Invalid(pgfence::error::InvalidInput::Token(_))),
+        "{err:?}"
+    );
     let text = err.to_string();
     let outcome = if undone {
         "left nothing behind"

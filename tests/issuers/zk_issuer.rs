@@ -97,7 +97,7 @@ async fn bad_ttls_and_owners_are_refused_before_touching_zookeeper() {
         assert!(
             matches!(
                 ZkIssuer::connect(url).await,
-                Err(Error::InvalidIssuerUrl(_))
+                Err(Error::Invalid(pgfence::error::InvalidInput::IssuerUrl(_)))
             ),
             "{url}"
         );
@@ -206,7 +206,7 @@ async fn tokens_are_creation_zxids_and_compare_across_resources() {
     let mut resumed = pgfence::Lease::resume(two.clone(), d.owner(), d.token());
     assert!(matches!(
         other.extend(&mut resumed, 5 * SEC).await,
-        Err(Error::InvalidOwner(_))
+        Err(Error::Invalid(pgfence::error::InvalidInput::Owner(_)))
     ));
     assert_eq!(
         other.release(&resumed).await.unwrap(),

@@ -267,7 +267,7 @@ async fn duplicate_keys_empty_and_oversized_batches() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidBatch { reason, .. } if reason.contains("[\"S-1\"]")),
+        matches!(&err, Error::Invalid(pgfence::error::InvalidInput::Batch { reason, .. }) if reason.contains("[\"S-1\"]")),
         "{err:?}"
     );
     assert_eq!(qty(&db, "S-2").await, Some(0), "nothing was written");
@@ -275,7 +275,13 @@ async fn duplicate_keys_empty_and_oversized_batches() {
         .claim_many::<_, Sku>(&db.pool, &lease(2), &["S-1".to_owned(), "S-1".to_owned()])
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::InvalidBatch { .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Error::Invalid(pgfence::error::InvalidInput::Batch { .. })
+        ),
+        "{err:?}"
+    );
 
     assert_eq!(
         repo.update_many(&db.pool, &lease(2), &[]).await.unwrap(),
@@ -288,7 +294,13 @@ async fn duplicate_keys_empty_and_oversized_batches() {
         .upsert_many(&db.pool, &lease(2), &too_many)
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::InvalidBatch { .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Error::Invalid(pgfence::error::InvalidInput::Batch { .. })
+        ),
+        "{err:?}"
+    );
     assert_eq!(audit_count(&db.pool).await, 0);
 }
 

@@ -263,7 +263,7 @@ async fn update_columns_is_fenced_like_update() {
             .await
             .unwrap_err();
         match &err {
-            Error::InvalidTable { reason, .. } => {
+            Error::Invalid(pgfence::error::InvalidInput::Table { reason, .. }) => {
                 if let [name] = columns {
                     assert!(reason.contains(&format!("\"{name}\"")), "{reason}");
                 }
@@ -309,7 +309,7 @@ async fn a_hand_written_impl_without_bind_column_is_refused_before_sending() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidTable { reason, .. } if reason.contains("bind_column")),
+        matches!(&err, Error::Invalid(pgfence::error::InvalidInput::Table { reason, .. }) if reason.contains("bind_column")),
         "{err:?}"
     );
     // `update` still works, and verify passes without types (unchecked).

@@ -211,20 +211,20 @@ async fn refusals_before_anything_is_written() {
     for (work, step) in [("", "charge"), ("w", ""), ("w\0x", "s")] {
         assert!(matches!(
             effects.begin(&db.pool, &b, work, step).await,
-            Err(Error::InvalidEffect(_))
+            Err(Error::Invalid(pgfence::error::InvalidInput::Effect(_)))
         ));
     }
     let long = "k".repeat(201);
     assert!(matches!(
         effects.begin(&db.pool, &b, &long, "s").await,
-        Err(Error::InvalidEffect(_))
+        Err(Error::Invalid(pgfence::error::InvalidInput::Effect(_)))
     ));
     // A bare token has no resource to record the effect under.
     assert!(matches!(
         effects
             .begin(&db.pool, Fencing::new(b.token()), "w", "s")
             .await,
-        Err(Error::InvalidEffect(_))
+        Err(Error::Invalid(pgfence::error::InvalidInput::Effect(_)))
     ));
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM pgfence.effect")
         .fetch_one(&db.pool)

@@ -267,7 +267,9 @@ async fn default_prefix_names_are_unchanged() {
     let named = unique_resource("iso-named").in_key_prefix("app_a").unwrap();
     assert!(matches!(
         default.acquire(&named, TTL).await,
-        Err(pgfence::Error::InvalidResource(_))
+        Err(pgfence::Error::Invalid(
+            pgfence::error::InvalidInput::Resource(_)
+        ))
     ));
     // A resumed lease is the default prefix's until told otherwise.
     let resumed = pgfence::Lease::resume(named.without_key_prefix(), "o", support::token(1));

@@ -287,7 +287,10 @@ async fn the_many_writes_and_audited_forms_work_as_documented() {
         .await
         .map_err(Error::from)
         .unwrap_err();
-    let Error::Database(sqlx::Error::Database(db_err)) = &err else {
+    let Some(sqlx::Error::Database(db_err)) = (match &err {
+        Error::Backend(b) => b.as_sqlx(),
+        _ => None,
+    }) else {
         panic!("{err:?}")
     };
     assert_eq!(db_err.code().as_deref(), Some("PF001"), "{err}");

@@ -507,17 +507,25 @@ async fn bad_declarations_and_tokens_are_typed_errors() {
     let db = TestDb::new().await;
     assert!(matches!(
         Repository::<Overlong>::new(db.pool.clone()),
-        Err(Error::InvalidIdentifier { .. })
+        Err(Error::Invalid(
+            pgfence::error::InvalidInput::Identifier { .. }
+        ))
     ));
     assert!(matches!(
         Repository::<DeclaresFence>::new(db.pool.clone()),
-        Err(Error::InvalidTable { .. })
+        Err(Error::Invalid(pgfence::error::InvalidInput::Table { .. }))
     ));
-    assert!(matches!(FenceToken::new(0), Err(Error::InvalidToken(ref t)) if t == "0"));
-    assert!(matches!(FenceToken::new(-1), Err(Error::InvalidToken(ref t)) if t == "-1"));
+    assert!(
+        matches!(FenceToken::new(0), Err(Error::Invalid(pgfence::error::InvalidInput::Token(ref t))) if t == "0")
+    );
+    assert!(
+        matches!(FenceToken::new(-1), Err(Error::Invalid(pgfence::error::InvalidInput::Token(ref t))) if t == "-1")
+    );
     assert!(matches!(
         TableName::parse("bad\0name"),
-        Err(Error::InvalidIdentifier { .. })
+        Err(Error::Invalid(
+            pgfence::error::InvalidInput::Identifier { .. }
+        ))
     ));
     assert_eq!(audit_count(&db.pool).await, 0);
 }

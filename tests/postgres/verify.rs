@@ -33,7 +33,7 @@ const INVOICES: &str =
 /// The reason of an `InvalidTable` error.
 fn reason_of(err: Error) -> String {
     match err {
-        Error::InvalidTable { reason, .. } => reason,
+        Error::Invalid(pgfence::error::InvalidInput::Table { reason, .. }) => reason,
         other => panic!("expected InvalidTable, got {other:?}"),
     }
 }
@@ -207,7 +207,7 @@ async fn a_missing_table_a_bad_fence_and_a_key_that_is_not_unique() {
 
 fn sqlstate(err: &Error) -> Option<String> {
     match err {
-        Error::Database(sqlx::Error::Database(db)) => db.code().map(|c| c.into_owned()),
+        Error::Backend(b) => b.sqlstate().map(str::to_owned),
         _ => None,
     }
 }

@@ -86,7 +86,7 @@ pub trait TaskResource<Args>: Send + Sync + 'static {
     /// The resource `task`'s lease locks and fences.
     ///
     /// # Errors
-    /// [`pgfence::Error::InvalidResource`] for a name [`Resource::new`] refuses; the task
+    /// [`pgfence::Error::Invalid`] for a name [`Resource::new`] refuses; the task
     /// then fails without running.
     fn resource(&self, task: &Task<Args>) -> pgfence::Result<Resource>;
 }
@@ -99,8 +99,10 @@ impl<Args> TaskResource<Args> for ByTaskId {
     fn resource(&self, task: &Task<Args>) -> pgfence::Result<Resource> {
         match task.task_id() {
             Some(id) => Resource::new(format!("apalis:task:{id}")),
-            None => Err(pgfence::Error::InvalidResource(
-                "the task has no id (apalis backends assign one when a task is stored)".into(),
+            None => Err(pgfence::Error::Invalid(
+                pgfence::error::InvalidInput::Resource(
+                    "the task has no id (apalis backends assign one when a task is stored)".into(),
+                ),
             )),
         }
     }
@@ -364,7 +366,9 @@ where
     let Some(task_id) = task.task_id().map(ToString::to_string) else {
         return Err(fail(FenceError::Fencing {
             task_id: String::new(),
-            source: pgfence::Error::InvalidResource("the task has no id".into()),
+            source: pgfence::Error::Invalid(pgfence::error::InvalidInput::Resource(
+                "the task has no id".into(),
+            )),
         }));
     };
     let fencing_error = |source: pgfence::Error| FenceError::Fencing {

@@ -1373,27 +1373,31 @@ async fn stall(pause: Option<Duration>) {
 
 /// A short, stable description of an error, for grouping.
 pub(crate) fn classify(e: &Error) -> String {
-    match e {
-        Error::Database(sqlx::Error::Database(db)) => {
+    use pgfence::error::BackendKind;
+    let Error::Backend(b) = e else {
+        let text = e.to_string();
+        return text.chars().take(80).collect();
+    };
+    match (b.kind(), b.as_sqlx()) {
+        (_, Some(sqlx::Error::Database(db))) => {
             format!("database sqlstate {}", db.code().as_deref().unwrap_or("?"))
         }
-        Error::Database(sqlx::Error::Io(io)) => format!("database io {:?}", io.kind()),
-        Error::Database(sqlx::Error::PoolTimedOut) => "database pool timed out".into(),
-        Error::Database(sqlx::Error::PoolClosed) => "database pool closed".into(),
-        Error::Database(other) => {
+        (_, Some(sqlx::Error::Io(io))) => format!("database io {:?}", io.kind()),
+        (_, Some(sqlx::Error::PoolTimedOut)) => "database pool timed out".into(),
+        (_, Some(sqlx::Error::PoolClosed)) => "database pool closed".into(),
+        (_, Some(other)) => {
             let text = other.to_string();
             format!("database {}", text.chars().take(80).collect::<String>())
         }
-        Error::Redis(r) => format!("redis {:?}", r.kind()),
+        (BackendKind::Redis, _) => match b.as_redis() {
+            Some(r) => format!("redis {:?}", r.kind()),
+            None => "redis".into(),
+        },
         // etcd's gRPC statuses carry a free-text message (addresses, ids): group by the status.
-        Error::Etcd(_) | Error::ZooKeeper(_) => {
+        _ => {
             let text = e.to_string();
             let head = text.split(", message").next().unwrap_or_default();
             head.chars().take(80).collect()
-        }
-        other => {
-            let text = other.to_string();
-            text.chars().take(80).collect()
         }
     }
 }

@@ -314,7 +314,10 @@ pub fn hint(e: &anyhow::Error) -> &'static str {
     for cause in e.chain() {
         let db = match cause.downcast_ref::<pgfence::Error>() {
             Some(pgfence::Error::TableNotFound(t)) if t.starts_with("pgfence.") => return HINT,
-            Some(pgfence::Error::Database(sqlx::Error::Database(db))) => db,
+            Some(pgfence::Error::Backend(b)) => match b.as_sqlx() {
+                Some(sqlx::Error::Database(db)) => db,
+                _ => continue,
+            },
             _ => match cause.downcast_ref::<sqlx::Error>() {
                 Some(sqlx::Error::Database(db)) => db,
                 _ => continue,

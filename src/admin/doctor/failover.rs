@@ -84,7 +84,7 @@ pub(super) async fn failover(pool: &mut PgConnection, findings: &mut Vec<Finding
 /// depend on it: leases bound to an older timeline stay fenced out.
 ///
 /// # Errors
-/// [`Error::Database`](crate::Error::Database) (a role other than the owner is refused).
+/// [`Error::Backend`](crate::Error::Backend) (a role other than the owner is refused).
 pub async fn acknowledge_failover<'c, A>(conn: A, by: &str) -> Result<i32>
 where
     A: Acquire<'c, Database = Postgres>,

@@ -243,7 +243,7 @@ impl DoctorOptions {
 /// owner.
 ///
 /// # Errors
-/// [`crate::Error::Database`] when PostgreSQL cannot be read. Redis failures are findings
+/// [`Error::Backend`](crate::Error::Backend) when PostgreSQL cannot be read. Redis failures are findings
 /// ([`FindingKind::RedisUnavailable`]), not errors.
 ///
 /// # Example

@@ -94,7 +94,7 @@ pub(super) fn is_acl_denial(e: &RedisError) -> bool {
 /// the user needs (the issuer's, for `prefix`, or the sentinels').
 pub(super) fn redis_error(e: RedisError, prefix: &str) -> Error {
     if !is_acl_denial(&e) {
-        return Error::Redis(e);
+        return Error::redis(e);
     }
     if e.to_string().contains(SENTINEL_REFUSED) {
         Error::RedisPermission {
@@ -175,6 +175,8 @@ mod tests {
         );
 
         let other = RedisError::from((ErrorKind::Io, "connection refused"));
-        assert!(matches!(redis_error(other, "pgfence"), Error::Redis(_)));
+        assert!(
+            matches!(redis_error(other, "pgfence"), Error::Backend(b) if b.as_redis().is_some())
+        );
     }
 }

@@ -146,7 +146,7 @@ impl<C> RedisIssuer<C> {
     /// database share no mark, check or audit filter.
     ///
     /// # Errors
-    /// [`Error::InvalidKeyPrefix`] for a prefix that is empty, longer than
+    /// [`InvalidInput::KeyPrefix`](crate::error::InvalidInput::KeyPrefix) for a prefix that is empty, longer than
     /// [`MAX_KEY_PREFIX_LEN`], or contains braces, whitespace or control characters.
     pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
         self.prefix = Arc::from(check_key_prefix(prefix)?);
@@ -161,7 +161,7 @@ impl<C> RedisIssuer<C> {
 
     /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`], 5 s, by default):
     /// an acquire, release, extend, status read or floor raise returns within `bound`, its
-    /// re-sends included, or fails with an [`Error::Redis`] timeout (which is
+    /// re-sends included, or fails with an [`Error::Backend`] timeout (which is
     /// [retryable](Error::is_retryable): the outcome is unknown). Each attempt is cut off
     /// after 1 s, so an acquire (at most 3 attempts) gives up within about 3 s whatever the
     /// bound; the first attempt of a call gets at least 100 ms however small `bound` is. See
@@ -224,10 +224,10 @@ impl RedisIssuer<RedisConnections> {
     /// For the user's ACL, see [`acl_rule`].
     ///
     /// # Errors
-    /// [`Error::InvalidIssuerUrl`] for a malformed URL; [`Error::Redis`] for an unreachable
+    /// [`InvalidInput::IssuerUrl`](crate::error::InvalidInput::IssuerUrl) for a malformed URL; [`Error::Backend`] for an unreachable
     /// server (a certificate refused by either side is not
-    /// [retryable](Error::is_retryable)); [`Error::InvalidTls`] and
-    /// [`Error::TlsFile`] for the TLS parameters; [`Error::IssuerNotBuilt`] for `rediss://`
+    /// [retryable](Error::is_retryable)); [`InvalidInput::Tls`](crate::error::InvalidInput::Tls) and
+    /// [`InvalidInput::TlsFile`](crate::error::InvalidInput::TlsFile) for the TLS parameters; [`Error::IssuerNotBuilt`] for `rediss://`
     /// without the `tls` feature.
     pub async fn connect(url: &str) -> Result<Self> {
         Self::connect_with(url, default_connections()).await
@@ -248,9 +248,9 @@ impl RedisIssuer<redis::cluster_async::ClusterConnection> {
     /// `key` parameters of [`RedisIssuer::connect`] on any one node URL (they apply to every node).
     ///
     /// # Errors
-    /// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters;
+    /// [`InvalidInput::Tls`](crate::error::InvalidInput::Tls) / [`InvalidInput::TlsFile`](crate::error::InvalidInput::TlsFile) for the TLS parameters;
     /// [`Error::IssuerNotBuilt`] for `rediss://` without the `tls` feature;
-    /// [`Error::InvalidIssuerUrl`] for a malformed node URL or no nodes; [`Error::Redis`].
+    /// [`InvalidInput::IssuerUrl`](crate::error::InvalidInput::IssuerUrl) for a malformed node URL or no nodes; [`Error::Backend`].
     pub async fn connect_cluster(nodes: &[String]) -> Result<Self> {
         let client = crate::tls::redis_cluster_client(nodes)?;
         Ok(Self::new(client.get_async_connection().await?))
@@ -273,7 +273,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisIssuer<C> {
     /// afterwards. The next lease gets a token above `floor`.
     ///
     /// # Errors
-    /// [`Error::InvalidToken`] for a negative floor; [`Error::Redis`].
+    /// [`InvalidInput::Token`](crate::error::InvalidInput::Token) for a negative floor; [`Error::Backend`].
     pub async fn raise_floor(&self, resource: &Resource, floor: i64) -> Result<i64> {
         policy::raise_floor(self, resource, floor).await
     }
@@ -378,7 +378,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisIssuer<C> {
 
 issuer_methods! {
     impl[C: ConnectionLike + Clone + Send + Sync + 'static] RedisIssuer<C> {
-        error: "[`Error::Redis`]",
+        error: "[`Error::Backend`](crate::Error::Backend)",
         acquire: {
             ///
             /// One round trip: a Lua script takes the lock and increments the counter. Each
@@ -508,14 +508,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for RedisIssuer<
     }
 
     fn no_reply(after: Duration) -> Error {
-        Error::Redis(redis::RedisError::from(std::io::Error::new(
+        Error::redis(redis::RedisError::from(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             format!("no reply from Redis within {after:?}"),
         )))
     }
 
     fn resendable(e: &Error) -> bool {
-        matches!(e, Error::Redis(e) if transport_error(e))
+        matches!(e, Error::Backend(b) if b.as_redis().is_some_and(transport_error))
     }
 
     /// One round trip: the acquire script (`SET NX PX` and `INCR`, or the same owner's token
@@ -665,7 +665,7 @@ fn text(v: &Value) -> Result<String> {
 }
 
 fn unexpected(v: &[Value]) -> Error {
-    Error::Redis(redis::RedisError::from((
+    Error::redis(redis::RedisError::from((
         redis::ErrorKind::UnexpectedReturnType,
         "unexpected reply from a pgfence script",
         format!("{v:?}"),

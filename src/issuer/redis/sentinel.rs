@@ -21,6 +21,7 @@
 //! counter may be behind. Postgres still rejects the old tokens; see docs/operations.md, "After a Redis
 //! failover", for getting liveness back.
 
+use crate::error::InvalidInput;
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -181,18 +182,18 @@ fn host_port(host: &str, port: u16) -> String {
 
 /// Never echoes the URL itself: it may carry a password.
 fn invalid(why: &str) -> Error {
-    Error::InvalidIssuerUrl(format!(
+    Error::Invalid(InvalidInput::IssuerUrl(format!(
         "redis+sentinel URL: {why} (expected {SENTINEL_SCHEME}:// or {SENTINEL_TLS_SCHEME}://[user:pass@]host1:port1[,host2:port2...]/<master-name>[/db])"
-    ))
+    )))
 }
 
 impl SentinelUrl {
     /// Parses a `redis+sentinel://` or `rediss+sentinel://` URL.
     ///
     /// # Errors
-    /// [`Error::InvalidIssuerUrl`] for another scheme, no sentinel, a bad port, no master
+    /// [`InvalidInput::IssuerUrl`](crate::error::InvalidInput::IssuerUrl) for another scheme, no sentinel, a bad port, no master
     /// name, or a database that is not a non-negative number;
-    /// [`Error::InvalidTls`] for TLS parameters on `redis+sentinel://`, or `cert` without
+    /// [`InvalidInput::Tls`](crate::error::InvalidInput::Tls) for TLS parameters on `redis+sentinel://`, or `cert` without
     /// `key`.
     pub fn parse(url: &str) -> Result<Self> {
         let Some((scheme_len, tls)) = scheme_len(url) else {
@@ -412,11 +413,11 @@ impl SentinelConnections {
     /// asks the sentinels for the master and opens [`default_connections`] connections to it.
     ///
     /// # Errors
-    /// [`Error::InvalidIssuerUrl`] for a malformed URL; [`Error::Redis`] when no sentinel
+    /// [`InvalidInput::IssuerUrl`](crate::error::InvalidInput::IssuerUrl) for a malformed URL; [`Error::Backend`](crate::Error::Backend) when no sentinel
     /// names a reachable master
     /// within [`DEFAULT_FAILOVER_WAIT`]; [`Error::RedisPermission`] at once when a sentinel or
     /// the master refuses the issuer's user (the rule it names is for the default key prefix);
-    /// [`Error::InvalidTls`] / [`Error::TlsFile`] for the TLS parameters;
+    /// [`InvalidInput::Tls`](crate::error::InvalidInput::Tls) / [`InvalidInput::TlsFile`](crate::error::InvalidInput::TlsFile) for the TLS parameters;
     /// [`Error::IssuerNotBuilt`] for `rediss+sentinel://` without the `tls` feature.
     pub async fn open(url: &str) -> Result<Self> {
         Self::open_with(url, default_connections(), DEFAULT_FAILOVER_WAIT).await
@@ -884,7 +885,10 @@ mod tests {
             "redis+sentinel://u:p%zz@h:1/m",
         ] {
             let err = SentinelUrl::parse(bad).unwrap_err();
-            assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{bad}: {err}");
+            assert!(
+                matches!(err, Error::Invalid(InvalidInput::IssuerUrl(_))),
+                "{bad}: {err}"
+            );
             assert!(!err.to_string().contains("p%zz"), "{err}");
         }
         assert!(is_sentinel_url("redis+sentinel://h/m"));
@@ -923,7 +927,10 @@ mod tests {
             "rediss+sentinel://h/m?cert=/c.pem",
         ] {
             let err = SentinelUrl::parse(bad).unwrap_err();
-            assert!(matches!(err, Error::InvalidTls(_)), "{bad}: {err}");
+            assert!(
+                matches!(err, Error::Invalid(InvalidInput::Tls(_))),
+                "{bad}: {err}"
+            );
         }
         assert!(is_sentinel_url("rediss+sentinel://h/m"));
         assert!(!is_sentinel_url("rediss+sentinelx://h/m"));

@@ -62,7 +62,7 @@ use url::parse_url;
 ///
 /// Tokens are at most [`MAX_TOKEN`](crate::token::MAX_TOKEN) = 2^39 − 1, so this issuer works while the
 /// ensemble's epoch is below 128 (an ensemble starts at epoch 1, and each leader election adds
-/// one). An acquire whose zxid would exceed it fails with [`Error::InvalidToken`] and leaves no
+/// one). An acquire whose zxid would exceed it fails with [`InvalidInput::Token`](crate::error::InvalidInput::Token) and leaves no
 /// lock behind. Like the etcd issuer, zxids are ensemble-wide, so tokens compare across
 /// resources, and an ensemble rebuilt empty starts low again (Postgres then rejects its tokens,
 /// safely, until they pass the old ones).
@@ -91,7 +91,7 @@ use url::parse_url;
 /// timeout), and a paused holder can lose its lock before its TTL — which is what fencing is
 /// for. A lock node belongs to the session (this issuer and its clones) that created it: a
 /// lease can be released from any issuer, but extended only by the one that acquired it
-/// (others get [`Error::InvalidOwner`]). When the session expires, the next call opens a new
+/// (others get [`InvalidInput::Owner`](crate::error::InvalidInput::Owner)). When the session expires, the next call opens a new
 /// one; leases of the old session are gone ([`LeaseState::Expired`]).
 ///
 /// # No TLS
@@ -128,7 +128,7 @@ impl ZkIssuer {
     /// by default), optionally `?session_timeout_ms=N` (default 10,000). Plain TCP, no auth.
     ///
     /// # Errors
-    /// [`Error::InvalidIssuerUrl`] for a malformed URL; [`Error::ZooKeeper`] when no session
+    /// [`InvalidInput::IssuerUrl`](crate::error::InvalidInput::IssuerUrl) for a malformed URL; [`Error::Backend`] when no session
     /// could be opened within 10 s.
     pub async fn connect(url: &str) -> Result<Self> {
         let (hosts, session_timeout) = parse_url(url)?;
@@ -152,7 +152,7 @@ impl ZkIssuer {
     /// from the ensemble's one zxid sequence).
     ///
     /// # Errors
-    /// [`Error::InvalidKeyPrefix`], as for [`RedisIssuer::with_key_prefix`](crate::RedisIssuer::with_key_prefix).
+    /// [`InvalidInput::KeyPrefix`](crate::error::InvalidInput::KeyPrefix), as for [`RedisIssuer::with_key_prefix`](crate::RedisIssuer::with_key_prefix).
     pub fn with_key_prefix(mut self, prefix: &str) -> Result<Self> {
         self.prefix = check_key_prefix(prefix)?.into();
         Ok(self)
@@ -166,7 +166,7 @@ impl ZkIssuer {
 
     /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`](crate::issuer::DEFAULT_CALL_TIMEOUT),
     /// 5 s, by default): an acquire, release, extend or status read returns within `bound`,
-    /// its re-sends included, or fails with a [`Error::ZooKeeper`] timeout ([retryable](Error::is_retryable): the
+    /// its re-sends included, or fails with a [`Error::Backend`] timeout ([retryable](Error::is_retryable): the
     /// outcome is unknown). Each request also has the client's own 5 s timeout. The first
     /// attempt of a call gets at least 100 ms however small `bound` is. See
     /// `docs/issuers.md`, "Time bounds".
@@ -254,7 +254,7 @@ impl ZkIssuer {
 
 issuer_methods! {
     impl[] ZkIssuer {
-        error: "[`Error::ZooKeeper`]",
+        error: "[`Error::Backend`](crate::Error::Backend)",
         acquire: {}
         acquire_as: {
             /// ZooKeeper does not know the holder's remaining TTL, so `retry_in` is zero
@@ -269,7 +269,7 @@ issuer_methods! {
             ///
             /// The node's existence is checked on the ensemble (one read); the deadline is this
             /// issuer's timer. Only the issuer that acquired a lease (its session) extends it:
-            /// another gets [`Error::InvalidOwner`].
+            /// another gets [`InvalidInput::Owner`](crate::error::InvalidInput::Owner).
         }
         status: {
             /// `counter` is the zxid of the last change to the resource's lock nodes (every token

@@ -1,6 +1,7 @@
 //! The lock recipe, one attempt of each call: an ephemeral sequential node per try, the lowest
 //! holding the lock, its creation zxid the token; release and extend find the lease's node.
 
+use crate::error::InvalidInput;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ use zookeeper_client::Client;
 use super::ZkIssuer;
 use super::held::{Held, HeldState, expire};
 use super::names::{is_owners, owner_stem, queue};
-use super::session::{create_lock_node, delete, list, timed};
+use super::session::{create_lock_node, delete, is_no_node, list, timed};
 use crate::issuer::policy::{self, Ask, Attempt, Backend, PATIENT, Renewal, Resend, resend};
 use crate::issuer::token_issuer::IssuerKind;
 use crate::{
@@ -34,7 +35,7 @@ impl Backend for ZkIssuer {
     }
 
     fn no_reply(_after: Duration) -> Error {
-        Error::ZooKeeper(zookeeper_client::Error::Timeout)
+        Error::zookeeper(zookeeper_client::Error::Timeout)
     }
 
     /// One attempt: a listing, and a node created when the lock is free. The owner id in the
@@ -119,7 +120,7 @@ impl Backend for ZkIssuer {
             match timed(client.delete(path, None)).await {
                 Ok(()) => return Ok(ReleaseOutcome::Released),
                 // Gone: expired, deleted by hand, or an earlier try's delete applied.
-                Err(Error::ZooKeeper(zookeeper_client::Error::NoNode)) => {}
+                Err(e) if is_no_node(&e) => {}
                 Err(e) => return Err(e),
             }
         }
@@ -156,10 +157,10 @@ impl Backend for ZkIssuer {
                     Ok(Renewal::Expired)
                 }
             }
-            _ => Err(Error::InvalidOwner(format!(
+            _ => Err(Error::Invalid(InvalidInput::Owner(format!(
                 "the ZooKeeper lock of {} (token {}) belongs to another session; only the issuer that acquired it can extend it",
                 lease.resource, lease.token
-            ))),
+            )))),
         }
     }
 
@@ -188,7 +189,7 @@ impl Backend for ZkIssuer {
                     status.owner = Some(owner);
                     status.token = Some(stat.czxid);
                 }
-                Err(Error::ZooKeeper(zookeeper_client::Error::NoNode)) => {}
+                Err(e) if is_no_node(&e) => {}
                 Err(e) => return Err(e),
             }
         }

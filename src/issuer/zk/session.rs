@@ -14,6 +14,11 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long one request may wait for its reply (the client re-sends nothing by itself).
 pub(super) const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// A ZooKeeper `NoNode`: the node is not there.
+pub(super) fn is_no_node(e: &Error) -> bool {
+    matches!(e.as_zk(), Some(zookeeper_client::Error::NoNode))
+}
+
 pub(super) fn ended(state: SessionState) -> bool {
     matches!(
         state,
@@ -27,7 +32,7 @@ pub(super) async fn open_session(hosts: &str, session_timeout: Duration) -> Resu
         .connect(hosts);
     match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
         Ok(client) => Ok(client?),
-        Err(_) => Err(Error::ZooKeeper(zookeeper_client::Error::Timeout)),
+        Err(_) => Err(Error::zookeeper(zookeeper_client::Error::Timeout)),
     }
 }
 
@@ -37,7 +42,7 @@ pub(super) async fn timed<T>(
 ) -> Result<T> {
     match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
         Ok(reply) => Ok(reply?),
-        Err(_) => Err(Error::ZooKeeper(zookeeper_client::Error::Timeout)),
+        Err(_) => Err(Error::zookeeper(zookeeper_client::Error::Timeout)),
     }
 }
 
@@ -45,7 +50,7 @@ pub(super) async fn timed<T>(
 pub(super) async fn list(client: &Client, dir: &str) -> Result<(Vec<String>, Option<Stat>)> {
     match timed(client.get_children(dir)).await {
         Ok((names, stat)) => Ok((names, Some(stat))),
-        Err(Error::ZooKeeper(zookeeper_client::Error::NoNode)) => Ok((Vec::new(), None)),
+        Err(e) if is_no_node(&e) => Ok((Vec::new(), None)),
         Err(e) => Err(e),
     }
 }
@@ -53,8 +58,8 @@ pub(super) async fn list(client: &Client, dir: &str) -> Result<(Vec<String>, Opt
 /// Deletes a node; one that is already gone is fine.
 pub(super) async fn delete(client: &Client, path: &str) -> Result<()> {
     match timed(client.delete(path, None)).await {
-        Ok(()) | Err(Error::ZooKeeper(zookeeper_client::Error::NoNode)) => Ok(()),
-        Err(e) => Err(e),
+        Err(e) if !is_no_node(&e) => Err(e),
+        Ok(()) | Err(_) => Ok(()),
     }
 }
 
@@ -73,7 +78,7 @@ pub(super) async fn create_lock_node(
         match timed(client.create(stem, owner.as_bytes(), &node)).await {
             Ok((stat, _)) => return Ok(stat),
             // The container may be reaped between the mkdir and the create: try again.
-            Err(Error::ZooKeeper(zookeeper_client::Error::NoNode)) if tries < 3 => {
+            Err(e) if is_no_node(&e) && tries < 3 => {
                 tries += 1;
                 timed(client.mkdir(dir, &container)).await?;
             }
@@ -115,6 +120,6 @@ pub(crate) fn is_transient(e: &zookeeper_client::Error) -> bool {
 
 impl From<zookeeper_client::Error> for Error {
     fn from(e: zookeeper_client::Error) -> Self {
-        Error::ZooKeeper(e)
+        Error::zookeeper(e)
     }
 }

@@ -1,5 +1,6 @@
 //! `zk://` URLs: the ensemble's hosts and the session timeout, and the refusal of TLS.
 
+use crate::error::InvalidInput;
 use std::time::Duration;
 
 use crate::issuer::url::host_list;
@@ -29,9 +30,9 @@ const TLS_PARAMS: [&str; 6] = ["tls", "ssl", "secure", "cacert", "cert", "key"];
 /// the session timeout.
 pub(super) fn parse_url(url: &str) -> Result<(String, Duration)> {
     let invalid = |why: &str| {
-        Error::InvalidIssuerUrl(format!(
+        Error::Invalid(InvalidInput::IssuerUrl(format!(
             "{why} (expected zk://host:port[,host:port...][?session_timeout_ms=N])"
-        ))
+        )))
     };
     if crate::tls::is_zk_tls_url(url) {
         return Err(tls_unsupported());
@@ -84,7 +85,10 @@ mod tests {
             "zk://u:p@h",
         ] {
             let err = parse_url(bad).unwrap_err();
-            assert!(matches!(err, Error::InvalidIssuerUrl(_)), "{bad}: {err}");
+            assert!(
+                matches!(err, Error::Invalid(InvalidInput::IssuerUrl(_))),
+                "{bad}: {err}"
+            );
         }
         for tls in [
             "zks://h:2281",

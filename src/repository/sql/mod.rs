@@ -387,7 +387,7 @@ impl Statements {
     /// transaction write their audit row in the explaining statement.
     ///
     /// # Errors
-    /// [`crate::Error::InvalidIdentifier`] when the table's name cannot be quoted as a literal.
+    /// [`InvalidInput::Identifier`](crate::error::InvalidInput::Identifier) when the table's name cannot be quoted as a literal.
     pub(crate) fn build(
         table: &TableName,
         keys: &[Ident],

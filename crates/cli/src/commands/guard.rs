@@ -69,9 +69,7 @@ async fn with_lock_timeout(
             }
         };
         match outcome {
-            Err(pgfence::Error::Database(sqlx::Error::Database(db)))
-                if db.code().as_deref() == Some(LOCK_NOT_AVAILABLE) =>
-            {
+            Err(pgfence::Error::Backend(b)) if b.sqlstate() == Some(LOCK_NOT_AVAILABLE) => {
                 let left = give_up.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     bail!(
@@ -84,12 +82,12 @@ async fn with_lock_timeout(
                 tokio::time::sleep(nap).await;
                 backoff = (backoff * 2).min(Duration::from_millis(1000));
             }
-            Err(pgfence::Error::Database(sqlx::Error::Database(db)))
-                if db.code().as_deref() == Some(INSUFFICIENT_PRIVILEGE) =>
-            {
+            Err(pgfence::Error::Backend(b)) if b.sqlstate() == Some(INSUFFICIENT_PRIVILEGE) => {
                 bail!(
                     "{}: guarding is a deploy-time command; run it as the owner of schema pgfence (the role that ran `pgfence migrate`), not as the application role",
-                    db.message()
+                    b.as_sqlx()
+                        .and_then(|e| e.as_database_error())
+                        .map_or_else(|| b.to_string(), |db| db.message().to_owned())
                 );
             }
             other => {

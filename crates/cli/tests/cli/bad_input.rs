@@ -301,7 +301,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "CLI form with a stray quote",
         async { TableName::parse("victim\"; DROP TABLE victim; --").map(drop) },
-        Error::InvalidIdentifier { .. }
+        Error::Invalid(pgfence::error::InvalidInput::Identifier { .. })
     );
     case!(
         cases,
@@ -350,37 +350,37 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "identifier of 64 ASCII bytes (Postgres would truncate)",
         async { TableName::new("public", &"v".repeat(64)).map(drop) },
-        Error::InvalidIdentifier { .. }
+        Error::Invalid(pgfence::error::InvalidInput::Identifier { .. })
     );
     case!(
         cases,
         "identifier of 32 two-byte characters (64 bytes)",
         async { TableName::new("public", &"é".repeat(32)).map(drop) },
-        Error::InvalidIdentifier { .. }
+        Error::Invalid(pgfence::error::InvalidInput::Identifier { .. })
     );
     case!(
         cases,
         "empty identifier",
         async { TableName::new("", "victim").map(drop) },
-        Error::InvalidIdentifier { .. }
+        Error::Invalid(pgfence::error::InvalidInput::Identifier { .. })
     );
     case!(
         cases,
         "NUL byte in an identifier",
         async { TableName::new("public", "vic\0tim").map(drop) },
-        Error::InvalidIdentifier { .. }
+        Error::Invalid(pgfence::error::InvalidInput::Identifier { .. })
     );
     case!(
         cases,
         "three-part table name",
         async { TableName::parse("db.public.victim").map(drop) },
-        Error::InvalidIdentifier { .. }
+        Error::Invalid(pgfence::error::InvalidInput::Identifier { .. })
     );
     case!(
         cases,
         "unterminated quoted identifier",
         async { TableName::parse("\"victim").map(drop) },
-        Error::InvalidIdentifier { .. }
+        Error::Invalid(pgfence::error::InvalidInput::Identifier { .. })
     );
     case!(
         cases,
@@ -400,7 +400,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
                 .await
                 .map(drop)
         },
-        Error::InvalidTable { .. }
+        Error::Invalid(pgfence::error::InvalidInput::Table { .. })
     );
     case!(cases, "guard a table whose fence column is text",
         async { pgfence::guard::guard(p, &TableName::parse("textfence")?).await.map(drop) },
@@ -441,7 +441,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
                 .update(p, tok(9), &HostileColumn)
                 .await
         },
-        Error::Database(_)
+        Error::Backend(b) if b.kind() == pgfence::error::BackendKind::Database
     );
     case!(
         cases,
@@ -451,7 +451,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
                 .update(p, tok(9), &CommentColumn)
                 .await
         },
-        Error::Database(_)
+        Error::Backend(b) if b.kind() == pgfence::error::BackendKind::Database
     );
     case!(
         cases,
@@ -467,25 +467,25 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "declaration that writes `fence` itself",
         async { repo::<DeclaresFence>(p).map(drop) },
-        Error::InvalidTable { .. }
+        Error::Invalid(pgfence::error::InvalidInput::Table { .. })
     );
     case!(
         cases,
         "declaration without key columns",
         async { repo::<NoKey>(p).map(drop) },
-        Error::InvalidTable { .. }
+        Error::Invalid(pgfence::error::InvalidInput::Table { .. })
     );
     case!(
         cases,
         "declaration with a duplicated column",
         async { repo::<DuplicateColumn>(p).map(drop) },
-        Error::InvalidTable { .. }
+        Error::Invalid(pgfence::error::InvalidInput::Table { .. })
     );
     case!(
         cases,
         "declaration with an overlong column name",
         async { repo::<OverlongColumn>(p).map(drop) },
-        Error::InvalidIdentifier { .. }
+        Error::Invalid(pgfence::error::InvalidInput::Identifier { .. })
     );
 
     // --- tokens --------------------------------------------------------------------------------
@@ -493,68 +493,68 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "token 0",
         async { FenceToken::new(0).map(drop) },
-        Error::InvalidToken(v) if *v == "0"
+        Error::Invalid(pgfence::error::InvalidInput::Token(v)) if *v == "0"
     );
     case!(
         cases,
         "token -1",
         async { FenceToken::new(-1).map(drop) },
-        Error::InvalidToken(v) if *v == "-1"
+        Error::Invalid(pgfence::error::InvalidInput::Token(v)) if *v == "-1"
     );
     case!(cases, "token i64::MIN",
         async { FenceToken::new(i64::MIN).map(drop) },
-        Error::InvalidToken(v) if *v == i64::MIN.to_string());
+        Error::Invalid(pgfence::error::InvalidInput::Token(v)) if *v == i64::MIN.to_string());
     case!(cases, "FenceToken::from_u64(u64::MAX)",
         async { FenceToken::from_u64(u64::MAX).map(drop) },
-        Error::InvalidToken(v) if *v == u64::MAX.to_string());
+        Error::Invalid(pgfence::error::InvalidInput::Token(v)) if *v == u64::MAX.to_string());
     case!(
         cases,
         "FenceToken::from_u64(0)",
         async { FenceToken::from_u64(0).map(drop) },
-        Error::InvalidToken(v) if *v == "0"
+        Error::Invalid(pgfence::error::InvalidInput::Token(v)) if *v == "0"
     );
     case!(
         cases,
         "\"9223372036854775808\" (i64::MAX + 1)",
         async { "9223372036854775808".parse::<FenceToken>().map(drop) },
-        Error::InvalidToken(v) if v.contains("9223372036854775808")
+        Error::Invalid(pgfence::error::InvalidInput::Token(v)) if v.contains("9223372036854775808")
     );
     case!(
         cases,
         "\"-0\"",
         async { "-0".parse::<FenceToken>().map(drop) },
-        Error::InvalidToken(v) if *v == "0"
+        Error::Invalid(pgfence::error::InvalidInput::Token(v)) if *v == "0"
     );
     case!(
         cases,
         "token text beyond i128",
         async { "1".repeat(60).parse::<FenceToken>().map(drop) },
-        Error::InvalidToken(_)
+        Error::Invalid(pgfence::error::InvalidInput::Token(_))
     );
     case!(
         cases,
         "token in exponent notation",
         async { "1e3".parse::<FenceToken>().map(drop) },
-        Error::InvalidToken(_)
+        Error::Invalid(pgfence::error::InvalidInput::Token(_))
     );
     case!(
         cases,
         "token in full-width digits",
         async { "１２".parse::<FenceToken>().map(drop) },
-        Error::InvalidToken(_)
+        Error::Invalid(pgfence::error::InvalidInput::Token(_))
     );
     case!(cases, "pgfence.check(token 0) in raw SQL",
         async { sqlx::query("SELECT pgfence.check('bad:checked', 0)").execute(p).await.map(drop).map_err(Error::from) },
-        Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("22023"));
+        Error::Backend(b) if b.sqlstate() == Some("22023"));
     case!(cases, "pgfence.check(token -5) in raw SQL",
         async { sqlx::query("SELECT pgfence.check('bad:checked', -5)").execute(p).await.map(drop).map_err(Error::from) },
-        Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("22023"));
+        Error::Backend(b) if b.sqlstate() == Some("22023"));
     case!(cases, "pgfence.check(NULL token) in raw SQL",
         async { sqlx::query("SELECT pgfence.check('bad:checked', NULL)").execute(p).await.map(drop).map_err(Error::from) },
-        Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("22023"));
+        Error::Backend(b) if b.sqlstate() == Some("22023"));
     case!(cases, "pgfence.check with a 10 KB resource in raw SQL",
         async { sqlx::query("SELECT pgfence.check($1, 6)").bind(&ten_kb).execute(p).await.map(drop).map_err(Error::from) },
-        Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("22023"));
+        Error::Backend(b) if b.sqlstate() == Some("22023"));
     case!(
         cases,
         "raw UPDATE lowering a guarded row's fence",
@@ -602,62 +602,62 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
     );
     case!(cases, "raw UPDATE setting the fence to NULL",
         async { sqlx::query("UPDATE acct SET balance = 0, fence = NULL WHERE id = 1").execute(p).await.map(drop).map_err(Error::from) },
-        Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("23502"));
+        Error::Backend(b) if b.sqlstate() == Some("23502"));
 
     // --- resource names ------------------------------------------------------------------------
     case!(
         cases,
         "resource with a brace (breaks the hash tag)",
         async { Resource::new("a{b").map(drop) },
-        Error::InvalidResource(_)
+        Error::Invalid(pgfence::error::InvalidInput::Resource(_))
     );
     case!(
         cases,
         "resource with a closing brace",
         async { Resource::new("tenant}:x").map(drop) },
-        Error::InvalidResource(_)
+        Error::Invalid(pgfence::error::InvalidInput::Resource(_))
     );
     case!(
         cases,
         "resource with a newline",
         async { Resource::new("a\nSET pgfence:{a}:fence 0").map(drop) },
-        Error::InvalidResource(_)
+        Error::Invalid(pgfence::error::InvalidInput::Resource(_))
     );
     case!(
         cases,
         "resource with a NUL",
         async { Resource::new("a\0b").map(drop) },
-        Error::InvalidResource(_)
+        Error::Invalid(pgfence::error::InvalidInput::Resource(_))
     );
     case!(
         cases,
         "resource of 10 KB",
         async { Resource::new(ten_kb.clone()).map(drop) },
-        Error::InvalidResource(_)
+        Error::Invalid(pgfence::error::InvalidInput::Resource(_))
     );
     case!(
         cases,
         "empty resource",
         async { Resource::new("").map(drop) },
-        Error::InvalidResource(_)
+        Error::Invalid(pgfence::error::InvalidInput::Resource(_))
     );
     case!(
         cases,
         "resource with a tab",
         async { Resource::new("a\tb").map(drop) },
-        Error::InvalidResource(_)
+        Error::Invalid(pgfence::error::InvalidInput::Resource(_))
     );
     case!(
         cases,
         "resource with DEL (0x7f)",
         async { Resource::new("a\u{7f}").map(drop) },
-        Error::InvalidResource(_)
+        Error::Invalid(pgfence::error::InvalidInput::Resource(_))
     );
     case!(
         cases,
         "resource with a no-break space",
         async { Resource::new("a\u{a0}b").map(drop) },
-        Error::InvalidResource(_)
+        Error::Invalid(pgfence::error::InvalidInput::Resource(_))
     );
 
     // --- TTLs and lock operations --------------------------------------------------------------
@@ -665,13 +665,13 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "acquire with TTL 0",
         async { i.acquire(&fresh, Duration::ZERO).await.map(drop) },
-        Error::InvalidDuration(_)
+        Error::Invalid(pgfence::error::InvalidInput::Duration(_))
     );
     case!(
         cases,
         "acquire with TTL 9 ms",
         async { i.acquire(&fresh, Duration::from_millis(9)).await.map(drop) },
-        Error::InvalidDuration(_)
+        Error::Invalid(pgfence::error::InvalidInput::Duration(_))
     );
     case!(
         cases,
@@ -681,13 +681,13 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
                 .await
                 .map(drop)
         },
-        Error::InvalidDuration(_)
+        Error::Invalid(pgfence::error::InvalidInput::Duration(_))
     );
     case!(
         cases,
         "acquire with TTL Duration::MAX",
         async { i.acquire(&fresh, Duration::MAX).await.map(drop) },
-        Error::InvalidDuration(_)
+        Error::Invalid(pgfence::error::InvalidInput::Duration(_))
     );
     case!(
         cases,
@@ -697,13 +697,13 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
                 .await
                 .map(drop)
         },
-        Error::InvalidDuration(_)
+        Error::Invalid(pgfence::error::InvalidInput::Duration(_))
     );
     case!(
         cases,
         "extend a held lock to TTL 0",
         async { i.extend(held_lease, Duration::ZERO).await.map(drop) },
-        Error::InvalidDuration(_)
+        Error::Invalid(pgfence::error::InvalidInput::Duration(_))
     );
     case!(
         cases,
@@ -713,7 +713,7 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
                 .await
                 .map(drop)
         },
-        Error::InvalidOwner(_)
+        Error::Invalid(pgfence::error::InvalidInput::Owner(_))
     );
     case!(
         cases,
@@ -723,25 +723,25 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
                 .await
                 .map(drop)
         },
-        Error::InvalidOwner(_)
+        Error::Invalid(pgfence::error::InvalidInput::Owner(_))
     );
     case!(
         cases,
         "raise the counter floor to -1",
         async { i.raise_floor(&fresh, -1).await.map(drop) },
-        Error::InvalidToken(v) if *v == "-1"
+        Error::Invalid(pgfence::error::InvalidInput::Token(v)) if *v == "-1"
     );
     case!(
         cases,
         "acquire when the counter is at i64::MAX (past the token limit)",
         async { i.acquire(&at_max, Duration::from_secs(5)).await.map(drop) },
-        Error::InvalidToken(_)
+        Error::Invalid(pgfence::error::InvalidInput::Token(_))
     );
     case!(
         cases,
         "acquire when the counter is not a number",
         async { i.acquire(&corrupt, Duration::from_secs(5)).await.map(drop) },
-        Error::Redis(_)
+        Error::Backend(b) if b.kind() == pgfence::error::BackendKind::Redis
     );
 
     // --- connection strings --------------------------------------------------------------------
@@ -749,13 +749,13 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
         cases,
         "RedisIssuer::connect(\"not a url\")",
         async { RedisIssuer::connect("not a url").await.map(drop) },
-        Error::InvalidIssuerUrl(_)
+        Error::Invalid(pgfence::error::InvalidInput::IssuerUrl(_))
     );
     case!(
         cases,
         "RedisIssuer::connect(\"\")",
         async { RedisIssuer::connect("").await.map(drop) },
-        Error::InvalidIssuerUrl(_)
+        Error::Invalid(pgfence::error::InvalidInput::IssuerUrl(_))
     );
     case!(
         cases,
@@ -765,53 +765,53 @@ async fn hostile_inputs_fail_typed_and_change_nothing() {
                 .await
                 .map(drop)
         },
-        Error::InvalidIssuerUrl(_)
+        Error::Invalid(pgfence::error::InvalidInput::IssuerUrl(_))
     );
     case!(
         cases,
         "Redis URL of a closed port",
         async { RedisIssuer::connect("redis://127.0.0.1:1").await.map(drop) },
-        Error::Redis(_)
+        Error::Backend(b) if b.kind() == pgfence::error::BackendKind::Redis
     );
     case!(
         cases,
         "Redis URL with a newline and a command in the database number",
         async { RedisIssuer::connect(&inject_url).await.map(drop) },
-        Error::InvalidIssuerUrl(_)
+        Error::Invalid(pgfence::error::InvalidInput::IssuerUrl(_))
     );
     case!(
         cases,
         "Redis cluster with no nodes",
         async { RedisIssuer::connect_cluster(&[]).await.map(drop) },
-        Error::InvalidIssuerUrl(_)
+        Error::Invalid(pgfence::error::InvalidInput::IssuerUrl(_))
     );
     case!(
         cases,
         "Postgres URL \"not a url\"",
         pg_connect("not a url"),
-        Error::Database(_)
+        Error::Backend(b) if b.kind() == pgfence::error::BackendKind::Database
     );
     case!(
         cases,
         "Postgres URL with another scheme",
         pg_connect("mysql://root@127.0.0.1/x"),
-        Error::Database(_)
+        Error::Backend(b) if b.kind() == pgfence::error::BackendKind::Database
     );
     case!(
         cases,
         "Postgres URL with port 99999",
         pg_connect("postgres://postgres@127.0.0.1:99999/x"),
-        Error::Database(_)
+        Error::Backend(b) if b.kind() == pgfence::error::BackendKind::Database
     );
     case!(
         cases,
         "Postgres URL of a closed port",
         pg_connect("postgres://postgres@127.0.0.1:1/x"),
-        Error::Database(_)
+        Error::Backend(b) if b.kind() == pgfence::error::BackendKind::Database
     );
     case!(cases, "Postgres URL of a database that does not exist",
         pg_connect(&missing_db_url),
-        Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("3D000"));
+        Error::Backend(b) if b.sqlstate() == Some("3D000"));
 
     let mut failures = Vec::new();
     let total = cases.len();
@@ -883,7 +883,10 @@ async fn non_positive_counter_is_refused_without_being_changed() {
         .acquire(&resource, Duration::from_secs(5))
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::Redis(_)), "{err:?}");
+    assert!(
+        matches!(&err, Error::Backend(b) if b.kind() == pgfence::error::BackendKind::Redis),
+        "{err:?}"
+    );
     let counter: String = redis.get(counter_key(&resource)).await.unwrap();
     let lock: Option<String> = redis.get(lock_key(&resource)).await.unwrap();
     assert_eq!(
@@ -909,7 +912,10 @@ async fn guarding_pgfence_own_tables_is_refused() {
         let outcome = pgfence::guard::guard(&db.pool, &TableName::parse(table).unwrap()).await;
         let after = pg_snapshot(&db.pool).await;
         assert!(
-            matches!(outcome, Err(Error::InvalidTable { .. })),
+            matches!(
+                outcome,
+                Err(Error::Invalid(pgfence::error::InvalidInput::Table { .. }))
+            ),
             "{table}: {outcome:?}"
         );
         assert_eq!(before, after, "{table}");

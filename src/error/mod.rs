@@ -5,38 +5,16 @@
 
 use std::fmt;
 
-/// The SQLSTATEs pgfence's SQL raises: custom class `PF` ("pgfence"). docs/sql.md,
-/// "SQLSTATEs", says what each means and what its `DETAIL` carries.
-pub mod sqlstate {
-    /// SQLSTATE raised by pgfence's SQL (the guard trigger and `pgfence.check`) when a fence token
-    /// is not newer than the one already recorded. Custom class `PF` ("pgfence").
-    pub const STALE: &str = "PF001";
-    /// SQLSTATE raised by `pgfence.guard` when the table has a `fence` column that is not `bigint`.
-    pub const FENCE_TYPE: &str = "PF002";
+mod backend;
+mod detail;
+mod invalid;
+pub mod sqlstate;
 
-    /// SQLSTATE raised by `pgfence.guard` for tables in the `pgfence` schema or a system schema.
-    pub const PROTECTED: &str = "PF003";
-    /// SQLSTATE raised by `pgfence.check` / `pgfence.next_fence` when another lease already
-    /// presented the same token (the token counter went backwards).
-    pub const DUPLICATE: &str = "PF004";
-    /// SQLSTATE raised by `pgfence.next_fence` when the row was sealed (changed outside the
-    /// fencing protocol) after this lease wrote it.
-    pub const SEALED: &str = "PF005";
-    /// SQLSTATE raised by the guard trigger for a bypass it refuses: set with a plain `SET` (not
-    /// `pgfence.bypass()` in the writing transaction), or by a role that may not bypass.
-    pub const BYPASS_REFUSED: &str = "PF006";
-    /// SQLSTATE raised by the guard trigger for a lease-less UPDATE that changed the fence in a
-    /// way no lease's write does (`fence = fence + 1`).
-    pub const LEASELESS: &str = "PF007";
-    /// SQLSTATE raised when a token is more than the poisoning bound (`pgfence.max_token_jump()`,
-    /// 2^36 by default) above a resource mark's or row's current token.
-    pub const TOKEN_JUMP: &str = "PF008";
-    /// SQLSTATE raised when a lease that first wrote or checked on an earlier PostgreSQL timeline
-    /// presents itself after the database was promoted to a new one (a failover that may have lost
-    /// commits): the lease is fenced out.
-    pub const FAILED_OVER: &str = "PF009";
-}
+pub(crate) use backend::describe_sqlx;
+pub use backend::{BackendError, BackendKind};
+pub use invalid::InvalidInput;
 
+use detail::from_detail;
 use sqlstate::{
     BYPASS_REFUSED as SQLSTATE_BYPASS_REFUSED, DUPLICATE as SQLSTATE_DUPLICATE,
     FAILED_OVER as SQLSTATE_FAILED_OVER, FENCE_TYPE as SQLSTATE_FENCE_TYPE,
@@ -202,7 +180,7 @@ pub enum ErrorKind {
     /// The row ([`Error::NotFound`]) or table ([`Error::TableNotFound`]) does not exist.
     NotFound,
     /// Input refused before anything was sent: a token, resource, owner, identifier, table
-    /// declaration, batch, duration, effect, key prefix, issuer URL ([`Error::InvalidIssuerUrl`],
+    /// declaration, batch, duration, effect, key prefix, issuer URL ([`InvalidInput::IssuerUrl`],
     /// for every issuer) or TLS setting.
     Invalid,
     /// The deployment must change: a feature not built ([`Error::IssuerNotBuilt`]), TLS an
@@ -373,45 +351,10 @@ pub enum Error {
         key: String,
     },
 
-    /// A fence token must be an integer in `1..=`[`MAX_TOKEN`](crate::token::MAX_TOKEN).
-    #[error("invalid fence token {0}: tokens are integers from 1 to {max}", max = crate::token::MAX_TOKEN)]
-    InvalidToken(String),
-
-    /// A resource name was rejected (see [`crate::Resource`]).
-    #[error("invalid resource name: {0}")]
-    InvalidResource(String),
-
-    /// A lease owner id was rejected (empty, or containing `:`).
-    #[error("invalid owner id: {0}")]
-    InvalidOwner(String),
-
-    /// An SQL identifier (schema, table or column name) was rejected.
-    #[error("invalid identifier {name:?}: {reason}")]
-    InvalidIdentifier {
-        /// The offending name (possibly truncated for display).
-        name: String,
-        /// Why it was rejected.
-        reason: &'static str,
-    },
-
-    /// A table definition given to the repository is inconsistent (no key, duplicate column...).
-    #[error("invalid table definition for {table}: {reason}")]
-    InvalidTable {
-        /// The table.
-        table: String,
-        /// What is wrong.
-        reason: String,
-    },
-
-    /// A batch write was refused before anything was sent: too many rows, the same key twice,
-    /// or a table type whose [`FencedTable`](crate::FencedTable) impl does not bind arrays.
-    #[error("invalid batch for {table}: {reason}")]
-    InvalidBatch {
-        /// The (quoted) table.
-        table: String,
-        /// What is wrong (for duplicate keys, the keys as JSON arrays).
-        reason: String,
-    },
+    /// Input refused before anything was sent (nothing changed): which input and why is
+    /// [`InvalidInput`].
+    #[error("{0}")]
+    Invalid(InvalidInput),
 
     /// The table to guard does not exist.
     #[error("table {0} does not exist")]
@@ -426,10 +369,6 @@ pub enum Error {
         found: String,
     },
 
-    /// A lock TTL or other duration was out of range.
-    #[error("invalid duration: {0}")]
-    InvalidDuration(String),
-
     /// Concurrent activity on the row changed it while the write was being classified
     /// (for example it was deleted mid-statement). Nothing was applied; retry is safe.
     #[error("row in {table} changed concurrently during {operation}; retry")]
@@ -439,21 +378,6 @@ pub enum Error {
         /// The fenced operation.
         operation: &'static str,
     },
-
-    /// An effect ([`Effects::begin`](crate::Effects::begin)) was refused before anything was
-    /// sent: an empty or too long work key or step, or no resource to record it under.
-    #[error("invalid effect: {0}")]
-    InvalidEffect(String),
-
-    /// A Redis key prefix ([`RedisIssuer::with_key_prefix`](crate::RedisIssuer::with_key_prefix)) was
-    /// empty, too long, or contained braces, whitespace or control characters.
-    #[error("invalid key prefix: {0}")]
-    InvalidKeyPrefix(String),
-
-    /// An issuer URL ([`connect_issuer`](crate::connect_issuer)) had a scheme no issuer
-    /// handles, or was malformed.
-    #[error("invalid issuer URL: {0}")]
-    InvalidIssuerUrl(String),
 
     /// The issuer an URL selects is not compiled in: `scheme` needs pgfence's cargo `feature`.
     #[error(
@@ -465,24 +389,6 @@ pub enum Error {
         scheme: &'static str,
         /// The cargo feature that provides it.
         feature: &'static str,
-    },
-
-    /// The TLS settings of an issuer URL were rejected before anything was sent: `cacert`,
-    /// `cert` or `key` on a URL that is not TLS, `cert` without `key` (or the reverse), a
-    /// parameter given twice.
-    #[error("invalid TLS settings: {0}")]
-    InvalidTls(String),
-
-    /// A file named by a TLS parameter of an issuer URL (`cacert`, `cert`, `key`) could not be
-    /// read, or does not hold what it should (PEM certificates, a PEM private key).
-    #[error("TLS `{param}` file {}: {reason}", path.display())]
-    TlsFile {
-        /// The URL parameter that named the file.
-        param: &'static str,
-        /// The file.
-        path: std::path::PathBuf,
-        /// Why it cannot be used.
-        reason: String,
     },
 
     /// The issuer cannot connect over TLS (ZooKeeper): the URL asked for TLS. Reach the
@@ -582,27 +488,13 @@ pub enum Error {
         versions: Vec<i32>,
     },
 
-    /// A migration failed.
-    #[error("migration failed: {}", without_source_lines(&.0.to_string()))]
-    Migration(#[source] Box<refinery_core::Error>),
-
-    /// Any other database error.
-    #[error("database error: {}", describe_sqlx(.0))]
-    Database(#[source] sqlx::Error),
-
-    /// A Redis error.
-    #[error("redis error: {0}")]
-    Redis(#[source] redis::RedisError),
-
-    /// An etcd error (the [`EtcdIssuer`](crate::issuer::EtcdIssuer), feature `etcd`).
-    #[cfg(feature = "etcd")]
-    #[error("etcd error: {0}")]
-    Etcd(#[source] etcd_client::Error),
-
-    /// A ZooKeeper error (the [`ZkIssuer`](crate::issuer::ZkIssuer), feature `zk`).
-    #[cfg(feature = "zk")]
-    #[error("zookeeper error: {0}")]
-    ZooKeeper(#[source] zookeeper_client::Error),
+    /// PostgreSQL, a migration or a lock service failed (a connection lost, a server error
+    /// pgfence does not map, a timeout): [`BackendError`] says which
+    /// ([`kind`](BackendError::kind)) and whether to retry
+    /// ([`is_retryable`](BackendError::is_retryable)), the same shape whatever features are
+    /// built.
+    #[error(transparent)]
+    Backend(BackendError),
 }
 
 impl Error {
@@ -617,19 +509,7 @@ impl Error {
             | Error::FencedByFailover { .. } => ErrorKind::Fenced,
             Error::BypassRefused { .. } | Error::LeaselessWrite { .. } => ErrorKind::Refused,
             Error::NotFound { .. } | Error::TableNotFound(_) => ErrorKind::NotFound,
-            Error::InvalidToken(_)
-            | Error::InvalidResource(_)
-            | Error::InvalidOwner(_)
-            | Error::InvalidIdentifier { .. }
-            | Error::InvalidTable { .. }
-            | Error::InvalidBatch { .. }
-            | Error::InvalidDuration(_)
-            | Error::InvalidEffect(_)
-            | Error::InvalidKeyPrefix(_)
-            | Error::InvalidIssuerUrl(_)
-            | Error::InvalidTls(_)
-            | Error::Decode { .. }
-            | Error::TlsFile { .. } => ErrorKind::Invalid,
+            Error::Invalid(_) | Error::Decode { .. } => ErrorKind::Invalid,
             Error::IssuerNotBuilt { .. }
             | Error::TlsUnsupported { .. }
             | Error::RedisPermission { .. }
@@ -667,24 +547,38 @@ impl Error {
         match self {
             Error::Contended { .. } => true,
             Error::TimedOut { outcome, .. } => *outcome != TimedOut::CallerTransaction,
-            Error::Database(e) => is_transient_sqlx(e),
-            Error::Redis(e) if crate::tls::is_tls_rejection(e) => false,
-            Error::Redis(e) => {
-                e.is_io_error()
-                    || e.is_connection_dropped()
-                    || e.is_timeout()
-                    || e.is_connection_refusal()
-                    // A node that is failing over, demoted or still loading.
-                    || matches!(
-                        e.code(),
-                        Some("READONLY" | "MASTERDOWN" | "LOADING" | "TRYAGAIN")
-                    )
-            }
-            #[cfg(feature = "etcd")]
-            Error::Etcd(e) => crate::issuer::etcd_is_transient(e),
-            #[cfg(feature = "zk")]
-            Error::ZooKeeper(e) => crate::issuer::zk_is_transient(e),
+            Error::Backend(e) => e.is_retryable(),
             _ => false,
+        }
+    }
+    pub(crate) fn database(e: sqlx::Error) -> Self {
+        Error::Backend(BackendError::new(backend::Source::Database(e)))
+    }
+
+    pub(crate) fn migration(e: refinery_core::Error) -> Self {
+        Error::Backend(BackendError::new(backend::Source::Migration(e)))
+    }
+
+    pub(crate) fn redis(e: redis::RedisError) -> Self {
+        Error::Backend(BackendError::new(backend::Source::Redis(e)))
+    }
+
+    #[cfg(feature = "etcd")]
+    pub(crate) fn etcd(e: etcd_client::Error) -> Self {
+        Error::Backend(BackendError::new(backend::Source::Etcd(e)))
+    }
+
+    #[cfg(feature = "zk")]
+    pub(crate) fn zookeeper(e: zookeeper_client::Error) -> Self {
+        Error::Backend(BackendError::new(backend::Source::ZooKeeper(e)))
+    }
+
+    /// The ZooKeeper client's error inside an [`Error::Backend`] (crate-internal).
+    #[cfg(feature = "zk")]
+    pub(crate) fn as_zk(&self) -> Option<&zookeeper_client::Error> {
+        match self {
+            Error::Backend(b) => b.as_zk(),
+            _ => None,
         }
     }
 }
@@ -716,81 +610,6 @@ pub(crate) const SCHEMA_OWNER: &str =
 /// Who runs `guard` / `unguard`: the table's owner, who must also own schema pgfence's
 /// functions' rights to install the trigger.
 pub(crate) const TABLE_OWNER: &str = "the owner of the table who also owns schema pgfence (the role that ran `pgfence migrate`), or a superuser";
-
-/// A sqlx error as a user reads it: a database error's message with its SQLSTATE, detail
-/// and hint — not sqlx's `at line NNNN`, which is a line of PostgreSQL's C source, not of the
-/// caller's SQL.
-pub(crate) fn describe_sqlx(e: &sqlx::Error) -> String {
-    match e {
-        sqlx::Error::Database(db) => {
-            let mut text = db.message().to_owned();
-            if let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
-                text.push_str(&format!(" (SQLSTATE {})", pg.code()));
-                if let Some(detail) = pg.detail() {
-                    text.push_str(&format!("; {detail}"));
-                }
-                if let Some(hint) = pg.hint() {
-                    text.push_str(&format!("; hint: {hint}"));
-                }
-                if pg.code() == "08P01"
-                    && let Some(param) = pg.r#where().and_then(|w| w.strip_prefix("unnamed portal "))
-                {
-                    // A binary value of another width than the statement's parameter type.
-                    text.push_str(&format!(
-                        ": the Rust type bound as {param} does not match its column's SQL type \
-                         (declare the table's key and columns with matching types, e.g. i64 for bigint)"
-                    ));
-                }
-            }
-            text
-        }
-        sqlx::Error::PoolTimedOut => {
-            "no connection within the pool's acquire timeout (the server did not answer, or every connection was busy)".to_owned()
-        }
-        other => without_source_lines(&other.to_string()),
-    }
-}
-
-/// Drops sqlx's ` at line NNNN` (PostgreSQL's C source line) from a message that embeds a
-/// database error's text (refinery's, for one).
-fn without_source_lines(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(at) = rest.find(" at line ") {
-        let digits = rest[at + 9..]
-            .bytes()
-            .take_while(u8::is_ascii_digit)
-            .count();
-        if digits == 0 {
-            out.push_str(&rest[..at + 9]);
-            rest = &rest[at + 9..];
-            continue;
-        }
-        out.push_str(&rest[..at]);
-        rest = &rest[at + 9 + digits..];
-    }
-    out.push_str(rest);
-    out
-}
-
-/// What sqlx reports when the connection closes before the server answered its SSLRequest.
-const SSL_REQUEST_EOF: &str = "unexpected response from SSLRequest: 0x00";
-
-fn is_transient_sqlx(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => true,
-        // The connection closed before the server's one-byte answer to the TLS request: sqlx
-        // reads nothing into a zeroed byte and reports it as this protocol error (a reset
-        // while a new connection is set up). Any other byte is the server's own answer.
-        sqlx::Error::Protocol(message) => message.starts_with(SSL_REQUEST_EOF),
-        sqlx::Error::Database(db) => matches!(
-            db.code().as_deref(),
-            // serialization_failure, deadlock_detected, admin/crash shutdown, cannot_connect_now
-            Some("40001" | "40P01" | "57P01" | "57P02" | "57P03")
-        ),
-        _ => false,
-    }
-}
 
 impl From<sqlx::Error> for Error {
     /// Maps pgfence's SQLSTATEs to typed errors, so a stale write detected by the guard
@@ -849,22 +668,22 @@ impl From<sqlx::Error> for Error {
                     };
                 }
                 SQLSTATE_PROTECTED => {
-                    return Error::InvalidTable {
+                    return Error::Invalid(InvalidInput::Table {
                         table: pg.table().unwrap_or("?").to_owned(),
                         reason: "pgfence and system tables cannot be guarded".to_owned(),
-                    };
+                    });
                 }
                 "42P01" => return Error::TableNotFound(missing_relation(pg)),
                 _ => {}
             }
         }
-        Error::Database(e)
+        Error::database(e)
     }
 }
 
 impl From<redis::RedisError> for Error {
     fn from(e: redis::RedisError) -> Self {
-        Error::Redis(e)
+        Error::redis(e)
     }
 }
 
@@ -887,82 +706,6 @@ fn missing_relation(pg: &sqlx::postgres::PgDatabaseError) -> String {
         .and_then(|m| m.strip_suffix("\" does not exist"))
         .unwrap_or(msg)
         .to_owned()
-}
-
-/// The `DETAIL` of an error pgfence's SQL raised (docs/sql.md, "SQLSTATEs"): `name=value`
-/// fields separated by spaces, then the target, `resource=<name>` or `table=<name>`, to the
-/// end (a name may contain spaces).
-struct Detail<'a> {
-    fields: Vec<(&'a str, &'a str)>,
-    target: StaleTarget,
-}
-
-impl<'a> Detail<'a> {
-    fn parse(detail: &'a str) -> Option<Self> {
-        let mut fields = Vec::new();
-        let mut rest = detail;
-        loop {
-            if let Some(name) = rest.strip_prefix("resource=") {
-                let target = StaleTarget::Resource(name.to_owned());
-                return Some(Self { fields, target });
-            }
-            if let Some(name) = rest.strip_prefix("table=") {
-                let target = StaleTarget::Table(name.to_owned());
-                return Some(Self { fields, target });
-            }
-            let (field, tail) = rest.split_once(' ')?;
-            fields.push(field.split_once('=')?);
-            rest = tail;
-        }
-    }
-
-    fn get(&self, name: &str) -> Option<&'a str> {
-        self.fields
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, v)| *v)
-    }
-
-    fn num(&self, name: &str) -> Option<i64> {
-        self.get(name)?.parse().ok()
-    }
-}
-
-/// The typed error for a pgfence SQLSTATE whose `DETAIL` says who was refused
-/// (`PF001`, `PF004`, `PF005`, `PF008`, `PF009`); `None` for another code or a `DETAIL` that
-/// does not parse.
-fn from_detail(code: &str, detail: &str) -> Option<Error> {
-    let d = Detail::parse(detail)?;
-    let presented = d.num("presented")?;
-    Some(match code {
-        SQLSTATE_STALE => Error::StaleToken {
-            presented,
-            current: d.num("current")?,
-            other_counter: d.get("origin") == Some("other"),
-            target: d.target,
-        },
-        SQLSTATE_DUPLICATE => Error::DuplicateToken {
-            target: d.target,
-            token: presented,
-        },
-        SQLSTATE_SEALED => Error::RowSealed {
-            target: d.target,
-            token: presented,
-        },
-        SQLSTATE_TOKEN_JUMP => Error::TokenJump {
-            presented,
-            current: d.num("current")?,
-            max_jump: d.num("max_jump")?,
-            target: d.target,
-        },
-        SQLSTATE_FAILED_OVER => Error::FencedByFailover {
-            presented,
-            lease_timeline: d.num("lease_timeline")?,
-            timeline: d.num("timeline")?,
-            target: d.target,
-        },
-        _ => return None,
-    })
 }
 
 #[cfg(test)]
@@ -1000,8 +743,14 @@ mod tests {
                 ErrorKind::Refused,
             ),
             (Error::TableNotFound("t".into()), ErrorKind::NotFound),
-            (Error::InvalidIssuerUrl("x".into()), ErrorKind::Invalid),
-            (Error::InvalidToken("0".into()), ErrorKind::Invalid),
+            (
+                Error::Invalid(InvalidInput::IssuerUrl("x".into())),
+                ErrorKind::Invalid,
+            ),
+            (
+                Error::Invalid(InvalidInput::Token("0".into())),
+                ErrorKind::Invalid,
+            ),
             (
                 Error::IssuerNotBuilt {
                     scheme: "zk://",
@@ -1017,11 +766,11 @@ mod tests {
                 ErrorKind::Transient,
             ),
             (
-                Error::Database(sqlx::Error::PoolTimedOut),
+                Error::database(sqlx::Error::PoolTimedOut),
                 ErrorKind::Transient,
             ),
             (
-                Error::Database(sqlx::Error::RowNotFound),
+                Error::database(sqlx::Error::RowNotFound),
                 ErrorKind::Backend,
             ),
         ];
@@ -1033,67 +782,5 @@ mod tests {
                 "{error}"
             );
         }
-    }
-
-    #[test]
-    fn parses_token_jump_detail() {
-        let e = from_detail(
-            "PF008",
-            "presented=549755813887 current=5 max_jump=68719476736 table=\"public\".\"t\"",
-        )
-        .unwrap();
-        assert!(
-            matches!(e, Error::TokenJump { presented: 549_755_813_887, current: 5, max_jump: 68_719_476_736, target: StaleTarget::Table(ref t) } if t == "\"public\".\"t\""),
-            "{e:?}"
-        );
-        let e = from_detail("PF008", "presented=9 current=1 max_jump=2 resource=a:b").unwrap();
-        assert!(
-            matches!(e, Error::TokenJump { target: StaleTarget::Resource(ref r), .. } if r == "a:b")
-        );
-        assert!(from_detail("PF008", "presented=x current=1 max_jump=2 resource=a").is_none());
-        assert!(from_detail("PF008", "nonsense").is_none());
-    }
-
-    #[test]
-    fn parses_failover_detail() {
-        let e = from_detail(
-            "PF009",
-            "presented=4 lease_timeline=1 timeline=2 resource=a:b",
-        )
-        .unwrap();
-        assert!(
-            matches!(e, Error::FencedByFailover { presented: 4, lease_timeline: 1, timeline: 2, target: StaleTarget::Resource(ref r) } if r == "a:b"),
-            "{e:?}"
-        );
-        assert!(e.to_string().contains("timeline 2"), "{e}");
-        assert!(
-            from_detail(
-                "PF009",
-                "presented=4 lease_timeline=x timeline=2 resource=a"
-            )
-            .is_none()
-        );
-    }
-
-    #[test]
-    fn parses_trigger_detail() {
-        let e = from_detail("PF001", "presented=1 current=2 table=\"public\".\"t\"").unwrap();
-        assert!(
-            matches!(e, Error::StaleToken { presented: 1, current: 2, other_counter: false, target: StaleTarget::Table(ref t) } if t == "\"public\".\"t\"")
-        );
-        let e = from_detail("PF004", "presented=3 current=3 resource=a:b").unwrap();
-        assert!(
-            matches!(e, Error::DuplicateToken { token: 3, target: StaleTarget::Resource(ref r) } if r == "a:b")
-        );
-        let e = from_detail("PF001", "presented=1 current=9 origin=other resource=r").unwrap();
-        assert!(matches!(
-            e,
-            Error::StaleToken {
-                other_counter: true,
-                ..
-            }
-        ));
-        assert!(e.to_string().contains("fencing domain"), "{e}");
-        assert!(from_detail("PF001", "garbage").is_none());
     }
 }
