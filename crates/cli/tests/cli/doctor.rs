@@ -1,28 +1,13 @@
-//! `pgfence doctor` and the guard modes through the binary: exit codes, one line per
-//! finding, `--json`.
+//! `pgfence doctor` through the binary: exit codes, one line per finding, `--json`, and a
+//! database failover reported until it is acknowledged.
 
+use crate::common::BIN;
+use crate::common::test_db::{pgfence, stdout};
 use crate::support;
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 
-use support::{TestDb, redis_url};
-
-const BIN: &str = env!("CARGO_BIN_EXE_pgfence");
-
-async fn pgfence(db: &TestDb, args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .env("DATABASE_URL", db.url())
-        .env("REDIS_URL", redis_url().await)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run pgfence")
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8(out.stdout.clone()).unwrap()
-}
+use support::TestDb;
 
 #[tokio::test]
 async fn doctor_exit_codes_lines_and_json() {
@@ -130,73 +115,6 @@ async fn doctor_exit_codes_lines_and_json() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).starts_with("pgfence: "));
-}
-
-#[tokio::test]
-async fn guard_observe_enforce_and_tables_show_the_mode() {
-    let db = TestDb::new().await;
-    db.exec(
-        "CREATE TABLE jobs (id int PRIMARY KEY, state text); INSERT INTO jobs VALUES (1, 'new')",
-    )
-    .await;
-    let out = pgfence(&db, &["guard", "--observe", "jobs"]).await;
-    assert!(out.status.success(), "{out:?}");
-    assert!(stdout(&out).contains("(observe)"));
-    let out = pgfence(&db, &["tables"]).await;
-    assert_eq!(stdout(&out), "\"public\".\"jobs\"\tobserve\n");
-    let out = pgfence(&db, &["tables", "--json"]).await;
-    let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
-    assert_eq!(
-        v,
-        serde_json::json!([{"schema": "public", "table": "jobs", "mode": "observe", "enabled": true}])
-    );
-    // Observing: a raw update passes and shows in the audit trail.
-    sqlx::query("UPDATE jobs SET state = 'done'")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    let out = pgfence(&db, &["audit", "--json"]).await;
-    assert!(stdout(&out).contains("\"observe\""), "{out:?}");
-
-    let out = pgfence(&db, &["guard", "--enforce", "jobs"]).await;
-    assert!(out.status.success(), "{out:?}");
-    assert!(stdout(&out).starts_with("guarded"));
-    assert!(
-        sqlx::query("UPDATE jobs SET state = 'again'")
-            .execute(&db.pool)
-            .await
-            .is_err()
-    );
-    let out = pgfence(&db, &["tables"]).await;
-    assert_eq!(stdout(&out), "\"public\".\"jobs\"\tenforce\n");
-    // Plain guard enforces: nothing to change now.
-    let out = pgfence(&db, &["guard", "jobs"]).await;
-    assert!(
-        stdout(&out).contains("already guarded (enforce)"),
-        "{out:?}"
-    );
-    // The two flags exclude each other.
-    let out = pgfence(&db, &["guard", "--observe", "--enforce", "jobs"]).await;
-    assert_eq!(out.status.code(), Some(2));
-
-    // The emitted migration carries the mode.
-    let dir = std::env::temp_dir().join(format!("pgfence-observe-{}", rand::random::<u32>()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let out = pgfence(
-        &db,
-        &[
-            "guard",
-            "--observe",
-            "jobs",
-            "--emit-migration",
-            dir.to_str().unwrap(),
-        ],
-    )
-    .await;
-    assert!(out.status.success(), "{out:?}");
-    let sql = std::fs::read_to_string(dir.join("V1__guard_jobs.sql")).unwrap();
-    assert!(sql.contains("'observe'"), "{sql}");
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// A promotion as the timeline history shows it (the real failover is in the library's

@@ -6,9 +6,11 @@
 //! `PGFENCE_TEST_BIN` runs these against another build of the binary (to compare with an
 //! older one).
 
+use crate::common::urls::{one_error, pgfence};
 use crate::support;
 
 use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use support::{Role, TestDb, redis_url, unique_resource};
 
@@ -438,4 +440,95 @@ async fn a_closed_stdout_ends_every_command_quietly() {
         }
     }
     assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// URLs are shown without their passwords: userinfo, `password`, `sslpassword` and
+/// token-like query parameters, in error lines, warnings and `--verbose` logs.
+#[tokio::test]
+async fn passwords_in_urls_are_never_printed() {
+    let db = TestDb::new().await;
+    let redis = redis_url().await;
+    let secrets = ["s3cr3t-a", "s3cr3t-b", "s3cr3t-c", "s3cr3t-d", "s3cr3t-e"];
+    let pg_urls = [
+        "postgres://app@127.0.0.1:1/db?password=s3cr3t-a",
+        "postgres://app:s3cr3t-b@127.0.0.1:1/db?sslpassword=s3cr3t-c&sslmode=disable",
+        "postgres://127.0.0.1:1/db?user=app&api_token=s3cr3t-d&Secret=s3cr3t-e",
+    ];
+    for url in pg_urls {
+        for args in [&["migrate"][..], &["--verbose", "tables"]] {
+            let out = pgfence(url, &redis, args);
+            // With --verbose, log lines (sqlx's warnings about the URL) come first.
+            let err = text(&out.stderr);
+            if args[0] != "--verbose" {
+                one_error(&out);
+            }
+            assert!(
+                err.contains("pgfence: cannot connect to PostgreSQL at"),
+                "{err}"
+            );
+            for s in secrets {
+                assert!(!err.contains(s), "{s} printed: {err}");
+            }
+            assert!(err.contains("***"), "{err}");
+            assert!(
+                err.trim_end()
+                    .lines()
+                    .last()
+                    .unwrap()
+                    .starts_with("pgfence: "),
+                "{err}"
+            );
+        }
+    }
+    let out = pgfence(
+        &db.url(),
+        "redis://:s3cr3t-a@127.0.0.1:1/0?token=s3cr3t-b",
+        &["lock", "status", "r"],
+    );
+    let err = one_error(&out);
+    assert!(
+        err.contains("redis://:***@127.0.0.1:1/0?token=***"),
+        "{err}"
+    );
+    // A warning on a successful run (Postgres unreachable for counter recovery), verbose.
+    let res = unique_resource("redact");
+    let out = pgfence(
+        "postgres://app:s3cr3t-c@127.0.0.1:1/db?password=s3cr3t-d",
+        &redis,
+        &["--verbose", "lock", "acquire", res.as_str(), "--ttl", "1s"],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(all.contains("warning"), "{all}");
+    for s in secrets {
+        assert!(!all.contains(s), "{s} printed: {all}");
+    }
+}
+
+/// A closed port is reported at once, as refused; a missing database by its own message, once.
+#[tokio::test]
+async fn connection_errors_are_fast_and_say_why() {
+    let redis = redis_url().await;
+    let started = Instant::now();
+    let err = one_error(&pgfence(
+        "postgres://postgres@127.0.0.1:1/x",
+        &redis,
+        &["migrate"],
+    ));
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(err.to_lowercase().contains("refused"), "{err}");
+    assert!(!err.contains("timed out"), "{err}");
+
+    let admin = support::pg_url().await;
+    let url = match admin.rsplit_once('/') {
+        Some((base, _)) => format!("{base}/pgfence_no_such_database_xyz"),
+        None => panic!("{admin}"),
+    };
+    let err = one_error(&pgfence(&url, &redis, &["tables"]));
+    assert_eq!(err.matches("does not exist").count(), 1, "{err}");
+    assert!(!err.contains("at line"), "{err}");
 }

@@ -6,11 +6,13 @@
 //! One table-driven test: the cases share one database and one Redis, and a snapshot is taken
 //! before and after each. A second table-driven test does the same for the `pgfence` binary.
 
+use crate::common::{BIN, Cli};
 use crate::support;
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::process::Command;
 use std::time::Duration;
 
 use pgfence::token::StoredFence;
@@ -23,6 +25,8 @@ use redis::AsyncCommands;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool, Row};
 use support::{TestDb, redis_url};
+
+mod every_argument;
 
 // ---------------------------------------------------------------------------------------------
 // Snapshots.
@@ -1029,4 +1033,81 @@ async fn hostile_cli_inputs_fail_cleanly_and_change_nothing() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[tokio::test]
+async fn malformed_input_and_unreachable_servers_fail_cleanly() {
+    let db = TestDb::new().await;
+    let cli = Cli::new(&db).await;
+    // Durations and names: clap or pgfence reject them before any connection.
+    for args in [
+        &["lock", "acquire", "r", "--ttl", "10 years"][..],
+        &["lock", "acquire", "r", "--ttl", "-5s"],
+        &["run", "--resource", "r", "--ttl", "1.5s", "--", "true"],
+        &["audit", "prune", "--older-than", "soon"],
+    ] {
+        let out = cli.run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(
+            err.starts_with("pgfence: invalid value") && err.contains("invalid duration"),
+            "{args:?}: {err}"
+        );
+        assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    }
+    assert!(
+        cli.fails(&["lock", "acquire", "r", "--ttl", "0s"])
+            .contains("TTL")
+    );
+    assert!(
+        cli.fails(&["lock", "acquire", "r", "--ttl", "400d"])
+            .contains("TTL")
+    );
+    assert!(
+        cli.fails(&["lock", "acquire", "bad{name}", "--ttl", "1s"])
+            .contains("bad resource name")
+    );
+    assert!(
+        cli.fails(&["lock", "acquire", "has space", "--ttl", "1s"])
+            .contains("bad resource name")
+    );
+    assert!(
+        cli.fails(&["lock", "release", "r", "--owner", "x", "--token", "0"])
+            .contains("bad token")
+    );
+
+    let unreachable = |pg: &str, redis: &str, args: &[&str]| {
+        let out = Command::new(BIN)
+            .args(args)
+            .env("DATABASE_URL", pg)
+            .env("REDIS_URL", redis)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        err
+    };
+    assert!(
+        unreachable("postgres://postgres@127.0.0.1:1/x", "", &["migrate"])
+            .contains("cannot connect to PostgreSQL")
+    );
+    assert!(unreachable("not a url", "", &["migrate"]).contains("cannot connect to PostgreSQL"));
+    assert!(
+        unreachable("", "redis://127.0.0.1:1", &["lock", "status", "r"])
+            .contains("cannot connect to Redis")
+    );
+    // Not a Redis URL: not called one (issue 19); refused as an issuer URL.
+    let err = unreachable("", "nope://x", &["lock", "status", "r"]);
+    assert!(
+        err.contains("invalid issuer URL") && !err.contains("Redis"),
+        "{err}"
+    );
+    assert!(unreachable("postgres://u:hunter2@127.0.0.1:1/x", "", &["migrate"]).contains("u:***@"));
+    let out = Command::new(BIN)
+        .args(["migrate"])
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no PostgreSQL URL"));
 }
