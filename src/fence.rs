@@ -134,21 +134,16 @@ impl Fence {
                                 lease_timeline,
                                 timeline,
                             } => {
-                                let rejection = Rejection {
-                                    resource: Some(resource.as_str().to_owned()),
-                                    table: None,
-                                    key: None,
-                                    presented: fencing.token.get(),
-                                    current: None,
-                                    holder: fencing.holder.clone(),
-                                    operation: "check",
-                                    other_counter: false,
-                                    reason: Some(crate::timeline::failover_reason(
-                                        lease_timeline,
-                                        timeline,
-                                    )),
-                                    kind: RejectionKind::Failover,
-                                };
+                                let reason =
+                                    crate::timeline::failover_reason(lease_timeline, timeline);
+                                let rejection = check_rejection(
+                                    resource,
+                                    fencing,
+                                    None,
+                                    false,
+                                    RejectionKind::Failover,
+                                    Some(reason),
+                                );
                                 self.handle
                                     .auditor
                                     .record_beside(&rejection, &mut lent)
@@ -169,10 +164,15 @@ impl Fence {
         )
         .await;
         // The write's connection has gone back before the audit row takes one.
-        let err = match checked {
-            Ok(()) => return Ok(()),
-            Err(err) => err,
-        };
+        match checked {
+            Ok(()) => Ok(()),
+            Err(err) => Err(self.audit_refused(resource, fencing, err).await),
+        }
+    }
+
+    /// Audits a check the database refused (stale, duplicate, token jump) and gives the error
+    /// back; any other error is given back as is.
+    async fn audit_refused(&self, resource: &Resource, fencing: &Fencing, err: Error) -> Error {
         let (current, other_counter) = match &err {
             Error::StaleToken {
                 current,
@@ -181,26 +181,22 @@ impl Fence {
             } => (*current, *other_counter),
             Error::DuplicateToken { token, .. } => (*token, false),
             Error::TokenJump { current, .. } => (*current, false),
-            _ => return Err(err),
+            _ => return err,
         };
         let kind = RejectionKind::of(&err).unwrap_or(RejectionKind::Stale);
-        let rejection = Rejection {
-            resource: Some(resource.as_str().to_owned()),
-            table: None,
-            key: None,
-            presented: fencing.token.get(),
-            current: Some(current),
-            holder: fencing.holder.clone(),
-            operation: "check",
+        let rejection = check_rejection(
+            resource,
+            fencing,
+            Some(current),
             other_counter,
-            reason: kind.reason(),
             kind,
-        };
+            kind.reason(),
+        );
         self.handle
             .auditor
             .record(&rejection, AuditRow::Pending)
             .await;
-        Err(err)
+        err
     }
 
     /// The token of the newest lease that checked `resource` (0 when none).
@@ -218,5 +214,28 @@ fn fenced_name(resource: &Resource, fencing: &Fencing) -> Result<Option<Resource
     match fencing.resource.as_ref().and_then(Resource::key_prefix) {
         Some(prefix) => resource.in_key_prefix(prefix).map(Some),
         None => Ok(None),
+    }
+}
+
+/// The audit record of a refused [`Fence::check`].
+fn check_rejection(
+    resource: &Resource,
+    fencing: &Fencing,
+    current: Option<i64>,
+    other_counter: bool,
+    kind: RejectionKind,
+    reason: Option<String>,
+) -> Rejection {
+    Rejection {
+        resource: Some(resource.as_str().to_owned()),
+        table: None,
+        key: None,
+        presented: fencing.token.get(),
+        current,
+        holder: fencing.holder.clone(),
+        operation: "check",
+        other_counter,
+        reason,
+        kind,
     }
 }

@@ -38,41 +38,53 @@ pub(super) async fn schema(pool: &mut PgConnection, findings: &mut Vec<Finding>)
         ));
         return Ok(false);
     }
-    if !may(pool, "refinery_schema_history", "SELECT").await? {
+    if may(pool, "refinery_schema_history", "SELECT").await? {
+        history(pool, findings).await
+    } else {
         // The application role: the version is readable, the history is not.
-        if versioned != Some(true) {
-            findings.push(not_permitted(
-                object,
-                "which migrations are applied was",
-                "SELECT on pgfence.refinery_schema_history (and the schema has no pgfence.schema_version(), added by V7: it is behind this version)",
-            ));
-            return Ok(false);
-        }
-        let (version, applied): (i32, i32) =
-            sqlx::query_as("SELECT version, applied FROM pgfence.schema_version()")
-                .fetch_one(&mut *pool)
-                .await?;
-        let latest = crate::admin::migrate::latest_version();
-        if version > latest {
-            findings.push(
-                Finding::new(Severity::Warning, FindingKind::SchemaAhead, object)
-                    .says(format!(
-                        "the database has pgfence migration V{version}, newer than this version knows (V{latest})"
-                    ))
-                    .fix("upgrade this pgfence (library or CLI) to the version that migrated the database"),
-            );
-        } else if version < latest || i64::from(applied) < i64::from(latest) {
-            findings.push(
-                Finding::new(Severity::Error, FindingKind::SchemaBehind, object)
-                    .says(format!(
-                        "pgfence's schema is behind: V{version} applied, this version ships V{latest} (other checks skipped)"
-                    ))
-                    .fix("run `pgfence migrate` as the schema's owner"),
-            );
-            return Ok(false);
-        }
-        return Ok(true);
+        version_only(pool, versioned == Some(true), findings).await
     }
+}
+
+/// The schema's version as `pgfence.schema_version()` reports it, for a role that may not read
+/// the migration history.
+async fn version_only(
+    pool: &mut PgConnection,
+    versioned: bool,
+    findings: &mut Vec<Finding>,
+) -> Result<bool> {
+    let object = "schema pgfence";
+    if !versioned {
+        findings.push(not_permitted(
+            object,
+            "which migrations are applied was",
+            "SELECT on pgfence.refinery_schema_history (and the schema has no pgfence.schema_version(), added by V7: it is behind this version)",
+        ));
+        return Ok(false);
+    }
+    let (version, applied): (i32, i32) =
+        sqlx::query_as("SELECT version, applied FROM pgfence.schema_version()")
+            .fetch_one(&mut *pool)
+            .await?;
+    let latest = crate::admin::migrate::latest_version();
+    if version > latest {
+        findings.push(ahead(version, latest));
+    } else if version < latest || i64::from(applied) < i64::from(latest) {
+        findings.push(
+            Finding::new(Severity::Error, FindingKind::SchemaBehind, object)
+                .says(format!(
+                    "pgfence's schema is behind: V{version} applied, this version ships V{latest} (other checks skipped)"
+                ))
+                .fix("run `pgfence migrate` as the schema's owner"),
+        );
+        return Ok(false);
+    }
+    Ok(true)
+}
+
+/// The schema's version from the migration history, for a role that may read it.
+async fn history(pool: &mut PgConnection, findings: &mut Vec<Finding>) -> Result<bool> {
+    let object = "schema pgfence";
     let status = match crate::admin::migration_status(&mut *pool).await {
         Err(e @ crate::Error::UnreleasedMigrations { .. }) => {
             findings.push(
@@ -95,13 +107,7 @@ pub(super) async fn schema(pool: &mut PgConnection, findings: &mut Vec<Finding>)
             .fetch_one(&mut *pool)
             .await?;
     if let Some(applied) = applied.filter(|v| *v > known) {
-        findings.push(
-            Finding::new(Severity::Warning, FindingKind::SchemaAhead, object)
-                .says(format!(
-                    "the database has pgfence migration V{applied}, newer than this version knows (V{known})"
-                ))
-                .fix("upgrade this pgfence (library or CLI) to the version that migrated the database"),
-        );
+        findings.push(ahead(applied, known));
     }
     if pending.is_empty() {
         return Ok(true);
@@ -115,4 +121,17 @@ pub(super) async fn schema(pool: &mut PgConnection, findings: &mut Vec<Finding>)
             .fix("run `pgfence migrate` (or pgfence::admin::migrate)"),
     );
     Ok(false)
+}
+
+/// The finding for a database migrated by a newer pgfence.
+fn ahead(version: i32, known: i32) -> Finding {
+    Finding::new(
+        Severity::Warning,
+        FindingKind::SchemaAhead,
+        "schema pgfence",
+    )
+    .says(format!(
+        "the database has pgfence migration V{version}, newer than this version knows (V{known})"
+    ))
+    .fix("upgrade this pgfence (library or CLI) to the version that migrated the database")
 }
