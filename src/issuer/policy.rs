@@ -74,6 +74,10 @@ pub struct Ask<'a> {
     pub ttl: Duration,
     /// This acquire call's id ([`next_call_id`]): increasing within the process.
     pub call: u64,
+    /// The owner id is this call's own ([`acquire`] made it up and tells it to nobody unless
+    /// the call succeeds): no other call can ever present it, so a backend need not record
+    /// which call of the owner took the lock.
+    pub own_owner: bool,
 }
 
 /// A new acquire call's id: increasing within the process, starting from the wall clock (in
@@ -238,7 +242,7 @@ pub async fn acquire<B: Backend>(
     resource: &Resource,
     ttl: Duration,
 ) -> Result<Option<Lease>> {
-    Ok(acquire_as(backend, resource, &new_owner_id(), ttl)
+    Ok(acquire_by(backend, resource, &new_owner_id(), true, ttl)
         .await?
         .ok())
 }
@@ -253,6 +257,17 @@ pub async fn acquire_as<B: Backend>(
     owner: &str,
     ttl: Duration,
 ) -> Result<std::result::Result<Lease, Duration>> {
+    acquire_by(backend, resource, owner, false, ttl).await
+}
+
+/// [`acquire_as`]; `own_owner` when the owner id is this call's alone ([`Ask::own_owner`]).
+async fn acquire_by<B: Backend>(
+    backend: &B,
+    resource: &Resource,
+    owner: &str,
+    own_owner: bool,
+    ttl: Duration,
+) -> Result<std::result::Result<Lease, Duration>> {
     check_ttl(ttl)?;
     check_owner(owner)?;
     let fencing = fencing_name(backend.key_prefix(), resource)?;
@@ -262,6 +277,7 @@ pub async fn acquire_as<B: Backend>(
         owner,
         ttl,
         call: next_call_id(),
+        own_owner,
     };
     let _timer = crate::metrics::Timer::acquire();
     let mut unknown = false;

@@ -156,6 +156,32 @@ async fn layout_domains_and_a_deleted_lock() {
     let _: () = conn.del(counter_key(&one)).await.unwrap();
 }
 
+/// `acquire_as` records which call of its owner took the lock (the attempt key, which a failed
+/// call's clean-up reads); `acquire`, whose owner id is the call's own, writes no such key.
+#[tokio::test]
+async fn only_a_callers_owner_id_gets_an_attempt_record() {
+    let issuer = issuer().await;
+    let mut conn = raw(&redis_url().await).await;
+    let own = Resource::new(format!("attempt-own-{}", rand::random::<u32>())).unwrap();
+    let callers = Resource::new(format!("attempt-callers-{}", rand::random::<u32>())).unwrap();
+    let attempt = |r: &Resource| format!("pgfence:{{{r}}}:attempt");
+    let a = issuer.acquire(&own, 5 * SEC).await.unwrap().unwrap();
+    let b = issuer
+        .acquire_as(&callers, "worker-1", 5 * SEC)
+        .await
+        .unwrap()
+        .unwrap();
+    let own_record: Option<String> = conn.get(attempt(&own)).await.unwrap();
+    let callers_record: Option<String> = conn.get(attempt(&callers)).await.unwrap();
+    assert_eq!(own_record, None);
+    assert!(
+        callers_record.is_some_and(|id| id.len() == 16),
+        "acquire_as wrote no call id"
+    );
+    issuer.release(&a).await.unwrap();
+    issuer.release(&b).await.unwrap();
+}
+
 /// Keys under a prefix; the suite's two prefixes on one Redis (two locks for one resource); and
 /// three counters for it, the default prefix's included.
 #[tokio::test]

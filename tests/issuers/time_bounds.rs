@@ -114,6 +114,18 @@ async fn redis_acquire_through_a_black_hole_returns_within_the_configured_bound(
 /// 30 s TTL.
 #[tokio::test]
 async fn redis_black_holed_acquire_leaves_no_lock_after_the_heal() {
+    black_holed_redis_acquire_heals(true).await;
+}
+
+/// The same through `acquire`, whose owner id is the call's own: the script records no attempt
+/// (`acquire` saves that write) and the clean-up goes by the owner id alone.
+#[tokio::test]
+async fn redis_black_holed_acquire_with_its_own_owner_leaves_no_lock_after_the_heal() {
+    black_holed_redis_acquire_heals(false).await;
+}
+
+/// The black hole and the heal; `acquire_as` with a caller's owner id, or `acquire`.
+async fn black_holed_redis_acquire_heals(callers_owner: bool) {
     let (proxy, issuer) = redis_behind_proxy().await;
     let direct = RedisIssuer::connect(&support::redis_url().await)
         .await
@@ -123,10 +135,14 @@ async fn redis_black_holed_acquire_leaves_no_lock_after_the_heal() {
     let hold = Duration::from_secs(4);
     proxy.pause(hold);
     let start = Instant::now();
-    let outcome = timeout(
-        Duration::from_secs(20),
-        issuer.acquire_as(&resource, "zombie", Duration::from_secs(30)),
-    )
+    let ttl = Duration::from_secs(30);
+    let outcome = timeout(Duration::from_secs(20), async {
+        if callers_owner {
+            issuer.acquire_as(&resource, "zombie", ttl).await.map(drop)
+        } else {
+            issuer.acquire(&resource, ttl).await.map(drop)
+        }
+    })
     .await
     .expect("the acquire hung");
     let err = outcome.expect_err("acquired through a black hole");

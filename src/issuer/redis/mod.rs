@@ -294,7 +294,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisIssuer<C> {
             lock: self.lock_key(ask.resource),
             attempt: prefixed_attempt_key(&self.prefix, ask.resource),
             owner: ask.owner.to_owned(),
-            call: call_id(ask.call),
+            // "": the owner id alone names the call (see `Ask::own_owner`).
+            call: if ask.own_owner {
+                String::new()
+            } else {
+                call_id(ask.call)
+            },
             until: Instant::now() + ask.ttl,
         };
         let conn: &dyn std::any::Any = &self.conn;
@@ -525,10 +530,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for RedisIssuer<
         let (lock, counter) = (self.lock_key(ask.resource), self.counter_key(ask.resource));
         let sent_at = Instant::now();
         let mut conn = self.conn.clone();
-        let reply = ACQUIRE
-            .key(&lock)
-            .key(&counter)
-            .key(prefixed_attempt_key(&self.prefix, ask.resource))
+        let mut script = ACQUIRE.key(&lock);
+        script.key(&counter);
+        // The attempt record tells a failed call's clean-up apart from a later call of the
+        // same owner; an owner id no other call can present needs none (a write saved).
+        if !ask.own_owner {
+            script.key(prefixed_attempt_key(&self.prefix, ask.resource));
+        }
+        let reply = script
             .arg(ask.owner)
             .arg(ttl_ms)
             .arg(MAX_TOKEN)

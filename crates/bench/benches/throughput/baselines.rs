@@ -239,12 +239,12 @@ async fn run_redis_benchmark(
     let out = cmd
         .args(["-u", &env.redis_url, "-c", &env.cfg.tasks.to_string()])
         .args(["-n", &n.to_string(), "-r", "1000000000", "--csv"])
-        // What the issuer sends: the lock, counter and attempt keys; owner, TTL, token limit
-        // and the acquire call's id (the attempt record costs the script one more SET).
-        .args(["EVALSHA", sha, "3"])
+        // What `acquire` sends: the lock and counter keys; owner, TTL, token limit and the
+        // call's id (no attempt key: `acquire`'s owner id is the call's own; `acquire_as`
+        // adds the attempt key and the script one more SET).
+        .args(["EVALSHA", sha, "2"])
         .arg(format!("pgfence:{{{tag}:__rand_int__}}:lock"))
         .arg(format!("pgfence:{{{tag}:__rand_int__}}:fence"))
-        .arg(format!("pgfence:{{{tag}:__rand_int__}}:attempt"))
         .arg("0123456789abcdef0123456789abcdef")
         .arg(LEASE_TTL.as_millis().to_string())
         .arg(pgfence::token::MAX_TOKEN.to_string())

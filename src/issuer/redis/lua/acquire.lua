@@ -5,6 +5,8 @@
 -- KEYS[3] (optional) = the attempt key, ARGV[4] = the id of the acquire call: 16 hex digits,
 -- increasing within a process. It records which call of the owner holds the lock, so that a
 -- failed call's clean-up (abandon.lua) removes the lock only if that call took it.
+-- Not given when the owner id is the call's own (`acquire` makes one up per call): no other
+-- call can present it, so the owner id alone names the call.
 -- Lock value: "<owner>:<token>".
 -- Returns {1, token, fresh} when granted. `token` is the counter's exact decimal text (Lua
 -- numbers are doubles); `fresh` is 1 when the counter did not exist before (new resource, or
