@@ -232,6 +232,11 @@ async fn a_counter_below_the_mark_suggests_reseed() {
             .contains("pgfence reseed")
     );
     assert!(below[0].message.contains(&mark.to_string()));
+    assert!(
+        below[0].message.contains("the Redis counter"),
+        "{}",
+        below[0].message
+    );
 
     // Without Redis the counters are not compared (information only).
     let findings = pgfence::admin::doctor(&db.pool, None, &DoctorOptions::default())
@@ -400,4 +405,37 @@ async fn a_made_up_first_token_is_a_doctor_error_with_its_repair() {
             .any(|f| f.contains("pgfence.unpoison_resource('new', N)")),
         "{fixes:?}"
     );
+}
+
+/// The finding names the issuer whose counter went backwards: the PostgreSQL issuer's counter
+/// is not "the Redis counter".
+#[tokio::test]
+async fn a_postgres_issuers_counter_below_the_mark_is_named_as_such() {
+    let db = healthy().await;
+    let issuer = pgfence::issuer::PgIssuer::new(db.pool.clone());
+    let resource = unique_resource("doctor:pg-behind");
+    let lease = issuer
+        .acquire(&resource, Duration::from_secs(10))
+        .await
+        .unwrap()
+        .unwrap();
+    issuer.release(&lease).await.unwrap();
+    let mark = lease.token().get() + 50;
+    sqlx::query("SELECT pgfence.check($1, $2, 0)")
+        .bind(resource.as_str())
+        .bind(mark)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let findings = pgfence::admin::doctor(&db.pool, Some(&issuer), &DoctorOptions::default())
+        .await
+        .unwrap();
+    let below: Vec<_> = problems(&findings)
+        .into_iter()
+        .filter(|f| f.kind == FindingKind::CounterBelowMark)
+        .collect();
+    assert_eq!(below.len(), 1, "{findings:#?}");
+    let message = &below[0].message;
+    assert!(message.contains("PostgreSQL issuer's counter"), "{message}");
+    assert!(!message.contains("Redis"), "{message}");
 }

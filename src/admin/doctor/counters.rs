@@ -7,6 +7,7 @@ use futures_util::StreamExt;
 use super::{
     DoctorOptions, Finding, FindingKind, STATUS_READS_IN_FLIGHT, Severity, may, not_permitted,
 };
+use crate::issuer::IssuerKind;
 use crate::token::{MAX_TOKEN, StoredFence};
 use crate::{Resource, Result, TokenIssuer};
 
@@ -153,6 +154,7 @@ async fn compare(
     // Counters are read STATUS_READS_IN_FLIGHT at a time, in order: one request after
     // another cost a round trip per resource (153 s for a million resources on loopback
     // Redis, BENCHMARKS.md 12h); each read keeps its own call bound.
+    let kind = issuer.kind();
     let mut statuses = futures_util::stream::iter(compared.iter())
         .map(|(_, resource, _)| issuer.status(resource))
         .buffered(STATUS_READS_IN_FLIGHT);
@@ -165,9 +167,12 @@ async fn compare(
             Ok(s) => s,
             Err(e) => {
                 findings.push(
-                    Finding::new(Severity::Error, FindingKind::RedisUnavailable, "redis")
-                        .says(format!("cannot read the counters: {e}"))
-                        .fix("check the Redis URL and that Redis is up; then run doctor again"),
+                    Finding::new(Severity::Error, FindingKind::RedisUnavailable, kind.name())
+                        .says(format!("cannot read the {kind} issuer's counters: {e}"))
+                        .fix(format!(
+                            "check the issuer URL and that {} is up; then run doctor again",
+                            store(kind)
+                        )),
                 );
                 return None;
             }
@@ -182,7 +187,8 @@ async fn compare(
             findings.push(
                 Finding::new(Severity::Error, FindingKind::CounterBelowMark, &object)
                     .says(format!(
-                        "the Redis counter ({counter}) is below Postgres's high-water mark ({mark}): it went backwards (failover or restart), and new leases get tokens Postgres rejects"
+                        "the {} counter ({counter}) is below Postgres's high-water mark ({mark}): it went backwards (failover or restart), and new leases get tokens Postgres rejects",
+                        store(kind)
                     ))
                     .fix(format!("run `pgfence reseed '{resource}'`")),
             );
@@ -191,7 +197,8 @@ async fn compare(
             findings.push(
                 Finding::new(Severity::Warning, FindingKind::FenceNearLimit, &object)
                     .says(format!(
-                        "the Redis counter ({counter}) is within {} of the largest token ({MAX_TOKEN})",
+                        "the {} counter ({counter}) is within {} of the largest token ({MAX_TOKEN})",
+                        store(kind),
                         MAX_TOKEN - counter
                     )),
             );
@@ -288,5 +295,16 @@ pub(super) fn other_prefix_marks(
                 "run `pgfence doctor --key-prefix {first} --resource '{plain}'` (or set PGFENCE_KEY_PREFIX={first})"
             )),
         );
+    }
+}
+
+/// Where an issuer keeps its counter, as a finding names it.
+fn store(kind: IssuerKind) -> &'static str {
+    match kind {
+        IssuerKind::Redis => "Redis",
+        IssuerKind::Etcd => "etcd",
+        IssuerKind::ZooKeeper => "ZooKeeper",
+        IssuerKind::Postgres => "PostgreSQL issuer's",
+        _ => "issuer's",
     }
 }

@@ -1,4 +1,4 @@
-//! [`doctor`]: checks a database (and optionally the Redis counters) for the ways a pgfence
+//! [`doctor`]: checks a database (and optionally an issuer's counters) for the ways a pgfence
 //! setup goes wrong quietly, and reports each as a typed [`Finding`].
 //!
 //! What it checks, in order:
@@ -15,9 +15,9 @@
 //! | [`FenceInvalid`](FindingKind::FenceInvalid) | error | rows with a negative fence (no valid token) |
 //! | [`FenceNearLimit`](FindingKind::FenceNearLimit) | error (a row or resource mark: no counter gets there, real leases are locked out) / warning (an issuer's counter) | a row, resource mark or counter above [`MAX_TOKEN`](crate::token::MAX_TOKEN) − [`DoctorOptions::limit_margin`] |
 //! | [`HighestToken`](FindingKind::HighestToken) | info | the highest token on each guarded table |
-//! | [`TokenAboveCounters`](FindingKind::TokenAboveCounters) | warning | a table's highest token is above every Redis counter doctor read |
-//! | [`CounterBelowMark`](FindingKind::CounterBelowMark) | error | a Redis counter below Postgres's high-water mark: it went backwards (failover), new leases are rejected |
-//! | [`RedisUnavailable`](FindingKind::RedisUnavailable) | error | Redis could not be read |
+//! | [`TokenAboveCounters`](FindingKind::TokenAboveCounters) | warning | a table's highest token is above every issuer counter doctor read |
+//! | [`CounterBelowMark`](FindingKind::CounterBelowMark) | error | an issuer's counter (Redis, etcd, ZooKeeper, the PostgreSQL issuer) below Postgres's high-water mark: it went backwards (failover), new leases are rejected |
+//! | [`RedisUnavailable`](FindingKind::RedisUnavailable) | error | the issuer's counters could not be read (the name stays for compatibility: any issuer) |
 //! | [`InvalidIssuerUrl`](FindingKind::InvalidIssuerUrl) | error | the issuer URL did not parse (reported by the CLI: nothing was connected to) |
 //! | [`CountersNotChecked`](FindingKind::CountersNotChecked) | info | no issuer was given, or a recorded resource name is not a valid [`Resource`] |
 //! | [`AuditRetention`](FindingKind::AuditRetention) | warning | audit rows older than [`DoctorOptions::audit_retention`] |
@@ -27,7 +27,7 @@
 //!
 //! Counters: for each resource in `pgfence.resource_fence` (resources that ran
 //! `pgfence.check`) and each of [`DoctorOptions::resources`], doctor compares the token of
-//! `pgfence.high_water(resource)` with the Redis counter ([`RedisIssuer::status`](crate::RedisIssuer::status)). Rows carry no
+//! `pgfence.high_water(resource)` with the issuer's counter ([`TokenIssuer::status`](crate::TokenIssuer::status)). Rows carry no
 //! resource name, so a table's highest token (the token of `max(fence)`) is only compared with the
 //! highest counter doctor read: above it means the table was written by a counter doctor was
 //! not told about (list its resource in [`DoctorOptions::resources`]), or one that went
@@ -106,9 +106,9 @@ pub enum FindingKind {
     HighestToken,
     /// A table's highest token is above every counter doctor read.
     TokenAboveCounters,
-    /// A Redis counter is below Postgres's high-water mark.
+    /// An issuer's counter is below Postgres's high-water mark.
     CounterBelowMark,
-    /// Redis could not be read.
+    /// The issuer's counters could not be read (any issuer; the name is 0.2's).
     RedisUnavailable,
     /// The issuer URL did not parse: no issuer was connected to.
     InvalidIssuerUrl,
