@@ -20,6 +20,7 @@
 //! [`BatchOutcome`]. The writes run on a [`WriteExecutor`]: `&pool`, `&mut *tx` or `&mut conn`.
 
 pub(crate) mod batch;
+pub(crate) mod coalesce;
 pub(crate) mod executor;
 pub(crate) mod outcome;
 pub(crate) mod rejection;
@@ -44,6 +45,9 @@ use crate::table::FencedTable;
 use crate::timeline::Seen;
 use crate::{Error, Fencing, Result};
 
+pub use crate::repository::coalesce::{
+    Coalescer, CoalescerStats, DEFAULT_LANES, DEFAULT_MAX_GROUP,
+};
 pub use crate::repository::executor::{DEFAULT_CALL_TIMEOUT, WriteExecutor};
 pub use crate::repository::outcome::{
     BatchOutcome, BatchSummary, Claimed, MAX_BATCH_ROWS, RowOutcome, Upserted,

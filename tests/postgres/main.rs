@@ -10,6 +10,7 @@ use pgfence_test_support as support;
 mod audit;
 mod batch;
 mod check;
+mod coalesce;
 mod decode;
 mod derive;
 mod doctor;

@@ -305,6 +305,5 @@ fn store(kind: IssuerKind) -> &'static str {
         IssuerKind::Etcd => "etcd",
         IssuerKind::ZooKeeper => "ZooKeeper",
         IssuerKind::Postgres => "PostgreSQL issuer's",
-        _ => "issuer's",
     }
 }

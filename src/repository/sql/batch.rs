@@ -31,6 +31,7 @@ impl BatchStatements {
             explain_upsert: shape.explain("upsert", true),
             explain_delete: shape.explain("delete", false),
             explain_claim: shape.explain("claim", false),
+            coalesced_update: shape.coalesced_update(),
         }
     }
 }
@@ -116,6 +117,50 @@ impl BatchShape<'_> {
             "WITH {i}, w AS (UPDATE {t} AS tgt SET {set_cols}\"fence\" = {next} FROM i \
              WHERE {m} AND {admit} AND {no_dup} RETURNING i.ord) {applied_or_dup}",
             next = next_fence("tgt.\"fence\"", &lease),
+            m = self.matches("tgt"),
+            admit = admits("tgt.\"fence\"", &lease),
+        ))
+    }
+
+    /// Single-row updates of many leases in one statement: the input carries each row's lease
+    /// fence (`lf`) and timeline (`tl`); of rows naming the same key only the first is
+    /// written (`f`), so no row is updated twice by one statement.
+    fn coalesced_update(&self) -> Statement {
+        let Self {
+            t, keys, cols, kn, ..
+        } = self;
+        let mut p = Params::default();
+        let mut arrays = p.many(Slot::KeyArrays, keys.len());
+        arrays.extend(p.many(Slot::ColumnArrays, cols.len()));
+        arrays.push(p.one(Slot::LeaseFences));
+        arrays.push(p.one(Slot::Timelines));
+        let names: Vec<String> = (0..keys.len())
+            .map(|i| format!("k{i}"))
+            .chain((0..cols.len()).map(|i| format!("c{i}")))
+            .chain(["lf".to_owned(), "tl".to_owned()])
+            .collect();
+        let unnests: Vec<String> = arrays
+            .iter()
+            .map(|a| format!("pg_catalog.unnest({a})"))
+            .collect();
+        let earlier = kn
+            .iter()
+            .map(|k| format!("{} {EQ} {k}", k.replacen("i.", "j.", 1)))
+            .collect::<Vec<_>>()
+            .join(" AND ");
+        let lease = LeaseParams {
+            fence: "i.lf".to_owned(),
+            timeline: "i.tl".to_owned(),
+        };
+        p.finish(format!(
+            "WITH i AS (SELECT * FROM ROWS FROM ({unnests}) WITH ORDINALITY AS i({names}, ord)) \
+             UPDATE {t} AS tgt SET {set_cols}\"fence\" = {next} FROM i \
+             WHERE {m} AND {admit} AND NOT EXISTS (SELECT FROM i AS j WHERE {earlier} \
+             AND j.ord {LT} i.ord) RETURNING i.ord",
+            unnests = unnests.join(", "),
+            names = names.join(", "),
+            set_cols = self.set_cols(),
+            next = next_fence("tgt.\"fence\"", &lease.fence),
             m = self.matches("tgt"),
             admit = admits("tgt.\"fence\"", &lease),
         ))

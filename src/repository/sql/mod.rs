@@ -74,6 +74,10 @@ pub(crate) enum Slot {
     ColumnArrays,
     /// Batch: the input positions of the rows an explaining statement is about (bigint[]).
     Ordinals,
+    /// Coalesced update: each row's lease fence (bigint[]).
+    LeaseFences,
+    /// Coalesced update: each row's lease timeline (bigint[], `0` when not bound).
+    Timelines,
     /// Partial update: one data column, by its position in [`FencedTable::COLUMNS`].
     Column(usize),
 }
@@ -184,7 +188,12 @@ impl Statement {
                     // Array slots belong to batch statements (`bind_batch`), single columns
                     // to partial updates (`bind_partial`).
                     (
-                        Slot::KeyArrays | Slot::ColumnArrays | Slot::Ordinals | Slot::Column(_),
+                        Slot::KeyArrays
+                        | Slot::ColumnArrays
+                        | Slot::Ordinals
+                        | Slot::LeaseFences
+                        | Slot::Timelines
+                        | Slot::Column(_),
                         _,
                     ) => q,
                 }
@@ -225,7 +234,37 @@ impl Statement {
                 (Slot::Resource, _) => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
                 (Slot::Holder, _) => q.bind(fencing.holder.clone()),
                 (Slot::OwnTransaction, _) => q.bind(own_transaction),
-                (Slot::Key | Slot::Columns | Slot::Column(_), _) => q,
+                (
+                    Slot::Key
+                    | Slot::Columns
+                    | Slot::Column(_)
+                    | Slot::LeaseFences
+                    | Slot::Timelines,
+                    _,
+                ) => q,
+            };
+        }
+        Some(q)
+    }
+
+    /// The coalesced update ([`BatchStatements::coalesced_update`]) with every value bound:
+    /// the rows' key and data columns as arrays, and each row's lease fence and timeline.
+    /// `None` when `T`'s [`FencedTable`] impl does not bind arrays.
+    pub(crate) fn bind_coalesced<T: FencedTable>(
+        &self,
+        rows: &[&T],
+        fences: Vec<i64>,
+        timelines: Vec<i64>,
+    ) -> Option<PgQuery> {
+        let mut q = sqlx::query(self.text.clone());
+        let (mut fences, mut timelines) = (Some(fences), Some(timelines));
+        for slot in &self.slots {
+            q = match slot {
+                Slot::KeyArrays => T::bind_key_arrays(rows, q)?,
+                Slot::ColumnArrays => T::bind_column_arrays(rows, q)?,
+                Slot::LeaseFences => q.bind(fences.take()?),
+                Slot::Timelines => q.bind(timelines.take()?),
+                _ => return None,
             };
         }
         Some(q)
@@ -251,7 +290,11 @@ impl Statement {
                 Slot::Resource => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
                 Slot::Holder => q.bind(fencing.holder.clone()),
                 Slot::OwnTransaction => q.bind(false),
-                Slot::KeyArrays | Slot::ColumnArrays | Slot::Ordinals => q,
+                Slot::KeyArrays
+                | Slot::ColumnArrays
+                | Slot::Ordinals
+                | Slot::LeaseFences
+                | Slot::Timelines => q,
             };
         }
         Some(q)
@@ -307,6 +350,11 @@ pub(crate) struct BatchStatements {
     pub explain_upsert: Statement,
     pub explain_delete: Statement,
     pub explain_claim: Statement,
+    /// Single-row updates of many leases in one statement
+    /// ([`Coalescer`](crate::repository::Coalescer)): each row carries its own lease fence
+    /// and timeline; a key named twice is written once (its first row), the others are left
+    /// for their callers to send alone.
+    pub coalesced_update: Statement,
 }
 
 /// Whether a stored fence admits a write of `lease`: by its lease fence, and only on the

@@ -89,15 +89,26 @@ async fn run_pgbench(
 /// the repository would bind it (it starts above every fence and steps by the difference
 /// between the lease fences of successive tokens).
 pub(crate) async fn pgbench_row(env: &Env, name: &str, table: &str, body: &str) -> Result<Sample> {
+    pgbench_row_with(env, name, table, body, env.cfg.tasks).await
+}
+
+/// [`pgbench_row`] with `clients` clients.
+pub(crate) async fn pgbench_row_with(
+    env: &Env,
+    name: &str,
+    table: &str,
+    body: &str,
+    clients: usize,
+) -> Result<Sample> {
     let cfg = &env.cfg;
-    let slots = cfg.rows / i32::try_from(cfg.tasks)?;
+    let slots = cfg.rows / i32::try_from(clients)?;
     let text = format!(
         "\\set id 1 + :client_id + {tasks} * random(0, {last})\n\\set tok :tok + {step}\n{body};\n",
-        tasks = cfg.tasks,
+        tasks = clients,
         last = slots - 1,
         step = lease_fence(2) - lease_fence(1),
     );
-    pgbench_script(env, name, table, &text, cfg.tasks, 1, &[]).await
+    pgbench_script(env, name, table, &text, clients, 1, &[]).await
 }
 
 /// 7c: the Postgres-side ceiling of a batch of `size` rows: `batch_sql` — the statement

@@ -42,7 +42,7 @@ pub(crate) struct Config {
 /// Every section, in the order they run.
 pub(crate) const SECTIONS: &[&str] = &[
     "write", "pgbench", "batch", "acquire", "job", "storm", "scaling", "etcd", "zk", "pg", "parts",
-    "scale",
+    "coalesce", "scale",
 ];
 
 /// Sections that run only when named (or, for `scale`, when `PGFENCE_BENCH_SCALE_ROWS` is

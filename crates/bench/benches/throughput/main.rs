@@ -171,7 +171,7 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
     let mut rounds = Vec::new();
     let mut checks = Vec::new();
     if [
-        "write", "pgbench", "batch", "job", "storm", "scaling", "parts",
+        "write", "pgbench", "batch", "job", "storm", "scaling", "parts", "coalesce",
     ]
     .iter()
     .any(|s| env.cfg.runs(s))
@@ -257,6 +257,9 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
         }
         if env.cfg.runs("parts") {
             parts::parts(env, round, &mut out).await?;
+        }
+        if env.cfg.runs("coalesce") {
+            sections::coalesce(env, round, &mut out).await?;
         }
         if let Some(setup) = &scale_setup {
             let last = round == env.cfg.rounds;

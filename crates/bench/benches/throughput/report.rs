@@ -167,6 +167,22 @@ fn rows(cfg: &Config) -> Vec<(String, String)> {
         .iter()
         .map(|(k, l)| ((*k).to_owned(), (*l).to_owned())),
     );
+    for tasks in crate::sections::COALESCE_TASKS {
+        rows.push((
+            format!("coalesce.update_c{tasks}"),
+            format!("13a Repository::update, {tasks} task(s)"),
+        ));
+        rows.push((
+            format!("coalesce.coalesced_c{tasks}"),
+            format!("13b Coalescer::update, {tasks} task(s)"),
+        ));
+        if tasks > 1 {
+            rows.push((
+                format!("coalesce.pgbench_c{tasks}"),
+                format!("13c pgbench, repository SQL, {tasks} clients"),
+            ));
+        }
+    }
     for c in &cfg.scaling {
         rows.push((
             format!("scaling.c{c}"),
@@ -557,6 +573,41 @@ const RATIOS: &[RatioDef] = &[
         num: "job.cycle",
         den: &["write.repo_update"],
         target: None,
+    },
+    RatioDef {
+        key: "coalesced_vs_pgbench_16",
+        label: "Coalescer::update / pgbench, same single-row SQL, 16 tasks (13b/13c)",
+        num: "coalesce.coalesced_c16",
+        den: &["coalesce.pgbench_c16"],
+        target: Some(1.0),
+    },
+    RatioDef {
+        key: "coalesced_vs_pgbench_64",
+        label: "Coalescer::update / pgbench, same single-row SQL, 64 tasks (13b/13c)",
+        num: "coalesce.coalesced_c64",
+        den: &["coalesce.pgbench_c64"],
+        target: Some(1.0),
+    },
+    RatioDef {
+        key: "coalesced_vs_update_16",
+        label: "Coalescer::update / Repository::update, 16 tasks (13b/13a)",
+        num: "coalesce.coalesced_c16",
+        den: &["coalesce.update_c16"],
+        target: None,
+    },
+    RatioDef {
+        key: "coalesced_vs_update_64",
+        label: "Coalescer::update / Repository::update, 64 tasks (13b/13a)",
+        num: "coalesce.coalesced_c64",
+        den: &["coalesce.update_c64"],
+        target: None,
+    },
+    RatioDef {
+        key: "coalesced_vs_update_1",
+        label: "Coalescer::update / Repository::update, 1 task: nothing queued (13b/13a)",
+        num: "coalesce.coalesced_c1",
+        den: &["coalesce.update_c1"],
+        target: Some(0.95),
     },
 ];
 

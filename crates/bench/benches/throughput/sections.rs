@@ -10,7 +10,8 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, SqlSafeStr};
 
 use crate::baselines::{
-    HandRolledCycle, RslockCycle, pgbench_batch_row, pgbench_row, redis_benchmark_row,
+    HandRolledCycle, RslockCycle, pgbench_batch_row, pgbench_row, pgbench_row_with,
+    redis_benchmark_row,
 };
 use crate::cpu::redis_usec;
 use crate::measure::{Metric, Sample, TOKENS, Workload, lease_fence, measure};
@@ -432,6 +433,76 @@ pub(crate) async fn storm(
         put(out, round, key, sample);
     }
     pool.close().await;
+    Ok(())
+}
+
+/// Concurrencies of section `coalesce`.
+pub(crate) const COALESCE_TASKS: [usize; 3] = [1, 16, 64];
+
+/// Section `coalesce`: `Repository::update` (13a), the same updates through a
+/// [`Coalescer`](pgfence::repository::Coalescer) (13b) and pgbench running the repository's
+/// statement (13c), at 1, 16 and 64 tasks (pool: the tasks, at most 64; pgbench: as many
+/// clients).
+pub(crate) async fn coalesce(env: &Env, round: usize, out: &mut Results) -> Result<()> {
+    let cfg = &env.cfg;
+    let body = pgbench_rows(env)?
+        .into_iter()
+        .find(|(key, ..)| *key == "pgbench.repo_sql")
+        .map(|(_, _, body)| body)
+        .unwrap_or_default();
+    for tasks in COALESCE_TASKS {
+        let pool = tuned_pool(env, u32::try_from(tasks.min(64))?).await?;
+        let repo = Repository::<crate::workloads::GuardedRow>::new(pool.clone())?;
+        prep(env).await?;
+        let work = RepoWrite {
+            repo: repo.clone(),
+            pool: pool.clone(),
+            tasks,
+            rows: cfg.rows,
+            stale_every: 0,
+            context: None,
+        };
+        let sample = measure(cfg, tasks, Metric::Applied, work).await?;
+        put(out, round, &format!("coalesce.update_c{tasks}"), sample);
+        prep(env).await?;
+        // PGFENCE_BENCH_COALESCE_LANES: lanes to try instead of the default (tuning).
+        let lanes = std::env::var("PGFENCE_BENCH_COALESCE_LANES")
+            .ok()
+            .and_then(|l| l.parse().ok())
+            .unwrap_or(pgfence::repository::DEFAULT_LANES);
+        let writer = repo
+            .coalesced(pool.clone())
+            .with_lanes(lanes, pgfence::repository::DEFAULT_MAX_GROUP);
+        let work = crate::workloads::CoalescedWrite {
+            writer: writer.clone(),
+            tasks,
+            rows: cfg.rows,
+        };
+        let mut sample = measure(cfg, tasks, Metric::Applied, work).await?;
+        let stats = writer.stats();
+        sample.note = Some(format!(
+            "{} alone, {} statements carrying {} ({:.1}/statement), {} re-sent",
+            stats.alone,
+            stats.statements,
+            stats.carried,
+            stats.carried as f64 / stats.statements.max(1) as f64,
+            stats.resent
+        ));
+        put(out, round, &format!("coalesce.coalesced_c{tasks}"), sample);
+        pool.close().await;
+        if tasks > 1 {
+            prep(env).await?;
+            let sample = pgbench_row_with(
+                env,
+                &format!("coalesce_c{tasks}"),
+                "bench_guarded",
+                &body,
+                tasks,
+            )
+            .await?;
+            put(out, round, &format!("coalesce.pgbench_c{tasks}"), sample);
+        }
+    }
     Ok(())
 }
 

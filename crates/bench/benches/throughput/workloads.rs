@@ -85,6 +85,34 @@ impl Workload for RepoWrite {
     }
 }
 
+/// 13b: [`RepoWrite`]'s update through a [`pgfence::repository::Coalescer`]: concurrent
+/// updates of fresh leases, coalesced when they queue up.
+pub(crate) struct CoalescedWrite {
+    pub(crate) writer: pgfence::repository::Coalescer<GuardedRow>,
+    pub(crate) tasks: usize,
+    pub(crate) rows: i32,
+}
+
+impl Workload for CoalescedWrite {
+    type State = (Keys, GuardedRow);
+
+    fn state(&self, task: usize) -> Self::State {
+        let row = GuardedRow {
+            id: 0,
+            payload: PAYLOAD.to_owned(),
+        };
+        (Keys::new(task, self.tasks, self.rows), row)
+    }
+
+    async fn op(&self, (keys, row): &mut Self::State) -> Outcome {
+        row.id = keys.next();
+        self.writer
+            .update(Fencing::new(next_token()), row)
+            .await
+            .into()
+    }
+}
+
 /// 1f: a read-modify-write under one lease: [`Repository::claim`] the row (fences it and
 /// reads it, one `UPDATE .. RETURNING *`), then [`Repository::update`] it with the same lease
 /// (its second write of the row). Two statements per operation.

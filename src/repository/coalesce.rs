@@ -1,0 +1,466 @@
+//! [`Coalescer`]: concurrent single-row updates of one table sent as one statement when they
+//! queue up (group commit), each caller getting its own outcome.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+
+use crate::error::TimedOut;
+use crate::repository::Repository;
+use crate::table::FencedTable;
+use crate::{Error, Fencing, Result};
+
+/// How many statements of one coalescer may be in flight at once by default.
+pub const DEFAULT_LANES: usize = 2;
+/// A queued update with less than this left of its bound is not sent (it is answered
+/// `TimedOut`, nothing applied).
+const MIN_STATEMENT: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// How many queued updates one coalesced statement carries at most by default.
+pub const DEFAULT_MAX_GROUP: usize = 64;
+
+/// Single-row [`update`](Repository::update)s of one table through a pool, coalesced when
+/// they queue up: while `lanes` statements of this coalescer are in flight, further calls
+/// wait, and the next free lane sends every waiting update (up to `max_group`) as one
+/// statement. A call that finds a lane free is sent at once, alone, through
+/// [`Repository::update`]: no added latency when nothing is queued.
+///
+/// Each caller gets the outcome `Repository::update` would have given it, with the same
+/// audit row and WARN event for a rejection: the coalesced statement applies exactly the
+/// updates its lease would have applied alone (the same fence rule, the same timeline
+/// binding, per row); an update it did not apply (stale, not found, sealed, another
+/// timeline, or a second update of the same key in the group) is sent again alone by its
+/// caller, which explains and audits it as today. If the coalesced statement fails as a whole,
+/// every caller in it sends its update alone; if it times out, every caller gets that
+/// [`Error::TimedOut`].
+///
+/// Opt-in (`Repository::coalesced`): rows are cloned into the queue (`T: Clone + Send +
+/// Sync + 'static`), writes go through a pool (not a caller's transaction), and a table type
+/// whose [`FencedTable`] impl does not bind arrays is always sent alone. `BENCHMARKS.md`,
+/// "Coalesced updates", has what it gains and costs.
+///
+/// ```no_run
+/// # #[derive(Clone)] struct Invoice { id: i64, status: String }
+/// # pgfence::fenced_table!(Invoice { table: "invoices", key: id: i64, columns: [status] });
+/// # async fn f(pool: sqlx::PgPool, lease: pgfence::Lease) -> pgfence::Result<()> {
+/// let writer = pgfence::Repository::<Invoice>::new(pool.clone())?.coalesced(pool);
+/// // Many tasks, each with its own lease, call it concurrently:
+/// writer.update(&lease, &Invoice { id: 7, status: "paid".into() }).await?;
+/// # Ok(()) }
+/// ```
+pub struct Coalescer<T> {
+    inner: Arc<Inner<T>>,
+}
+
+impl<T> Clone for Coalescer<T> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for Coalescer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Coalescer")
+            .field("table", &self.inner.repo.table.quoted())
+            .field("lanes", &self.inner.lanes)
+            .field("max_group", &self.inner.max_group)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a [`Coalescer`] has done so far ([`Coalescer::stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CoalescerStats {
+    /// Updates sent alone at once (a lane was free).
+    pub alone: u64,
+    /// Coalesced statements sent.
+    pub statements: u64,
+    /// Updates those statements carried.
+    pub carried: u64,
+    /// Of those, the updates they applied.
+    pub applied: u64,
+    /// Updates a coalesced statement did not apply, sent again alone by their callers (the
+    /// rejections among them are explained and audited there).
+    pub resent: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    alone: AtomicU64,
+    statements: AtomicU64,
+    carried: AtomicU64,
+    applied: AtomicU64,
+    resent: AtomicU64,
+}
+
+struct Inner<T> {
+    counters: Counters,
+    repo: Repository<T>,
+    pool: PgPool,
+    lanes: usize,
+    max_group: usize,
+    /// Cleared when `T`'s impl turns out not to bind arrays: every update is sent alone.
+    arrays: AtomicBool,
+    state: Mutex<State<T>>,
+}
+
+struct State<T> {
+    queue: VecDeque<Waiting<T>>,
+    in_flight: usize,
+    next_id: u64,
+}
+
+/// A queued update and where its answer goes.
+struct Waiting<T> {
+    id: u64,
+    /// When the caller's bound ends: the statement that carries it ends by then too.
+    deadline: tokio::time::Instant,
+    row: T,
+    fencing: Fencing,
+    answer: oneshot::Sender<Answer>,
+}
+
+/// What a coalesced statement did for one queued update.
+enum Answer {
+    /// Applied.
+    Applied,
+    /// Not applied (or the statement failed): the caller sends its update alone.
+    Alone,
+    /// The statement timed out: this error for every caller in it.
+    Failed(Error),
+}
+
+impl<T: FencedTable + Clone + Send + Sync + 'static> Repository<T> {
+    /// This repository's single-row updates through `pool`, coalesced when they queue up
+    /// ([`Coalescer`]), with [`DEFAULT_LANES`] statements in flight at most.
+    #[must_use]
+    pub fn coalesced(self, pool: PgPool) -> Coalescer<T> {
+        Coalescer {
+            inner: Arc::new(Inner {
+                repo: self,
+                pool,
+                lanes: DEFAULT_LANES,
+                max_group: DEFAULT_MAX_GROUP,
+                arrays: AtomicBool::new(true),
+                counters: Counters::default(),
+                state: Mutex::new(State {
+                    queue: VecDeque::new(),
+                    in_flight: 0,
+                    next_id: 0,
+                }),
+            }),
+        }
+    }
+}
+
+impl<T: FencedTable + Clone + Send + Sync + 'static> Coalescer<T> {
+    /// The same coalescer with at most `lanes` statements in flight (at least 1) and at most
+    /// `max_group` updates per statement (1 to [`MAX_BATCH_ROWS`](crate::repository::MAX_BATCH_ROWS)).
+    /// Call before the first update.
+    #[must_use]
+    pub fn with_lanes(self, lanes: usize, max_group: usize) -> Self {
+        let inner = &self.inner;
+        Self {
+            inner: Arc::new(Inner {
+                repo: inner.repo.clone(),
+                pool: inner.pool.clone(),
+                lanes: lanes.max(1),
+                max_group: max_group.clamp(1, crate::repository::MAX_BATCH_ROWS),
+                arrays: AtomicBool::new(true),
+                counters: Counters::default(),
+                state: Mutex::new(State {
+                    queue: VecDeque::new(),
+                    in_flight: 0,
+                    next_id: 0,
+                }),
+            }),
+        }
+    }
+
+    /// What this coalescer has done so far.
+    #[must_use]
+    pub fn stats(&self) -> CoalescerStats {
+        let c = &self.inner.counters;
+        CoalescerStats {
+            alone: c.alone.load(Ordering::Relaxed),
+            statements: c.statements.load(Ordering::Relaxed),
+            carried: c.carried.load(Ordering::Relaxed),
+            applied: c.applied.load(Ordering::Relaxed),
+            resent: c.resent.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The repository the updates go through.
+    #[must_use]
+    pub fn repository(&self) -> &Repository<T> {
+        &self.inner.repo
+    }
+
+    /// Updates the existing row `row` under `fencing`: [`Repository::update`] through the
+    /// coalescer's pool, with the same outcome, errors, audit rows and bound.
+    ///
+    /// # Errors
+    /// As [`Repository::update`].
+    pub async fn update(&self, fencing: impl Into<Fencing>, row: &T) -> Result<()> {
+        let fencing = fencing.into();
+        let inner = &self.inner;
+        if !inner.arrays.load(Ordering::Relaxed) {
+            return inner.repo.update(&inner.pool, fencing, row).await;
+        }
+        let waiting = {
+            let mut state = inner.lock();
+            if state.in_flight < inner.lanes && state.queue.is_empty() {
+                state.in_flight += 1;
+                None
+            } else {
+                let (answer, wait) = oneshot::channel();
+                let id = state.next_id;
+                state.next_id += 1;
+                state.queue.push_back(Waiting {
+                    id,
+                    deadline: tokio::time::Instant::now() + inner.repo.call_timeout(),
+                    row: row.clone(),
+                    fencing: fencing.clone(),
+                    answer,
+                });
+                if state.in_flight < inner.lanes {
+                    state.in_flight += 1;
+                    drop(state);
+                    spawn_drain(inner.clone());
+                }
+                Some((id, wait))
+            }
+        };
+        let Some((id, mut wait)) = waiting else {
+            // A free lane: sent at once, alone; the lane then serves whoever queued meanwhile
+            // (given back even if this future is dropped).
+            let _lane = Lane(inner.clone());
+            inner.counters.alone.fetch_add(1, Ordering::Relaxed);
+            return inner.repo.update(&inner.pool, fencing, row).await;
+        };
+        let bound = inner.repo.call_timeout();
+        let answer = match tokio::time::timeout(bound, &mut wait).await {
+            Ok(answer) => answer,
+            // Still queued after the call's bound: withdrawn, nothing was sent for it.
+            Err(_) if inner.withdraw(id) => {
+                return Err(Error::TimedOut {
+                    operation: "update",
+                    target: inner.repo.table().quoted(),
+                    after: bound,
+                    outcome: TimedOut::NotApplied,
+                });
+            }
+            // In a statement now, which has a bound of its own and answers.
+            Err(_) => wait.await,
+        };
+        match answer {
+            Ok(Answer::Applied) => Ok(()),
+            Ok(Answer::Failed(e)) => Err(e),
+            Ok(Answer::Alone) | Err(_) => {
+                inner.counters.resent.fetch_add(1, Ordering::Relaxed);
+                inner.repo.update(&inner.pool, fencing, row).await
+            }
+        }
+    }
+}
+
+impl<T: FencedTable + Clone + Send + Sync + 'static> Inner<T> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State<T>> {
+        // A panic cannot happen while the lock is held (no user code runs under it).
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Gives a lane back, or hands it to a drain when updates are waiting.
+    fn release_lane(self: &Arc<Self>) {
+        let mut state = self.lock();
+        if state.queue.is_empty() {
+            state.in_flight -= 1;
+        } else {
+            drop(state);
+            spawn_drain(self.clone());
+        }
+    }
+
+    /// Takes update `id` out of the queue; false when a lane has taken it already.
+    fn withdraw(&self, id: u64) -> bool {
+        let mut state = self.lock();
+        let before = state.queue.len();
+        state.queue.retain(|w| w.id != id);
+        state.queue.len() < before
+    }
+
+    /// Up to `max_group` waiting updates, oldest first.
+    fn take_group(&self) -> Vec<Waiting<T>> {
+        let mut state = self.lock();
+        let n = state.queue.len().min(self.max_group);
+        state.queue.drain(..n).collect()
+    }
+
+    /// The time left to the group's earliest deadline: the statement's bound, so that every
+    /// caller in it is answered within its own bound. Callers with less than
+    /// [`MIN_STATEMENT`] left are answered `TimedOut` (nothing sent) and left out.
+    fn bound(&self, group: &mut Vec<Waiting<T>>) -> std::time::Duration {
+        let now = tokio::time::Instant::now();
+        let (late, on_time): (Vec<_>, Vec<_>) = std::mem::take(group)
+            .into_iter()
+            .partition(|w| w.deadline.saturating_duration_since(now) < MIN_STATEMENT);
+        for waiting in late {
+            let _ = waiting
+                .answer
+                .send(Answer::Failed(self.timed_out(TimedOut::NotApplied)));
+        }
+        *group = on_time;
+        group
+            .iter()
+            .map(|w| w.deadline.saturating_duration_since(now))
+            .min()
+            .unwrap_or(MIN_STATEMENT)
+    }
+
+    fn timed_out(&self, outcome: TimedOut) -> Error {
+        Error::TimedOut {
+            operation: "update",
+            target: self.repo.table.quoted(),
+            after: self.repo.call_timeout(),
+            outcome,
+        }
+    }
+
+    /// Sends one group as one statement and answers each caller.
+    async fn send(&self, mut group: Vec<Waiting<T>>) {
+        let bound = self.bound(&mut group);
+        if group.is_empty() {
+            return;
+        }
+        let rows: Vec<&T> = group.iter().map(|w| &w.row).collect();
+        let fencings: Vec<&Fencing> = group.iter().map(|w| &w.fencing).collect();
+        let applied = self
+            .repo
+            .coalesced_update(&self.pool, bound, &rows, &fencings)
+            .await;
+        let c = &self.counters;
+        match &applied {
+            Ok(None) => self.arrays.store(false, Ordering::Relaxed),
+            Ok(Some(done)) => {
+                c.statements.fetch_add(1, Ordering::Relaxed);
+                c.carried.fetch_add(group.len() as u64, Ordering::Relaxed);
+                let n = done.iter().filter(|a| **a).count();
+                c.applied.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            Err(_) => {
+                c.statements.fetch_add(1, Ordering::Relaxed);
+                c.carried.fetch_add(group.len() as u64, Ordering::Relaxed);
+            }
+        }
+        for (i, waiting) in group.into_iter().enumerate() {
+            let answer = match &applied {
+                Ok(Some(applied)) if applied.get(i).copied().unwrap_or(false) => Answer::Applied,
+                Ok(_) => Answer::Alone,
+                Err(Error::TimedOut { outcome, .. }) => Answer::Failed(self.timed_out(*outcome)),
+                Err(_) => Answer::Alone,
+            };
+            // A caller that went away (its future dropped) needs no answer.
+            let _ = waiting.answer.send(answer);
+        }
+    }
+}
+
+/// Starts a drain on the lane the caller holds; without a runtime (a caller dropped outside
+/// one) the lane is given back and the waiting updates are served by the next call.
+fn spawn_drain<T: FencedTable + Clone + Send + Sync + 'static>(inner: Arc<Inner<T>>) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(drain(inner));
+        }
+        Err(_) => inner.lock().in_flight -= 1,
+    }
+}
+
+/// Serves the queue on one lane until it is empty, then gives the lane back.
+async fn drain<T: FencedTable + Clone + Send + Sync + 'static>(inner: Arc<Inner<T>>) {
+    loop {
+        let group = inner.take_group();
+        if group.is_empty() {
+            let mut state = inner.lock();
+            if state.queue.is_empty() {
+                state.in_flight -= 1;
+                return;
+            }
+            continue;
+        }
+        inner.send(group).await;
+    }
+}
+
+/// A lane held by a call sending its update alone: given back (or handed to a drain) when
+/// the call ends, however it ends.
+struct Lane<T: FencedTable + Clone + Send + Sync + 'static>(Arc<Inner<T>>);
+
+impl<T: FencedTable + Clone + Send + Sync + 'static> Drop for Lane<T> {
+    fn drop(&mut self) {
+        self.0.release_lane();
+    }
+}
+
+impl<T: FencedTable> Repository<T> {
+    /// One coalesced statement for `rows`, each under its own lease, in a transaction of its
+    /// own within `bound`: which rows it applied, by input position; `None`
+    /// when `T`'s impl does not bind arrays (nothing was sent).
+    async fn coalesced_update(
+        &self,
+        pool: &PgPool,
+        bound: std::time::Duration,
+        rows: &[&T],
+        fencings: &[&Fencing],
+    ) -> Result<Option<Vec<bool>>> {
+        let statement = &self.sql.batch.coalesced_update;
+        crate::repository::executor::bounded(
+            bound,
+            "update",
+            || self.table.quoted(),
+            crate::WriteExecutor::into_target(pool),
+            |mut lent| async move {
+                let result = async {
+                    let mut timelines = Vec::with_capacity(fencings.len());
+                    for fencing in fencings {
+                        timelines.push(self.seen.bind(&fencing.timeline, lent.conn()).await?);
+                    }
+                    let fences = fencings.iter().map(|f| f.lease_fence()).collect();
+                    let Some(query) = statement.bind_coalesced(rows, fences, timelines) else {
+                        return Ok(None);
+                    };
+                    let done = match query.fetch_all(lent.conn()).await {
+                        Ok(done) => done,
+                        Err(e) => {
+                            let e = Error::from(e);
+                            self.seen.forget_on(&e);
+                            return Err(e);
+                        }
+                    };
+                    let mut applied = vec![false; rows.len()];
+                    for row in done {
+                        let ord: i64 = sqlx::Row::try_get(&row, 0).map_err(Error::from)?;
+                        if let Some(slot) = usize::try_from(ord - 1)
+                            .ok()
+                            .and_then(|i| applied.get_mut(i))
+                        {
+                            *slot = true;
+                        }
+                    }
+                    Ok(Some(applied))
+                }
+                .await;
+                (lent, result)
+            },
+        )
+        .await
+    }
+}
