@@ -13,8 +13,9 @@ use crate::repository::Repository;
 use crate::table::FencedTable;
 use crate::{Error, Fencing, Result};
 
-/// How many statements of one coalescer may be in flight at once by default.
-pub const DEFAULT_LANES: usize = 2;
+/// How many statements of one coalescer may be in flight at once by default: one, which
+/// measured best at 16 and 64 tasks (larger groups; `BENCHMARKS.md`, "Coalesced updates").
+pub const DEFAULT_LANES: usize = 1;
 /// A queued update with less than this left of its bound is not sent (it is answered
 /// `TimedOut`, nothing applied).
 const MIN_STATEMENT: std::time::Duration = std::time::Duration::from_millis(10);
@@ -222,9 +223,10 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Coalescer<T> {
                 let (answer, wait) = oneshot::channel();
                 let id = state.next_id;
                 state.next_id += 1;
+                let deadline = tokio::time::Instant::now() + inner.repo.call_timeout();
                 state.queue.push_back(Waiting {
                     id,
-                    deadline: tokio::time::Instant::now() + inner.repo.call_timeout(),
+                    deadline,
                     row: row.clone(),
                     fencing: fencing.clone(),
                     answer,
@@ -234,28 +236,20 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Coalescer<T> {
                     drop(state);
                     spawn_drain(inner.clone());
                 }
-                Some((id, wait))
+                Some((id, deadline, wait))
             }
         };
-        let Some((id, mut wait)) = waiting else {
+        let Some((id, deadline, mut wait)) = waiting else {
             // A free lane: sent at once, alone; the lane then serves whoever queued meanwhile
             // (given back even if this future is dropped).
             let _lane = Lane(inner.clone());
             inner.counters.alone.fetch_add(1, Ordering::Relaxed);
             return inner.repo.update(&inner.pool, fencing, row).await;
         };
-        let bound = inner.repo.call_timeout();
-        let answer = match tokio::time::timeout(bound, &mut wait).await {
+        let answer = match tokio::time::timeout_at(deadline, &mut wait).await {
             Ok(answer) => answer,
             // Still queued after the call's bound: withdrawn, nothing was sent for it.
-            Err(_) if inner.withdraw(id) => {
-                return Err(Error::TimedOut {
-                    operation: "update",
-                    target: inner.repo.table().quoted(),
-                    after: bound,
-                    outcome: TimedOut::NotApplied,
-                });
-            }
+            Err(_) if inner.withdraw(id) => return Err(inner.timed_out(TimedOut::NotApplied)),
             // In a statement now, which has a bound of its own and answers.
             Err(_) => wait.await,
         };
@@ -264,7 +258,13 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Coalescer<T> {
             Ok(Answer::Failed(e)) => Err(e),
             Ok(Answer::Alone) | Err(_) => {
                 inner.counters.resent.fetch_add(1, Ordering::Relaxed);
-                inner.repo.update(&inner.pool, fencing, row).await
+                // Sent alone within what is left of this call's bound.
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                if left < MIN_STATEMENT {
+                    return Err(inner.timed_out(TimedOut::NotApplied));
+                }
+                let repo = inner.repo.clone().with_call_timeout(left)?;
+                repo.update(&inner.pool, fencing, row).await
             }
         }
     }

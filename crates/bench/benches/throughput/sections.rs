@@ -453,17 +453,11 @@ pub(crate) async fn coalesce(env: &Env, round: usize, out: &mut Results) -> Resu
     for tasks in COALESCE_TASKS {
         let pool = tuned_pool(env, u32::try_from(tasks.min(64))?).await?;
         let repo = Repository::<crate::workloads::GuardedRow>::new(pool.clone())?;
-        prep(env).await?;
-        let work = RepoWrite {
-            repo: repo.clone(),
-            pool: pool.clone(),
-            tasks,
-            rows: cfg.rows,
-            stale_every: 0,
-            context: None,
-        };
-        let sample = measure(cfg, tasks, Metric::Applied, work).await?;
-        put(out, round, &format!("coalesce.update_c{tasks}"), sample);
+        // Alternate which of 13a and 13b goes first by round, so drift favours neither.
+        let update_first = round % 2 == 1;
+        if update_first {
+            coalesce_baseline(env, round, out, &repo, &pool, tasks).await?;
+        }
         prep(env).await?;
         // PGFENCE_BENCH_COALESCE_LANES: lanes to try instead of the default (tuning).
         let lanes = std::env::var("PGFENCE_BENCH_COALESCE_LANES")
@@ -471,6 +465,7 @@ pub(crate) async fn coalesce(env: &Env, round: usize, out: &mut Results) -> Resu
             .and_then(|l| l.parse().ok())
             .unwrap_or(pgfence::repository::DEFAULT_LANES);
         let writer = repo
+            .clone()
             .coalesced(pool.clone())
             .with_lanes(lanes, pgfence::repository::DEFAULT_MAX_GROUP);
         let work = crate::workloads::CoalescedWrite {
@@ -489,6 +484,9 @@ pub(crate) async fn coalesce(env: &Env, round: usize, out: &mut Results) -> Resu
             stats.resent
         ));
         put(out, round, &format!("coalesce.coalesced_c{tasks}"), sample);
+        if !update_first {
+            coalesce_baseline(env, round, out, &repo, &pool, tasks).await?;
+        }
         pool.close().await;
         if tasks > 1 {
             prep(env).await?;
@@ -503,6 +501,29 @@ pub(crate) async fn coalesce(env: &Env, round: usize, out: &mut Results) -> Resu
             put(out, round, &format!("coalesce.pgbench_c{tasks}"), sample);
         }
     }
+    Ok(())
+}
+
+/// 13a: `Repository::update` at `tasks` tasks.
+async fn coalesce_baseline(
+    env: &Env,
+    round: usize,
+    out: &mut Results,
+    repo: &Repository<crate::workloads::GuardedRow>,
+    pool: &sqlx::PgPool,
+    tasks: usize,
+) -> Result<()> {
+    prep(env).await?;
+    let work = RepoWrite {
+        repo: repo.clone(),
+        pool: pool.clone(),
+        tasks,
+        rows: env.cfg.rows,
+        stale_every: 0,
+        context: None,
+    };
+    let sample = measure(&env.cfg, tasks, Metric::Applied, work).await?;
+    put(out, round, &format!("coalesce.update_c{tasks}"), sample);
     Ok(())
 }
 
