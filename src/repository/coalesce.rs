@@ -142,35 +142,26 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Repository<T> {
     /// ([`Coalescer`]), with [`DEFAULT_LANES`] statements in flight at most.
     #[must_use]
     pub fn coalesced(self, pool: PgPool) -> Coalescer<T> {
-        Coalescer {
-            inner: Arc::new(Inner {
-                repo: self,
-                pool,
-                lanes: DEFAULT_LANES,
-                max_group: DEFAULT_MAX_GROUP,
-                arrays: AtomicBool::new(true),
-                counters: Counters::default(),
-                state: Mutex::new(State {
-                    queue: VecDeque::new(),
-                    in_flight: 0,
-                    next_id: 0,
-                }),
-            }),
-        }
+        Coalescer::build(self, pool, DEFAULT_LANES, DEFAULT_MAX_GROUP)
     }
 }
 
 impl<T: FencedTable + Clone + Send + Sync + 'static> Coalescer<T> {
     /// The same coalescer with at most `lanes` statements in flight (at least 1) and at most
-    /// `max_group` updates per statement (1 to [`MAX_BATCH_ROWS`](crate::repository::MAX_BATCH_ROWS)).
-    /// Call before the first update.
+    /// `max_group` updates per statement (1 to [`MAX_BATCH_ROWS`](crate::repository::MAX_BATCH_ROWS)):
+    /// a new coalescer over the same repository and pool, with its own queue and stats.
     #[must_use]
     pub fn with_lanes(self, lanes: usize, max_group: usize) -> Self {
-        let inner = &self.inner;
+        let (repo, pool) = (self.inner.repo.clone(), self.inner.pool.clone());
+        Self::build(repo, pool, lanes, max_group)
+    }
+
+    /// A coalescer with an empty queue and no statement in flight.
+    fn build(repo: Repository<T>, pool: PgPool, lanes: usize, max_group: usize) -> Self {
         Self {
             inner: Arc::new(Inner {
-                repo: inner.repo.clone(),
-                pool: inner.pool.clone(),
+                repo,
+                pool,
                 lanes: lanes.max(1),
                 max_group: max_group.clamp(1, crate::repository::MAX_BATCH_ROWS),
                 arrays: AtomicBool::new(true),

@@ -198,18 +198,21 @@ async fn nullable_or_mistyped_fence_columns() {
     assert!(found.contains(&FindingKind::TriggerMissing), "{found:?}");
 }
 
-#[tokio::test]
-async fn a_counter_below_the_mark_suggests_reseed() {
-    let db = healthy().await;
-    let issuer = issuer().await;
-    let resource = unique_resource("doctor:behind");
+/// Takes and releases a lease of a new resource from `issuer`, then has Postgres see a token 50
+/// above it (the counter went backwards): the resource, that mark, and doctor's findings with
+/// `issuer`.
+async fn counter_behind(
+    db: &TestDb,
+    issuer: &dyn pgfence::TokenIssuer,
+    name: &str,
+) -> (pgfence::Resource, i64, Vec<Finding>) {
+    let resource = unique_resource(name);
     let lease = issuer
         .acquire(&resource, Duration::from_secs(10))
         .await
         .unwrap()
         .unwrap();
     issuer.release(&lease).await.unwrap();
-    // Postgres saw a token far above the counter (the counter went backwards).
     let mark = lease.token().get() + 50;
     sqlx::query("SELECT pgfence.check($1, $2, 0)")
         .bind(resource.as_str())
@@ -217,7 +220,17 @@ async fn a_counter_below_the_mark_suggests_reseed() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let findings = run(&db, &DoctorOptions::default()).await;
+    let findings = pgfence::admin::doctor(&db.pool, Some(issuer), &DoctorOptions::default())
+        .await
+        .unwrap();
+    (resource, mark, findings)
+}
+
+#[tokio::test]
+async fn a_counter_below_the_mark_suggests_reseed() {
+    let db = healthy().await;
+    let issuer = issuer().await;
+    let (resource, mark, findings) = counter_behind(&db, &issuer, "doctor:behind").await;
     let below: Vec<_> = problems(&findings)
         .into_iter()
         .filter(|f| f.kind == FindingKind::CounterBelowMark)
@@ -413,23 +426,7 @@ async fn a_made_up_first_token_is_a_doctor_error_with_its_repair() {
 async fn a_postgres_issuers_counter_below_the_mark_is_named_as_such() {
     let db = healthy().await;
     let issuer = pgfence::issuer::PgIssuer::new(db.pool.clone());
-    let resource = unique_resource("doctor:pg-behind");
-    let lease = issuer
-        .acquire(&resource, Duration::from_secs(10))
-        .await
-        .unwrap()
-        .unwrap();
-    issuer.release(&lease).await.unwrap();
-    let mark = lease.token().get() + 50;
-    sqlx::query("SELECT pgfence.check($1, $2, 0)")
-        .bind(resource.as_str())
-        .bind(mark)
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    let findings = pgfence::admin::doctor(&db.pool, Some(&issuer), &DoctorOptions::default())
-        .await
-        .unwrap();
+    let (_, _, findings) = counter_behind(&db, &issuer, "doctor:pg-behind").await;
     let below: Vec<_> = problems(&findings)
         .into_iter()
         .filter(|f| f.kind == FindingKind::CounterBelowMark)
