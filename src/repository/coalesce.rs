@@ -7,8 +7,10 @@ use std::sync::{Arc, Mutex};
 
 use sqlx::PgPool;
 use tokio::sync::oneshot;
+use tokio::time::{Instant, timeout_at};
 
 use crate::error::TimedOut;
+use crate::repository::executor::gate_sql;
 use crate::repository::Repository;
 use crate::table::FencedTable;
 use crate::{Error, Fencing, Result};
@@ -89,6 +91,9 @@ pub struct CoalescerStats {
     /// Updates a coalesced statement did not apply, sent again alone by their callers (the
     /// rejections among them are explained and audited there).
     pub resent: u64,
+    /// Coalesced statements whose transaction began in the same round trip as the previous
+    /// statement's `COMMIT` (updates were waiting when it finished).
+    pub chained: u64,
 }
 
 #[derive(Default)]
@@ -98,6 +103,7 @@ struct Counters {
     carried: AtomicU64,
     applied: AtomicU64,
     resent: AtomicU64,
+    chained: AtomicU64,
 }
 
 struct Inner<T> {
@@ -185,6 +191,7 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Coalescer<T> {
             carried: c.carried.load(Ordering::Relaxed),
             applied: c.applied.load(Ordering::Relaxed),
             resent: c.resent.load(Ordering::Relaxed),
+            chained: c.chained.load(Ordering::Relaxed),
         }
     }
 
@@ -325,43 +332,143 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Inner<T> {
         }
     }
 
-    /// Sends one group as one statement and answers each caller.
-    async fn send(&self, mut group: Vec<Waiting<T>>) {
+    /// Sends one group as one statement in the lane's gate — begun in the same round trip as
+    /// the previous group's `COMMIT` when that group is still open ([`Inner::chain`]), else a
+    /// gate of its own — and answers every caller whose row it did not apply. The callers
+    /// whose rows it applied are answered when their `COMMIT` returns: the open group this
+    /// returns ([`Inner::commit`], or the next group's chain).
+    async fn send(&self, mut group: Vec<Waiting<T>>, open: Option<Open<T>>) -> Option<Open<T>> {
         let bound = self.bound(&mut group);
         if group.is_empty() {
-            return;
+            return open;
         }
+        let deadline = Instant::now() + bound;
+        let chained = match open {
+            Some(open) => self.chain(open, bound).await,
+            None => None,
+        };
+        let mut tx = match chained {
+            Some(tx) => tx,
+            None => match timeout_at(deadline, self.pool.begin_with(gate_sql(bound))).await {
+                Ok(Ok(tx)) => tx,
+                // Each caller sends its update alone and reports what its own call meets.
+                Ok(Err(_)) => return self.answer_all(group, || Answer::Alone),
+                Err(_) => return self.answer_all(group, || self.failed(TimedOut::NotApplied)),
+            },
+        };
         let rows: Vec<&T> = group.iter().map(|w| &w.row).collect();
         let fencings: Vec<&Fencing> = group.iter().map(|w| &w.fencing).collect();
-        let applied = self
-            .repo
-            .coalesced_update(&self.pool, bound, &rows, &fencings)
-            .await;
-        let c = &self.counters;
-        match &applied {
-            Ok(None) => self.arrays.store(false, Ordering::Relaxed),
-            Ok(Some(done)) => {
-                c.statements.fetch_add(1, Ordering::Relaxed);
-                c.carried.fetch_add(group.len() as u64, Ordering::Relaxed);
-                let n = done.iter().filter(|a| **a).count();
-                c.applied.fetch_add(n as u64, Ordering::Relaxed);
+        let statement = self.repo.coalesced_update(&mut tx, &rows, &fencings);
+        let applied = match timeout_at(deadline, statement).await {
+            Ok(Ok(None)) => {
+                self.arrays.store(false, Ordering::Relaxed);
+                return self.answer_all(group, || Answer::Alone);
+            }
+            Ok(Ok(Some(applied))) => applied,
+            // The gate is dropped: its ROLLBACK is queued, nothing of the statement is kept.
+            Ok(Err(_)) => {
+                self.count_statement(group.len(), 0);
+                return self.answer_all(group, || Answer::Alone);
             }
             Err(_) => {
-                c.statements.fetch_add(1, Ordering::Relaxed);
-                c.carried.fetch_add(group.len() as u64, Ordering::Relaxed);
+                self.count_statement(group.len(), 0);
+                return self.answer_all(group, || self.failed(TimedOut::NotApplied));
+            }
+        };
+        let n = applied.iter().filter(|a| **a).count();
+        self.count_statement(group.len(), n);
+        let mut done = Vec::with_capacity(n);
+        for (waiting, applied) in group.into_iter().zip(applied) {
+            if applied {
+                done.push(waiting);
+            } else {
+                // Not written by this statement: the caller's own update explains it.
+                let _ = waiting.answer.send(Answer::Alone);
             }
         }
-        for (i, waiting) in group.into_iter().enumerate() {
-            let answer = match &applied {
-                Ok(Some(applied)) if applied.get(i).copied().unwrap_or(false) => Answer::Applied,
-                Ok(_) => Answer::Alone,
-                Err(Error::TimedOut { outcome, .. }) => Answer::Failed(self.timed_out(*outcome)),
-                Err(_) => Answer::Alone,
+        Some(Open {
+            tx,
+            applied: done,
+            deadline,
+        })
+    }
+
+    /// Commits `open` and begins the next group's gate (bounded by `bound`) in one simple
+    /// query, answering `open`'s callers; the gate, or `None` when that query failed or ran
+    /// past `open`'s bound (the next group then begins a gate of its own).
+    async fn chain(&self, open: Open<T>, bound: std::time::Duration) -> Option<Gate> {
+        use sqlx::Executor;
+        let Open {
+            mut tx,
+            applied,
+            deadline,
+        } = open;
+        let sql = sqlx::AssertSqlSafe(format!("COMMIT; {}", gate_sql(bound).0));
+        let done = timeout_at(deadline, tx.execute(sqlx::raw_sql(sql))).await;
+        let chained = matches!(done, Ok(Ok(_)));
+        self.answer_committed(applied, done.map(|r| r.map(|_| ())));
+        if chained {
+            self.counters.chained.fetch_add(1, Ordering::Relaxed);
+            Some(tx)
+        } else {
+            None
+        }
+    }
+
+    /// Commits `open` (nothing queued behind it) and answers its callers.
+    async fn commit(&self, open: Open<T>) {
+        let done = timeout_at(open.deadline, open.tx.commit()).await;
+        self.answer_committed(open.applied, done);
+    }
+
+    /// Answers the callers of a committed group: applied; or, when the `COMMIT` failed (the
+    /// server rolled back), sent alone; or `TimedOut` in doubt when its answer did not come
+    /// within the bound.
+    fn answer_committed(
+        &self,
+        applied: Vec<Waiting<T>>,
+        done: std::result::Result<sqlx::Result<()>, tokio::time::error::Elapsed>,
+    ) {
+        for waiting in applied {
+            let answer = match &done {
+                Ok(Ok(())) => Answer::Applied,
+                Ok(Err(_)) => Answer::Alone,
+                Err(_) => self.failed(TimedOut::InDoubt),
             };
             // A caller that went away (its future dropped) needs no answer.
             let _ = waiting.answer.send(answer);
         }
     }
+
+    /// Answers every caller of `group` alike; no group stays open.
+    fn answer_all(&self, group: Vec<Waiting<T>>, answer: impl Fn() -> Answer) -> Option<Open<T>> {
+        for waiting in group {
+            let _ = waiting.answer.send(answer());
+        }
+        None
+    }
+
+    fn failed(&self, outcome: TimedOut) -> Answer {
+        Answer::Failed(self.timed_out(outcome))
+    }
+
+    fn count_statement(&self, carried: usize, applied: usize) {
+        let c = &self.counters;
+        c.statements.fetch_add(1, Ordering::Relaxed);
+        c.carried.fetch_add(carried as u64, Ordering::Relaxed);
+        c.applied.fetch_add(applied as u64, Ordering::Relaxed);
+    }
+}
+
+/// A lane's gate: the transaction its statements run in.
+type Gate = sqlx::Transaction<'static, sqlx::Postgres>;
+
+/// A group whose statement ran in the lane's gate and whose `COMMIT` is not sent yet: the
+/// callers whose rows it applied, and when the earliest of the group's bounds ends.
+struct Open<T> {
+    tx: Gate,
+    applied: Vec<Waiting<T>>,
+    deadline: Instant,
 }
 
 /// Starts a drain on the lane the caller holds; without a runtime (a caller dropped outside
@@ -375,19 +482,27 @@ fn spawn_drain<T: FencedTable + Clone + Send + Sync + 'static>(inner: Arc<Inner<
     }
 }
 
-/// Serves the queue on one lane until it is empty, then gives the lane back.
+/// Serves the queue on one lane until it is empty, then gives the lane back. A group whose
+/// statement ran stays open while more updates wait: its `COMMIT` travels with the next
+/// group's `BEGIN` (two round trips a group instead of three); with nothing waiting it is
+/// committed at once.
 async fn drain<T: FencedTable + Clone + Send + Sync + 'static>(inner: Arc<Inner<T>>) {
+    let mut open = None;
     loop {
         let group = inner.take_group();
-        if group.is_empty() {
-            let mut state = inner.lock();
-            if state.queue.is_empty() {
-                state.in_flight -= 1;
-                return;
-            }
+        if !group.is_empty() {
+            open = inner.send(group, open.take()).await;
             continue;
         }
-        inner.send(group).await;
+        if let Some(group) = open.take() {
+            inner.commit(group).await;
+            continue;
+        }
+        let mut state = inner.lock();
+        if state.queue.is_empty() {
+            state.in_flight -= 1;
+            return;
+        }
     }
 }
 
@@ -402,56 +517,42 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Drop for Lane<T> {
 }
 
 impl<T: FencedTable> Repository<T> {
-    /// One coalesced statement for `rows`, each under its own lease, in a transaction of its
-    /// own within `bound`: which rows it applied, by input position; `None`
-    /// when `T`'s impl does not bind arrays (nothing was sent).
+    /// One coalesced statement for `rows`, each under its own lease, on `conn` (the lane's
+    /// gate): which rows it applied, by input position; `None` when `T`'s impl does not bind
+    /// arrays (nothing was sent).
     async fn coalesced_update(
         &self,
-        pool: &PgPool,
-        bound: std::time::Duration,
+        conn: &mut sqlx::PgConnection,
         rows: &[&T],
         fencings: &[&Fencing],
     ) -> Result<Option<Vec<bool>>> {
+        let mut timelines = Vec::with_capacity(fencings.len());
+        for fencing in fencings {
+            timelines.push(self.seen.bind(&fencing.timeline, conn).await?);
+        }
+        let fences = fencings.iter().map(|f| f.lease_fence()).collect();
         let statement = &self.sql.batch.coalesced_update;
-        crate::repository::executor::bounded(
-            bound,
-            "update",
-            || self.table.quoted(),
-            crate::WriteExecutor::into_target(pool),
-            |mut lent| async move {
-                let result = async {
-                    let mut timelines = Vec::with_capacity(fencings.len());
-                    for fencing in fencings {
-                        timelines.push(self.seen.bind(&fencing.timeline, lent.conn()).await?);
-                    }
-                    let fences = fencings.iter().map(|f| f.lease_fence()).collect();
-                    let Some(query) = statement.bind_coalesced(rows, fences, timelines) else {
-                        return Ok(None);
-                    };
-                    let done = match query.fetch_all(lent.conn()).await {
-                        Ok(done) => done,
-                        Err(e) => {
-                            let e = Error::from(e);
-                            self.seen.forget_on(&e);
-                            return Err(e);
-                        }
-                    };
-                    let mut applied = vec![false; rows.len()];
-                    for row in done {
-                        let ord: i64 = sqlx::Row::try_get(&row, 0).map_err(Error::from)?;
-                        if let Some(slot) = usize::try_from(ord - 1)
-                            .ok()
-                            .and_then(|i| applied.get_mut(i))
-                        {
-                            *slot = true;
-                        }
-                    }
-                    Ok(Some(applied))
-                }
-                .await;
-                (lent, result)
-            },
-        )
-        .await
+        let Some(query) = statement.bind_coalesced(rows, fences, timelines) else {
+            return Ok(None);
+        };
+        let done = match query.fetch_all(conn).await {
+            Ok(done) => done,
+            Err(e) => {
+                let e = Error::from(e);
+                self.seen.forget_on(&e);
+                return Err(e);
+            }
+        };
+        let mut applied = vec![false; rows.len()];
+        for row in done {
+            let ord: i64 = sqlx::Row::try_get(&row, 0).map_err(Error::from)?;
+            if let Some(slot) = usize::try_from(ord - 1)
+                .ok()
+                .and_then(|i| applied.get_mut(i))
+            {
+                *slot = true;
+            }
+        }
+        Ok(Some(applied))
     }
 }

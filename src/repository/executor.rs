@@ -90,7 +90,7 @@ impl Stage {
 /// in a transaction that never commits (the client closed the connection; or the server
 /// ends the idle transaction itself after `bound`). Costs no extra round trip for the
 /// settings: they travel in `BEGIN`'s simple query.
-fn gate_sql(bound: std::time::Duration) -> sqlx::AssertSqlSafe<String> {
+pub(crate) fn gate_sql(bound: std::time::Duration) -> sqlx::AssertSqlSafe<String> {
     // Whole milliseconds, at least 1 (0 would switch the timeouts off).
     let ms = bound.as_millis().clamp(1, i32::MAX as u128);
     sqlx::AssertSqlSafe(format!(

@@ -316,3 +316,81 @@ async fn a_queued_update_times_out_within_its_bound_and_applies_nothing() {
     );
     assert_eq!(balance(&db, 1).await, Some(0));
 }
+
+/// Groups that queue up behind each other chain their transactions: a group's `COMMIT` goes
+/// in the same round trip as the next group's `BEGIN` (`stats.chained`), and every update is
+/// still applied, each with its own lease's fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queued_groups_chain_their_commits_and_every_update_lands() {
+    let (db, writer) = setup(256).await;
+    let writer = writer.with_lanes(1, 8);
+    let w = writer.clone();
+    let results = at_once(256, move |i| {
+        let w = w.clone();
+        let id = int(i) + 1;
+        async move { w.update(lease(2000 + id), &Account { id, balance: id }).await }
+    })
+    .await;
+    for (i, result) in results.iter().enumerate() {
+        assert!(result.is_ok(), "update {i}: {result:?}");
+    }
+    let wrong: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM account WHERE balance OPERATOR(pg_catalog.<>) id",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(wrong, 0, "rows without their update");
+    let fences: Vec<(i64, i64)> = sqlx::query_as("SELECT id, fence FROM account")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    for (id, fence) in fences {
+        assert_eq!(fence, lease(2000 + id).lease_fence(), "row {id}");
+    }
+    let stats = writer.stats();
+    assert!(stats.chained >= 1, "no chained commit: {stats:?}");
+    assert_eq!(stats.applied, stats.carried, "{stats:?}");
+    assert_eq!(stats.alone + stats.carried, 256, "{stats:?}");
+}
+
+/// A group whose `COMMIT` fails (a deferred constraint one row breaks) keeps nothing: each
+/// caller sends its update alone, so the rows that break nothing are applied and the one
+/// that does gets the constraint's error, as `Repository::update` would give it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_group_whose_commit_fails_is_sent_again_row_by_row() {
+    let (db, writer) = setup(128).await;
+    db.exec(
+        "CREATE FUNCTION no_negative() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN IF NEW.balance < 0 THEN RAISE EXCEPTION 'negative balance' USING ERRCODE = '23514'; END IF;
+         RETURN NULL; END $$;
+         CREATE CONSTRAINT TRIGGER no_negative AFTER UPDATE ON account
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION no_negative();",
+    )
+    .await;
+    let writer = writer.with_lanes(1, 16);
+    let w = writer.clone();
+    let results = at_once(128, move |i| {
+        let w = w.clone();
+        let id = int(i) + 1;
+        // Every 16th row is written negative: its group's COMMIT fails.
+        let balance = if id % 16 == 0 { -id } else { id };
+        async move { w.update(lease(3000 + id), &Account { id, balance }).await }
+    })
+    .await;
+    for (i, result) in results.iter().enumerate() {
+        let id = int(i) + 1;
+        if id % 16 == 0 {
+            let Err(Error::Backend(b)) = result else {
+                panic!("row {id}: {result:?}");
+            };
+            assert_eq!(b.sqlstate(), Some("23514"), "row {id}: {b}");
+            assert_eq!(balance(&db, id).await, Some(0), "row {id}");
+        } else {
+            assert!(result.is_ok(), "row {id}: {result:?}");
+            assert_eq!(balance(&db, id).await, Some(id), "row {id}");
+        }
+    }
+    let stats = writer.stats();
+    assert!(stats.resent >= 8, "{stats:?}");
+}

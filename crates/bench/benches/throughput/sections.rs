@@ -476,11 +476,12 @@ pub(crate) async fn coalesce(env: &Env, round: usize, out: &mut Results) -> Resu
         let mut sample = measure(cfg, tasks, Metric::Applied, work).await?;
         let stats = writer.stats();
         sample.note = Some(format!(
-            "{} alone, {} statements carrying {} ({:.1}/statement), {} re-sent",
+            "{} alone, {} statements carrying {} ({:.1}/statement), {} chained, {} re-sent",
             stats.alone,
             stats.statements,
             stats.carried,
             stats.carried as f64 / stats.statements.max(1) as f64,
+            stats.chained,
             stats.resent
         ));
         put(out, round, &format!("coalesce.coalesced_c{tasks}"), sample);
