@@ -86,6 +86,7 @@ pub(crate) async fn parts(env: &Env, round: usize, out: &mut Results) -> Result<
                     pool: pool.clone(),
                     tasks,
                     rows,
+                    gated: false,
                 };
                 (
                     "parts.plain",

@@ -33,6 +33,10 @@ fn rows(cfg: &Config) -> Vec<(String, String)> {
             "1f Repository::claim + update, same lease",
         ),
         (
+            "write.plain_update_gated",
+            "1g 1b in the write gate's BEGIN .. COMMIT",
+        ),
+        (
             "pgbench.plain_update",
             "2b pgbench: plain UPDATE (unguarded)",
         ),
@@ -218,6 +222,20 @@ const RATIOS: &[RatioDef] = &[
         target: Some(0.85),
     },
     RatioDef {
+        key: "guarded_vs_plain_gated",
+        label: "fenced+guarded / plain, both in the write gate (1a/1g)",
+        num: "write.repo_update",
+        den: &["write.plain_update_gated"],
+        target: None,
+    },
+    RatioDef {
+        key: "gate_vs_autocommit",
+        label: "the write gate: plain in BEGIN .. COMMIT / plain autocommit (1g/1b)",
+        num: "write.plain_update_gated",
+        den: &["write.plain_update"],
+        target: None,
+    },
+    RatioDef {
         key: "repo_vs_pgbench",
         label: "Repository::update / pgbench, same SQL (1a/2c)",
         num: "write.repo_update",
@@ -320,7 +338,7 @@ const RATIOS: &[RatioDef] = &[
         label: "claim + update / Repository::update (1f/1a)",
         num: "write.claim_update",
         den: &["write.repo_update"],
-        target: None,
+        target: Some(0.6),
     },
     RatioDef {
         key: "batch_100_vs_repo",

@@ -58,6 +58,7 @@ pub(crate) async fn condition(env: &Env) -> Result<()> {
         pool: pool.clone(),
         tasks,
         rows,
+        gated: false,
     };
     measure(cfg, tasks, Metric::Applied, work).await?;
     if cfg.runs("parts") {
@@ -83,17 +84,17 @@ pub(crate) async fn condition(env: &Env) -> Result<()> {
     prep(env).await
 }
 
-/// Section `write`: 1a–1f.
+/// Section `write`: 1a–1g.
 pub(crate) async fn write(env: &Env, round: usize, out: &mut Results) -> Result<()> {
     let cfg = &env.cfg;
     let (tasks, rows) = (cfg.tasks, cfg.rows);
     let pool = tuned_pool(env, cfg.pool).await?;
     let repo = Repository::<GuardedRow>::new(pool.clone())?;
     // Rotate the order by round, so drift (bloat, autovacuum) does not favour one variant.
-    for i in 0..5 {
+    for i in 0..6 {
         prep(env).await?;
         let pool = pool.clone();
-        let (key, sample) = match (i + round) % 5 {
+        let (key, sample) = match (i + round) % 6 {
             0 => {
                 let work = RepoWrite {
                     pool,
@@ -109,9 +110,26 @@ pub(crate) async fn write(env: &Env, round: usize, out: &mut Results) -> Result<
                 )
             }
             1 => {
-                let work = PlainUpdate { pool, tasks, rows };
+                let work = PlainUpdate {
+                    pool,
+                    tasks,
+                    rows,
+                    gated: false,
+                };
                 (
                     "write.plain_update",
+                    measure(cfg, tasks, Metric::Applied, work).await?,
+                )
+            }
+            5 => {
+                let work = PlainUpdate {
+                    pool,
+                    tasks,
+                    rows,
+                    gated: true,
+                };
+                (
+                    "write.plain_update_gated",
                     measure(cfg, tasks, Metric::Applied, work).await?,
                 )
             }

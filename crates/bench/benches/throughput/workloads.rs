@@ -193,7 +193,15 @@ pub(crate) struct PlainUpdate {
     pub(crate) pool: PgPool,
     pub(crate) tasks: usize,
     pub(crate) rows: i32,
+    /// 1g: in a transaction of its own, as the repository's write gate sends it (`BEGIN` with
+    /// the two `SET LOCAL` bounds in one simple query, the `UPDATE`, `COMMIT`).
+    pub(crate) gated: bool,
 }
+
+/// What the repository's write gate sends before a write bounded by the default 30 s (its
+/// `BEGIN` and server-side bounds, one simple query).
+const GATE_SQL: &str = "BEGIN; SET LOCAL statement_timeout = 30000; \
+     SET LOCAL idle_in_transaction_session_timeout = 30000";
 
 impl Workload for PlainUpdate {
     type State = (Keys, String);
@@ -203,11 +211,20 @@ impl Workload for PlainUpdate {
     }
 
     async fn op(&self, (keys, payload): &mut Self::State) -> Outcome {
-        let done = sqlx::query(PLAIN_UPDATE_SQL)
+        let query = sqlx::query(PLAIN_UPDATE_SQL)
             .bind(&*payload)
-            .bind(keys.next())
-            .execute(&self.pool)
-            .await;
+            .bind(keys.next());
+        let done = if self.gated {
+            async {
+                let mut tx = self.pool.begin_with(GATE_SQL).await?;
+                let done = query.execute(&mut *tx).await?;
+                tx.commit().await?;
+                Ok(done)
+            }
+            .await
+        } else {
+            query.execute(&self.pool).await
+        };
         match done {
             Ok(d) if d.rows_affected() == 1 => Outcome::Applied,
             Ok(_) => Outcome::Failed("no row updated".into()),
