@@ -10,8 +10,8 @@ use tokio::sync::oneshot;
 use tokio::time::{Instant, timeout_at};
 
 use crate::error::TimedOut;
-use crate::repository::executor::gate_sql;
 use crate::repository::Repository;
+use crate::repository::executor::gate_sql;
 use crate::table::FencedTable;
 use crate::{Error, Fencing, Result};
 

@@ -328,18 +328,20 @@ async fn queued_groups_chain_their_commits_and_every_update_lands() {
     let results = at_once(256, move |i| {
         let w = w.clone();
         let id = int(i) + 1;
-        async move { w.update(lease(2000 + id), &Account { id, balance: id }).await }
+        async move {
+            w.update(lease(2000 + id), &Account { id, balance: id })
+                .await
+        }
     })
     .await;
     for (i, result) in results.iter().enumerate() {
         assert!(result.is_ok(), "update {i}: {result:?}");
     }
-    let wrong: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM account WHERE balance OPERATOR(pg_catalog.<>) id",
-    )
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
+    let wrong: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM account WHERE balance OPERATOR(pg_catalog.<>) id")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     assert_eq!(wrong, 0, "rows without their update");
     let fences: Vec<(i64, i64)> = sqlx::query_as("SELECT id, fence FROM account")
         .fetch_all(&db.pool)
