@@ -395,18 +395,36 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Inner<T> {
 
     /// Commits `open` and begins the next group's gate (bounded by `bound`) in one simple
     /// query, answering `open`'s callers; the gate, or `None` when that query failed or ran
-    /// past `open`'s bound (the next group then begins a gate of its own).
+    /// past `open`'s bound (the next group then begins a gate of its own). The statements'
+    /// answers are read one by one, so a failure after `COMMIT`'s own answer (the server
+    /// ending the connection between the statements) still counts the group as committed.
     async fn chain(&self, open: Open<T>, bound: std::time::Duration) -> Option<Gate> {
-        use sqlx::Executor;
+        use futures_util::StreamExt;
         let Open {
             mut tx,
             applied,
             deadline,
         } = open;
         let sql = sqlx::AssertSqlSafe(format!("COMMIT; {}", gate_sql(bound).0));
-        let done = timeout_at(deadline, tx.execute(sqlx::raw_sql(sql))).await;
-        let chained = matches!(done, Ok(Ok(_)));
-        self.answer_committed(applied, done.map(|r| r.map(|_| ())));
+        let run = async {
+            let mut answers = sqlx::raw_sql(sql).fetch_many(&mut *tx);
+            let mut done = 0usize;
+            while let Some(answer) = answers.next().await {
+                match answer {
+                    Ok(sqlx::Either::Left(_)) => done += 1,
+                    Ok(sqlx::Either::Right(_)) => {}
+                    Err(e) => return (done, Some(e)),
+                }
+            }
+            (done, None)
+        };
+        let (committed, chained) = match timeout_at(deadline, run).await {
+            Ok((_, None)) => (Committed::Yes, true),
+            Ok((done, Some(_))) if done > 0 => (Committed::Yes, false),
+            Ok((_, Some(e))) => (Committed::of(&e), false),
+            Err(_) => (Committed::TimedOut, false),
+        };
+        self.answer_committed(applied, &committed);
         if chained {
             self.counters.chained.fetch_add(1, Ordering::Relaxed);
             Some(tx)
@@ -417,30 +435,39 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Inner<T> {
 
     /// Commits `open` (nothing queued behind it) and answers its callers.
     async fn commit(&self, open: Open<T>) {
-        let done = timeout_at(open.deadline, open.tx.commit()).await;
-        self.answer_committed(open.applied, done);
+        let committed = match timeout_at(open.deadline, open.tx.commit()).await {
+            Ok(Ok(())) => Committed::Yes,
+            Ok(Err(e)) => Committed::of(&e),
+            Err(_) => Committed::TimedOut,
+        };
+        self.answer_committed(open.applied, &committed);
     }
 
-    /// Answers the callers of a committed group: applied; or, when the `COMMIT` failed (the
-    /// server rolled back), sent alone; or `TimedOut` in doubt when its answer did not come
-    /// within the bound.
-    fn answer_committed(
-        &self,
-        applied: Vec<Waiting<T>>,
-        done: std::result::Result<sqlx::Result<()>, tokio::time::error::Elapsed>,
-    ) {
+    /// Answers the callers of a committed group: applied; or, when the server answered the
+    /// `COMMIT` with an error (it rolled back), sent alone; or, when no answer came — the
+    /// connection failed, or the bound ran out — the error that says the update applied or
+    /// not (never sent again: a second send could be told "stale" for a write that landed).
+    fn answer_committed(&self, applied: Vec<Waiting<T>>, committed: &Committed) {
         for waiting in applied {
-            let answer = match &done {
-                Ok(Ok(())) => Answer::Applied,
-                Ok(Err(_)) => Answer::Alone,
-                Err(_) => self.failed(TimedOut::InDoubt),
+            let answer = match committed {
+                Committed::Yes => Answer::Applied,
+                Committed::RolledBack => Answer::Alone,
+                Committed::Unknown(why) => {
+                    Answer::Failed(Error::from(sqlx::Error::Io(std::io::Error::new(
+                        std::io::ErrorKind::ConnectionAborted,
+                        format!(
+                            "the connection failed before the coalesced update's COMMIT was \
+                             answered, so it applied or not; retry with the same lease: {why}"
+                        ),
+                    ))))
+                }
+                Committed::TimedOut => self.failed(TimedOut::InDoubt),
             };
             // A caller that went away (its future dropped) needs no answer.
             let _ = waiting.answer.send(answer);
         }
     }
 
-    /// Answers every caller of `group` alike; no group stays open.
     fn answer_all(&self, group: Vec<Waiting<T>>, answer: impl Fn() -> Answer) -> Option<Open<T>> {
         for waiting in group {
             let _ = waiting.answer.send(answer());
@@ -457,6 +484,36 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Inner<T> {
         c.statements.fetch_add(1, Ordering::Relaxed);
         c.carried.fetch_add(carried as u64, Ordering::Relaxed);
         c.applied.fetch_add(applied as u64, Ordering::Relaxed);
+    }
+}
+
+/// How a group's `COMMIT` ended.
+enum Committed {
+    Yes,
+    /// The server answered it with an error: the transaction rolled back.
+    RolledBack,
+    /// No answer: the connection failed or the server ended it (what happened, for the
+    /// callers' error).
+    Unknown(String),
+    /// No answer within the group's bound.
+    TimedOut,
+}
+
+impl Committed {
+    /// What a failed `COMMIT` says: a server's error answer is a rollback, unless it is the
+    /// server ending the connection (SQLSTATE classes 08 and 57, e.g. a terminated backend),
+    /// which may come after the commit; anything else is no answer.
+    fn of(e: &sqlx::Error) -> Self {
+        match e {
+            sqlx::Error::Database(db)
+                if !db
+                    .code()
+                    .is_some_and(|c| c.starts_with("08") || c.starts_with("57")) =>
+            {
+                Committed::RolledBack
+            }
+            other => Committed::Unknown(other.to_string()),
+        }
     }
 }
 
