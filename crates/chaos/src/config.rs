@@ -96,6 +96,45 @@ impl Mode {
         matches!(self, Mode::Effects | Mode::EffectsUnkeyed)
     }
 
+    /// Whether the mode's units write through [`pgfence::repository::Coalescer`] with
+    /// [`Config::coalesce`]: the modes whose fencing is in the row itself
+    /// ([`Mode::RowClaim`], [`Mode::LeaselessMix`]), so that a fenced update on its own, outside
+    /// any transaction of the unit, is as safe as one inside it.
+    #[must_use]
+    pub fn can_coalesce(self) -> bool {
+        matches!(self, Mode::RowClaim | Mode::LeaselessMix)
+    }
+
+    /// Why [`Config::coalesce`] is refused for this mode (for a mode that
+    /// [`can_coalesce`](Mode::can_coalesce), an empty string).
+    #[must_use]
+    pub fn why_not_coalesced(self) -> &'static str {
+        match self {
+            Mode::RowClaim | Mode::LeaselessMix => "",
+            Mode::Fenced | Mode::FencedMulti => {
+                "coalesce: the fenced modes' write must share the transaction of their \
+                 `Fence::check` and read (the check's lock on the resource is what keeps a newer \
+                 lease from reading before this write lands), and a coalesced update runs in a \
+                 transaction of its own: if the check's transaction ended first (a killed \
+                 connection, a timeout), a newer lease could read the old value, the queued \
+                 write land after, and the newer lease's write lose it. Use --mode row-claim \
+                 (the claim fences the row itself)"
+            }
+            Mode::Batch => {
+                "coalesce: batch units write many rows in one update_many already; the \
+                 coalescer is for single-row updates"
+            }
+            Mode::Effects | Mode::EffectsUnkeyed => {
+                "coalesce: the effects modes' write shares a transaction with the ledger's \
+                 finish, which a coalesced update cannot join"
+            }
+            Mode::RowFence | Mode::Unfenced => {
+                "coalesce: the row-fence and unfenced controls write after a plain read, which \
+                 nothing fences; coalescing would prove nothing"
+            }
+        }
+    }
+
     /// The control run next to this mode (`--control`): [`Mode::EffectsUnkeyed`] for
     /// [`Mode::Effects`], [`Mode::Unfenced`] for the database modes, `None` for a control.
     #[must_use]
@@ -236,6 +275,13 @@ pub struct Config {
     /// Where to write the run's history as JSON lines (see
     /// [`Report::write_history`](crate::Report::write_history)), once the run is verified.
     pub history: Option<PathBuf>,
+    /// Send the fenced updates a unit makes outside a transaction through one shared
+    /// [`pgfence::repository::Coalescer`] per pool (concurrent units' updates become one statement when
+    /// they queue up). [`Mode::RowClaim`] and [`Mode::LeaselessMix`] only
+    /// ([`Mode::can_coalesce`]): their scripts then put each update in a transaction of its
+    /// own half of the time, and such a write goes through the coalescer; its history row is
+    /// written by a trigger in the coalesced statement itself, so it commits with the write.
+    pub coalesce: bool,
 }
 
 impl Default for Config {
@@ -269,6 +315,7 @@ impl Default for Config {
             bypass_share: 0.5,
             partitions: None,
             history: None,
+            coalesce: false,
         }
     }
 }
@@ -341,6 +388,9 @@ impl Config {
         }
         if let Some(p) = &self.partitions {
             p.validate(self.workers).map_err(ChaosError::Config)?;
+        }
+        if self.coalesce && !self.mode.can_coalesce() {
+            return Err(ChaosError::Config(self.mode.why_not_coalesced().to_owned()));
         }
         pgfence::issuer::limits::check_ttl(self.ttl)?;
         Ok(())

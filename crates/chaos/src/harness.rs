@@ -1,7 +1,7 @@
 //! Setting a run up ([`Harness::new`]), running it ([`Harness::run`]), and steering it from
 //! outside while it goes on ([`Control`]).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -9,6 +9,7 @@ use pgfence::{
     Effects, Fence, Repository, Resource, TokenIssuer,
     audit::Auditor,
     issuer::{IssuerKind, IssuerOptions},
+    repository::{Coalescer, CoalescerStats},
 };
 use pgfence_testkit::{Provider, Proxy};
 use redis::aio::ConnectionManager;
@@ -19,7 +20,7 @@ use tokio::time::Instant;
 use crate::faults::{Kills, kill_backends};
 use crate::leaseless::leaseless_writer;
 use crate::nemesis::NemesisEvent;
-use crate::schema::{self, Cell, ClaimCell};
+use crate::schema::{self, Cell, ClaimCell, CoalescedCell};
 use crate::util::{lock, millis};
 use crate::verify::{ProviderTally, RunId, RunOutput, verify};
 use crate::worker::{Plan, worker};
@@ -73,6 +74,12 @@ pub(crate) struct Ctx {
     pub(crate) repo: Repository<Cell>,
     /// The same table, as the row-claim and batch modes claim and write it.
     pub(crate) claim_repo: Repository<ClaimCell>,
+    /// With [`Config::coalesce`]: one coalescer per pool (by the same index as
+    /// [`Ctx::pool_of`]), through which units send the updates they make outside a
+    /// transaction; empty otherwise.
+    pub(crate) coalescers: Vec<Coalescer<CoalescedCell>>,
+    /// The last `w_nonce` handed out (see [`CoalescedCell`]).
+    pub(crate) nonce: AtomicI64,
     /// The token issuer, whichever it is.
     pub(crate) issuer: Arc<dyn TokenIssuer>,
     /// For the counter resets (Redis through a `redis://` URL, only when the run resets).
@@ -86,6 +93,33 @@ pub(crate) struct Ctx {
 }
 
 impl Ctx {
+    /// The coalescer of worker `worker`'s pool (`None` without [`Config::coalesce`]).
+    pub(crate) fn coalescer_of(&self, worker: usize) -> Option<&Coalescer<CoalescedCell>> {
+        match self.coalescers.len() {
+            0 => None,
+            n => self.coalescers.get(worker % n),
+        }
+    }
+
+    /// What the run's coalescers have done so far, summed (`None` without
+    /// [`Config::coalesce`]).
+    pub(crate) fn coalescer_stats(&self) -> Option<CoalescerStats> {
+        if self.coalescers.is_empty() {
+            return None;
+        }
+        let mut sum = CoalescerStats::default();
+        for c in &self.coalescers {
+            let s = c.stats();
+            sum.alone += s.alone;
+            sum.statements += s.statements;
+            sum.carried += s.carried;
+            sum.applied += s.applied;
+            sum.resent += s.resent;
+            sum.chained += s.chained;
+        }
+        Some(sum)
+    }
+
     /// The pool worker `worker` writes through: its group's under partitions, else the
     /// workers' pool.
     pub(crate) fn pool_of(&self, worker: usize) -> &PgPool {
@@ -297,6 +331,20 @@ impl Harness {
         let fence = Fence::with_auditor(auditor.clone());
         let repo = Repository::<Cell>::with_auditor(auditor.clone())?;
         let claim_repo = Repository::<ClaimCell>::with_auditor(auditor.clone())?;
+        let coalescers = if cfg.coalesce {
+            let repo = Repository::<CoalescedCell>::with_auditor(auditor.clone())?;
+            let pools = if group_pools.is_empty() {
+                std::slice::from_ref(&pool)
+            } else {
+                &group_pools[..]
+            };
+            pools
+                .iter()
+                .map(|p| repo.clone().coalesced(p.clone()))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let effects = if cfg.mode.calls_provider() {
             let provider = Provider::start(cfg.provider_latency)
                 .map_err(|e| ChaosError::Config(format!("the payment provider: {e}")))?;
@@ -329,6 +377,8 @@ impl Harness {
                 fence,
                 repo,
                 claim_repo,
+                coalescers,
+                nonce: AtomicI64::new(0),
                 issuer,
                 redis,
                 effects,
@@ -499,6 +549,7 @@ impl Harness {
             leaseless: leaseless_attempts,
             nemesis: lock(&ctx.shared.nemesis).clone(),
             partition_groups: self.proxies.len(),
+            coalescer: ctx.coalescer_stats(),
         };
         let id = RunId {
             cfg: &ctx.cfg,

@@ -236,6 +236,23 @@
 //! `fenced` does, behind its resource check) has not written it, so a bypass between its read
 //! and its write would not seal it out — which is why this mode runs row-claim's leases.
 //!
+//! ## Coalesced writes
+//!
+//! With [`Config::coalesce`] (`--coalesce`), [`Mode::RowClaim`] and [`Mode::LeaselessMix`]
+//! send each update that is alone in its transaction of the unit through one shared
+//! [`pgfence::repository::Coalescer`] per pool, and half their units commit the claim on its
+//! own and give every update a transaction of its own, so that many units' updates queue up and
+//! travel as one statement. Such a write cannot insert its history row in a transaction of the
+//! unit (the coalescer's statement is shared), so it carries the row in the counter table's
+//! `w_*` columns and a trigger inserts it (flagged `coalesced`) in the same statement: it
+//! commits if and only if the write does, with the version the write gave the row, and every
+//! check below applies to it unchanged. A coalesced write that fails other than by a rejection
+//! is recorded as failed at [`Stage::Commit`]: it was its own commit, so the history says
+//! whether it landed. [`Summary::coalescer`] has what the coalescers did. The fenced modes
+//! refuse it: their write must share the transaction of the `Fence::check` that orders it (the
+//! check's lock is what keeps a newer lease from reading first; a write queued outside could
+//! land after that transaction ended and be overwritten).
+//!
 //! ## What counts as an applied increment
 //!
 //! A unit's increment counts when, and only when, the statement that wrote it committed —
@@ -322,8 +339,8 @@ pub use history_file::HISTORY_FORMAT_VERSION;
 pub use nemesis::{NemesisEvent, NemesisFigures, Partitions, SteppableClock, clock_steps};
 pub use pg_failover::pg_failover_at;
 pub use report::{
-    BatchFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery, LeaselessFigures,
-    PgFailoverFigures, Report, Summary,
+    BatchFigures, CoalescerFigures, EffectFigures, ErrorKind, FailoverFigures, FaultRecovery,
+    LeaselessFigures, PgFailoverFigures, Report, Summary,
 };
 pub use reseed::{ReseedCounter, ReseedLayer};
 pub use schema::SCHEMA;

@@ -79,6 +79,15 @@
 //!     --restart-postgres-at 14000
 //! ```
 //!
+//! `--coalesce` (row-claim and leaseless) sends the updates a unit makes alone in a
+//! transaction through one shared `pgfence::repository::Coalescer`, each write's history row inserted by a
+//! trigger in the coalesced statement; the fenced modes refuse it, saying why:
+//!
+//! ```text
+//! cargo run --release -p pgfence-chaos -- --mode row-claim --coalesce --control --workers 32 \
+//!     --attempts 20000 --rows 64 --kill-every-ms 200 --reset-counter-at 6000
+//! ```
+//!
 //! `--partition-groups N` splits the workers into N groups, each reaching PostgreSQL through
 //! its own loopback proxy, and black-holes (`--black-hole-ms MIN MAX`; `--one-way-share` of
 //! them in one direction only) or resets (`--reset-share`) one group about every
@@ -257,6 +266,12 @@ struct Args {
     /// Retries of a unit after a retryable error.
     #[arg(long, default_value_t = 2)]
     retries: u32,
+    /// Send each fenced update a unit makes outside a transaction through one shared
+    /// pgfence::repository::Coalescer (row-claim and leaseless; half their units then give each update a
+    /// transaction of its own): concurrent units' updates go as one statement when they queue
+    /// up. With --control or --all-modes, the modes that cannot coalesce run without it.
+    #[arg(long)]
+    coalesce: bool,
     /// Stop starting units after this many seconds.
     #[arg(long, default_value_t = 900)]
     max_seconds: u64,
@@ -409,6 +424,13 @@ impl IssuerChoice {
         }
         if args.pg_failover_at.is_some() {
             check_pg_failover(args)?;
+        }
+        if args.coalesce && !args.all_modes && !args.mode.can_coalesce() {
+            bail!(
+                "--coalesce with --mode {}: {}",
+                args.mode,
+                args.mode.why_not_coalesced()
+            );
         }
         if args.restart_redis_at.is_some() && self.url.is_some() {
             bail!("--restart-redis-at needs the throwaway Redis (no --redis-url / --issuer-url)");
@@ -818,6 +840,7 @@ fn config(args: &Args, issuer: IssuerKind, mode: Mode) -> Config {
         leaseless_writers: args.leaseless_writers,
         leaseless_every: Duration::from_millis(args.leaseless_every_ms),
         bypass_share: args.bypass_share,
+        coalesce: args.coalesce && mode.can_coalesce(),
         // Units caught by a database failover retry through it, as jobs do.
         outage_retry: args.pg_failover_at.map(|_| Duration::from_secs(10)),
         partitions: args.partition_groups.map(|groups| Partitions {

@@ -473,6 +473,40 @@ pub struct Summary {
     pub pg_failover: Option<PgFailoverFigures>,
     /// What the nemeses did (partitions, clock steps), if the run had any.
     pub nemesis: Option<NemesisFigures>,
+    /// With [`Config::coalesce`](crate::Config::coalesce): what the run's coalescers did.
+    pub coalescer: Option<CoalescerFigures>,
+}
+
+/// What the run's [`pgfence::repository::Coalescer`]s did (summed over pools), from their
+/// [`CoalescerStats`](pgfence::repository::CoalescerStats).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CoalescerFigures {
+    /// Updates sent alone at once (nothing was queued).
+    pub alone: u64,
+    /// Coalesced statements.
+    pub statements: u64,
+    /// Updates they carried.
+    pub carried: u64,
+    /// Of those, the ones they applied.
+    pub applied: u64,
+    /// Updates a coalesced statement did not apply (stale, sealed, the same row twice...),
+    /// sent again alone by their callers.
+    pub resent: u64,
+    /// Statements whose `BEGIN` went with the previous one's `COMMIT`.
+    pub chained: u64,
+}
+
+impl From<pgfence::repository::CoalescerStats> for CoalescerFigures {
+    fn from(s: pgfence::repository::CoalescerStats) -> Self {
+        Self {
+            alone: s.alone,
+            statements: s.statements,
+            carried: s.carried,
+            applied: s.applied,
+            resent: s.resent,
+            chained: s.chained,
+        }
+    }
 }
 
 impl Summary {
@@ -614,6 +648,13 @@ impl fmt::Display for Summary {
         }
         if let Some(p) = &self.pg_failover {
             fmt_pg_failover(f, p)?;
+        }
+        if let Some(c) = &self.coalescer {
+            writeln!(
+                f,
+                "  coalescer:  {} alone; {} statements carried {} updates ({} applied, {} sent again alone), {} chained",
+                c.alone, c.statements, c.carried, c.applied, c.resent, c.chained
+            )?;
         }
         if let Some(n) = &self.nemesis {
             writeln!(

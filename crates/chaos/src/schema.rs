@@ -47,6 +47,30 @@ CREATE TABLE IF NOT EXISTS pgfence_chaos.history (
 ALTER TABLE pgfence_chaos.history ADD COLUMN IF NOT EXISTS txn integer NOT NULL DEFAULT 0;
 ALTER TABLE pgfence_chaos.history ADD COLUMN IF NOT EXISTS step integer NOT NULL DEFAULT 0;
 ALTER TABLE pgfence_chaos.history ADD COLUMN IF NOT EXISTS kind text NOT NULL DEFAULT 'increment';
+-- --coalesce: a write sent through pgfence's Coalescer (its own transaction, shared with other
+-- units' writes) carries its history row in these columns; the trigger below inserts it in the
+-- coalesced statement itself, so it commits if and only if the write does. w_nonce is new for
+-- each such write (other writes leave it as it is, and the trigger does not fire for them).
+ALTER TABLE pgfence_chaos.cell ADD COLUMN IF NOT EXISTS w_nonce bigint NOT NULL DEFAULT 0;
+ALTER TABLE pgfence_chaos.cell ADD COLUMN IF NOT EXISTS w_token bigint NOT NULL DEFAULT 0;
+ALTER TABLE pgfence_chaos.cell ADD COLUMN IF NOT EXISTS w_read bigint NOT NULL DEFAULT 0;
+ALTER TABLE pgfence_chaos.cell ADD COLUMN IF NOT EXISTS w_try integer NOT NULL DEFAULT 0;
+ALTER TABLE pgfence_chaos.cell ADD COLUMN IF NOT EXISTS w_worker integer NOT NULL DEFAULT 0;
+ALTER TABLE pgfence_chaos.cell ADD COLUMN IF NOT EXISTS w_txn integer NOT NULL DEFAULT 0;
+ALTER TABLE pgfence_chaos.cell ADD COLUMN IF NOT EXISTS w_step integer NOT NULL DEFAULT 0;
+ALTER TABLE pgfence_chaos.cell ADD COLUMN IF NOT EXISTS w_kind text NOT NULL DEFAULT '';
+ALTER TABLE pgfence_chaos.history ADD COLUMN IF NOT EXISTS coalesced boolean NOT NULL DEFAULT false;
+CREATE OR REPLACE FUNCTION pgfence_chaos.record_coalesced() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO pgfence_chaos.history
+        (run, id, version, token, value_read, value_written, unit, try_no, worker, txn, step, kind,
+         coalesced)
+    VALUES (NEW.run, NEW.id, NEW.version, NEW.w_token, NEW.w_read, NEW.value, NEW.last_unit,
+            NEW.w_try, NEW.w_worker, NEW.w_txn, NEW.w_step, NEW.w_kind, true);
+    RETURN NULL;
+END
+$$;
 CREATE OR REPLACE FUNCTION pgfence_chaos.bump_version() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
@@ -65,6 +89,12 @@ BEGIN
                     WHERE tgname = 'chaos_version' AND tgrelid = 'pgfence_chaos.plain_cell'::regclass) THEN
         CREATE TRIGGER chaos_version BEFORE UPDATE ON pgfence_chaos.plain_cell
             FOR EACH ROW EXECUTE FUNCTION pgfence_chaos.bump_version();
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger
+                    WHERE tgname = 'chaos_coalesced' AND tgrelid = 'pgfence_chaos.cell'::regclass) THEN
+        CREATE TRIGGER chaos_coalesced AFTER UPDATE ON pgfence_chaos.cell
+            FOR EACH ROW WHEN (NEW.w_nonce IS DISTINCT FROM OLD.w_nonce)
+            EXECUTE FUNCTION pgfence_chaos.record_coalesced();
     END IF;
 END
 $$;
@@ -102,6 +132,34 @@ pgfence::fenced_table!(ClaimCell {
     table: "cell",
     key: (run: String, id: i32),
     columns: [value, step, last_unit],
+});
+
+/// A row-claim update as `--coalesce` sends it through [`pgfence::repository::Coalescer`], outside any
+/// transaction of the unit: [`ClaimCell`]'s columns plus the history row it commits with
+/// (`w_*`; the table's `chaos_coalesced` trigger inserts it when `w_nonce` changes).
+#[derive(Clone, Debug)]
+pub(crate) struct CoalescedCell {
+    pub(crate) run: String,
+    pub(crate) id: i32,
+    pub(crate) value: i64,
+    pub(crate) step: i32,
+    pub(crate) last_unit: i64,
+    /// New for every coalesced write of the run.
+    pub(crate) w_nonce: i64,
+    pub(crate) w_token: i64,
+    pub(crate) w_read: i64,
+    pub(crate) w_try: i32,
+    pub(crate) w_worker: i32,
+    pub(crate) w_txn: i32,
+    pub(crate) w_step: i32,
+    pub(crate) w_kind: String,
+}
+
+pgfence::fenced_table!(CoalescedCell {
+    schema: "pgfence_chaos",
+    table: "cell",
+    key: (run: String, id: i32),
+    columns: [value, step, last_unit, w_nonce, w_token, w_read, w_try, w_worker, w_txn, w_step, w_kind],
 });
 
 /// What a recorded statement did to the row's value (the `kind` column of the history).

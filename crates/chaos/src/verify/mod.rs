@@ -75,6 +75,8 @@ pub(crate) struct RunOutput {
     pub(crate) nemesis: Vec<NemesisEvent>,
     /// Partition groups (0: no partitions).
     pub(crate) partition_groups: usize,
+    /// With `--coalesce`: what the coalescers did.
+    pub(crate) coalescer: Option<pgfence::repository::CoalescerStats>,
 }
 
 /// What the effects modes' payment provider counted, once every call had returned.
@@ -314,6 +316,7 @@ pub(crate) async fn verify(
         failover,
         pg_failover,
         nemesis: NemesisFigures::of(output.partition_groups, &output.nemesis),
+        coalescer: output.coalescer.map(Into::into),
     };
     Ok(Report {
         summary,

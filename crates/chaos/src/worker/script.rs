@@ -5,11 +5,27 @@ use rand::Rng;
 use rand::rngs::StdRng;
 use sqlx::PgConnection;
 
+use std::sync::atomic::Ordering;
+
+use pgfence::Error;
+
 use crate::Stage;
-use crate::schema::{ClaimCell, Kind};
+use crate::schema::{ClaimCell, CoalescedCell, Kind};
 
 use super::pause::stall;
-use super::{Step, Try, at, db_at};
+use super::{Failure, Step, Try, at, db_at};
+
+/// Whether `error` is fencing refusing the write (nothing written): stale, duplicate, sealed,
+/// or fenced by a database failover.
+fn is_rejection(error: &Error) -> bool {
+    matches!(
+        error,
+        Error::StaleToken { .. }
+            | Error::DuplicateToken { .. }
+            | Error::RowSealed { .. }
+            | Error::FencedByFailover { .. }
+    )
+}
 
 /// The multi-statement modes' unit shapes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,8 +69,11 @@ pub(super) struct Script {
 }
 
 impl Script {
-    /// Draws a unit's script.
-    pub(super) fn draw(kind: ScriptKind, rng: &mut StdRng) -> Self {
+    /// Draws a unit's script. With `coalesce` ([`Config::coalesce`](crate::Config::coalesce)),
+    /// half of the row-claim scripts commit the claim on its own and give each update a
+    /// transaction of its own (which goes through the coalescer); the others are drawn as
+    /// without it.
+    pub(super) fn draw(kind: ScriptKind, rng: &mut StdRng, coalesce: bool) -> Self {
         match kind {
             ScriptKind::MultiCheck => {
                 let n = rng.random_range(2..=3);
@@ -68,6 +87,11 @@ impl Script {
                 let writes = rng.random_range(2..=4);
                 let mut ops = vec![Op::Claim];
                 ops.extend((1..=writes).map(Op::Update));
+                if coalesce && rng.random_bool(0.5) {
+                    return Script {
+                        txns: ops.into_iter().map(|op| vec![op]).collect(),
+                    };
+                }
                 // 1–3 transactions: cut the statement list at distinct points.
                 let txns = rng.random_range(1..=3usize);
                 let mut cuts: Vec<usize> = Vec::new();
@@ -125,6 +149,13 @@ impl Try<'_> {
                 continue;
             }
             stall(self.pause.before_op(first)).await;
+            if let ([Op::Update(k)], Some(coalescer)) =
+                (ops.as_slice(), self.ctx.coalescer_of(self.worker))
+            {
+                self.coalesced_update(coalescer, *k, txn, first).await?;
+                self.commits += 1;
+                continue;
+            }
             let mut tx = self.begin().await?;
             for (i, op) in ops.iter().enumerate() {
                 if i > 0 {
@@ -136,6 +167,54 @@ impl Try<'_> {
             self.commits += 1;
         }
         debug_assert_eq!(self.first_txn + self.commits, script.txn_count());
+        Ok(())
+    }
+
+    /// [`Op::Update`] `k` alone in transaction `txn` of the unit, through the coalescer: the
+    /// write and its history row (the `w_*` columns, inserted by the table's trigger) commit
+    /// in the coalesced statement, shared with other units' writes. A rejection comes back as
+    /// from [`Repository::update`](pgfence::Repository::update) (nothing written); any other
+    /// error is recorded at [`Stage::Commit`]: the statement was its own commit, so whether it
+    /// committed is read back from the history, as for a failed `COMMIT`.
+    async fn coalesced_update(
+        &mut self,
+        coalescer: &pgfence::repository::Coalescer<CoalescedCell>,
+        k: i32,
+        txn: u32,
+        n: usize,
+    ) -> Step<()> {
+        let read = self.believed;
+        let (value, kind) = if self.applied {
+            (read, Kind::Rewrite)
+        } else {
+            (read + 1, Kind::Increment)
+        };
+        let cell = CoalescedCell {
+            run: self.ctx.run.clone(),
+            id: self.row,
+            value,
+            step: k,
+            last_unit: self.unit_id(),
+            w_nonce: self.ctx.nonce.fetch_add(1, Ordering::Relaxed) + 1,
+            w_token: self.lease.token().get(),
+            w_read: read,
+            w_try: i32::try_from(self.try_no).unwrap_or(i32::MAX),
+            w_worker: i32::try_from(self.worker).unwrap_or(i32::MAX),
+            w_txn: i32::try_from(txn).unwrap_or(i32::MAX),
+            w_step: i32::try_from(n).unwrap_or(i32::MAX),
+            w_kind: kind.as_str().to_owned(),
+        };
+        coalescer.update(self.lease, &cell).await.map_err(|error| {
+            let stage = if is_rejection(&error) {
+                Stage::Write
+            } else {
+                Stage::Commit
+            };
+            Failure::Fence { stage, error }
+        })?;
+        self.written = Some(value);
+        self.believed = value;
+        self.applied = true;
         Ok(())
     }
 

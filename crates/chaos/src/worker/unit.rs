@@ -36,7 +36,7 @@ impl Worker {
         let script = ctx
             .plan
             .script
-            .map(|kind| Script::draw(kind, &mut self.rng));
+            .map(|kind| Script::draw(kind, &mut self.rng, cfg.coalesce));
         let batch_rows = if ctx.plan.script == Some(ScriptKind::Batch) {
             self.draw_batch_rows(row)
         } else {
