@@ -46,6 +46,8 @@ struct Figures {
     rows: i64,
     populate_ms: u128,
     guard_ms: u128,
+    unguard_ms: u128,
+    max_latency_overlapping_unguard_ms: u128,
     writes_before: usize,
     writes_after: usize,
     writes_overlapping_guard: usize,
@@ -62,7 +64,7 @@ struct Figures {
     size_after: i64,
 }
 
-async fn guard_under_load(rows: i64, writers: usize) -> (TestDb, Figures) {
+async fn guard_under_load(rows: i64, writers: usize, unguard: bool) -> (TestDb, Figures) {
     let db = TestDb::new().await;
     db.exec("CREATE TABLE big (id bigint PRIMARY KEY, qty bigint NOT NULL, note text NOT NULL)")
         .await;
@@ -138,6 +140,21 @@ async fn guard_under_load(rows: i64, writers: usize) -> (TestDb, Figures) {
     guarded.store(true, Ordering::SeqCst);
     assert!(changed);
     tokio::time::sleep(Duration::from_millis(400)).await;
+    // Then `unguard` (keeping the column) under the same load; the writers go back to plain
+    // updates once it returned.
+    let (unguard_start, unguard_end) = if unguard {
+        let start = Instant::now();
+        let removed = pgfence::guard::unguard(&db.pool, &TableName::parse("big").unwrap(), false)
+            .await
+            .unwrap();
+        let end = Instant::now();
+        guarded.store(false, Ordering::SeqCst);
+        assert!(removed);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        (start, end)
+    } else {
+        (guard_end, guard_end)
+    };
     stop.store(true, Ordering::SeqCst);
     let mut writes = Vec::new();
     for t in tasks {
@@ -170,6 +187,13 @@ async fn guard_under_load(rows: i64, writers: usize) -> (TestDb, Figures) {
         rows,
         populate_ms,
         guard_ms: (guard_end - guard_start).as_millis(),
+        unguard_ms: (unguard_end - unguard_start).as_millis(),
+        max_latency_overlapping_unguard_ms: writes
+            .iter()
+            .filter(|w| unguard && w.start <= unguard_end && w.end >= unguard_start)
+            .map(|w| (w.end - w.start).as_millis())
+            .max()
+            .unwrap_or(0),
         writes_before: before.len(),
         writes_after: writes.iter().filter(|w| w.start > guard_end).count(),
         writes_overlapping_guard: overlapping.len(),
@@ -232,7 +256,7 @@ fn check(f: &Figures) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn guard_a_populated_table_under_load_is_metadata_only() {
-    let (db, f) = guard_under_load(200_000, 4).await;
+    let (db, f) = guard_under_load(200_000, 4, false).await;
     check(&f);
     // The column and trigger are in place and every untouched row reads fence 0.
     let (with_fence, zero): (i64, i64) =
@@ -246,12 +270,18 @@ async fn guard_a_populated_table_under_load_is_metadata_only() {
     assert_eq!(guarded, vec![TableName::parse("big").unwrap()]);
 }
 
-/// The 1,000,000-row version, with a rewriting `ADD COLUMN` timed for comparison.
+/// The 1,000,000-row version (`PGFENCE_GUARD_LOAD_ROWS` for another size, e.g. 10000000),
+/// `unguard` timed under the same load too, and a rewriting `ADD COLUMN` for comparison.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "large: run with --ignored (about a minute in debug builds)"]
 async fn guard_a_million_row_table_under_load() {
-    let (db, f) = guard_under_load(1_000_000, 4).await;
+    let rows = std::env::var("PGFENCE_GUARD_LOAD_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000_000);
+    let (db, f) = guard_under_load(rows, 4, true).await;
     check(&f);
+    assert!(f.unguard_ms < 5_000, "unguard took {} ms", f.unguard_ms);
     let t = Instant::now();
     db.exec("ALTER TABLE big ADD COLUMN rewritten bigint NOT NULL DEFAULT (random() * 10)::bigint")
         .await;
