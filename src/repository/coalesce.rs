@@ -11,7 +11,7 @@ use tokio::time::{Instant, timeout_at};
 
 use crate::error::TimedOut;
 use crate::repository::Repository;
-use crate::repository::executor::gate_sql;
+use crate::repository::executor::{commit_then_gate_sql, gate_sql};
 use crate::table::FencedTable;
 use crate::{Error, Fencing, Result};
 
@@ -405,7 +405,7 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Inner<T> {
             applied,
             deadline,
         } = open;
-        let sql = sqlx::AssertSqlSafe(format!("COMMIT; {}", gate_sql(bound).0));
+        let sql = commit_then_gate_sql(bound);
         let run = async {
             let mut answers = sqlx::raw_sql(sql).fetch_many(&mut *tx);
             let mut done = 0usize;

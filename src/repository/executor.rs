@@ -99,6 +99,12 @@ pub(crate) fn gate_sql(bound: std::time::Duration) -> sqlx::AssertSqlSafe<String
     ))
 }
 
+/// `COMMIT` of one gated transaction and the [`gate_sql`] of the next, as one simple query
+/// (the coalescer's chained groups: one round trip for both).
+pub(crate) fn commit_then_gate_sql(bound: std::time::Duration) -> sqlx::AssertSqlSafe<String> {
+    sqlx::AssertSqlSafe(format!("COMMIT; {}", gate_sql(bound).0))
+}
+
 /// The connection a write's statements run on: one checked out of the pool for the whole
 /// write, or the caller's; in the write's own transaction (gated) unless the caller's
 /// transaction holds it.
