@@ -28,6 +28,12 @@ pub const LOG_TARGET: &str = "pgfence::audit";
 /// How long a rejection may wait for its audit row by default.
 pub const DEFAULT_AUDIT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The `reason` (or its suffix) of an audit row written again after the `COMMIT` of the
+/// write's own transaction, which held the first, got no answer: if that transaction did
+/// commit, the audit table holds this rejection twice.
+pub const REWRITTEN_IN_DOUBT: &str =
+    "written again: the first row's transaction may not have committed (this row may repeat it)";
+
 /// A rejected write, as logged, audited and handed to an [`AuditSink`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -275,24 +281,61 @@ impl Auditor {
                 Err(error) => error,
             },
         };
+        self.report_missing(r, &failure);
+    }
+
+    /// Reports that `r`'s audit row could not be written (`failure`: why): an ERROR event,
+    /// the failure metric and the sink's [`AuditEvent::AuditFailed`].
+    pub(crate) fn report_missing(&self, r: &Rejection, failure: &str) {
         tracing::error!(
             target: LOG_TARGET,
-            resource,
-            table,
-            key,
+            resource = r.resource.as_deref().unwrap_or(""),
+            table = r.table.as_deref().unwrap_or(""),
+            key = r.key.as_deref().unwrap_or(""),
             presented = r.presented,
             current = r.current,
-            holder,
+            holder = r.holder.as_deref().unwrap_or(""),
             operation = r.operation,
-            error = failure.as_str(),
+            error = failure,
             "could not write the audit row for a rejected write"
         );
         crate::metrics::audit_failure(r.operation);
         if let Some(sink) = &self.sink {
             sink.event(AuditEvent::AuditFailed {
                 rejection: r,
-                error: &failure,
+                error: failure,
             });
+        }
+    }
+
+    /// Writes `r`'s audit row again through the pool: the row written in the write's own
+    /// transaction is gone or may be (`loss`). A row that may repeat one that did commit says
+    /// so in its `reason` ([`REWRITTEN_IN_DOUBT`]). Logged at WARN; a failure is reported like
+    /// any missing row ([`AuditEvent::AuditFailed`]).
+    pub(crate) async fn rewrite(
+        &self,
+        r: &Rejection,
+        loss: &crate::repository::executor::AuditLoss,
+    ) {
+        use crate::repository::executor::AuditLoss;
+        let mut again = r.clone();
+        if let AuditLoss::InDoubt(_) = loss {
+            again.reason = Some(match &r.reason {
+                Some(reason) => format!("{reason}; {REWRITTEN_IN_DOUBT}"),
+                None => REWRITTEN_IN_DOUBT.to_owned(),
+            });
+        }
+        match self.write_row(&again).await {
+            Ok(()) => tracing::warn!(
+                target: LOG_TARGET,
+                resource = r.resource.as_deref().unwrap_or(""),
+                table = r.table.as_deref().unwrap_or(""),
+                key = r.key.as_deref().unwrap_or(""),
+                presented = r.presented,
+                operation = r.operation,
+                "wrote the audit row of a rejected write again: {loss}"
+            ),
+            Err(error) => self.report_missing(r, &format!("{loss}; writing it again: {error}")),
         }
     }
 
@@ -312,7 +355,10 @@ impl Auditor {
                 .execute(lent.conn())
                 .await;
                 match insert {
-                    Ok(_) => AuditRow::Written,
+                    Ok(_) => {
+                        lent.hold_audit(self, r);
+                        AuditRow::Written
+                    }
                     Err(e) => AuditRow::Failed(e.to_string()),
                 }
             }

@@ -356,7 +356,7 @@ impl<T: FencedTable> Repository<T> {
                     },
                     _ => judge(fencing, out.current()?),
                 };
-                outcomes[i] = Some(rejecting.outcome(&out, judgement).await?);
+                outcomes[i] = Some(rejecting.outcome(&out, judgement, lent).await?);
             }
         }
         Ok(Some(BatchOutcome {

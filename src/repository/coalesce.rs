@@ -11,7 +11,7 @@ use tokio::time::{Instant, timeout_at};
 
 use crate::error::TimedOut;
 use crate::repository::Repository;
-use crate::repository::executor::{commit_then_gate_sql, gate_sql};
+use crate::repository::executor::{commit_rolled_back, commit_then_gate_sql, gate_sql};
 use crate::table::FencedTable;
 use crate::{Error, Fencing, Result};
 
@@ -500,19 +500,12 @@ enum Committed {
 }
 
 impl Committed {
-    /// What a failed `COMMIT` says: a server's error answer is a rollback, unless it is the
-    /// server ending the connection (SQLSTATE classes 08 and 57, e.g. a terminated backend),
-    /// which may come after the commit; anything else is no answer.
+    /// What a failed `COMMIT` says ([`commit_rolled_back`]).
     fn of(e: &sqlx::Error) -> Self {
-        match e {
-            sqlx::Error::Database(db)
-                if !db
-                    .code()
-                    .is_some_and(|c| c.starts_with("08") || c.starts_with("57")) =>
-            {
-                Committed::RolledBack
-            }
-            other => Committed::Unknown(other.to_string()),
+        if commit_rolled_back(e) {
+            Committed::RolledBack
+        } else {
+            Committed::Unknown(e.to_string())
         }
     }
 }

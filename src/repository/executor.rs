@@ -3,6 +3,7 @@
 //! repository, the resource check, the effect ledger and `verify`; the module is private, so
 //! [`WriteTarget`] cannot be named outside the crate.
 
+use crate::audit::{Auditor, Rejection};
 use crate::error::InvalidInput;
 use sqlx::{PgPool, Postgres};
 
@@ -65,23 +66,104 @@ pub(crate) enum Step {
     CallerTransaction = 2,
 }
 
-/// Shared between a bounded call and the timer that may cut it off: how far the call got.
+/// Shared between a bounded call and the timer that may cut it off: how far the call got,
+/// and the rejections whose audit rows sit in the write's own transaction.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Stage(std::sync::Arc<std::sync::atomic::AtomicU8>);
+pub(crate) struct Stage(std::sync::Arc<StageState>);
+
+#[derive(Debug, Default)]
+struct StageState {
+    step: std::sync::atomic::AtomicU8,
+    /// Rejections whose audit row was written in the gate: it persists only if the gate's
+    /// `COMMIT` does ([`Lent::settle`] writes it again, or reports it missing).
+    held: std::sync::Mutex<Vec<(Auditor, Rejection)>>,
+}
 
 impl Stage {
     fn set(&self, step: Step) {
         self.0
+            .step
             .store(step as u8, std::sync::atomic::Ordering::Release);
     }
 
     pub(crate) fn get(&self) -> Step {
-        match self.0.load(std::sync::atomic::Ordering::Acquire) {
+        match self.0.step.load(std::sync::atomic::Ordering::Acquire) {
             1 => Step::Committing,
             2 => Step::CallerTransaction,
             _ => Step::Uncommitted,
         }
     }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, Vec<(Auditor, Rejection)>> {
+        // Nothing panics while holding it; a poisoned list is still the list.
+        self.0
+            .held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The gate committed: its audit rows are in.
+    fn clear_held(&self) {
+        self.held().clear();
+    }
+
+    /// The gate did not commit (`in_doubt`: or may not have): writes each held rejection's
+    /// audit row again through its auditor's pool. One at a time, each taken off the list only
+    /// once written, so a call cut off meanwhile still reports the rest ([`Stage::report_held`]).
+    async fn rewrite_held(&self, loss: &AuditLoss) {
+        loop {
+            let Some((auditor, rejection)) = self.held().first().cloned() else {
+                return;
+            };
+            auditor.rewrite(&rejection, loss).await;
+            let mut held = self.held();
+            if !held.is_empty() {
+                held.remove(0);
+            }
+        }
+    }
+
+    /// The call was cut off before its gate's `COMMIT` answered: reports each held
+    /// rejection's audit row as missing (or maybe missing), without another round trip (the
+    /// call's bound is spent).
+    fn report_held(&self, loss: &AuditLoss) {
+        for (auditor, rejection) in std::mem::take(&mut *self.held()) {
+            auditor.report_missing(&rejection, &loss.to_string());
+        }
+    }
+}
+
+/// Why audit rows written in a write's own transaction may be missing.
+#[derive(Clone, Debug)]
+pub(crate) enum AuditLoss {
+    /// The transaction rolled back: the rows are gone.
+    RolledBack(String),
+    /// Its `COMMIT` got no answer: the rows may be in or not.
+    InDoubt(String),
+}
+
+impl std::fmt::Display for AuditLoss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::RolledBack(why) => write!(
+                f,
+                "the write's own transaction, which held the audit row, rolled back ({why})"
+            ),
+            Self::InDoubt(why) => write!(
+                f,
+                "the COMMIT of the write's own transaction, which held the audit row, got no answer ({why})"
+            ),
+        }
+    }
+}
+
+/// Whether a failed `COMMIT`'s error is the server's answer that the transaction rolled back
+/// (an error answer that is not the server ending the connection: SQLSTATE classes 08 and
+/// 57, e.g. a terminated backend, may come after the commit). Anything else — a connection
+/// that failed, no answer — leaves the commit in doubt.
+pub(crate) fn commit_rolled_back(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db)
+        if !db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57")))
 }
 
 /// The `BEGIN` of a write's own transaction (its "gate"): the write's statements run in it
@@ -198,11 +280,22 @@ impl Lent<'_> {
         Ok(())
     }
 
+    /// Keeps `rejection`, whose audit row was just written on this connection, until the
+    /// gate's `COMMIT` says whether the row persists. Nothing to keep when not gated: on a
+    /// pooled connection the row committed with its statement (inside a caller's transaction
+    /// rows are written through the auditor's pool instead).
+    pub(crate) fn hold_audit(&self, auditor: &Auditor, rejection: &Rejection) {
+        if self.gated() {
+            self.stage.held().push((auditor.clone(), rejection.clone()));
+        }
+    }
+
     /// Ends the write: the gate commits when the write succeeded or was fenced out (a
     /// rejection's audit row, written in the gate, persists); after any other error (a row that
     /// did not decode, invalid input found late, a failed statement) it rolls back and nothing
     /// of the write is kept. Returns `result`, or the `COMMIT`'s error when `result` was a
-    /// success.
+    /// success. Audit rows written in a gate that did not commit (or may not have) are written
+    /// again through the auditor's pool ([`Lent::hold_audit`]): a logged rejection keeps its row.
     pub(crate) async fn settle<R>(self, result: crate::Result<R>) -> crate::Result<R> {
         let Conn::Gate(tx) = self.conn else {
             return result;
@@ -212,10 +305,28 @@ impl Lent<'_> {
         {
             // The write's own error is the answer, whatever the rollback says.
             let _ = tx.rollback().await;
+            self.stage
+                .rewrite_held(&AuditLoss::RolledBack(e.to_string()))
+                .await;
             return result;
         }
         self.stage.set(Step::Committing);
         let committed = tx.commit().await;
+        match &committed {
+            Ok(()) => self.stage.clear_held(),
+            // Still in doubt while the rows are written again: a timer firing meanwhile says so.
+            Err(e) if !commit_rolled_back(e) => {
+                self.stage
+                    .rewrite_held(&AuditLoss::InDoubt(e.to_string()))
+                    .await;
+            }
+            Err(e) => {
+                self.stage.set(Step::Uncommitted);
+                self.stage
+                    .rewrite_held(&AuditLoss::RolledBack(e.to_string()))
+                    .await;
+            }
+        }
         self.stage.set(Step::Uncommitted);
         match (result, committed) {
             (Ok(_), Err(e)) => Err(e.into()),
@@ -291,6 +402,11 @@ where
         Step::Committing => crate::error::TimedOut::InDoubt,
         Step::CallerTransaction => crate::error::TimedOut::CallerTransaction,
     };
+    let why = format!("the call timed out after {bound:?}");
+    stage.report_held(&match outcome {
+        crate::error::TimedOut::InDoubt => AuditLoss::InDoubt(why),
+        _ => AuditLoss::RolledBack(why),
+    });
     let err = crate::Error::TimedOut {
         operation,
         target: what(),

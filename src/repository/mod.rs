@@ -677,7 +677,7 @@ impl<T: FencedTable> Repository<T> {
         };
         let judgement = judge(fencing, met);
         let err = rejecting
-            .error(&out, judgement, |token| self.held_by(fencing, token))
+            .error(&out, judgement, |token| self.held_by(fencing, token), lent)
             .await?;
         Ok(Some(err))
     }

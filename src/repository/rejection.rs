@@ -193,8 +193,15 @@ impl Rejecting<'_> {
         })
     }
 
-    /// Logs and audits a rejection (not found and contended are not rejections).
-    pub(crate) async fn record(&self, out: &Explained<'_>, judgement: Judgement) -> Result<()> {
+    /// Logs and audits a rejection (not found and contended are not rejections). A row the
+    /// explaining statement wrote in the write's own transaction is held on `lent` until that
+    /// transaction commits ([`Lent::hold_audit`]).
+    pub(crate) async fn record(
+        &self,
+        out: &Explained<'_>,
+        judgement: Judgement,
+        lent: &Lent<'_>,
+    ) -> Result<()> {
         let Judgement::Rejected(fence, refusal) = judgement else {
             return Ok(());
         };
@@ -211,7 +218,11 @@ impl Rejecting<'_> {
             Refusal::Sealed => RejectionKind::Sealed,
         };
         rejection.reason = rejection.kind.reason();
-        self.auditor.record(&rejection, out.audit_row()?).await;
+        let row = out.audit_row()?;
+        if row == AuditRow::Written {
+            lent.hold_audit(self.auditor, &rejection);
+        }
+        self.auditor.record(&rejection, row).await;
         Ok(())
     }
 
@@ -223,6 +234,7 @@ impl Rejecting<'_> {
         out: &Explained<'_>,
         judgement: Judgement,
         held_by: impl FnOnce(i64) -> F,
+        lent: &Lent<'_>,
     ) -> Result<Error>
     where
         F: Future<Output = Option<Box<str>>>,
@@ -260,7 +272,7 @@ impl Rejecting<'_> {
             Refusal::Duplicate => Error::DuplicateToken { target, token },
             Refusal::Sealed => Error::RowSealed { target, token },
         };
-        self.record(out, judgement).await?;
+        self.record(out, judgement, lent).await?;
         Ok(err)
     }
 
@@ -269,6 +281,7 @@ impl Rejecting<'_> {
         &self,
         out: &Explained<'_>,
         judgement: Judgement,
+        lent: &Lent<'_>,
     ) -> Result<RowOutcome> {
         let outcome = match judgement {
             Judgement::NotFound => RowOutcome::NotFound,
@@ -280,7 +293,7 @@ impl Rejecting<'_> {
             Judgement::Rejected(_, Refusal::Duplicate) => RowOutcome::DuplicateToken,
             Judgement::Rejected(_, Refusal::Sealed) => RowOutcome::Sealed,
         };
-        self.record(out, judgement).await?;
+        self.record(out, judgement, lent).await?;
         Ok(outcome)
     }
 }

@@ -315,3 +315,154 @@ async fn audit_list_filters_by_resource_prefix() {
     );
     assert_eq!(list("*").await.len(), 4);
 }
+
+/// A pool on `db` whose connections carry `application_name` (what the test's `COMMIT`
+/// trigger looks at).
+async fn named_pool(db: &TestDb, name: &str) -> PgPool {
+    let options: sqlx::postgres::PgConnectOptions = db.url().parse().unwrap();
+    PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options.application_name(name))
+        .await
+        .unwrap()
+}
+
+/// The audit rows of `key`, oldest first: (presented, current, reason).
+async fn rows_of(db: &TestDb, key: &str) -> Vec<(i64, Option<i64>, Option<String>)> {
+    sqlx::query_as(
+        "SELECT presented, current, reason FROM pgfence.audit WHERE row_key = $1 ORDER BY id",
+    )
+    .bind(key)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+}
+
+/// A rejection outside a caller transaction writes its audit row in the write's own
+/// transaction, which then commits. When that `COMMIT` fails, the row goes with it: the
+/// rejection was already logged, so the row is written again through the auditor's pool —
+/// plainly after a rollback the server answered, flagged as a possible repeat when the
+/// `COMMIT` got no answer — and a call cut off in its `COMMIT` reports the row as maybe
+/// missing. A deferred trigger on the audit table makes the writes' `COMMIT` fail on demand
+/// (by connection name, so the auditor's own pool is not affected).
+#[tokio::test]
+async fn a_rejection_keeps_its_audit_row_when_the_write_s_commit_fails() {
+    let (logs, _guard) = Logs::capture();
+    let db = setup().await;
+    db.exec(
+        "CREATE FUNCTION public.fail_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             CASE current_setting('application_name')
+             WHEN 'refused-commit' THEN
+                 RAISE EXCEPTION 'COMMIT refused by the test';
+             WHEN 'killed-commit' THEN
+                 PERFORM pg_catalog.pg_terminate_backend(pg_catalog.pg_backend_pid());
+                 PERFORM pg_catalog.pg_sleep(5);
+             WHEN 'slow-commit' THEN
+                 PERFORM pg_catalog.pg_sleep(5);
+             ELSE
+             END CASE;
+             RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER fail_commit AFTER INSERT ON pgfence.audit
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION public.fail_commit();",
+    )
+    .await;
+    let repo = Repository::<Account>::new(db.pool.clone()).unwrap();
+    repo.update(&db.pool, token(12), &Account { id: 2, balance: 2 })
+        .await
+        .unwrap();
+    let before = balances(&db).await;
+    let stale = Account { id: 1, balance: -1 };
+
+    // A COMMIT the server refuses: the transaction rolled back, the row is written again.
+    let refused = named_pool(&db, "refused-commit").await;
+    assert_stale(
+        &repo
+            .update(&refused, stale_ctx(), &stale)
+            .await
+            .unwrap_err(),
+        7,
+        10,
+    );
+    assert_eq!(rows_of(&db, "[1]").await, [(7, Some(10), None)]);
+    assert!(logs.with(pgfence::audit::LOG_TARGET, "ERROR").is_empty());
+
+    // A batch: row 1 applies, row 2 is stale; the refused COMMIT takes row 1's write back
+    // (the call fails) and row 2's audit row is written again.
+    let err = repo
+        .update_many(
+            &refused,
+            token(11),
+            &[
+                Account { id: 1, balance: 11 },
+                Account { id: 2, balance: 11 },
+            ],
+        )
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("COMMIT refused"), "{err}");
+    assert_eq!(balances(&db).await, before);
+    assert_eq!(rows_of(&db, "[2]").await, [(11, Some(12), None)]);
+
+    // A COMMIT answered by the backend's end: it may have committed, so the row written
+    // again says it may repeat the first (here the first rolled back: the trigger ran
+    // before the commit).
+    let killed = named_pool(&db, "killed-commit").await;
+    assert_stale(
+        &repo.update(&killed, stale_ctx(), &stale).await.unwrap_err(),
+        7,
+        10,
+    );
+    let rows = rows_of(&db, "[1]").await;
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(
+        rows[1],
+        (
+            7,
+            Some(10),
+            Some(pgfence::audit::REWRITTEN_IN_DOUBT.to_owned())
+        )
+    );
+    let again = logs
+        .with(pgfence::audit::LOG_TARGET, "WARN")
+        .into_iter()
+        .filter(|e| {
+            e["fields"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("again"))
+        })
+        .count();
+    assert_eq!(again, 3, "{:?}", logs.events());
+    assert!(logs.with(pgfence::audit::LOG_TARGET, "ERROR").is_empty());
+
+    // A call cut off in its COMMIT has no time left to write the row again: it reports it
+    // as maybe missing (ERROR, the sink's AuditFailed). Or the server's own timeout (the
+    // same bound) ended the COMMIT first, and the row was written again.
+    let slow = named_pool(&db, "slow-commit").await;
+    let bounded = repo
+        .clone()
+        .with_call_timeout(Duration::from_millis(300))
+        .unwrap();
+    let err = bounded
+        .update(&slow, stale_ctx(), &stale)
+        .await
+        .unwrap_err();
+    let errors = logs.with(pgfence::audit::LOG_TARGET, "ERROR");
+    let rows = rows_of(&db, "[1]").await;
+    match &err {
+        pgfence::Error::TimedOut { outcome, .. } => {
+            assert_eq!(*outcome, pgfence::error::TimedOut::InDoubt);
+            assert_eq!(errors.len(), 1, "{:?}", logs.events());
+            let why = errors[0]["fields"]["error"].as_str().unwrap_or_default();
+            assert!(why.contains("got no answer"), "{why}");
+            assert_eq!(rows.len(), 2, "{rows:?}");
+        }
+        other => {
+            assert_stale(other, 7, 10);
+            assert!(errors.is_empty(), "{:?}", logs.events());
+            assert_eq!(rows.len(), 3, "{rows:?}");
+        }
+    }
+    assert_eq!(balances(&db).await, before);
+}

@@ -421,8 +421,14 @@ pub struct Summary {
     /// Committed statements that read a value other than the previous one left (or changed it
     /// by other than their kind says).
     pub stale_reads: u64,
-    /// `pgfence.audit` rows for the run's resources.
+    /// `pgfence.audit` rows for the run's resources, one per rejection: a row written again
+    /// after its first one's `COMMIT` got no answer ([`pgfence::audit::REWRITTEN_IN_DOUBT`])
+    /// is not counted when the first one is there too.
     pub audit_rows: u64,
+    /// Audit rows the library wrote again through its pool because the transaction that held
+    /// the first did not commit, or may not have (counted in `audit_rows` unless they repeat
+    /// a row that did commit).
+    pub audit_rows_rewritten: u64,
     /// Rejections pgfence reported for the run's resources (counted by the harness's
     /// [`AuditCounter`](crate::AuditCounter); each is also one `pgfence::audit` WARN event).
     pub log_events: u64,
@@ -571,8 +577,12 @@ impl fmt::Display for Summary {
         )?;
         writeln!(
             f,
-            "  reporting:  {} rejections, {} audit rows, {} log events, {} audit failures",
-            self.rejected, self.audit_rows, self.log_events, self.audit_failures
+            "  reporting:  {} rejections, {} audit rows ({} written again), {} log events, {} audit failures",
+            self.rejected,
+            self.audit_rows,
+            self.audit_rows_rewritten,
+            self.log_events,
+            self.audit_failures
         )?;
         let issuer_kills = if self.issuer_backend_kills > 0 || self.issuer == "postgres" {
             format!(

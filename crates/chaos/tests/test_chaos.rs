@@ -499,13 +499,13 @@ async fn row_claim_through_the_coalescer_holds_under_faults() {
         s.log_events, s.rejected,
         "one audit event per rejection: {s}"
     );
-    // Known gap (not the coalescer's): a rejection re-sent alone runs in the write's own gate,
-    // which writes its audit row and then commits; a backend killed during that COMMIT loses
-    // the row after the rejection was logged. So, under killed backends, at most one missing
-    // audit row per kill.
+    // A rejection re-sent alone runs in the write's own gate, which writes its audit row and
+    // then commits; a backend killed during that COMMIT takes the row with it, and the library
+    // writes it again through the auditor's pool: one row per rejection, or (when that write
+    // fails too) a reported audit failure.
     assert!(
-        s.audit_rows <= s.rejected && s.rejected - s.audit_rows <= s.backend_kills,
-        "one audit row per rejection, but for a kill during the gate's COMMIT: {s}"
+        s.audit_rows <= s.rejected && s.audit_rows + s.audit_failures >= s.rejected,
+        "one audit row or audit failure per rejection: {s}"
     );
     assert_failures_retryable(&report);
     assert_eq!(s.repeated_increments, 0, "{s}");
@@ -562,7 +562,7 @@ async fn row_claim_through_the_coalescer_holds_under_faults() {
         "{m}"
     );
     assert!(
-        m.audit_rows <= m.rejected && m.rejected - m.audit_rows <= m.backend_kills,
+        m.audit_rows <= m.rejected && m.audit_rows + m.audit_failures >= m.rejected,
         "{m}"
     );
     assert!(
