@@ -513,9 +513,11 @@ async fn row_claim_through_the_coalescer_holds_under_faults() {
     assert_eq!(total(&db, &s.run).await, s.units_incremented, "{s}");
     let c = s.coalescer.as_ref().expect("coalescer figures");
     assert!(c.statements > 0, "some updates must have queued up: {s}");
+    // A statement carries whatever waited when the lane came free: one update at times, more
+    // on average when updates queue up.
     assert!(
-        c.carried >= 2 * c.statements,
-        "a coalesced statement carries at least two updates: {s}"
+        c.carried > c.statements,
+        "coalesced statements carry more than one update on average: {s}"
     );
     assert!(c.applied > 0, "{s}");
     // The coalesced writes are in the history (the trigger's rows), checked with the rest.
