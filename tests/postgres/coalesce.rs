@@ -396,3 +396,73 @@ async fn a_group_whose_commit_fails_is_sent_again_row_by_row() {
     let stats = writer.stats();
     assert!(stats.resent >= 8, "{stats:?}");
 }
+
+/// A group whose `COMMIT` gets no answer — its backend ends during the `COMMIT` (a deferred
+/// trigger terminates it) — may have committed: every caller in it is told so, with a
+/// retryable error that says the update applied or not, and none is sent again (a second
+/// send could be told "stale" for a write that landed). Here the trigger ran before the
+/// commit record, so nothing of those groups landed, and a retry with the same lease applies.
+#[tokio::test]
+async fn a_group_whose_commit_gets_no_answer_is_in_doubt_and_not_sent_again() {
+    let (db, writer) = setup(128).await;
+    db.exec(
+        "CREATE FUNCTION end_backend() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.balance < 0 THEN
+                 PERFORM pg_catalog.pg_terminate_backend(pg_catalog.pg_backend_pid());
+                 PERFORM pg_catalog.pg_sleep(5);
+             END IF;
+             RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER end_backend AFTER UPDATE ON account
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION end_backend();",
+    )
+    .await;
+    let writer = writer.with_lanes(1, 16);
+    let w = writer.clone();
+    let results = at_once(128, move |i| {
+        let w = w.clone();
+        let id = int(i) + 1;
+        // Every 16th row is written negative: the COMMIT that carries it ends its backend.
+        let balance = if id % 16 == 0 { -id } else { id };
+        async move { w.update(lease(3000 + id), &Account { id, balance }).await }
+    })
+    .await;
+    let mut in_doubt = Vec::new();
+    for (i, result) in results.iter().enumerate() {
+        let id = int(i) + 1;
+        match result {
+            Ok(()) => {
+                assert_ne!(id % 16, 0, "row {id} applied");
+                assert_eq!(balance(&db, id).await, Some(id), "row {id}");
+            }
+            Err(e) => {
+                assert!(e.is_retryable(), "row {id}: {e}");
+                assert_eq!(balance(&db, id).await, Some(0), "row {id}: {e}");
+                if id % 16 != 0 {
+                    // A group-mate of a poisoned row (alone, the poisoned row gets its own
+                    // COMMIT's error).
+                    assert!(e.to_string().contains("applied or not"), "row {id}: {e}");
+                    in_doubt.push(id);
+                }
+            }
+        }
+    }
+    let stats = writer.stats();
+    assert!(
+        !in_doubt.is_empty(),
+        "no poisoned row shared a group: {stats:?}"
+    );
+    assert_eq!(
+        stats.resent, 0,
+        "an in-doubt group must not be sent again: {stats:?}"
+    );
+    // The retry the error asks for: the same lease, the same values.
+    let repo = writer.repository().clone();
+    for id in in_doubt {
+        repo.update(&db.pool, lease(3000 + id), &Account { id, balance: id })
+            .await
+            .unwrap();
+        assert_eq!(balance(&db, id).await, Some(id), "row {id}");
+    }
+}
