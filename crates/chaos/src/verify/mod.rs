@@ -136,16 +136,18 @@ pub(crate) async fn verify(
     let committed = committed_writes(admin, id.run).await?;
     let rows = final_rows(admin, id.run, CounterTable::of(cfg.mode)).await?;
     // A row the library wrote again after its first one's COMMIT got no answer may repeat
-    // that first one (it says so in `reason`): counted once, as the one rejection it is.
+    // that first one (it says so at the end of `reason`): counted once, as the one rejection
+    // it is. Every other row counts (a NULL `reason` included: hence the coalesce).
     let (audit_rows, audit_rows_rewritten): (i64, i64) = sqlx::query_as(
-        "SELECT count(*) FILTER (WHERE NOT (a.reason LIKE '%' || $2 AND EXISTS ( \
+        "SELECT count(*) FILTER (WHERE NOT (coalesce(right(a.reason, length($2)) = $2, false) \
+                    AND EXISTS ( \
                     SELECT 1 FROM pgfence.audit b \
                     WHERE b.id < a.id AND b.resource = a.resource \
                       AND b.row_key IS NOT DISTINCT FROM a.row_key \
                       AND b.presented = a.presented \
                       AND b.current IS NOT DISTINCT FROM a.current \
                       AND b.operation = a.operation))), \
-                count(*) FILTER (WHERE a.reason LIKE '%' || $2) \
+                count(*) FILTER (WHERE right(a.reason, length($2)) = $2) \
          FROM pgfence.audit a WHERE left(a.resource, length($1)) = $1",
     )
     .bind(id.resource_prefix)
