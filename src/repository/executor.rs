@@ -107,7 +107,7 @@ impl Stage {
         self.held().clear();
     }
 
-    /// The gate did not commit (`in_doubt`: or may not have): writes each held rejection's
+    /// The gate did not commit, or may not have (`loss` says which): writes each held rejection's
     /// audit row again through its auditor's pool. One at a time, each taken off the list only
     /// once written, so a call cut off meanwhile still reports the rest ([`Stage::report_held`]).
     async fn rewrite_held(&self, loss: &AuditLoss) {
