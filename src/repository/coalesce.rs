@@ -92,7 +92,8 @@ pub struct CoalescerStats {
     /// rejections among them are explained and audited there).
     pub resent: u64,
     /// Coalesced statements whose transaction began in the same round trip as the previous
-    /// statement's `COMMIT` (updates were waiting when it finished).
+    /// statement's `COMMIT` (updates were waiting then, or that statement's callers came
+    /// back).
     pub chained: u64,
 }
 
@@ -332,23 +333,23 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Inner<T> {
         }
     }
 
-    /// Sends one group as one statement in the lane's gate — begun in the same round trip as
-    /// the previous group's `COMMIT` when that group is still open ([`Inner::chain`]), else a
-    /// gate of its own — and answers every caller whose row it did not apply. The callers
-    /// whose rows it applied are answered when their `COMMIT` returns: the open group this
-    /// returns ([`Inner::commit`], or the next group's chain).
-    async fn send(&self, mut group: Vec<Waiting<T>>, open: Option<Open<T>>) -> Option<Open<T>> {
+    /// Sends one group as one statement in the lane's gate — `gate`, begun in the same round
+    /// trip as the previous group's `COMMIT` ([`Inner::chain`]), else a gate of its own — and
+    /// answers every caller whose row it did not apply. The callers whose rows it applied are
+    /// answered when their `COMMIT` returns: the open group this returns ([`Inner::commit`],
+    /// or [`Inner::chain`]). An unused `gate` is dropped (its `ROLLBACK` goes with the
+    /// connection back to the pool).
+    async fn send(&self, mut group: Vec<Waiting<T>>, gate: Option<Gate>) -> Option<Open<T>> {
         let bound = self.bound(&mut group);
         if group.is_empty() {
-            return open;
+            return None;
         }
         let deadline = Instant::now() + bound;
-        let chained = match open {
-            Some(open) => self.chain(open, bound).await,
-            None => None,
-        };
-        let mut tx = match chained {
-            Some(tx) => tx,
+        let mut tx = match gate {
+            Some(tx) => {
+                self.counters.chained.fetch_add(1, Ordering::Relaxed);
+                tx
+            }
             None => match timeout_at(deadline, self.pool.begin_with(gate_sql(bound))).await {
                 Ok(Ok(tx)) => tx,
                 // Each caller sends its update alone and reports what its own call meets.
@@ -393,13 +394,16 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Inner<T> {
         })
     }
 
-    /// Commits `open` and begins the next group's gate (bounded by `bound`) in one simple
-    /// query, answering `open`'s callers; the gate, or `None` when that query failed or ran
-    /// past `open`'s bound (the next group then begins a gate of its own). The statements'
+    /// Commits `open` and begins the next group's gate in one simple query, answering
+    /// `open`'s callers; the gate, or `None` when that query failed or ran past `open`'s bound
+    /// (the next group then begins a gate of its own). The gate's server-side timeouts are
+    /// the time left to the earliest waiting caller's bound, or a whole call's bound when
+    /// nobody waits yet (the group it will carry is taken after this returns). The statements'
     /// answers are read one by one, so a failure after `COMMIT`'s own answer (the server
     /// ending the connection between the statements) still counts the group as committed.
-    async fn chain(&self, open: Open<T>, bound: std::time::Duration) -> Option<Gate> {
+    async fn chain(&self, open: Open<T>) -> Option<Gate> {
         use futures_util::StreamExt;
+        let bound = self.next_bound();
         let Open {
             mut tx,
             applied,
@@ -425,12 +429,25 @@ impl<T: FencedTable + Clone + Send + Sync + 'static> Inner<T> {
             Err(_) => (Committed::TimedOut, false),
         };
         self.answer_committed(applied, &committed);
-        if chained {
-            self.counters.chained.fetch_add(1, Ordering::Relaxed);
-            Some(tx)
-        } else {
-            None
-        }
+        chained.then_some(tx)
+    }
+
+    /// The time left to the bound of the earliest update waiting (the queue's front: every
+    /// queued update got the same bound when it was queued); the repository's call bound
+    /// when none waits.
+    fn next_bound(&self) -> std::time::Duration {
+        let now = tokio::time::Instant::now();
+        self.lock()
+            .queue
+            .front()
+            .map_or(self.repo.call_timeout(), |w| {
+                w.deadline.saturating_duration_since(now)
+            })
+    }
+
+    /// Whether an update waits.
+    fn queued(&self) -> bool {
+        !self.lock().queue.is_empty()
     }
 
     /// Commits `open` (nothing queued behind it) and answers its callers.
@@ -533,21 +550,33 @@ fn spawn_drain<T: FencedTable + Clone + Send + Sync + 'static>(inner: Arc<Inner<
 }
 
 /// Serves the queue on one lane until it is empty, then gives the lane back. A group whose
-/// statement ran stays open while more updates wait: its `COMMIT` travels with the next
-/// group's `BEGIN` (two round trips a group instead of three); with nothing waiting it is
+/// statement ran is committed in the same round trip as the next group's `BEGIN` while
+/// updates wait or when it carried more than one (its callers, answered by that `COMMIT`,
+/// tend to come back at once: closed-loop workers); the next group is taken only once they
+/// had a turn to queue again (a yield to the runtime, no timer), so one group carries the
+/// callers of the last and whoever came meanwhile: two round trips a group, and a caller
+/// waits for no group but its own. With nothing waiting and a lone update, the group is
 /// committed at once.
 async fn drain<T: FencedTable + Clone + Send + Sync + 'static>(inner: Arc<Inner<T>>) {
-    let mut open = None;
+    let mut open: Option<Open<T>> = None;
+    let mut gate = None;
     loop {
+        if let Some(group) = open.take() {
+            if group.applied.len() > 1 || inner.queued() {
+                gate = inner.chain(group).await;
+                tokio::task::yield_now().await;
+            } else {
+                inner.commit(group).await;
+            }
+            continue;
+        }
         let group = inner.take_group();
         if !group.is_empty() {
-            open = inner.send(group, open.take()).await;
+            open = inner.send(group, gate.take()).await;
             continue;
         }
-        if let Some(group) = open.take() {
-            inner.commit(group).await;
-            continue;
-        }
+        // Begun for callers that did not come back: its ROLLBACK goes with the connection.
+        drop(gate.take());
         let mut state = inner.lock();
         if state.queue.is_empty() {
             state.in_flight -= 1;

@@ -356,6 +356,49 @@ async fn queued_groups_chain_their_commits_and_every_update_lands() {
     assert_eq!(stats.alone + stats.carried, 256, "{stats:?}");
 }
 
+/// Closed-loop workers (each sends its next update as soon as the last one returns) ride one
+/// group together: the callers a `COMMIT` answers queue again before the next group is
+/// taken, so a group carries nearly all 16 of them. Taking the next group before that
+/// `COMMIT` (as the first version of this coalescer did) splits them into two alternating halves of 8,
+/// every caller waiting for the other half's group as well as its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_loop_callers_ride_one_group_together() {
+    const WORKERS: usize = 16;
+    const ROUNDS: i64 = 60;
+    let (db, writer) = setup(int(WORKERS)).await;
+    let w = writer.clone();
+    let results = at_once(WORKERS, move |i| {
+        let w = w.clone();
+        let id = int(i) + 1;
+        async move {
+            for balance in 1..=ROUNDS {
+                w.update(lease(3000 + id), &Account { id, balance }).await?;
+            }
+            Ok(())
+        }
+    })
+    .await;
+    for (i, result) in results.iter().enumerate() {
+        assert!(result.is_ok(), "worker {i}: {result:?}");
+    }
+    for id in 1..=int(WORKERS) {
+        assert_eq!(balance(&db, id).await, Some(ROUNDS), "row {id}");
+    }
+    let stats = writer.stats();
+    assert_eq!(
+        stats.alone + stats.carried,
+        u64::try_from(int(WORKERS) * ROUNDS).unwrap(),
+        "{stats:?}"
+    );
+    assert_eq!(stats.resent, 0, "{stats:?}");
+    let per_statement = stats.carried as f64 / stats.statements.max(1) as f64;
+    eprintln!("{stats:?}: {per_statement:.1} updates per statement");
+    assert!(
+        per_statement > 10.0,
+        "groups of {per_statement:.1}: the callers split into cohorts ({stats:?})"
+    );
+}
+
 /// A group whose `COMMIT` fails (a deferred constraint one row breaks) keeps nothing: each
 /// caller sends its update alone, so the rows that break nothing are applied and the one
 /// that does gets the constraint's error, as `Repository::update` would give it.
