@@ -79,6 +79,20 @@ where
     results
 }
 
+/// Updates rows 1..=128 at once through `writer`, each under its own lease, with every 16th
+/// row written negative (what the deferred trigger of the test acts on in its group's
+/// `COMMIT`) and every other row its id.
+async fn every_16th_negative(writer: &Coalescer<Account>) -> Vec<pgfence::Result<()>> {
+    let w = writer.clone();
+    at_once(128, move |i| {
+        let w = w.clone();
+        let id = int(i) + 1;
+        let balance = if id % 16 == 0 { -id } else { id };
+        async move { w.update(lease(3000 + id), &Account { id, balance }).await }
+    })
+    .await
+}
+
 /// 64 leases update 64 rows at once through one lane: they are coalesced (fewer statements
 /// than updates) and every update is applied with its own value and its own lease's fence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -414,15 +428,8 @@ async fn a_group_whose_commit_fails_is_sent_again_row_by_row() {
     )
     .await;
     let writer = writer.with_lanes(1, 16);
-    let w = writer.clone();
-    let results = at_once(128, move |i| {
-        let w = w.clone();
-        let id = int(i) + 1;
-        // Every 16th row is written negative: its group's COMMIT fails.
-        let balance = if id % 16 == 0 { -id } else { id };
-        async move { w.update(lease(3000 + id), &Account { id, balance }).await }
-    })
-    .await;
+    // Every 16th row is written negative: its group's COMMIT fails.
+    let results = every_16th_negative(&writer).await;
     for (i, result) in results.iter().enumerate() {
         let id = int(i) + 1;
         if id % 16 == 0 {
@@ -462,15 +469,8 @@ async fn a_group_whose_commit_gets_no_answer_is_in_doubt_and_not_sent_again() {
     )
     .await;
     let writer = writer.with_lanes(1, 16);
-    let w = writer.clone();
-    let results = at_once(128, move |i| {
-        let w = w.clone();
-        let id = int(i) + 1;
-        // Every 16th row is written negative: the COMMIT that carries it ends its backend.
-        let balance = if id % 16 == 0 { -id } else { id };
-        async move { w.update(lease(3000 + id), &Account { id, balance }).await }
-    })
-    .await;
+    // Every 16th row is written negative: the COMMIT that carries it ends its backend.
+    let results = every_16th_negative(&writer).await;
     let mut in_doubt = Vec::new();
     for (i, result) in results.iter().enumerate() {
         let id = int(i) + 1;
