@@ -15,6 +15,7 @@
 --  11. schema_version(): which migrations are applied, readable by any role.
 --  12. Upgrading a 0.2.0 database in place: stored data, installed guard triggers, grants.
 --  13. The public surface: the functions only pgfence's own SQL calls are the owner's alone.
+--  14. Statements whose client went away stop: client_connection_check_interval.
 --
 -- Privileges are deny by default (V5): each section revokes PUBLIC's EXECUTE on what it creates
 -- and grants only what every role may run; what applications call is granted by
@@ -1895,5 +1896,33 @@ BEGIN
             EXECUTE format('REVOKE ALL ON FUNCTION %s FROM %s', v_fn, v_grantee);
         END LOOP;
     END LOOP;
+END
+$$;
+
+------------------------------------------------------------------------------------------------
+-- 14. Statements whose client went away stop
+--
+-- A repository write is one autocommit statement (docs/library.md, "Time bounds"): when its
+-- call's bound fires, the library closes the connection, and the server ends the statement at
+-- its next check of the client's socket. PostgreSQL checks only while
+-- client_connection_check_interval is set (PostgreSQL 14 and later; 0, off, by default): the
+-- migration sets it to one second for this database when nothing set it, as its owner may.
+-- A value an owner set is kept; a role that does not own the database changes nothing here
+-- (docs/operations.md says how to set it by hand).
+DO $$
+DECLARE
+    v_db oid := (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = current_database());
+BEGIN
+    IF current_setting('server_version_num')::integer >= 140000
+       AND pg_catalog.pg_has_role(current_user,
+               (SELECT d.datdba FROM pg_catalog.pg_database d WHERE d.oid = v_db), 'USAGE')
+       AND NOT EXISTS (
+           SELECT 1 FROM pg_catalog.pg_db_role_setting s, unnest(s.setconfig) c
+            WHERE s.setdatabase = v_db AND s.setrole = 0
+              AND c LIKE 'client\_connection\_check\_interval=%')
+    THEN
+        EXECUTE format('ALTER DATABASE %I SET client_connection_check_interval = 1000',
+                       current_database());
+    END IF;
 END
 $$;

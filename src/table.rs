@@ -96,6 +96,21 @@ pub trait FencedTable: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// A hash of this row's key ([`hash_key`]), equal to [`FencedTable::key_value_hash`] of
+    /// the same key: how a lease remembers the fence it last saw on the row, so its next write
+    /// there is one statement. The derive and [`fenced_table!`](crate::fenced_table)
+    /// implement it; the default returns `None`, and a lease's repeated write to a row then
+    /// costs one more round trip (it learns the row's fence from the refusal).
+    fn key_hash(&self) -> Option<u64> {
+        None
+    }
+
+    /// A hash of a bare key ([`hash_key`]). See [`FencedTable::key_hash`].
+    fn key_value_hash(key: &Self::Key) -> Option<u64> {
+        let _ = key;
+        None
+    }
+
     /// The Rust types of the data columns, one per [`Self::COLUMNS`] entry, for
     /// [`Repository::verify`](crate::Repository::verify). The derive knows them; [`fenced_table!`](crate::fenced_table)
     /// (which names only the columns) and the default return an empty list: unchecked.
@@ -187,6 +202,14 @@ macro_rules! fenced_table {
             fn key_types() -> ::std::vec::Vec<$crate::table::ColumnType> {
                 ::std::vec![$($crate::table::ColumnType::of::<$kty>()),+]
             }
+            fn key_hash(&self) -> Option<u64> {
+                Some($crate::table::hash_key(&($(&self.$key,)+)))
+            }
+            fn key_value_hash(key: &Self::Key) -> Option<u64> {
+                #[allow(non_snake_case)]
+                let ($($key,)+) = key;
+                Some($crate::table::hash_key(&($($key,)+)))
+            }
         }
     };
     ($ty:ty { $(schema: $schema:literal,)? table: $table:literal,
@@ -217,8 +240,25 @@ macro_rules! fenced_table {
             fn key_types() -> ::std::vec::Vec<$crate::table::ColumnType> {
                 ::std::vec![$crate::table::ColumnType::of::<$kty>()]
             }
+            fn key_hash(&self) -> Option<u64> {
+                Some($crate::table::hash_key(&self.$key))
+            }
+            fn key_value_hash(key: &Self::Key) -> Option<u64> {
+                Some($crate::table::hash_key(key))
+            }
         }
     };
+}
+
+/// The hash [`FencedTable::key_hash`] uses: std's `DefaultHasher` with its fixed keys, so a
+/// row's key and the bare key hash alike within one process.
+#[doc(hidden)]
+#[must_use]
+pub fn hash_key<K: std::hash::Hash + ?Sized>(key: &K) -> u64 {
+    use std::hash::Hasher;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
+    h.finish()
 }
 
 /// The Rust side of a column: the type a [`FencedTable`] binds and reads, and which

@@ -62,6 +62,8 @@ pub struct Lease {
     /// The PostgreSQL timeline the lease's first fenced statement ran on; shared by clones
     /// and by every [`Fencing`] made from the lease ([`Lease::timeline`]).
     pub(crate) timeline: crate::timeline::Binding,
+    /// The fence the lease last saw on each row it wrote; shared like `timeline`.
+    pub(crate) rows: crate::token::order::RowLog,
 }
 
 impl PartialEq for Lease {
@@ -184,6 +186,7 @@ impl Lease {
             ttl: MIN_TTL,
             deadline: Instant::now(),
             timeline: crate::timeline::Binding::default(),
+            rows: crate::token::order::RowLog::default(),
         }
     }
 
@@ -217,6 +220,7 @@ impl Lease {
             ttl,
             deadline: sent_at + ttl,
             timeline: crate::timeline::Binding::default(),
+            rows: crate::token::order::RowLog::default(),
         }
     }
 
@@ -232,6 +236,7 @@ impl From<&Lease> for Fencing {
             .resource(lease.fencing.clone())
             .holder(lease.owner.clone());
         fencing.timeline = lease.timeline.clone();
+        fencing.rows = lease.rows.clone();
         fencing
     }
 }

@@ -198,8 +198,8 @@ pub(crate) struct Lent<'c> {
 }
 
 enum Conn<'c> {
-    /// Not gated: each statement a transaction of its own (reads, checks).
-    Pooled(sqlx::pool::PoolConnection<Postgres>),
+    /// Not gated: each statement a transaction of its own (reads, checks, ordered writes).
+    Pooled(Closing),
     /// The caller's connection: inside its transaction, or not gated.
     Borrowed(&'c mut sqlx::PgConnection),
     /// The write's own transaction, on a pooled connection or the caller's connection
@@ -209,12 +209,47 @@ enum Conn<'c> {
     Gate(sqlx::Transaction<'c, Postgres>),
 }
 
+/// A pooled connection that is closed, not returned to the pool, when the call using it is
+/// dropped before it [`Lent::finish`]ed: a statement cut off by its bound is still running on
+/// it, and sqlx would otherwise wait for that statement's end to return the connection. Closed,
+/// the server ends the statement too at its next check of the client's connection
+/// (`client_connection_check_interval`).
+pub(crate) struct Closing {
+    conn: Option<sqlx::pool::PoolConnection<Postgres>>,
+    armed: bool,
+}
+
+impl Drop for Closing {
+    fn drop(&mut self) {
+        if self.armed
+            && let Some(conn) = self.conn.take()
+        {
+            // Detached and dropped here: its socket closes now (the pool opens another), so
+            // the server sees the client gone at its next check. A graceful close would wait
+            // behind the statement.
+            drop(conn.detach());
+        }
+    }
+}
+
+impl Closing {
+    fn conn(&mut self) -> &mut sqlx::PgConnection {
+        // Only `drop` takes the connection out.
+        self.conn
+            .as_deref_mut()
+            .expect("a lent connection is present until dropped")
+    }
+}
+
 impl<'c> WriteTarget<'c> {
     /// The connection, not gated: every statement on a pool is a transaction of its own.
     pub(crate) async fn lend(self) -> sqlx::Result<Lent<'c>> {
         Ok(Lent {
             conn: match self {
-                Self::Pool(pool) => Conn::Pooled(pool.acquire().await?),
+                Self::Pool(pool) => Conn::Pooled(Closing {
+                    conn: Some(pool.acquire().await?),
+                    armed: false,
+                }),
                 Self::Connection(conn) => Conn::Borrowed(conn),
             },
             stage: Stage::default(),
@@ -250,9 +285,24 @@ impl<'c> WriteTarget<'c> {
 impl Lent<'_> {
     pub(crate) fn conn(&mut self) -> &mut sqlx::PgConnection {
         match &mut self.conn {
-            Conn::Pooled(conn) => conn,
+            Conn::Pooled(conn) => conn.conn(),
             Conn::Borrowed(conn) => conn,
             Conn::Gate(tx) => tx,
+        }
+    }
+
+    /// From now on, a pooled connection dropped before [`Lent::finish`] is closed
+    /// ([`Closing`]).
+    fn arm(&mut self) {
+        if let Conn::Pooled(c) = &mut self.conn {
+            c.armed = true;
+        }
+    }
+
+    /// The call got its answers: the connection goes back to the pool as usual.
+    fn finish(&mut self) {
+        if let Conn::Pooled(c) = &mut self.conn {
+            c.armed = false;
         }
     }
 
@@ -261,6 +311,11 @@ impl Lent<'_> {
     /// Only the client knows; the server cannot tell autocommit from a transaction block.
     pub(crate) fn own_transaction(&self) -> bool {
         !matches!(self.conn, Conn::Borrowed(_))
+    }
+
+    /// Whether each statement is a transaction of its own (a pooled connection, not gated).
+    pub(crate) fn autocommit(&self) -> bool {
+        matches!(self.conn, Conn::Pooled(_))
     }
 
     /// Whether the statements run in the write's own transaction (which [`Lent::settle`]
@@ -422,6 +477,67 @@ where
         "{err}"
     );
     Err(err)
+}
+
+/// Runs one write ordered by the row ([`crate::token::order`]): no transaction of its own, one
+/// autocommit statement on a pool. `work` gets the connection and the fence the write expects;
+/// when the bound cuts it off, `lost` is told which fence the write expected, so the lease's
+/// next write to the row orders after it, whether it applied or not.
+pub(crate) async fn ordered<'c, R, Fut>(
+    bound: std::time::Duration,
+    operation: &'static str,
+    what: impl FnOnce() -> String,
+    target: WriteTarget<'c>,
+    lost: impl FnOnce(),
+    work: impl FnOnce(Lent<'c>) -> Fut,
+) -> crate::Result<R>
+where
+    Fut: std::future::Future<Output = (Lent<'c>, crate::Result<R>)>,
+{
+    let in_caller_tx =
+        matches!(&target, WriteTarget::Connection(c) if sqlx::Connection::is_in_transaction(&**c));
+    let sent = std::sync::atomic::AtomicBool::new(false);
+    let call = async {
+        let mut lent = target.lend().await?;
+        lent.arm();
+        sent.store(true, std::sync::atomic::Ordering::Release);
+        let (mut lent, result) = work(lent).await;
+        lent.finish();
+        result
+    };
+    let result = match tokio::time::timeout(bound, call).await {
+        Ok(result) => result,
+        Err(_) => {
+            let outcome = if in_caller_tx {
+                crate::error::TimedOut::CallerTransaction
+            } else if sent.load(std::sync::atomic::Ordering::Acquire) {
+                crate::error::TimedOut::InDoubt
+            } else {
+                crate::error::TimedOut::NotApplied
+            };
+            let err = crate::Error::TimedOut {
+                operation,
+                target: what(),
+                after: bound,
+                outcome,
+            };
+            tracing::warn!(
+                target: crate::audit::LOG_TARGET,
+                operation,
+                table = %err_target(&err),
+                outcome = ?outcome,
+                bound_ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX),
+                "{err}"
+            );
+            Err(err)
+        }
+    };
+    if let Err(e) = &result
+        && (matches!(e, crate::Error::TimedOut { .. }) || e.is_retryable())
+    {
+        lost();
+    }
+    result
 }
 
 /// Whether `err` is PostgreSQL's `query_canceled` (57014): a statement timeout or a cancel

@@ -70,12 +70,28 @@ pub struct Repository<T> {
     partial: Arc<Mutex<HashMap<Vec<usize>, Arc<Statement>>>>,
     /// Every write's bound ([`Repository::with_call_timeout`]).
     call_timeout: Duration,
+    /// The table's hash: with a key's, which row a lease's [`RowLog`](crate::token::order::RowLog) entry is.
+    table_id: u64,
     _row: PhantomData<fn() -> T>,
 }
 
 /// At most this many column sets keep their partial-update statement; others are built per
 /// call.
 const MAX_CACHED_PARTIAL: usize = 64;
+
+/// How often a write is sent again after meeting another fence of its own lease than it
+/// expected (the lease's concurrent writes to the row, or a row the lease forgot).
+const MAX_OWN_RESENDS: usize = 4;
+
+/// What a write that changed nothing does next ([`Repository::cas_refusal`]).
+enum Next {
+    /// Send it again as it was (the lease was rebound to a new timeline).
+    Resend,
+    /// Send it again expecting this fence of its own lease.
+    Expect(i64),
+    /// It is refused.
+    Fail(Error),
+}
 
 impl<T> Clone for Repository<T> {
     fn clone(&self) -> Self {
@@ -86,6 +102,7 @@ impl<T> Clone for Repository<T> {
             seen: self.seen.clone(),
             partial: self.partial.clone(),
             call_timeout: self.call_timeout,
+            table_id: self.table_id,
             _row: PhantomData,
         }
     }
@@ -99,44 +116,86 @@ impl<T> std::fmt::Debug for Repository<T> {
     }
 }
 
-/// The loop every single-row write shares, in its gate and within the call's bound: bind the
-/// lease's timeline, send the write (`attempt`, an async block on `lent` that is `Some` when the
-/// write applied), and when it changed nothing ask why ([`Repository::refusal`]): a refusal
-/// ends the call, a lease rebound to the database's new timeline sends the write again.
-/// `(call, operation)`: the call's name (in its bound's WARN event) and the write's (in
-/// rejections and the audit trail). A macro rather than a function taking a closure: a
-/// closure's future borrowing the connection would make every write's future `Send` only
-/// for one lifetime, and `tokio::spawn` refuses that.
-macro_rules! fenced_write {
+/// The loop every single-row write shares, ordered by the row ([`crate::token::order`]): one
+/// autocommit statement on a pool, no transaction of its own. The write expects the fence the
+/// lease last saw on the row (`$row`, from its [`RowLog`](crate::token::order::RowLog); `0`
+/// when it saw none) and applies over exactly that fence or an older lease's; a statement of
+/// the lease that reaches the server after a later write of the lease to the row therefore
+/// changes nothing. `$attempt` (an async block on `$lent` and `$expected`) is `Some((done,
+/// fence))` when the write applied, `fence` being what the row now holds (`None`: the row is
+/// gone). When it changed nothing, the explaining statement says why: the lease's own fence
+/// where another of its fences was expected (its concurrent write, or a row it forgot) sends
+/// the write again expecting that fence; a refusal ends the call; a lease rebound to the
+/// database's new timeline sends it again. A call cut off by its bound or a lost connection
+/// leaves the row's entry in doubt: the lease's next write there expects the fence the row had
+/// before, so it orders after the lost statement whether that applied or not.
+macro_rules! ordered_write {
     ($repo:expr, $exec:expr, ($call:expr, $operation:expr), $fencing:expr, $source:expr,
-     $explain:expr, |$lent:ident| $attempt:expr) => {
-        crate::repository::executor::bounded(
+     $row:expr, $explain:expr, |$lent:ident, $expected:ident| $attempt:expr) => {{
+        let id: Option<crate::token::order::RowId> = $row.map(|k| ($repo.table_id, k));
+        let rows = $fencing.rows.clone();
+        let after = {
+            let f = $fencing.clone();
+            move |e| f.after(e)
+        };
+        let start = id.and_then(|id| rows.get(id)).map_or(0, |s| s.expected);
+        crate::repository::executor::ordered(
             $repo.call_timeout,
             $call,
             || $repo.table.quoted(),
             $exec.into_target(),
+            || {
+                if let Some(id) = id {
+                    // The fence the write expected last (a resend may have moved it).
+                    let e = rows.get(id).map_or(start, |s| s.expected);
+                    rows.lost(id, e, after(e));
+                }
+            },
             |mut $lent| async move {
                 let result = async {
-                    loop {
+                    let mut $expected = start;
+                    for _ in 0..MAX_OWN_RESENDS {
                         $repo.seen.bind(&$fencing.timeline, $lent.conn()).await?;
-                        let applied: Result<Option<_>> = $attempt.await;
-                        if let Some(done) = applied? {
+                        let applied: Result<Option<(_, Option<i64>)>> = $attempt.await;
+                        if let Some((done, fence)) = applied? {
+                            if let Some(id) = id {
+                                match fence {
+                                    Some(fence) => $fencing.rows.saw(id, fence),
+                                    None => $fencing.rows.forget(id),
+                                }
+                            }
                             return Ok(done);
                         }
-                        if let Some(err) = $repo
-                            .refusal($explain, $source, &$fencing, $operation, &mut $lent)
+                        match $repo
+                            .cas_refusal($explain, $source, &$fencing, $operation, &mut $lent)
                             .await?
                         {
-                            return Err(err);
+                            Next::Resend => {}
+                            Next::Expect(current) => {
+                                if let Some(id) = id {
+                                    $fencing.rows.saw(id, current);
+                                }
+                                $expected = current;
+                            }
+                            Next::Fail(err) => {
+                                if let Some(id) = id {
+                                    $fencing.rows.forget(id);
+                                }
+                                return Err(err);
+                            }
                         }
                     }
+                    Err(Error::Contended {
+                        table: $repo.table.quoted(),
+                        operation: $operation,
+                    })
                 }
                 .await;
                 ($lent, result)
             },
         )
         .await
-    };
+    }};
 }
 
 impl<T: FencedTable> Repository<T> {
@@ -191,6 +250,7 @@ impl<T: FencedTable> Repository<T> {
         }
         let sql = Statements::build(&table, &keys, &cols, auditor.in_statement_timeout_ms())?;
         Ok(Self {
+            table_id: crate::table::hash_key(table.quoted().as_str()),
             table: Arc::new(table),
             sql: Arc::new(sql),
             auditor,
@@ -275,19 +335,24 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("update");
         let fencing = fencing.into();
         let source = Source::Row(row);
-        fenced_write!(
+        ordered_write!(
             self,
             exec,
             ("update", "update"),
             fencing,
             source,
+            row.key_hash(),
             &self.sql.explain_update,
-            |lent| async {
-                let write = self.sql.update.bind(source, &fencing, false);
+            |lent, expected| async {
+                let write = self
+                    .sql
+                    .update
+                    .bind_expecting(source, &fencing, false, expected);
                 let done = self
-                    .written(write.execute(lent.conn()).await, &fencing, "update")
+                    .written(write.fetch_optional(lent.conn()).await, &fencing, "update")
                     .await?;
-                Ok((done.rows_affected() > 0).then_some(()))
+                done.map(|d| Ok(((), Some(d.try_get::<i64, _>(0)?))))
+                    .transpose()
             }
         )
     }
@@ -307,24 +372,29 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("upsert");
         let fencing = fencing.into();
         let source = Source::Row(row);
-        fenced_write!(
+        ordered_write!(
             self,
             exec,
             ("upsert", "upsert"),
             fencing,
             source,
+            row.key_hash(),
             &self.sql.explain_upsert,
-            |lent| async {
-                let write = self.sql.upsert.bind(source, &fencing, false);
+            |lent, expected| async {
+                let write = self
+                    .sql
+                    .upsert
+                    .bind_expecting(source, &fencing, false, expected);
                 let done = self
                     .written(write.fetch_optional(lent.conn()).await, &fencing, "upsert")
                     .await?;
                 done.map(|done| {
-                    Ok(if done.try_get::<bool, _>(0)? {
+                    let upserted = if done.try_get::<bool, _>(0)? {
                         Upserted::Inserted
                     } else {
                         Upserted::Updated
-                    })
+                    };
+                    Ok((upserted, Some(done.try_get::<i64, _>(1)?)))
                 })
                 .transpose()
             }
@@ -346,19 +416,25 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("delete");
         let fencing = fencing.into();
         let source = Source::<T>::Key(key);
-        fenced_write!(
+        ordered_write!(
             self,
             exec,
             ("delete", "delete"),
             fencing,
             source,
+            T::key_value_hash(key),
             &self.sql.explain_delete,
-            |lent| async {
-                let write = self.sql.delete.bind(source, &fencing, false);
+            |lent, expected| async {
+                let write = self
+                    .sql
+                    .delete
+                    .bind_expecting(source, &fencing, false, expected);
                 let deleted = self
                     .written(write.fetch_one(lent.conn()).await, &fencing, "delete")
                     .await?;
-                Ok(deleted.try_get::<bool, _>(0)?.then_some(()))
+                // The tombstone's fence: what the lease's next upsert of the key expects.
+                let tomb: Option<i64> = deleted.try_get(1)?;
+                Ok(deleted.try_get::<bool, _>(0)?.then_some(((), tomb)))
             }
         )
     }
@@ -397,60 +473,55 @@ impl<T: FencedTable> Repository<T> {
         let _timer = crate::metrics::Timer::write("claim");
         let fencing = fencing.into();
         let source = Source::<T>::Key(key);
-        fenced_write!(
+        let decode = |row: &PgRow| -> Result<(R, Option<i64>)> {
+            let fence: i64 = row.try_get("fence")?;
+            let decoded = R::from_row(row).map_err(|e| Error::Decode {
+                table: self.table.quoted(),
+                operation: "claim",
+                source: e,
+            })?;
+            Ok((decoded, Some(fence)))
+        };
+        ordered_write!(
             self,
             exec,
             ("claim", "claim"),
             fencing,
             source,
+            T::key_value_hash(key),
             &self.sql.explain_claim,
-            |lent| async {
-                let write = self.sql.claim.bind(source, &fencing, false);
-                // The claim and the decoding of its row are one transaction: the
-                // write's own (its gate, which `settle` rolls back after a decode
-                // error), or a savepoint inside the caller's. A row that does not
-                // decode into `R` is left as it was.
-                if lent.gated() {
-                    let claimed = self
-                        .written(write.fetch_optional(lent.conn()).await, &fencing, "claim")
-                        .await?;
-                    if let Some(row) = claimed {
-                        return R::from_row(&row).map(Some).map_err(|e| Error::Decode {
-                            table: self.table.quoted(),
-                            operation: "claim",
-                            source: e,
-                        });
+            |lent, expected| async {
+                let write = self
+                    .sql
+                    .claim
+                    .bind_expecting(source, &fencing, false, expected);
+                // The claim and the decoding of its row are one transaction, so a row that
+                // does not decode into `R` is left as it was: the claim's own on a pool or a
+                // connection outside a transaction, a savepoint inside the caller's (one
+                // round trip more than the claim; a claim is followed by a read-modify-write).
+                let mut tx = sqlx::Connection::begin(lent.conn()).await?;
+                let claimed = match write.fetch_optional(&mut *tx).await {
+                    Ok(claimed) => claimed,
+                    Err(e) => {
+                        // The statement's own error is the answer, whatever the rollback says.
+                        let _ = tx.rollback().await;
+                        return Err(self.write_error(e, &fencing, "claim").await);
                     }
-                } else {
-                    let mut tx = sqlx::Connection::begin(lent.conn()).await?;
-                    let claimed = match write.fetch_optional(&mut *tx).await {
-                        Ok(claimed) => claimed,
-                        Err(e) => {
-                            // The statement's own error is the answer, whatever the
-                            // rollback says.
-                            let _ = tx.rollback().await;
-                            return Err(self.write_error(e, &fencing, "claim").await);
-                        }
-                    };
-                    if let Some(row) = claimed {
-                        return match R::from_row(&row) {
-                            Ok(decoded) => {
-                                tx.commit().await?;
-                                Ok(Some(decoded))
-                            }
-                            Err(e) => {
-                                tx.rollback().await?;
-                                Err(Error::Decode {
-                                    table: self.table.quoted(),
-                                    operation: "claim",
-                                    source: e,
-                                })
-                            }
-                        };
-                    }
+                };
+                let Some(row) = claimed else {
                     tx.commit().await?;
+                    return Ok(None);
+                };
+                match decode(&row) {
+                    Ok(done) => {
+                        tx.commit().await?;
+                        Ok(Some(done))
+                    }
+                    Err(e) => {
+                        tx.rollback().await?;
+                        Err(e)
+                    }
                 }
-                Ok(None)
             }
         )
     }
@@ -526,21 +597,27 @@ impl<T: FencedTable> Repository<T> {
             )
         };
         // Refused before anything is sent (or bound).
-        let _ = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
+        let _ = statement
+            .bind_partial(row, &fencing, 0)
+            .ok_or_else(unbound)?;
         let source = Source::Row(row);
-        fenced_write!(
+        ordered_write!(
             self,
             exec,
             ("update_columns", "update"),
             fencing,
             source,
+            row.key_hash(),
             &self.sql.explain_update,
-            |lent| async {
-                let write = statement.bind_partial(row, &fencing).ok_or_else(unbound)?;
+            |lent, expected| async {
+                let write = statement
+                    .bind_partial(row, &fencing, expected)
+                    .ok_or_else(unbound)?;
                 let done = self
-                    .written(write.execute(lent.conn()).await, &fencing, "update")
+                    .written(write.fetch_optional(lent.conn()).await, &fencing, "update")
                     .await?;
-                Ok((done.rows_affected() > 0).then_some(()))
+                done.map(|d| Ok(((), Some(d.try_get::<i64, _>(0)?))))
+                    .transpose()
             }
         )
     }
@@ -649,37 +726,44 @@ impl<T: FencedTable> Repository<T> {
         }
     }
 
-    /// A single-row write that changed nothing: runs `explain` and returns the write's error
-    /// (logged and audited when it is a rejection: [`crate::repository::rejection`]), or `None` when the
-    /// lease now binds to the database's new timeline and the write is to be sent again.
-    async fn refusal(
+    /// A single-row write that changed nothing: runs `explain` and says what to do next —
+    /// send it again (the lease now binds to the database's new timeline), send it again
+    /// expecting the lease's own fence it found (its concurrent write, or a row it forgot),
+    /// or fail with the write's error (logged and audited when it is a rejection:
+    /// [`crate::repository::rejection`]).
+    async fn cas_refusal(
         &self,
         explain: &Statement,
         source: Source<'_, T>,
         fencing: &Fencing,
         operation: &'static str,
         lent: &mut Lent<'_>,
-    ) -> Result<Option<Error>> {
+    ) -> Result<Next> {
         let (row, audit_error) = explain_row(explain, source, fencing, lent).await?;
         let rejecting = self.rejecting(fencing, operation);
         if rejecting.failover(&self.seen, &row, lent).await? {
-            return Ok(None);
+            return Ok(Next::Resend);
         }
         let out = Explained {
             row: &row,
             audit_error: audit_error.as_deref(),
         };
-        // An upsert that finds no row but a fenced delete's tombstone was rejected by it.
+        // An upsert that finds no row but a fenced delete's tombstone was refused by it.
         let met = if operation == "upsert" {
             out.current_or_tombstone()?
         } else {
             out.current()?
         };
         let judgement = judge(fencing, met);
+        if let (crate::repository::rejection::Judgement::Contended, Some(current)) =
+            (judgement, met)
+        {
+            return Ok(Next::Expect(current));
+        }
         let err = rejecting
             .error(&out, judgement, |token| self.held_by(fencing, token), lent)
             .await?;
-        Ok(Some(err))
+        Ok(Next::Fail(err))
     }
 }
 
@@ -700,8 +784,8 @@ async fn explain_row<T: FencedTable>(
         .await;
     match first {
         Ok(row) => Ok((row, None)),
-        Err(e) => match audit_failure(&e) {
-            Some(audit_error) => {
+        Err(e) => {
+            if let Some(audit_error) = audit_failure(&e) {
                 // The failed insert aborted the write's own transaction, which holds nothing
                 // (the write changed no row): begin it again.
                 lent.restart_gate().await?;
@@ -709,10 +793,20 @@ async fn explain_row<T: FencedTable>(
                     .bind(source, fencing, false)
                     .fetch_one(lent.conn())
                     .await?;
-                Ok((row, Some(audit_error)))
+                return Ok((row, Some(audit_error)));
             }
-            None => Err(e.into()),
-        },
+            // On its own (autocommit), the statement's audit row commits with it: a commit the
+            // server refused (a deferred constraint on the audit table, say) took the row back,
+            // and the statement runs again with the row left to the auditor's pool.
+            if own && lent.autocommit() && crate::repository::executor::commit_rolled_back(&e) {
+                let row = explain
+                    .bind(source, fencing, false)
+                    .fetch_one(lent.conn())
+                    .await?;
+                return Ok((row, None));
+            }
+            Err(e.into())
+        }
     }
 }
 

@@ -47,6 +47,7 @@
 //! here, the repository's SQL and the SQL helpers of migration V7 are built on it.
 
 pub(crate) mod layout;
+pub(crate) mod order;
 
 use crate::error::InvalidInput;
 use std::fmt;
@@ -159,6 +160,8 @@ pub struct Fencing {
     /// The PostgreSQL timeline the lease is bound to (see [`Fencing::timeline`]); shared with
     /// the [`Lease`](crate::Lease) it came from and with every clone.
     pub(crate) timeline: Binding,
+    /// The fence this lease last saw on each row it wrote; shared like `timeline`.
+    pub(crate) rows: order::RowLog,
 }
 
 impl PartialEq for Fencing {
@@ -181,6 +184,7 @@ impl Fencing {
             resource: None,
             holder: None,
             timeline: Binding::default(),
+            rows: order::RowLog::default(),
         }
     }
 
@@ -272,6 +276,16 @@ impl Fencing {
     /// [`Fencing::lease_fence`] as a [`StoredFence`].
     pub(crate) fn stored(&self) -> StoredFence {
         StoredFence::lease(self.token, self.tag())
+    }
+
+    /// The fence this lease's write leaves over `expected` (what its statement stores): its
+    /// lease fence over anything but its own fence, the next step of its sequence over that.
+    pub(crate) fn after(&self, expected: i64) -> i64 {
+        let met = StoredFence::from_raw(expected);
+        match met.relation_to(self.stored()) {
+            Relation::Own => met.next().map_or(expected, StoredFence::get),
+            _ => self.lease_fence(),
+        }
     }
 
     /// How a stored `fence` relates to this lease.

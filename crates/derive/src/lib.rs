@@ -179,31 +179,42 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
         .as_ref()
         .map(|s| quote!(const SCHEMA: &'static str = #s;));
 
-    let (key_type, bind_key_value, bind_key_value_arrays) = if let [only] = key_tys.as_slice() {
-        (
-            quote!(#only),
-            quote!(q.bind(key)),
-            quote!(q.bind(
-                keys.iter()
-                    .map(|k| ::core::clone::Clone::clone(*k))
-                    .collect::<::std::vec::Vec<#only>>()
-            )),
-        )
-    } else {
-        let vars: Vec<Ident> = (0..keys.len()).map(|i| format_ident!("k{i}")).collect();
-        let idx = (0..keys.len()).map(syn::Index::from);
-        (
-            quote!((#(#key_tys,)*)),
-            quote! {
-                let (#(#vars,)*) = key;
-                q #(.bind(#vars))*
-            },
-            quote!(q #(.bind(
+    let (key_type, bind_key_value, bind_key_value_arrays, key_value_hash) =
+        if let [only] = key_tys.as_slice() {
+            (
+                quote!(#only),
+                quote!(q.bind(key)),
+                quote!(q.bind(
+                    keys.iter()
+                        .map(|k| ::core::clone::Clone::clone(*k))
+                        .collect::<::std::vec::Vec<#only>>()
+                )),
+                quote!(#krate::table::hash_key(key)),
+            )
+        } else {
+            let vars: Vec<Ident> = (0..keys.len()).map(|i| format_ident!("k{i}")).collect();
+            let idx = (0..keys.len()).map(syn::Index::from);
+            (
+                quote!((#(#key_tys,)*)),
+                quote! {
+                    let (#(#vars,)*) = key;
+                    q #(.bind(#vars))*
+                },
+                quote!(q #(.bind(
                 keys.iter()
                     .map(|k| ::core::clone::Clone::clone(&k.#idx))
                     .collect::<::std::vec::Vec<#key_tys>>()
             ))*),
-        )
+                quote! {
+                    let (#(#vars,)*) = key;
+                    #krate::table::hash_key(&(#(#vars,)*))
+                },
+            )
+        };
+    let key_hash = if let [only] = key_fields.as_slice() {
+        quote!(#krate::table::hash_key(&self.#only))
+    } else {
+        quote!(#krate::table::hash_key(&(#(&self.#key_fields,)*)))
     };
     let bind_column = if cols.is_empty() {
         quote! {
@@ -275,6 +286,12 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
             }
             fn key_types() -> ::std::vec::Vec<#krate::table::ColumnType> {
                 ::std::vec![#(#krate::table::ColumnType::of::<#key_tys>()),*]
+            }
+            fn key_hash(&self) -> ::core::option::Option<u64> {
+                ::core::option::Option::Some(#key_hash)
+            }
+            fn key_value_hash(key: &Self::Key) -> ::core::option::Option<u64> {
+                ::core::option::Option::Some({ #key_value_hash })
             }
             fn column_types() -> ::std::vec::Vec<#krate::table::ColumnType> {
                 ::std::vec![#(#krate::table::ColumnType::of::<#col_tys>()),*]

@@ -59,8 +59,16 @@ pub struct TestDb {
 impl TestDb {
     /// A new database with pgfence's migrations applied.
     pub async fn new() -> Self {
-        let db = Self::empty().await;
+        let mut db = Self::empty().await;
         pgfence::admin::migrate(&db.pool).await.expect("migrate");
+        // Sessions opened from now on get the database settings the migration made
+        // (`client_connection_check_interval`), as a service's pool does after a deploy.
+        db.pool.close().await;
+        db.pool = PgPoolOptions::new()
+            .max_connections(20)
+            .connect_with(db.options.clone())
+            .await
+            .expect("pool");
         db
     }
 

@@ -80,6 +80,9 @@ pub(crate) enum Slot {
     Timelines,
     /// Partial update: one data column, by its position in [`FencedTable::COLUMNS`].
     Column(usize),
+    /// The fence the lease last saw on the row (`0`: none of its own): its write applies over
+    /// exactly that fence, or over an older lease's ([`crate::token::order`]).
+    Expected,
 }
 
 /// Hands out `$1, $2, ...` in bind order and records what each placeholder binds.
@@ -171,6 +174,17 @@ impl Statement {
         fencing: &Fencing,
         own_transaction: bool,
     ) -> PgQuery {
+        self.bind_expecting(source, fencing, own_transaction, 0)
+    }
+
+    /// [`Statement::bind`], with the fence the lease expects on the row ([`Slot::Expected`]).
+    pub(crate) fn bind_expecting<T: FencedTable>(
+        &self,
+        source: Source<'_, T>,
+        fencing: &Fencing,
+        own_transaction: bool,
+        expected: i64,
+    ) -> PgQuery {
         self.slots
             .iter()
             .fold(sqlx::query(self.text.clone()), |q, slot| {
@@ -185,6 +199,7 @@ impl Statement {
                     (Slot::Resource, _) => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
                     (Slot::Holder, _) => q.bind(fencing.holder.clone()),
                     (Slot::OwnTransaction, _) => q.bind(own_transaction),
+                    (Slot::Expected, _) => q.bind(expected),
                     // Array slots belong to batch statements (`bind_batch`), single columns
                     // to partial updates (`bind_partial`).
                     (
@@ -239,7 +254,8 @@ impl Statement {
                     | Slot::Columns
                     | Slot::Column(_)
                     | Slot::LeaseFences
-                    | Slot::Timelines,
+                    | Slot::Timelines
+                    | Slot::Expected,
                     _,
                 ) => q,
             };
@@ -277,6 +293,7 @@ impl Statement {
         &self,
         row: &T,
         fencing: &Fencing,
+        expected: i64,
     ) -> Option<PgQuery> {
         let mut q = sqlx::query(self.text.clone());
         for slot in &self.slots {
@@ -290,6 +307,7 @@ impl Statement {
                 Slot::Resource => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
                 Slot::Holder => q.bind(fencing.holder.clone()),
                 Slot::OwnTransaction => q.bind(false),
+                Slot::Expected => q.bind(expected),
                 Slot::KeyArrays
                 | Slot::ColumnArrays
                 | Slot::Ordinals
@@ -365,6 +383,18 @@ fn admits(fence: &str, lease: &LeaseParams) -> String {
     format!(
         "(({fence} {LT} ({l} {AND} {token_mask}) \
          OR ({fence} {GE} {l} AND {fence} {LT} ({l} {PLUS} {sealed}))) AND {})",
+        on_timeline(&lease.timeline)
+    )
+}
+
+/// Whether a stored fence admits a lease's write that expects `expected` there: an older
+/// lease's fence, or exactly the fence this lease last saw ([`crate::token::order`]); only on
+/// the timeline the lease is bound to.
+fn admits_expected(fence: &str, lease: &LeaseParams, expected: &str) -> String {
+    let l = &lease.fence;
+    let token_mask = layout::token_mask();
+    format!(
+        "(({fence} {LT} ({l} {AND} {token_mask}) OR {fence} {EQ} {expected}) AND {})",
         on_timeline(&lease.timeline)
     )
 }
@@ -483,12 +513,14 @@ impl Statements {
             .map(|(i, c)| format!("{} = {}, ", c.quoted(), p.one(Slot::Column(i))))
             .collect();
         let lease = p.lease();
+        let expected = p.one(Slot::Expected);
         p.finish(format!(
-            "UPDATE {t} SET {assignments}\"fence\" = {next} WHERE {km} AND {admit}",
+            "UPDATE {t} SET {assignments}\"fence\" = {next} WHERE {km} AND {admit} \
+             RETURNING \"fence\"",
             t = self.table,
             next = next_fence("\"fence\"", &lease),
             km = key_match(&self.keys, &key),
-            admit = admits("\"fence\"", &lease),
+            admit = admits_expected("\"fence\"", &lease, &expected),
         ))
     }
 }

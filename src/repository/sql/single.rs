@@ -43,12 +43,13 @@ impl Shape<'_> {
         let key = p.many(Slot::Key, keys.len());
         let vals = p.many(Slot::Columns, cols.len());
         let lease = p.lease();
+        let expected = p.one(Slot::Expected);
         p.finish(format!(
-            "UPDATE {t} SET {set}\"fence\" = {next} WHERE {km} AND {admit}",
+            "UPDATE {t} SET {set}\"fence\" = {next} WHERE {km} AND {admit} RETURNING \"fence\"",
             set = self.set_cols(&vals),
             next = next_fence("\"fence\"", &lease),
             km = key_match(keys, &key),
-            admit = admits("\"fence\"", &lease),
+            admit = admits_expected("\"fence\"", &lease, &expected),
         ))
     }
 
@@ -59,6 +60,7 @@ impl Shape<'_> {
         let key = p.many(Slot::Key, keys.len());
         let vals = p.many(Slot::Columns, cols.len());
         let lease = p.lease();
+        let expected = p.one(Slot::Expected);
         let all_vals: Vec<String> = key.iter().chain(&vals).cloned().collect();
         let (all_cols, conflict_set, key_cols) = upsert_parts(keys, cols);
         p.finish(format!(
@@ -66,14 +68,14 @@ impl Shape<'_> {
              WHERE coalesce({tomb_admits}, true) OR EXISTS (SELECT 1 FROM {t} WHERE {km}) \
              ON CONFLICT ({keys}) DO UPDATE SET {conflict_set}\"fence\" = {next} \
              WHERE {admit} \
-             RETURNING (xmax {EQ} 0) AS inserted",
+             RETURNING (xmax {EQ} 0) AS inserted, cur.\"fence\"",
             cols = all_cols.join(", "),
             vals = all_vals.join(", "),
-            tomb_admits = admits(&self.tomb_fence(&key), &lease),
+            tomb_admits = admits_expected(&self.tomb_fence(&key), &lease, &expected),
             km = key_match(keys, &key),
             keys = key_cols.join(", "),
             next = next_fence("cur.\"fence\"", &lease),
-            admit = admits("cur.\"fence\"", &lease),
+            admit = admits_expected("cur.\"fence\"", &lease, &expected),
         ))
     }
 
@@ -83,15 +85,16 @@ impl Shape<'_> {
         let mut p = Params::default();
         let key = p.many(Slot::Key, keys.len());
         let lease = p.lease();
+        let expected = p.one(Slot::Expected);
         p.finish(format!(
             "WITH w AS (DELETE FROM {t} WHERE {km} AND {admit} RETURNING {next} AS f), \
              tomb AS (INSERT INTO pgfence.tombstone AS tb (rel, row_key, fence) \
              SELECT {rel}, {kj}, w.f FROM w \
              ON CONFLICT (rel, row_key) DO UPDATE SET fence = GREATEST(tb.fence, EXCLUDED.fence), \
              deleted_at = pg_catalog.now()) \
-             SELECT EXISTS (SELECT 1 FROM w)",
+             SELECT EXISTS (SELECT 1 FROM w), (SELECT w.f FROM w)",
             km = key_match(keys, &key),
-            admit = admits("\"fence\"", &lease),
+            admit = admits_expected("\"fence\"", &lease, &expected),
             next = next_fence("\"fence\"", &lease),
             kj = key_json(&key),
         ))
@@ -103,11 +106,12 @@ impl Shape<'_> {
         let mut p = Params::default();
         let key = p.many(Slot::Key, keys.len());
         let lease = p.lease();
+        let expected = p.one(Slot::Expected);
         p.finish(format!(
             "UPDATE {t} SET \"fence\" = {next} WHERE {km} AND {admit} RETURNING *",
             next = next_fence("\"fence\"", &lease),
             km = key_match(keys, &key),
-            admit = admits("\"fence\"", &lease),
+            admit = admits_expected("\"fence\"", &lease, &expected),
         ))
     }
 
