@@ -1,9 +1,12 @@
-//! A lease's late statement cannot undo its newer write (issue 31): a statement held up in the
-//! network while the caller gave up, and the same lease's next write applied, is released and
-//! reaches the server — and changes nothing. The library's writes run in their own transaction
-//! (the gate) whose `COMMIT` is sent only after the answer came in time; on the shell path, a
-//! `psql --single-transaction` whose client gave up is the same gate. Each test has its
-//! control: the same held statement sent without a gate lands late and undoes the newer write.
+//! A lease's late statement cannot undo its newer write (issues 31, 43): a statement held up in
+//! the network while the caller gave up, and the same lease's next write applied, is released
+//! and reaches the server — and changes nothing. A single-row write of the library expects the
+//! fence its lease last saw on the row and applies over exactly that one (or an older
+//! lease's): the lease's next write moved the fence, so the late statement matches no row.
+//! Batches and checks still run in a transaction of their own (the gate) whose `COMMIT` is sent
+//! only after the answer came in time; on the shell path, a `psql --single-transaction` whose
+//! client gave up is the same gate. Each test has its control: the same held statement sent
+//! without the expected fence, or without a gate, lands late and undoes the newer write.
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, Shutdown, TcpListener, TcpStream};
@@ -225,8 +228,8 @@ async fn settle(db: &TestDb) {
 }
 
 /// The issue's history: w1's write of 39 is held in the network and the call gives up; the
-/// same lease writes 40; the held write is delivered — and 40 stays. The caller was told that
-/// nothing applied and nothing can apply later.
+/// same lease writes 40; the held write is delivered — and 40 stays. The caller was told the
+/// write is in doubt; the lease's next write ordered after it.
 #[tokio::test]
 async fn a_held_write_released_after_the_leases_next_write_changes_nothing() {
     let db = setup().await;
@@ -538,4 +541,49 @@ async fn every_call_returns_within_its_bound_and_stops_on_the_server_too() {
     assert_eq!(running(&db).await, 0, "a statement outlived its call");
     blocker.rollback().await.unwrap();
     assert_eq!(balance(&db).await, 1, "nothing of the cut calls applied");
+}
+
+/// The control for the row's ordering: the repository's statement with the ordering check
+/// switched off — admitting any fence of its own lease, as 0.3 did before writes carried the
+/// fence they expect — held and released the same way, lands late and undoes the newer write.
+#[tokio::test]
+async fn control_without_the_expected_fence_a_held_write_undoes_the_newer_one() {
+    let db = setup().await;
+    let lease = lease();
+    let repo = Repository::<Acct>::new(db.pool.clone()).unwrap();
+    repo.update(&db.pool, &lease, &Acct { id: 1, balance: 38 })
+        .await
+        .unwrap();
+
+    let proxy = HoldProxy::start(server_port(&db), Hold::NextBind);
+    let held_pool = pool_through(&db, &proxy).await;
+    // Any fence of the lease admits the write (the cycle's next step is stored).
+    let unordered = |balance: i64| {
+        sqlx::query(
+            "UPDATE acct SET balance = $1, \
+             fence = CASE WHEN fence < $2 THEN $2 ELSE $2 + ((fence - $2 + 2731) % 4095) END \
+             WHERE id = 1 AND (fence < ($2 & ~16777215::bigint) \
+             OR (fence >= $2 AND fence < $2 + 4095))",
+        )
+        .bind(balance)
+        .bind(lease.lease_fence())
+        .execute(&held_pool)
+    };
+    unordered(38).await.unwrap();
+    proxy.arm();
+    let cut = tokio::time::timeout(Duration::from_millis(600), unordered(39)).await;
+    assert!(cut.is_err(), "the held write was not cut off: {cut:?}");
+    assert!(proxy.holding());
+
+    repo.update(&db.pool, &lease, &Acct { id: 1, balance: 40 })
+        .await
+        .unwrap();
+    proxy.release();
+    settle(&db).await;
+    assert_eq!(
+        balance(&db).await,
+        39,
+        "without the expected fence the held statement should land late and undo 40"
+    );
+    drop(held_pool);
 }
