@@ -24,22 +24,24 @@ use sqlstate::{
 
 const TOKEN_AS_FENCE_NOTE: &str = " (the statement set the fence to a fence token, not a fence: hand-written SQL sets fence = Lease::fence() / $PGFENCE_FENCE; docs/sql.md, \"Porting hand-written fenced SQL\")";
 
-/// The text of [`Error::LeaselessWrite`]: what the statement did to the fence and what to
-/// write instead.
 /// What a call cut off by its bound ([`Error::TimedOut`]) may have done.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum TimedOut {
-    /// Nothing applied, and nothing can apply later: the write ran in its own transaction,
-    /// whose `COMMIT` was never sent. A statement held up in the network that reaches the
-    /// server afterwards runs inside that transaction, which is rolled back (the connection
-    /// is dropped, or the server ends the idle transaction after the bound). Retry with the
-    /// same lease.
+    /// Nothing applied, and nothing can apply later: nothing was sent yet (a single-row write
+    /// still waiting for a connection), or a batch, check or effect ran in its own
+    /// transaction, whose `COMMIT` was never sent. Retry with the same lease.
     NotApplied,
-    /// The `COMMIT` was sent and its answer did not come: the write applied or not. Retry
-    /// with the same lease: the row's lock orders the retry after the first attempt, which
-    /// has committed or rolled back by then, so an `update` or `upsert` stores the same
-    /// values once more and a `delete` reports [`Error::NotFound`] if the first applied.
+    /// The statement was sent and its answer did not come: it applied, or did not, or — a
+    /// single-row write, which is one autocommit statement — may still apply until the
+    /// server ends it (the library closed its connection; the server notices within
+    /// `client_connection_check_interval`, which `pgfence migrate` sets to 1 s, or when its
+    /// lock wait ends). Either way it is ordered before the lease's next write to the row:
+    /// that write expects the fence the row had before, so a late arrival of this statement
+    /// changes nothing once the next write applied. Retry with the same lease: an `update` or
+    /// `upsert` stores its values once more (over the first attempt if that applied), a
+    /// `delete` reports [`Error::NotFound`] if the first applied. (A batch's `COMMIT` sent
+    /// without an answer is also in doubt, as before.)
     InDoubt,
     /// The write ran inside the caller's transaction: what reached the server belongs to it.
     /// Roll that transaction back (drop it) and retry in a new one; do not commit it.
@@ -58,8 +60,8 @@ fn timed_out_message(
              retry with the same lease"
         }
         TimedOut::InDoubt => {
-            "its COMMIT was sent and not answered, so it applied or not; retry with the same \
-             lease (the retry waits for the row until the first attempt has ended)"
+            "it was sent and not answered, so it applied or not (and may until the server ends \
+             it); retry with the same lease: the retry is ordered after it"
         }
         TimedOut::CallerTransaction => {
             "it ran inside your transaction: roll the transaction back (drop it) and retry in \
@@ -72,6 +74,8 @@ fn timed_out_message(
     )
 }
 
+/// The text of [`Error::LeaselessWrite`]: what the statement did to the fence and what to
+/// write instead.
 fn leaseless_message(table: &str, old: i64, new: i64) -> String {
     let fix = "under a lease set fence = Lease::fence() / $PGFENCE_FENCE (or pgfence.next_fence), or bypass the guard with pgfence.bypass(reason) as an allowed role";
     if old == new {

@@ -70,7 +70,7 @@ pub struct Repository<T> {
     partial: Arc<Mutex<HashMap<Vec<usize>, Arc<Statement>>>>,
     /// Every write's bound ([`Repository::with_call_timeout`]).
     call_timeout: Duration,
-    /// The table's hash: with a key's, which row a lease's [`RowLog`](crate::token::order::RowLog) entry is.
+    /// The table's hash: with a key's, which row a lease's `RowLog` entry is about.
     table_id: u64,
     _row: PhantomData<fn() -> T>,
 }
@@ -266,14 +266,16 @@ impl<T: FencedTable> Repository<T> {
     /// (30 s): the call returns [`Error::TimedOut`] when it is not done by then. Set it below
     /// the lease's TTL, above your slowest write.
     ///
-    /// The bound holds on the server too. A write on `&pool` (or on a connection outside a
-    /// transaction) runs in a transaction of its own, begun with `statement_timeout` and
-    /// `idle_in_transaction_session_timeout` at `bound` (in the `BEGIN`'s round trip), and
-    /// committed only when its answers arrived in time: a statement held up in the network
-    /// that reaches the server after the call gave up runs inside a transaction that never
-    /// commits, so it cannot land after — and undo — the lease's later writes
-    /// ([`TimedOut`](crate::error::TimedOut) says what the caller may conclude, and what to do).
-    /// Inside the caller's transaction, the caller's `COMMIT` is that gate.
+    /// A single-row write is one autocommit statement that expects the fence its lease last
+    /// saw on the row: a statement held up in the network that reaches the server after the
+    /// call gave up — and after the lease wrote the row again — finds another fence and
+    /// changes nothing, so it cannot undo the lease's later writes. A cut-off call closes its
+    /// connection, and the server ends the statement at its next check of the client
+    /// (`client_connection_check_interval`, set to 1 s by `pgfence migrate`). Batches run in a
+    /// transaction of their own, begun with `statement_timeout` at `bound` and committed only
+    /// when their answers came in time. [`TimedOut`](crate::error::TimedOut) says what the
+    /// caller may conclude, and what to do. Inside the caller's transaction, the caller's
+    /// `COMMIT` decides.
     ///
     /// # Errors
     /// [`InvalidInput::Duration`] when `bound` is under 10 ms or over a day.

@@ -216,9 +216,11 @@ fn pgbench_rows(env: &Env) -> Result<[(&'static str, &'static str, String); 3]> 
     // the database's, as the repository binds it for a bare token; see `Env::timeline`).
     // pgbench gives every `:var` occurrence its own parameter, with no type from the client:
     // the server infers the same types sqlx sends (the statement casts the timeline itself).
-    let repo_body =
-        pgfence_bench::pgbench_params(&env.repo_sql, &[":id", ":payload", ":tok", ":timeline"])
-            .map_err(anyhow::Error::msg)?;
+    let repo_body = pgfence_bench::pgbench_params(
+        &env.repo_sql,
+        &[":id", ":payload", ":tok", ":timeline", "0"],
+    )
+    .map_err(anyhow::Error::msg)?;
     let plain_body = pgfence_bench::pgbench_params(PLAIN_UPDATE_SQL, &[":payload", ":id"])
         .map_err(anyhow::Error::msg)?;
     let fenced_body =

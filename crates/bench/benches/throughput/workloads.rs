@@ -263,6 +263,11 @@ impl Workload for RawFencedSql {
         if let Some(timeline) = self.timeline {
             query = query.bind(timeline);
         }
+        // The repository's statement also takes the fence the lease expects on the row (`$5`):
+        // none for a fresh lease.
+        if self.sql.as_str().contains("$5") {
+            query = query.bind(0_i64);
+        }
         let done = query.execute(&self.pool).await;
         match done {
             Ok(d) if d.rows_affected() == 1 => Outcome::Applied,
