@@ -134,10 +134,7 @@ macro_rules! ordered_write {
      $row:expr, $explain:expr, |$lent:ident, $expected:ident| $attempt:expr) => {{
         let id: Option<crate::token::order::RowId> = $row.map(|k| ($repo.table_id, k));
         let rows = $fencing.rows.clone();
-        let after = {
-            let f = $fencing.clone();
-            move |e| f.after(e)
-        };
+        let lease = $fencing.stored();
         let start = id.and_then(|id| rows.get(id)).map_or(0, |s| s.expected);
         crate::repository::executor::ordered(
             $repo.call_timeout,
@@ -148,7 +145,7 @@ macro_rules! ordered_write {
                 if let Some(id) = id {
                     // The fence the write expected last (a resend may have moved it).
                     let e = rows.get(id).map_or(start, |s| s.expected);
-                    rows.lost(id, e, after(e));
+                    rows.lost(id, e, crate::token::order::after(lease, e));
                 }
             },
             |mut $lent| async move {

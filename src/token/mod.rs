@@ -278,16 +278,6 @@ impl Fencing {
         StoredFence::lease(self.token, self.tag())
     }
 
-    /// The fence this lease's write leaves over `expected` (what its statement stores): its
-    /// lease fence over anything but its own fence, the next step of its sequence over that.
-    pub(crate) fn after(&self, expected: i64) -> i64 {
-        let met = StoredFence::from_raw(expected);
-        match met.relation_to(self.stored()) {
-            Relation::Own => met.next().map_or(expected, StoredFence::get),
-            _ => self.lease_fence(),
-        }
-    }
-
     /// How a stored `fence` relates to this lease.
     #[must_use]
     pub fn classify(&self, fence: i64) -> Relation {

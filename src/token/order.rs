@@ -5,7 +5,21 @@
 //! the same lease to the row finds another fence and changes nothing.
 
 use std::collections::HashMap;
+
+use crate::token::Relation;
+use crate::token::layout::StoredFence;
 use std::sync::{Arc, Mutex};
+
+/// The fence a write of the lease whose lease fence is `lease` leaves over `expected` (what
+/// its statement stores): the lease fence over anything but the lease's own fence, the next
+/// step of its sequence over that.
+pub(crate) fn after(lease: StoredFence, expected: i64) -> i64 {
+    let met = StoredFence::from_raw(expected);
+    match met.relation_to(lease) {
+        Relation::Own => met.next().map_or(expected, StoredFence::get),
+        _ => lease.get(),
+    }
+}
 
 /// Rows a lease remembers at most; past it the oldest half is forgotten (a forgotten row
 /// costs its next write one explaining round trip, nothing else).
@@ -79,5 +93,54 @@ impl RowLog {
                 age,
             },
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{FenceToken, Fencing};
+
+    #[test]
+    fn a_write_leaves_the_lease_fence_over_others_and_the_next_step_over_its_own() {
+        let me = Fencing::new(FenceToken::new(9).unwrap())
+            .holder("a")
+            .stored();
+        let older = Fencing::new(FenceToken::new(8).unwrap()).stored().get();
+        assert_eq!(after(me, 0), me.get());
+        assert_eq!(after(me, older), me.get());
+        let first = me.get();
+        let second = after(me, first);
+        assert_eq!(Some(StoredFence::from_raw(second)), me.next());
+        assert_eq!(
+            Some(StoredFence::from_raw(after(me, second))),
+            StoredFence::from_raw(second).next()
+        );
+    }
+
+    #[test]
+    fn the_log_keeps_what_it_saw_and_forgets_the_oldest_half_when_full() {
+        let log = RowLog::default();
+        log.saw((1, 1), 10);
+        log.lost((1, 2), 20, 21);
+        assert_eq!(
+            log.get((1, 1)).map(|s| (s.expected, s.in_doubt)),
+            Some((10, None))
+        );
+        assert_eq!(
+            log.get((1, 2)).map(|s| (s.expected, s.in_doubt)),
+            Some((20, Some(21)))
+        );
+        log.forget((1, 2));
+        assert_eq!(log.get((1, 2)), None);
+        for k in 0..u64::try_from(MAX_ROWS).unwrap() {
+            log.saw((2, k), 1);
+        }
+        // Full: the next new row forgets the oldest half (row (1, 1) among them).
+        assert!(log.get((1, 1)).is_some());
+        log.saw((3, 0), 5);
+        assert_eq!(log.get((3, 0)).map(|s| s.expected), Some(5));
+        assert!(log.get((1, 1)).is_none(), "the oldest row is forgotten");
+        assert!(log.log().rows.len() <= MAX_ROWS);
     }
 }
