@@ -3,7 +3,8 @@
 //! receive data from client: Connection reset by peer", "could not send data to client:
 //! Broken pipe", "unexpected EOF on client connection"). Commands that fail take the paths
 //! where a transaction is dropped, not committed: they are run several times (the reset is a
-//! race between the server's answer to the queued ROLLBACK and the process's exit).
+//! race between the server's answer to the queued ROLLBACK and the process's exit), and so is
+//! a command stopped by Ctrl-C (`audit --follow`).
 
 use crate::common::BIN;
 use crate::support;
@@ -171,6 +172,71 @@ async fn no_command_leaves_a_reset_connection_in_the_server_log() {
             from = len;
             found.extend(lines.into_iter().map(|l| format!("pgfence {args:?}: {l}")));
         }
+    }
+    // A lease of the PostgreSQL issuer taken and released.
+    let out = pgfence(
+        &pg_issuer,
+        &["lock", "acquire", "pg-released", "--ttl", "60s", "--json"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lease: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (owner, token) = (lease["owner"].as_str().unwrap(), lease["token"].to_string());
+    let release = [
+        "lock",
+        "release",
+        "pg-released",
+        "--owner",
+        owner,
+        "--token",
+        &token,
+    ];
+    let out = pgfence(&pg_issuer, &release);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let (lines, len) = vanished_since(&server, from);
+    from = len;
+    found.extend(
+        lines
+            .into_iter()
+            .map(|l| format!("lock acquire/release: {l}")),
+    );
+    // Interrupted: Ctrl-C drops the command mid-way (`audit --follow` polls the audit trail);
+    // its connections are still closed.
+    for _ in 0..3 {
+        let mut follow = Command::new(BIN);
+        follow
+            .args(["audit", "--follow"])
+            .env_remove("PGFENCE_ISSUER_URL")
+            .envs(redis_env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let child = follow.spawn().unwrap();
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        pgfence_testkit::signal_pid(child.id(), "-INT").unwrap();
+        let status = tokio::task::spawn_blocking(move || {
+            let mut child = child;
+            child.wait().unwrap()
+        })
+        .await
+        .unwrap();
+        assert_eq!(status.code(), Some(130), "audit --follow interrupted");
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let (lines, len) = vanished_since(&server, from);
+        from = len;
+        found.extend(
+            lines
+                .into_iter()
+                .map(|l| format!("audit --follow, Ctrl-C: {l}")),
+        );
     }
     // A line the server writes a little late is still seen.
     tokio::time::sleep(Duration::from_millis(300)).await;
