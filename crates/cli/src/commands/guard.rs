@@ -35,7 +35,7 @@ enum Op {
 /// The tables named on the command line, parsed as SQL reads them; a table named twice (as
 /// `orders` and `public.ORDERS`, say) is refused: guarding it twice in one transaction is
 /// a typo, not an intent.
-pub(crate) fn tables_named(names: &[String]) -> Result<Vec<TableName>> {
+fn tables_named(names: &[String]) -> Result<Vec<TableName>> {
     let mut tables: Vec<(TableName, &str)> = Vec::with_capacity(names.len());
     for name in names {
         let table = util::table(name)?;
