@@ -276,7 +276,11 @@ async fn messages_users_can_act_on() {
             &["tables"],
             1,
             Stderr,
-            &["`pgfence tables`", &grant_msg, "permission denied for schema pgfence"],
+            &[
+                "`pgfence tables`",
+                &grant_msg,
+                "permission denied for schema pgfence",
+            ],
             &["database error"],
         ),
         case(
