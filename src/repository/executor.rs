@@ -394,7 +394,8 @@ where
             if stage.get() == Step::Uncommitted
                 && is_query_canceled(&e)
                 && started.elapsed() >= bound => {}
-        Ok(result) => return result,
+        // A table that is not guarded has no fence column for the statement to read.
+        Ok(result) => return result.map_err(|e| e.on_table(what)),
         Err(_) => {}
     }
     let outcome = match stage.get() {

@@ -199,8 +199,21 @@ pub async fn unguard(
 
 /// Lists the guarded tables, one per line or as a JSON array.
 pub async fn tables(conn: &Conn, json: bool) -> Result<ExitCode> {
-    let mut session = conn.session_migrated().await?;
-    let tables = pgfence::guard::guarded_tables_with_modes(session.conn()).await?;
+    let pool = conn.pg_migrated().await?;
+    let mut session = Session::begin(&pool).await?;
+    let tables = match pgfence::guard::guarded_tables_with_modes(session.conn()).await {
+        Ok(tables) => tables,
+        Err(e) => {
+            drop(session);
+            return Err(super::needs_owner(
+                &pool,
+                "pgfence tables",
+                "reads pgfence.guarded_tables, which an application role may not",
+                e.into(),
+            )
+            .await);
+        }
+    };
     session.commit().await?;
     if json {
         let list: Vec<_> = tables

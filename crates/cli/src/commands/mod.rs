@@ -27,7 +27,10 @@ fn permission_denied(e: &anyhow::Error) -> Option<String> {
     e.chain().find_map(|cause| {
         let db = match cause.downcast_ref::<pgfence::Error>() {
             // The library's own word for a refused deploy-time call.
-            Some(pgfence::Error::NotPermitted { message, .. }) => return Some(message.clone()),
+            Some(
+                pgfence::Error::NotPermitted { message, .. }
+                | pgfence::Error::NotGranted { message },
+            ) => return Some(message.clone()),
             Some(pgfence::Error::Backend(b)) => match b.as_sqlx() {
                 Some(sqlx::Error::Database(db)) => db,
                 _ => return None,
