@@ -218,26 +218,84 @@ pub fn guard_migration_sql(table: &TableName) -> Result<String> {
 /// # Errors
 /// As [`guard_migration_sql`].
 pub fn guard_migration_sql_with(table: &TableName, mode: GuardMode) -> Result<String> {
-    let (schema, name) = (
-        quote_literal(table.schema().as_str())?,
-        quote_literal(table.name().as_str())?,
-    );
-    let (about, call) = if mode == GuardMode::Observe {
-        (
-            "-- Guard a table with pgfence in observe mode: adds `fence bigint NOT NULL DEFAULT 0` (if\n\
-             -- missing) and the trigger, which lets updates that do not advance a row's fence through\n\
-             -- and records them in pgfence.audit. Switch to enforcing with\n\
-             -- SELECT pgfence.guard(schema, table, 'enforce').\n",
-            format!("SELECT pgfence.guard({schema}, {name}, 'observe');\n"),
-        )
+    guard_migration_sql_for(std::slice::from_ref(table), mode)
+}
+
+/// The SQL of one migration that guards every table of `tables`, in order, in `mode`: one
+/// file, so one transaction under sqlx's migrator and refinery's, and so all the tables are
+/// guarded or none. For one table it is [`guard_migration_sql_with`]'s text. Requires
+/// pgfence's migrations to have run first (the migration's first statement says so when
+/// they have not).
+///
+/// # Errors
+/// As [`guard_migration_sql`].
+///
+/// # Example
+/// ```
+/// use pgfence::guard::{GuardMode, guard_migration_sql_for};
+/// use pgfence::table::TableName;
+/// # fn main() -> pgfence::Result<()> {
+/// let tables = [TableName::parse("orders")?, TableName::parse("billing.invoices")?];
+/// let sql = guard_migration_sql_for(&tables, GuardMode::Enforce)?;
+/// assert!(sql.ends_with(
+///     "SELECT pgfence.guard('public', 'orders');\nSELECT pgfence.guard('billing', 'invoices');\n"
+/// ));
+/// # Ok(()) }
+/// ```
+pub fn guard_migration_sql_for(tables: &[TableName], mode: GuardMode) -> Result<String> {
+    let mut calls = String::new();
+    for table in tables {
+        let (schema, name) = (
+            quote_literal(table.schema().as_str())?,
+            quote_literal(table.name().as_str())?,
+        );
+        calls.push_str(&if mode == GuardMode::Observe {
+            format!("SELECT pgfence.guard({schema}, {name}, 'observe');\n")
+        } else {
+            format!("SELECT pgfence.guard({schema}, {name});\n")
+        });
+    }
+    let about = if mode == GuardMode::Observe {
+        "-- Guard a table with pgfence in observe mode: adds `fence bigint NOT NULL DEFAULT 0` (if\n\
+         -- missing) and the trigger, which lets updates that do not advance a row's fence through\n\
+         -- and records them in pgfence.audit. Switch to enforcing with\n\
+         -- SELECT pgfence.guard(schema, table, 'enforce').\n"
     } else {
-        (
-            "-- Guard a table with pgfence: adds `fence bigint NOT NULL DEFAULT 0` (if missing) and the\n\
-             -- trigger that rejects updates which do not advance a row's fence.\n",
-            format!("SELECT pgfence.guard({schema}, {name});\n"),
-        )
+        "-- Guard a table with pgfence: adds `fence bigint NOT NULL DEFAULT 0` (if missing) and the\n\
+         -- trigger that rejects updates which do not advance a row's fence.\n"
     };
-    Ok(format!("{about}{NEEDS_PGFENCE}{call}"))
+    Ok(format!("{about}{NEEDS_PGFENCE}{calls}"))
+}
+
+/// The SQL of the migration that reverts [`guard_migration_sql_for`]'s (a reversible
+/// migration's down file): unguards every table of `tables`, last first, and keeps their
+/// `fence` columns (the up migration adds one only when it is missing, so it may have been
+/// the table's own; the values stay for a later guard).
+///
+/// # Errors
+/// As [`guard_migration_sql`].
+///
+/// # Example
+/// ```
+/// use pgfence::table::TableName;
+/// # fn main() -> pgfence::Result<()> {
+/// let sql = pgfence::guard::unguard_migration_sql(&[TableName::parse("orders")?])?;
+/// assert!(sql.ends_with("SELECT pgfence.unguard('public', 'orders', false);\n"));
+/// # Ok(()) }
+/// ```
+pub fn unguard_migration_sql(tables: &[TableName]) -> Result<String> {
+    let mut sql = String::from(
+        "-- Remove pgfence's guard trigger; the `fence` column stays (drop it by hand, or with\n\
+         -- SELECT pgfence.unguard(schema, table, true), once nothing reads it).\n",
+    );
+    for table in tables.iter().rev() {
+        sql.push_str(&format!(
+            "SELECT pgfence.unguard({}, {}, false);\n",
+            quote_literal(table.schema().as_str())?,
+            quote_literal(table.name().as_str())?
+        ));
+    }
+    Ok(sql)
 }
 
 /// The first statement of an emitted guard migration: pgfence keeps its own migration

@@ -24,8 +24,13 @@ pub enum BackendKind {
 /// outcomes ([`Error::Backend`](crate::Error::Backend)): a lost connection, a timeout, a
 /// server error pgfence does not map. Ask it what it is ([`kind`](Self::kind)), whether the
 /// same operation may be retried ([`is_retryable`](Self::is_retryable)) and, for PostgreSQL,
-/// its SQLSTATE ([`sqlstate`](Self::sqlstate)); the client library's own error is its
-/// [`source`](std::error::Error::source).
+/// its SQLSTATE ([`sqlstate`](Self::sqlstate)); the client library's own error is
+/// [`as_sqlx`](Self::as_sqlx) / [`as_redis`](Self::as_redis) (and in the `Debug` output).
+///
+/// It has no [`source`](std::error::Error::source): its message already says all the client
+/// library's error says (for PostgreSQL: the message, SQLSTATE, detail and hint, without
+/// sqlx's `at line N`, a line of PostgreSQL's C source), so a printed cause chain
+/// (`{:#}` of an `anyhow::Error`) says it once.
 ///
 /// ```
 /// use pgfence::{Error, error::BackendKind};
@@ -142,13 +147,13 @@ impl fmt::Display for BackendError {
             Source::Migration(e) => write!(
                 f,
                 "migration failed: {}",
-                without_source_lines(&e.to_string())
+                without_source_lines(&with_causes(e))
             ),
-            Source::Redis(e) => write!(f, "redis error: {e}"),
+            Source::Redis(e) => write!(f, "redis error: {}", with_causes(e)),
             #[cfg(feature = "etcd")]
-            Source::Etcd(e) => write!(f, "etcd error: {e}"),
+            Source::Etcd(e) => write!(f, "etcd error: {}", with_causes(e)),
             #[cfg(feature = "zk")]
-            Source::ZooKeeper(e) => write!(f, "zookeeper error: {e}"),
+            Source::ZooKeeper(e) => write!(f, "zookeeper error: {}", with_causes(e)),
         }
     }
 }
@@ -171,19 +176,8 @@ impl fmt::Debug for BackendError {
     }
 }
 
-impl std::error::Error for BackendError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(match &*self.0 {
-            Source::Database(e) => e,
-            Source::Migration(e) => e,
-            Source::Redis(e) => e,
-            #[cfg(feature = "etcd")]
-            Source::Etcd(e) => e,
-            #[cfg(feature = "zk")]
-            Source::ZooKeeper(e) => e,
-        })
-    }
-}
+/// No `source`: the message carries the client library's text already (see the type's docs).
+impl std::error::Error for BackendError {}
 
 /// A sqlx error as a user reads it: a database error's message with its SQLSTATE, detail
 /// and hint — not sqlx's `at line NNNN`, which is a line of PostgreSQL's C source, not of the
@@ -215,8 +209,25 @@ pub(crate) fn describe_sqlx(e: &sqlx::Error) -> String {
         sqlx::Error::PoolTimedOut => {
             "no connection within the pool's acquire timeout (the server did not answer, or every connection was busy)".to_owned()
         }
-        other => without_source_lines(&other.to_string()),
+        other => without_source_lines(&with_causes(other)),
     }
+}
+
+/// `e`'s message, then each of its causes' that the text so far does not contain already
+/// (redis-rs, for one, displays an I/O error and returns it as its source too): the whole
+/// chain, each text once, for a [`BackendError`], which has no source of its own.
+fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let more = cause.to_string();
+        if !more.is_empty() && !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        next = cause.source();
+    }
+    text
 }
 
 /// Drops sqlx's ` at line NNNN` (PostgreSQL's C source line) from a message that embeds a

@@ -461,6 +461,32 @@ pub enum Error {
         message: String,
     },
 
+    /// The connected role was never given pgfence's run-time privileges: PostgreSQL refused
+    /// it schema `pgfence` (SQLSTATE `42501`, `permission denied for schema pgfence`), so no
+    /// fenced write, claim or check can run as it. A deploy-time job for the schema's owner:
+    /// `pgfence grant ROLE` ([`admin::grant`](crate::admin::grant)) for the role the
+    /// application connects as. Nothing was applied.
+    #[error(
+        "the connected role lacks pgfence's grants ({message}, SQLSTATE 42501): as the owner of schema pgfence, run `pgfence grant ROLE` (pgfence::admin::grant) for the role the application connects as (deploy time), then retry"
+    )]
+    NotGranted {
+        /// PostgreSQL's message.
+        message: String,
+    },
+
+    /// A repository call addressed a table that is not guarded: it has no `fence` column
+    /// (SQLSTATE `42703` on the column pgfence's statements read and write). Nothing was
+    /// applied. Guard it once, at deploy time, as its owner: `pgfence guard TABLE`
+    /// ([`guard::guard`](crate::guard::guard)); [`Repository::verify`](crate::Repository::verify)
+    /// reports this and the rest of the table's setup at start-up.
+    #[error(
+        "table {table} is not guarded (it has no fence column): run `pgfence guard {table}` (pgfence::guard::guard) as its owner (deploy time), then retry"
+    )]
+    NotGuarded {
+        /// The quoted table.
+        table: String,
+    },
+
     /// A claimed row did not decode into the type the caller asked for (a column name or
     /// type that does not match the table, a NULL in a non-`Option` field). The claim was
     /// rolled back: the row is as it was.
@@ -519,6 +545,8 @@ impl Error {
             | Error::RedisPermission { .. }
             | Error::MigrationNotPermitted { .. }
             | Error::NotPermitted { .. }
+            | Error::NotGranted { .. }
+            | Error::NotGuarded { .. }
             | Error::UnreleasedMigrations { .. }
             | Error::FenceColumnType { .. } => ErrorKind::Setup,
             _ if self.is_retryable() => ErrorKind::Transient,
@@ -596,7 +624,7 @@ pub(crate) fn deploy_time(
 ) -> impl FnOnce(sqlx::Error) -> Error {
     move |e| {
         if let sqlx::Error::Database(db) = &e
-            && db.code().as_deref() == Some("42501")
+            && db.code().as_deref() == Some(INSUFFICIENT_PRIVILEGE)
         {
             return Error::NotPermitted {
                 command,
@@ -606,6 +634,46 @@ pub(crate) fn deploy_time(
         }
         Error::from(e)
     }
+}
+
+/// SQLSTATE `insufficient_privilege`.
+const INSUFFICIENT_PRIVILEGE: &str = "42501";
+/// SQLSTATE `undefined_column`.
+const UNDEFINED_COLUMN: &str = "42703";
+/// PostgreSQL's refusal of schema `pgfence` to a role without `USAGE` on it: a role
+/// `pgfence grant` never ran for.
+const NO_SCHEMA_USAGE: &str = "permission denied for schema pgfence";
+
+impl Error {
+    /// `self`, or [`Error::NotGuarded`] when it is PostgreSQL's `undefined_column` (42703)
+    /// for the `fence` column: the error of a repository call on `table` (the quoted name,
+    /// asked for only then), whose statements all read or write that column.
+    pub(crate) fn on_table(self, table: impl FnOnce() -> String) -> Error {
+        let Error::Backend(backend) = &self else {
+            return self;
+        };
+        let Some(sqlx::Error::Database(db)) = backend.as_sqlx() else {
+            return self;
+        };
+        if db.code().as_deref() != Some(UNDEFINED_COLUMN) || !names_fence_column(db.message()) {
+            return self;
+        }
+        Error::NotGuarded { table: table() }
+    }
+}
+
+/// Whether PostgreSQL's `undefined_column` message is about a column `fence`: `column "fence"
+/// does not exist`, `column "fence" of relation "t" does not exist`, `column t.fence does not
+/// exist`.
+fn names_fence_column(message: &str) -> bool {
+    let Some(column) = message
+        .strip_prefix("column ")
+        .and_then(|m| m.split(" does not exist").next())
+    else {
+        return false;
+    };
+    let column = column.split(" of relation ").next().unwrap_or(column);
+    column == "\"fence\"" || column.ends_with(".fence") || column.ends_with(".\"fence\"")
 }
 
 /// Who runs the calls that change pgfence's schema or its guarded tables.
@@ -678,6 +746,11 @@ impl From<sqlx::Error> for Error {
                     });
                 }
                 "42P01" => return Error::TableNotFound(missing_relation(pg)),
+                INSUFFICIENT_PRIVILEGE if pg.message() == NO_SCHEMA_USAGE => {
+                    return Error::NotGranted {
+                        message: pg.message().to_owned(),
+                    };
+                }
                 _ => {}
             }
         }
@@ -717,6 +790,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn fence_column_messages() {
+        for m in [
+            "column \"fence\" does not exist",
+            "column \"fence\" of relation \"acct\" does not exist",
+            "column t.fence does not exist",
+        ] {
+            assert!(names_fence_column(m), "{m}");
+        }
+        for m in [
+            "column \"fences\" does not exist",
+            "column t.fence_at does not exist",
+            "column \"balance\" of relation \"fence\" does not exist",
+            "relation \"fence\" does not exist",
+        ] {
+            assert!(!names_fence_column(m), "{m}");
+        }
+    }
+
+    #[test]
     fn kinds_group_the_variants() {
         let target = || StaleTarget::Resource("r".into());
         let cases = [
@@ -747,6 +839,13 @@ mod tests {
                 ErrorKind::Refused,
             ),
             (Error::TableNotFound("t".into()), ErrorKind::NotFound),
+            (
+                Error::NotGranted {
+                    message: NO_SCHEMA_USAGE.into(),
+                },
+                ErrorKind::Setup,
+            ),
+            (Error::NotGuarded { table: "t".into() }, ErrorKind::Setup),
             (
                 Error::Invalid(InvalidInput::IssuerUrl("x".into())),
                 ErrorKind::Invalid,

@@ -56,7 +56,7 @@ pub use pg::PgIssuer;
 pub use policy::DEFAULT_CALL_TIMEOUT;
 pub use redis::RedisIssuer;
 pub use token_issuer::{BoxFuture, IssuerKind, TokenIssuer};
-pub(crate) use url::{invalid_redis_url, unanswered, url_host};
+pub(crate) use url::{invalid_redis_url, shown_url, unanswered};
 #[cfg(feature = "zk")]
 pub use zk::ZkIssuer;
 #[cfg(feature = "zk")]

@@ -102,8 +102,8 @@ impl PgIssuer {
     /// migrations (V7 or later).
     ///
     /// # Errors
-    /// [`InvalidInput::IssuerUrl`](crate::error::InvalidInput::IssuerUrl) for a URL that does not parse (the URL is not echoed: it
-    /// may hold a password); [`Error::Backend`](crate::Error::Backend) when the server cannot be reached.
+    /// [`InvalidInput::IssuerUrl`](crate::error::InvalidInput::IssuerUrl) for a URL that does not parse (quoted with its password
+    /// hidden); [`Error::Backend`](crate::Error::Backend) when the server cannot be reached.
     pub async fn connect(url: &str) -> Result<Self> {
         if !is_postgres_url(url) {
             return Err(Error::Invalid(InvalidInput::IssuerUrl(
@@ -112,8 +112,8 @@ impl PgIssuer {
         }
         let options = PgConnectOptions::from_str(url).map_err(|e| {
             Error::Invalid(InvalidInput::IssuerUrl(format!(
-                "the PostgreSQL URL {} did not parse: {}",
-                super::url_host(url),
+                "the PostgreSQL URL {:?} did not parse: {}",
+                super::shown_url(url),
                 redacted(&e)
             )))
         })?;
@@ -446,8 +446,9 @@ fn pg_addr(options: &PgConnectOptions) -> String {
     }
 }
 
-/// A server that did not answer (refused, unreachable, timed out): `PostgreSQL at HOST:PORT
-/// did not answer within 5s: CAUSE`, an I/O error (so still retryable).
+/// A server that did not answer (refused, unreachable, timed out), named with how it failed
+/// ([`super::unanswered`]: `PostgreSQL at HOST:PORT refused the connection`, `... did not
+/// answer within 5s`), an I/O error (so still retryable).
 fn unanswered_pg(addr: &str, cause: Option<&std::io::Error>) -> Error {
     Error::database(sqlx::Error::Io(super::unanswered(
         "PostgreSQL",

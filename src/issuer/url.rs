@@ -17,24 +17,6 @@ pub(super) fn scheme(url: &str) -> Option<String> {
         })
 }
 
-/// Where `url` points, for messages: its scheme and host, with the port when it is a number
-/// (`redis://cache.internal:6380`). Never its user, password, path or query, which may hold
-/// secrets: the userinfo ends at the last `@` (a password may hold `/`, `?` or `#`).
-pub(crate) fn url_host(url: &str) -> String {
-    let Some(sep) = url.find("://") else {
-        return "a URL without a scheme".to_owned();
-    };
-    let scheme = scheme(url).unwrap_or_else(|| "?://".to_owned());
-    let rest = &url[sep + 3..];
-    let rest = rest.rfind('@').map_or(rest, |at| &rest[at + 1..]);
-    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
-    let (host, port) = split_port(authority);
-    match port {
-        Some(port) if port.parse::<u16>().is_ok() => format!("{scheme}{host}:{port}"),
-        _ => format!("{scheme}{host}"),
-    }
-}
-
 /// `host:port` → (`host`, `Some("port")`); `[v6]:port` keeps the brackets; no port → `None`.
 fn split_port(authority: &str) -> (&str, Option<&str>) {
     if authority.starts_with('[') {
@@ -50,9 +32,9 @@ fn split_port(authority: &str) -> (&str, Option<&str>) {
 }
 
 /// A Redis URL redis-rs refused to parse, as the one invalid-URL error every issuer reports:
-/// the host it names (never the password) and what is wrong, in words (redis-rs says only
-/// "Redis URL did not parse - InvalidClientConfig"). `url` is `None` when only a parsed
-/// address was at hand.
+/// the URL quoted with its password hidden ([`shown_url`]) and what is wrong with it, naming
+/// the part (redis-rs says only "Redis URL did not parse - InvalidClientConfig"). `url` is
+/// `None` when only a parsed address was at hand.
 pub(crate) fn invalid_redis_url(url: Option<&str>, e: &redis::RedisError) -> crate::Error {
     let why = url.and_then(redis_url_problem).unwrap_or_else(|| {
         // redis-rs's own words, without its error kind's name.
@@ -60,15 +42,82 @@ pub(crate) fn invalid_redis_url(url: Option<&str>, e: &redis::RedisError) -> cra
             .replace(" - InvalidClientConfig", "")
             .replace("Redis URL did not parse", "not a valid URL")
     });
-    let which = url.map_or_else(String::new, |u| format!(" {}", url_host(u)));
+    let which = url.map_or_else(String::new, |u| format!(" {:?}", shown_url(u)));
     crate::Error::Invalid(InvalidInput::IssuerUrl(format!(
         "the Redis URL{which} did not parse: {why} (expected redis://host:port/db, rediss:// for TLS)"
     )))
 }
 
+/// `url` as an error may quote it: the password of its userinfo and the values of its
+/// credential-like query parameters (`password`, `token`, `secret`, `auth`...) replaced by
+/// `***`, and at most 200 characters. Without an `@`, what follows a `:` where no host
+/// precedes it (`redis://:secret`) is taken for a password too.
+pub(crate) fn shown_url(url: &str) -> String {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let (head, rest) = url.split_at(start);
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let mut out = head.to_owned();
+    // The userinfo ends at the last '@' (a password may hold '/', '?' or '#').
+    let after_userinfo = match rest[..authority_end].rfind('@').or_else(|| rest.rfind('@')) {
+        Some(at) => {
+            let user = rest[..at]
+                .split_once(':')
+                .map_or(&rest[..at], |(user, _)| user);
+            out.push_str(user);
+            if rest[..at].contains(':') {
+                out.push_str(":***");
+            }
+            out.push('@');
+            &rest[at + 1..]
+        }
+        None if rest.starts_with(':') => {
+            out.push_str(":***");
+            &rest[authority_end..]
+        }
+        None => rest,
+    };
+    match after_userinfo.split_once('?') {
+        None => out.push_str(after_userinfo),
+        Some((path, query)) => {
+            out.push_str(path);
+            out.push('?');
+            let (query, fragment) = query
+                .split_once('#')
+                .map_or((query, None), |(q, f)| (q, Some(f)));
+            let pairs: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((name, _)) if is_credential(name) => format!("{name}=***"),
+                    _ => pair.to_owned(),
+                })
+                .collect();
+            out.push_str(&pairs.join("&"));
+            if let Some(fragment) = fragment {
+                out.push('#');
+                out.push_str(fragment);
+            }
+        }
+    }
+    if out.chars().count() > 200 {
+        out = out.chars().take(200).collect::<String>() + "…";
+    }
+    out
+}
+
+/// Whether a URL query parameter named `name` carries a credential.
+fn is_credential(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    ["pass", "pwd", "secret", "token", "auth", "credential"]
+        .iter()
+        .any(|w| name.contains(w))
+}
+
 /// What is wrong with a `redis://` / `rediss://` URL, when it is one of the usual mistakes.
 fn redis_url_problem(url: &str) -> Option<String> {
-    let rest = &url[url.find("://")? + 3..];
+    let Some(sep) = url.find("://") else {
+        return Some("it has no scheme (write redis://host:port, or rediss:// for TLS)".to_owned());
+    };
+    let rest = &url[sep + 3..];
     let rest = rest.rfind('@').map_or(rest, |at| &rest[at + 1..]);
     let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
     let (authority, path) = rest.split_at(end);
@@ -80,15 +129,16 @@ fn redis_url_problem(url: &str) -> Option<String> {
         return Some("it names no host".to_owned());
     }
     if let Some(port) = port {
-        // The port is not echoed: in `redis://:secret` (no `@`), it is a password.
+        // With a host before it, what follows ':' is a port ([`shown_url`] quotes it); a
+        // password is never here (it is in the userinfo, before an '@').
         if port.is_empty() {
-            return Some("the port after ':' is empty".to_owned());
+            return Some(format!("the port after {host}: is empty"));
         }
         if !port.bytes().all(|b| b.is_ascii_digit()) {
-            return Some("the port is not a number".to_owned());
+            return Some(format!("the port {port:?} is not a number"));
         }
         if port.parse::<u16>().is_err() {
-            return Some("the port is out of range (1 to 65535)".to_owned());
+            return Some(format!("the port {port} is out of range (1 to 65535)"));
         }
     }
     let db = path
@@ -97,14 +147,16 @@ fn redis_url_problem(url: &str) -> Option<String> {
         .unwrap_or("")
         .trim_matches('/');
     if !db.is_empty() && db.parse::<i64>().is_err() {
-        return Some("the database (after '/') is not a number".to_owned());
+        return Some(format!("the database {db:?} (after '/') is not a number"));
     }
     None
 }
 
-/// The error of a server that did not answer: `STORE at HOST:PORT did not answer within
-/// BOUND: CAUSE`, keeping the cause's kind (so a refusal or a timeout is still retryable and
-/// still reads as one).
+/// The error of a server that did not answer, as it failed: `STORE at HOST:PORT refused the
+/// connection` (nothing listens there: said at once, not as a time-out), `... did not answer
+/// within BOUND` (no reply, or the connection timed out), `... could not be reached: CAUSE`
+/// (unreachable, reset, a name that does not resolve). The cause's kind is kept, so the error
+/// is still retryable and still reads as what it is.
 pub(crate) fn unanswered(
     store: &str,
     addr: &str,
@@ -112,14 +164,17 @@ pub(crate) fn unanswered(
     cause: Option<&std::io::Error>,
 ) -> std::io::Error {
     let kind = cause.map_or(std::io::ErrorKind::TimedOut, std::io::Error::kind);
-    let cause = cause.map_or_else(|| "no reply".to_owned(), ToString::to_string);
-    std::io::Error::new(
-        kind,
-        format!(
-            "{store} at {addr} did not answer within {}s: {cause}",
+    let text = match (kind, cause) {
+        (std::io::ErrorKind::ConnectionRefused, _) => format!(
+            "{store} at {addr} refused the connection (nothing listens there: is the server running, on this port?)"
+        ),
+        (std::io::ErrorKind::TimedOut, _) | (_, None) => format!(
+            "{store} at {addr} did not answer within {}s",
             bound.as_secs_f64()
         ),
-    )
+        (_, Some(cause)) => format!("{store} at {addr} could not be reached: {cause}"),
+    };
+    std::io::Error::new(kind, text)
 }
 
 /// Splits `host[:port][,host[:port]...]` into `host:port` entries (`default_port` where a
@@ -157,32 +212,49 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hosts_without_secrets() {
-        for (url, host) in [
-            ("redis://:hunter2@cache:6380/0", "redis://cache:6380"),
-            ("redis://u:a/b?c@h:1/0", "redis://h:1"),
-            ("redis://h:notaport", "redis://h"),
-            ("REDIS://[::1]:7", "redis://[::1]:7"),
+    fn urls_shown_without_secrets() {
+        for (url, shown) in [
+            ("redis://:hunter2@cache:6380/0", "redis://:***@cache:6380/0"),
+            ("redis://u:a/b?c@h:1/0", "redis://u:***@h:1/0"),
+            ("redis://h:notaport", "redis://h:notaport"),
+            ("redis://:hunter2", "redis://:***"),
+            ("redis://:hunter2/0", "redis://:***/0"),
+            ("redis://app@h:1", "redis://app@h:1"),
             (
-                "postgres://u:hunter2@db.internal/app?password=x",
-                "postgres://db.internal",
+                "postgres://u:hunter2@db.internal/app?password=x&sslmode=require&api_Token=y#f",
+                "postgres://u:***@db.internal/app?password=***&sslmode=require&api_Token=***#f",
             ),
-            ("no scheme", "a URL without a scheme"),
+            ("no scheme", "no scheme"),
         ] {
-            assert_eq!(url_host(url), host, "{url}");
+            assert_eq!(shown_url(url), shown, "{url}");
         }
+        assert_eq!(shown_url(&"x".repeat(300)).chars().count(), 201);
     }
 
     #[test]
     fn redis_url_problems_in_words() {
         for (url, why) in [
-            ("redis://h:notaport", "the port is not a number"),
-            ("redis://:hunter2", "no host"),
-            ("redis://h:99999", "out of range"),
-            ("redis://h:", "empty"),
+            (
+                "redis://h:notaport",
+                "the Redis URL \"redis://h:notaport\" did not parse: the port \"notaport\" is not a number",
+            ),
+            (
+                "redis://:hunter2@cache.internal:notaport",
+                "\"redis://:***@cache.internal:notaport\" did not parse: the port \"notaport\"",
+            ),
+            (
+                "redis://:hunter2",
+                "\"redis://:***\" did not parse: it names no host",
+            ),
+            ("redis://h:99999", "the port 99999 is out of range"),
+            ("redis://h:", "the port after h: is empty"),
             ("redis://[::1", "does not close"),
             ("redis://:pw@/0", "no host"),
-            ("redis://h:1/x", "database"),
+            ("redis://h:1/x", "the database \"x\""),
+            (
+                "localhost:6379",
+                "the Redis URL \"localhost:6379\" did not parse: it has no scheme",
+            ),
         ] {
             let err = invalid_redis_url(
                 Some(url),

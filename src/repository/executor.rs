@@ -449,7 +449,8 @@ where
             if stage.get() == Step::Uncommitted
                 && is_query_canceled(&e)
                 && started.elapsed() >= bound => {}
-        Ok(result) => return result,
+        // A table that is not guarded has no fence column for the statement to read.
+        Ok(result) => return result.map_err(|e| e.on_table(what)),
         Err(_) => {}
     }
     let outcome = match stage.get() {
@@ -506,7 +507,8 @@ where
         result
     };
     let result = match tokio::time::timeout(bound, call).await {
-        Ok(result) => result,
+        // A table that is not guarded has no fence column for the statement to read.
+        Ok(result) => result.map_err(|e| e.on_table(what)),
         Err(_) => {
             let outcome = if in_caller_tx {
                 crate::error::TimedOut::CallerTransaction

@@ -130,9 +130,9 @@ async fn keep_alive_with_a_concrete_issuer() {
     );
 }
 
-/// A Redis URL that does not parse names its host and what is wrong (not "Redis URL did not
-/// parse - InvalidClientConfig"); a Redis nobody answers at names host:port and the bound.
-/// Never the password.
+/// A Redis URL that does not parse is quoted, password hidden, with the part that is wrong
+/// (not "Redis URL did not parse - InvalidClientConfig"); a Redis nobody listens at names
+/// host:port and says it refused. Never the password.
 #[tokio::test]
 async fn redis_url_and_connection_errors_name_the_host() {
     let err = connect_issuer("redis://:s3cret@cache.internal:notaport")
@@ -148,9 +148,24 @@ async fn redis_url_and_connection_errors_name_the_host() {
     let text = err.to_string();
     assert!(
         text.contains(
-            "the Redis URL redis://cache.internal did not parse: the port is not a number"
+            "the Redis URL \"redis://:***@cache.internal:notaport\" did not parse: the port \"notaport\" is not a number"
         ),
         "{text}"
+    );
+    let err = pgfence::RedisIssuer::connect("cache.internal:6379")
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("the Redis URL \"cache.internal:6379\" did not parse: it has no scheme"),
+        "{err}"
+    );
+    let err = pgfence::RedisIssuer::connect("u:s3cret@cache.internal:6379")
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("\"u:***@cache.internal:6379\""),
+        "{err}"
     );
     assert!(
         !text.contains("InvalidClientConfig") && !text.contains("s3cret"),
@@ -160,13 +175,42 @@ async fn redis_url_and_connection_errors_name_the_host() {
         "redis://:s3cret@127.0.0.1:1",
         "rediss://:s3cret@127.0.0.1:1",
     ] {
+        let started = Instant::now();
         let err = connect_issuer(url).await.unwrap_err();
-        let text = err.to_string();
+        assert!(err.is_retryable(), "{url}: {err:?}");
+        // The whole chain, as `{:#}` prints it: the refusal once, not as a time-out.
+        let text = format!("{:#}", anyhow::Error::from(err));
         assert!(
-            text.contains("Redis at 127.0.0.1:1 did not answer within 5s"),
+            text.contains("Redis at 127.0.0.1:1 refused the connection"),
             "{url}: {text}"
         );
+        assert_eq!(text.to_lowercase().matches("refused").count(), 1, "{text}");
+        assert!(!text.contains("did not answer"), "{text}");
         assert!(!text.contains("s3cret"), "{text}");
-        assert!(err.is_retryable(), "{url}: {err:?}");
+        assert!(started.elapsed() < 3 * SEC, "{:?}", started.elapsed());
     }
+}
+
+/// A Redis that takes the connection and never answers is a time-out, said as one (after the
+/// 5 s bound), not a refusal.
+#[tokio::test]
+async fn a_redis_that_never_answers_is_a_time_out() {
+    // The kernel completes the handshake; nothing ever reads or writes.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://127.0.0.1:{}", silent.local_addr().unwrap().port());
+    let started = Instant::now();
+    let err = tokio::time::timeout(60 * SEC, connect_issuer(&url))
+        .await
+        .expect("connect is bounded")
+        .unwrap_err();
+    assert!(err.is_retryable(), "{err:?}");
+    let text = format!("{:#}", anyhow::Error::from(err));
+    let addr = url.trim_start_matches("redis://");
+    assert!(
+        text.contains(&format!("Redis at {addr} did not answer within 5s")),
+        "{text}"
+    );
+    assert!(!text.to_lowercase().contains("refused"), "{text}");
+    assert!(started.elapsed() >= 4 * SEC, "{:?}", started.elapsed());
+    drop(silent);
 }

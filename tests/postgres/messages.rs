@@ -267,3 +267,155 @@ async fn each_rejection_logs_and_audits_its_kind() {
     ];
     assert_eq!(kinds, [one_round, one_round].concat());
 }
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+struct Plain {
+    id: i64,
+    note: String,
+}
+pgfence::fenced_table!(Plain { table: "plain", key: id: i64, columns: [note] });
+
+/// An error's cause chain as `{:#}` prints it (anyhow's format): each cause after a `: `.
+fn chain(err: Error) -> String {
+    format!("{:#}", anyhow::Error::from(err))
+}
+
+/// What a printed chain must not do (issue 48): end in PostgreSQL's C source line, or say one
+/// cause's text twice.
+fn assert_reads_once(what: &str, chain: &str) {
+    assert!(!chain.contains(" at line "), "{what}: {chain}");
+    let parts: Vec<&str> = chain.split(": ").filter(|p| p.len() > 12).collect();
+    for (i, part) in parts.iter().enumerate() {
+        assert!(
+            !parts[..i].iter().any(|before| before.contains(part)),
+            "{what}: {part:?} said twice in {chain}"
+        );
+    }
+}
+
+/// A role `pgfence grant` never ran for, a table `pgfence guard` never ran on, and a database
+/// error: each reads as pgfence's (issue 48): what to do, no `at line N` of PostgreSQL's C
+/// source, no cause said twice in the chain.
+#[tokio::test]
+async fn errors_of_a_setup_step_not_taken_name_the_step() {
+    let (db, repo) = setup().await;
+    db.exec(
+        "CREATE TABLE plain (id bigint PRIMARY KEY, note text NOT NULL);
+         INSERT INTO plain VALUES (1, 'a');",
+    )
+    .await;
+    let stranger = Role::create(&db, "msgnogrant", "").await;
+    db.exec(&format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON acct TO {}",
+        stranger.quoted()
+    ))
+    .await;
+    let pool = stranger.pool(&db).await;
+    let as_stranger = Repository::<Acct>::new(pool.clone()).unwrap();
+    let resource = Resource::new("acct:all").unwrap();
+    let not_granted = [
+        (
+            "update",
+            as_stranger
+                .update(&pool, lease(7, "w"), &acct(1, 1))
+                .await
+                .unwrap_err(),
+        ),
+        (
+            "claim",
+            as_stranger
+                .claim::<_, Acct>(&pool, lease(7, "w"), &1)
+                .await
+                .unwrap_err(),
+        ),
+        ("verify", as_stranger.verify(&pool).await.unwrap_err()),
+        (
+            "check",
+            pgfence::Fence::new(pool.clone())
+                .check(&pool, &resource, token(7))
+                .await
+                .unwrap_err(),
+        ),
+    ];
+    for (what, err) in not_granted {
+        assert!(matches!(err, Error::NotGranted { .. }), "{what}: {err:?}");
+        assert_eq!(err.kind(), pgfence::error::ErrorKind::Setup, "{what}");
+        let text = chain(err);
+        assert!(
+            text.contains("lacks pgfence's grants") && text.contains("`pgfence grant ROLE`"),
+            "{what}: {text}"
+        );
+        assert_reads_once(what, &text);
+    }
+
+    let plain = Repository::<Plain>::new(db.pool.clone()).unwrap();
+    let row = Plain {
+        id: 1,
+        note: "b".into(),
+    };
+    let not_guarded = [
+        (
+            "update",
+            plain
+                .update(&db.pool, lease(7, "w"), &row)
+                .await
+                .unwrap_err(),
+        ),
+        (
+            "upsert",
+            plain
+                .upsert(&db.pool, lease(7, "w"), &row)
+                .await
+                .unwrap_err(),
+        ),
+        (
+            "claim",
+            plain
+                .claim::<_, Plain>(&db.pool, lease(7, "w"), &1)
+                .await
+                .unwrap_err(),
+        ),
+        (
+            "update_many",
+            plain
+                .update_many(&db.pool, lease(7, "w"), std::slice::from_ref(&row))
+                .await
+                .unwrap_err(),
+        ),
+    ];
+    for (what, err) in not_guarded {
+        assert!(
+            matches!(&err, Error::NotGuarded { table } if table == "\"public\".\"plain\""),
+            "{what}: {err:?}"
+        );
+        let text = chain(err);
+        assert!(
+            text.contains("table \"public\".\"plain\" is not guarded")
+                && text.contains("run `pgfence guard \"public\".\"plain\"`"),
+            "{what}: {text}"
+        );
+        assert!(!text.contains("does not exist"), "{what}: {text}");
+        assert_reads_once(what, &text);
+    }
+    let note: String = sqlx::query_scalar("SELECT note FROM plain WHERE id = 1")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(note, "a", "nothing was applied");
+
+    // PostgreSQL's own errors: message and SQLSTATE once, not sqlx's `at line N` after them.
+    for (what, sql) in [
+        ("syntax error", "UPDATE acct SET WHERE"),
+        ("missing column", "UPDATE acct SET nope = 1"),
+        (
+            "a lease-less write",
+            "UPDATE acct SET balance = 7 WHERE id = 1",
+        ),
+    ] {
+        let text = chain(raw(&db, sql).await);
+        assert_reads_once(what, &text);
+    }
+    let text = chain(raw(&db, "UPDATE acct SET WHERE").await);
+    assert!(text.contains("(SQLSTATE 42601)"), "{text}");
+    drop(repo);
+}

@@ -55,7 +55,7 @@ pub struct Conn {
 /// `guard --emit-migration`'s help. clap turns every `{n}` of a help text into a line break
 /// and has no escape for it; an ANSI reset between `{` and `n` (invisible on a terminal,
 /// removed from help written to a pipe or file) keeps the file name intact.
-const EMIT_MIGRATION_HELP: &str = "Write `V{\x1b[0mn}__guard_<table>.sql` into this refinery migrations folder instead of touching the database";
+const EMIT_MIGRATION_HELP: &str = "Write the guarding migration into this migrations folder instead of touching the database, as the folder's tool names it: sqlx-cli `<version>_guard_<table>.sql` (or `.up.sql` and `.down.sql`), refinery `V{\x1b[0mn}__guard_<table>.sql`; see --migration-format";
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
@@ -65,14 +65,21 @@ pub enum Command {
         #[arg(long)]
         status: bool,
     },
-    /// Guard an existing table: add `fence bigint NOT NULL DEFAULT 0` and the trigger.
+    /// Guard existing tables: add `fence bigint NOT NULL DEFAULT 0` and the trigger. Several
+    /// tables are guarded in one transaction: all of them, or none.
     Guard {
         /// `table` or `schema.table`, as in SQL: unquoted names fold to lower case; double-quote
-        /// a part to keep its case or to contain dots.
-        table: String,
+        /// a part to keep its case or to contain dots. Several: one migration for all of them.
+        #[arg(required = true, value_name = "TABLE")]
+        tables: Vec<String>,
         // The help is not a doc comment: clap renders `{n}` in help text as a line break.
         #[arg(long, value_name = "DIR", help = EMIT_MIGRATION_HELP)]
         emit_migration: Option<PathBuf>,
+        /// The migration tool --emit-migration writes for. By default the one whose files the
+        /// folder holds (sqlx: reversible when its latest migration is); an empty folder gets
+        /// `sqlx` (sqlx-cli's default: a simple migration, a timestamp version).
+        #[arg(long, value_enum, value_name = "TOOL", requires = "emit_migration")]
+        migration_format: Option<MigrationFormat>,
         /// Report-only mode: let updates that do not advance the fence through, recording
         /// each in `pgfence audit` (operation `observe`, role, application_name) with a
         /// PostgreSQL WARNING. For rolling pgfence out.
@@ -87,10 +94,11 @@ pub enum Command {
         #[arg(long, default_value = "5s", value_parser = util::parse_duration, allow_hyphen_values = true)]
         lock_timeout: Duration,
     },
-    /// Remove the guard trigger from a table.
+    /// Remove the guard trigger from tables (several: in one transaction, all or none).
     Unguard {
         /// `table` or `schema.table` (unquoted names fold to lower case).
-        table: String,
+        #[arg(required = true, value_name = "TABLE")]
+        tables: Vec<String>,
         /// Drop the `fence` column too.
         #[arg(long)]
         drop_column: bool,
@@ -145,6 +153,18 @@ pub enum Command {
     /// Redis counters not below Postgres's marks, tokens near the limit, old audit rows.
     /// Exit 0 when clean, 1 when anything but info was found (or doctor could not run).
     Doctor(DoctorArgs),
+}
+
+/// `guard --migration-format`: the migration tool whose file `--emit-migration` writes.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MigrationFormat {
+    /// sqlx-cli (`sqlx migrate run`, `sqlx::migrate!`): one file, `<version>_guard_<table>.sql`.
+    Sqlx,
+    /// sqlx-cli, reversible: `<version>_guard_<table>.up.sql` and `.down.sql` (the down
+    /// migration unguards and keeps the `fence` column).
+    SqlxReversible,
+    /// refinery: `V<n>__guard_<table>.sql`.
+    Refinery,
 }
 
 #[derive(Args, Debug)]

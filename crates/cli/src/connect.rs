@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use pgfence::{
     Lease, RedisIssuer, Resource, TokenIssuer,
-    issuer::{IssuerKind, IssuerOptions},
+    issuer::{IssuerKind, IssuerOptions, PgIssuer},
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
@@ -20,6 +20,50 @@ use crate::util::{cell, fmt_duration, redact};
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a pool checkout may wait (the CLI's pool is small and lightly used).
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long [`close_all`] waits, in all, for the pools' connections to come back and close.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Every PostgreSQL pool this process opened ([`connect_pg_with`], the PostgreSQL issuer's),
+/// for [`close_all`]. A clone of a pool is the pool: closing it closes the one the command
+/// used.
+static OPENED: std::sync::Mutex<Vec<PgPool>> = std::sync::Mutex::new(Vec::new());
+
+/// Remembers `pool` for [`close_all`].
+fn opened(pool: &PgPool) {
+    OPENED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push(pool.clone());
+}
+
+/// Closes every pool this process opened, gracefully, so that the server sees each client
+/// say goodbye: no "could not receive data from client: Connection reset by peer" or "could
+/// not send data to client: Broken pipe" in its log.
+///
+/// First it waits until every connection is back in its pool: a connection given back (a
+/// transaction dropped on an error path or by Ctrl-C queues its `ROLLBACK` unsent) is
+/// checked by the pool with a round trip that sends what is queued and reads the answers. A
+/// closed pool skips that check and sends Terminate right behind the queued `ROLLBACK`, and
+/// the server's answer to it then reaches a socket already closed: the client's kernel
+/// answers with a reset, which is what the server logs. Then each pool is closed: Terminate
+/// on every connection, the protocol's goodbye. Bounded by [`CLOSE_TIMEOUT`] in all: a
+/// server that does not answer does not hold the exit up.
+pub async fn close_all() {
+    let pools = std::mem::take(
+        &mut *OPENED
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    );
+    let closing = async {
+        for pool in pools {
+            while usize::try_from(pool.size()).is_ok_and(|size| pool.num_idle() < size) {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            pool.close().await;
+        }
+    };
+    let _ = tokio::time::timeout(CLOSE_TIMEOUT, closing).await;
+}
 
 impl Conn {
     /// The PostgreSQL URL, or an error saying how to give one.
@@ -53,13 +97,6 @@ impl Conn {
         }
     }
 
-    fn issuer_options(&self) -> Result<IssuerOptions> {
-        Ok(match self.key_prefix()? {
-            Some(prefix) => IssuerOptions::new().key_prefix(prefix),
-            None => IssuerOptions::new(),
-        })
-    }
-
     /// A pool of one connection on the configured PostgreSQL: an admin command runs its
     /// sessions one after the other on it, so behind a pooler in session mode it holds one
     /// server connection, never two (with a one-connection server pool a second client
@@ -91,7 +128,7 @@ impl Conn {
     /// The configured issuer (Redis, etcd or ZooKeeper, by the URL's scheme), with the key
     /// prefix.
     pub async fn issuer(&self) -> Result<Arc<dyn TokenIssuer>> {
-        connect_issuer(self.issuer_url()?, self.issuer_options()?).await
+        connect_issuer(self.issuer_url()?, self.key_prefix()?, None).await
     }
 
     /// An issuer for taking locks: for Redis, when a PostgreSQL URL is configured, it
@@ -103,16 +140,12 @@ impl Conn {
     /// never go backwards).
     pub async fn lock_issuer(&self) -> Result<Arc<dyn TokenIssuer>> {
         let url = self.issuer_url()?;
-        let options = self.issuer_options()?;
+        let prefix = self.key_prefix()?;
         if issuer_kind(url)? != IssuerKind::Redis {
-            return connect_issuer(url, options).await;
+            return connect_issuer(url, prefix, None).await;
         }
         // Standalone, TLS or Sentinel: the same options, one parser (the library's).
-        let options = match self.floor().await {
-            Some(pool) => options.floor_source(pool),
-            None => options,
-        };
-        connect_issuer(url, options).await
+        connect_issuer(url, prefix, self.floor().await).await
     }
 
     /// The migrated database to recover a lost Redis counter from, when one is configured;
@@ -165,14 +198,16 @@ pub async fn connect_pg_with(url: &str, max: u32) -> Result<PgPool> {
         .map_err(|_| no_answer())
         .and_then(|r| r.map_err(anyhow::Error::from))
         .with_context(context)?;
-    let _ = probe.close().await;
+    let _ = tokio::time::timeout(CLOSE_TIMEOUT, probe.close()).await;
     warn_if_plaintext(&options).await;
-    PgPoolOptions::new()
+    let pool = PgPoolOptions::new()
         .max_connections(max)
         .acquire_timeout(ACQUIRE_TIMEOUT)
         .connect_with(options)
         .await
-        .with_context(context)
+        .with_context(context)?;
+    opened(&pool);
+    Ok(pool)
 }
 
 /// Connect options from a URL (`postgres://`, `postgresql://`) or a keyword conninfo string
@@ -394,15 +429,36 @@ pub fn is_plain_redis(url: &str) -> bool {
         && !pgfence::issuer::redis::is_sentinel_url(url)
 }
 
-/// The issuer `url` names ([`pgfence::issuer::connect_issuer_with`]), giving up after a few seconds.
-pub async fn connect_issuer(url: &str, options: IssuerOptions) -> Result<Arc<dyn TokenIssuer>> {
-    let what = store_name(issuer_kind(url)?);
-    match tokio::time::timeout(
-        CONNECT_TIMEOUT,
-        pgfence::issuer::connect_issuer_with(url, options),
-    )
-    .await
-    {
+/// The issuer `url` names ([`pgfence::issuer::connect_issuer_with`]) with the key `prefix`
+/// (`None`: the default) and, for Redis, the database to recover a lost counter from; giving
+/// up after a few seconds. The PostgreSQL issuer's own pool is one [`close_all`] closes.
+pub async fn connect_issuer(
+    url: &str,
+    prefix: Option<&str>,
+    floor: Option<PgPool>,
+) -> Result<Arc<dyn TokenIssuer>> {
+    let kind = issuer_kind(url)?;
+    let what = store_name(kind);
+    let connecting = async {
+        if kind == IssuerKind::Postgres {
+            let issuer = PgIssuer::connect(url).await?;
+            opened(issuer.pool());
+            let issuer = match prefix {
+                Some(prefix) => issuer.with_key_prefix(prefix)?,
+                None => issuer,
+            };
+            return Ok(Arc::new(issuer) as Arc<dyn TokenIssuer>);
+        }
+        let mut options = IssuerOptions::new();
+        if let Some(prefix) = prefix {
+            options = options.key_prefix(prefix);
+        }
+        if let Some(pool) = floor {
+            options = options.floor_source(pool);
+        }
+        pgfence::issuer::connect_issuer_with(url, options).await
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
         Ok(Ok(issuer)) => Ok(issuer),
         // Not a connection problem: say what to do.
         Ok(Err(e @ pgfence::Error::IssuerNotBuilt { feature, .. })) => Err(anyhow!(

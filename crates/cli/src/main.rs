@@ -19,11 +19,20 @@ async fn main() -> ExitCode {
         Err(e) if e.use_stderr() => {
             // Usage errors in one line, like every other pgfence error.
             let text = e.to_string();
-            let first = text.lines().next().unwrap_or("invalid arguments");
+            let mut lines = text.lines();
+            let mut first = lines.next().unwrap_or("invalid arguments").to_owned();
+            // "the following required arguments were not provided:" names them below.
+            if first.ends_with(':') {
+                let named: Vec<&str> = lines
+                    .take_while(|l| l.starts_with("  "))
+                    .map(str::trim)
+                    .collect();
+                first = format!("{} {}", first, named.join(", "));
+            }
             // Arguments are echoed back: hide URLs' secrets and escape control characters.
             eprintln!(
                 "pgfence: {}; see --help",
-                util::cell(&util::scrub(first.trim_start_matches("error: ")))
+                util::cell(&util::scrub(first.trim_start_matches("error: ").trim_end()))
             );
             return ExitCode::from(2);
         }

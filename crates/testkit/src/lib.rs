@@ -331,6 +331,13 @@ trap 'rm -rf "$dir"' EXIT
         self.supervisor.dir()
     }
 
+    /// The server's log (its stdout and stderr: PostgreSQL logs there by default), for tests
+    /// that check what the server said about its clients. Rewritten by [`Server::restart`].
+    #[must_use]
+    pub fn log_path(&self) -> PathBuf {
+        self.dir().join("server.log")
+    }
+
     /// A connection URL: `postgres://postgres@127.0.0.1:PORT/postgres` (with
     /// `?sslmode=verify-full&sslrootcert=CA` for [`Server::postgres_tls`]) or
     /// `redis://127.0.0.1:PORT`.

@@ -23,6 +23,7 @@
 //! | [`AuditRetention`](FindingKind::AuditRetention) | warning | audit rows older than [`DoctorOptions::audit_retention`] |
 //! | [`TimelineCheckOff`](FindingKind::TimelineCheckOff) | info | the database cannot tell its timeline (no WAL functions: Aurora without logical replication, or revoked): failover fencing by timeline is off; what is not protected, and where that is acceptable |
 //! | [`Protections`](FindingKind::Protections) | info | what is in force: the timeline check, the guarded tables by mode, the connected role's standing |
+//! | [`NotGranted`](FindingKind::NotGranted) | error | the connected role lacks `USAGE` on schema `pgfence` (it was never granted, `pgfence grant ROLE`): its fenced writes and checks fail (the other checks are skipped) |
 //! | [`NotPermitted`](FindingKind::NotPermitted) | warning | a check doctor could not make: the connected role lacks a privilege it needs (run doctor as the schema's owner for the full report); not a problem ([`Finding::is_problem`]) |
 //!
 //! Counters: for each resource in `pgfence.resource_fence` (resources that ran
@@ -118,6 +119,10 @@ pub enum FindingKind {
     AuditRetention,
     /// A check was skipped: the connected role lacks a privilege it needs.
     NotPermitted,
+    /// The connected role was never given pgfence's grants (no `USAGE` on schema `pgfence`):
+    /// its fenced writes and checks fail ([`Error::NotGranted`](crate::Error::NotGranted));
+    /// `pgfence grant ROLE` gives them.
+    NotGranted,
     /// The database was promoted to a new timeline (a failover) that nobody acknowledged
     /// yet: leases that wrote before it are fenced out, and with asynchronous replication
     /// the promotion may have lost commits ([`acknowledge_failover`] once checked).

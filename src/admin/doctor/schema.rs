@@ -8,13 +8,14 @@ use crate::Result;
 /// The schema check; `true` when the other checks can run.
 pub(super) async fn schema(pool: &mut PgConnection, findings: &mut Vec<Finding>) -> Result<bool> {
     let object = "schema pgfence";
-    let (present, usage, versioned): (bool, Option<bool>, Option<bool>) = sqlx::query_as(
+    let (present, usage, versioned, role): (bool, Option<bool>, Option<bool>, String) = sqlx::query_as(
         "SELECT n.oid IS NOT NULL AND EXISTS (
                     SELECT FROM pg_catalog.pg_class c
                      WHERE c.relnamespace OPERATOR(pg_catalog.=) n.oid
                        AND c.relname OPERATOR(pg_catalog.=) 'refinery_schema_history'),
                 CASE WHEN n.oid IS NOT NULL THEN pg_catalog.has_schema_privilege(n.oid, 'USAGE') END,
-                CASE WHEN p.oid IS NOT NULL THEN pg_catalog.has_function_privilege(p.oid, 'EXECUTE') END
+                CASE WHEN p.oid IS NOT NULL THEN pg_catalog.has_function_privilege(p.oid, 'EXECUTE') END,
+                CURRENT_USER::pg_catalog.text
            FROM (SELECT) AS one
            LEFT JOIN pg_catalog.pg_namespace n ON n.nspname OPERATOR(pg_catalog.=) 'pgfence'
            LEFT JOIN pg_catalog.pg_proc p ON p.pronamespace OPERATOR(pg_catalog.=) n.oid
@@ -31,11 +32,18 @@ pub(super) async fn schema(pool: &mut PgConnection, findings: &mut Vec<Finding>)
         return Ok(false);
     }
     if usage != Some(true) {
-        findings.push(not_permitted(
-            object,
-            "the schema and everything in it were",
-            "USAGE on schema pgfence (`pgfence grant ROLE` gives it)",
-        ));
+        // Not a check doctor may not make: this role cannot run pgfence at all.
+        let role = crate::table::Ident::new(role.as_str())
+            .map_or_else(|_| "ROLE".to_owned(), |r| r.quoted());
+        findings.push(
+            Finding::new(Severity::Error, FindingKind::NotGranted, object)
+                .says(format!(
+                    "the connected role {role} lacks pgfence's grants (no USAGE on schema pgfence): its fenced writes, claims and checks fail with \"permission denied for schema pgfence\" (other checks skipped)"
+                ))
+                .fix(format!(
+                    "as the owner of schema pgfence, run `pgfence grant {role}` (pgfence::admin::grant) if the application connects as this role; otherwise run `pgfence doctor` as the owner for the full report"
+                )),
+        );
         return Ok(false);
     }
     if may(pool, "refinery_schema_history", "SELECT").await? {

@@ -46,7 +46,8 @@ struct Shared {
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A connection that failed for want of an answer (refused, unreachable, timed out, reset),
-/// as an error naming the server: `Redis at HOST:PORT did not answer within 5s: CAUSE`. Other
+/// as an error naming the server and how it failed (`Redis at HOST:PORT refused the
+/// connection`, `... did not answer within 5s`: [`crate::issuer::unanswered`]). Other
 /// errors (the server answered: a password refused, an ACL, a TLS certificate) are kept.
 fn unanswered(addr: &str, e: RedisError) -> RedisError {
     if crate::tls::is_tls_rejection(&e) || !(e.is_io_error() || e.is_timeout()) {

@@ -3,6 +3,7 @@
 mod audit;
 mod doctor;
 mod effect;
+mod emit;
 mod grant;
 mod guard;
 mod lock;
@@ -26,7 +27,10 @@ fn permission_denied(e: &anyhow::Error) -> Option<String> {
     e.chain().find_map(|cause| {
         let db = match cause.downcast_ref::<pgfence::Error>() {
             // The library's own word for a refused deploy-time call.
-            Some(pgfence::Error::NotPermitted { message, .. }) => return Some(message.clone()),
+            Some(
+                pgfence::Error::NotPermitted { message, .. }
+                | pgfence::Error::NotGranted { message },
+            ) => return Some(message.clone()),
             Some(pgfence::Error::Backend(b)) => match b.as_sqlx() {
                 Some(sqlx::Error::Database(db)) => db,
                 _ => return None,
@@ -84,18 +88,23 @@ pub(crate) async fn needs_owner(
 
 /// Runs the command, returning its exit code. Ctrl-C stops it with exit code 130, except for
 /// `run`, which handles signals itself: it must release the lock after the command exits.
+/// However the command ends (done, failed, interrupted), the PostgreSQL connections it opened
+/// are closed before this returns ([`crate::connect::close_all`]).
 pub async fn run(cli: Cli) -> Result<ExitCode> {
-    if matches!(cli.command, Command::Run(_)) {
-        return dispatch(cli).await;
-    }
-    tokio::select! {
-        outcome = dispatch(cli) => outcome,
-        // Dropping the command's future drops any throwaway servers, which stops them.
-        _ = tokio::signal::ctrl_c() => {
-            eprintln!("pgfence: interrupted");
-            Ok(ExitCode::from(130))
+    let outcome = if matches!(cli.command, Command::Run(_)) {
+        dispatch(cli).await
+    } else {
+        tokio::select! {
+            outcome = dispatch(cli) => outcome,
+            // Dropping the command's future drops any throwaway servers, which stops them.
+            _ = tokio::signal::ctrl_c() => {
+                eprintln!("pgfence: interrupted");
+                Ok(ExitCode::from(130))
+            }
         }
-    }
+    };
+    crate::connect::close_all().await;
+    outcome
 }
 
 async fn dispatch(cli: Cli) -> Result<ExitCode> {
@@ -103,8 +112,9 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Migrate { status } => migrate::migrate(&conn, status).await,
         Command::Guard {
-            table,
+            tables,
             emit_migration,
+            migration_format,
             observe,
             enforce: _,
             lock_timeout,
@@ -114,13 +124,21 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
             } else {
                 pgfence::guard::GuardMode::Enforce
             };
-            guard::guard(&conn, &table, emit_migration.as_deref(), mode, lock_timeout).await
+            guard::guard(
+                &conn,
+                &tables,
+                emit_migration.as_deref(),
+                migration_format,
+                mode,
+                lock_timeout,
+            )
+            .await
         }
         Command::Unguard {
-            table,
+            tables,
             drop_column,
             lock_timeout,
-        } => guard::unguard(&conn, &table, drop_column, lock_timeout).await,
+        } => guard::unguard(&conn, &tables, drop_column, lock_timeout).await,
         Command::Tables { json } => guard::tables(&conn, json).await,
         Command::Audit(args) => match args.action {
             Some(AuditAction::Prune { older_than }) => audit::prune(&conn, older_than).await,

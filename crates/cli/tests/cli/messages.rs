@@ -84,6 +84,8 @@ async fn messages_users_can_act_on() {
     let redis = redis_url().await;
     let app = Role::create(&db, "msg_app", "").await;
     let other = Role::create(&db, "msg_other", "").await;
+    // A role `pgfence grant` never ran for.
+    let stranger = Role::create(&db, "msg_stranger", "").await;
     assert!(
         run(&[("DATABASE_URL", &url)], &["grant", &app.name])
             .status
@@ -125,6 +127,15 @@ async fn messages_users_can_act_on() {
     db.exec(&format!("SELECT pgfence.check('{}', 50)", below.as_str()))
         .await;
 
+    let stranger_url = format!(
+        "postgres://{}@{}:{}/{}",
+        stranger.name,
+        db.options.get_host(),
+        db.options.get_port(),
+        db.name
+    );
+    let as_stranger = ("DATABASE_URL", stranger_url.as_str());
+    let grant_stranger = format!("run `pgfence grant \"{}\"`", stranger.name);
     let pg = ("DATABASE_URL", url.as_str());
     let as_app = ("DATABASE_URL", app_url.as_str());
     let no_redis = ("REDIS_URL", "redis://127.0.0.1:1");
@@ -147,8 +158,8 @@ async fn messages_users_can_act_on() {
             Stderr,
             &[
                 "invalid issuer URL",
-                "redis://cache.internal did not parse",
-                "the port is not a number",
+                "the Redis URL \"redis://:***@cache.internal:notaport\" did not parse",
+                "the port \"notaport\" is not a number",
             ],
             &[
                 "hunter2",
@@ -158,25 +169,22 @@ async fn messages_users_can_act_on() {
             ],
         ),
         case(
-            "a Redis nobody answers at: host:port and the bound",
+            "a Redis nobody listens at: host:port, refused (not a time-out), said once",
             &[("PGFENCE_ISSUER_URL", "redis://127.0.0.1:1")],
             &["lock", "status", "r"],
             1,
             Stderr,
-            &[
-                "Redis at 127.0.0.1:1 did not answer within 5s",
-                "Connection refused",
-            ],
-            &[],
+            &["Redis at 127.0.0.1:1 refused the connection"],
+            &["did not answer", "Connection refused"],
         ),
         case(
-            "a PostgreSQL issuer nobody answers at: host:port and the bound",
+            "a PostgreSQL issuer nobody listens at: host:port, refused",
             &[("PGFENCE_ISSUER_URL", "postgres://u:hunter2@127.0.0.1:1/db")],
             &["lock", "status", "r"],
             1,
             Stderr,
-            &["PostgreSQL at 127.0.0.1:1 did not answer within 5s"],
-            &["pool timed out", "hunter2"],
+            &["PostgreSQL at 127.0.0.1:1 refused the connection"],
+            &["pool timed out", "hunter2", "did not answer"],
         ),
         case(
             "a PostgreSQL issuer URL with a bad port",
@@ -188,7 +196,7 @@ async fn messages_users_can_act_on() {
             1,
             Stderr,
             &[
-                "the PostgreSQL URL postgres://db.internal did not parse",
+                "the PostgreSQL URL \"postgres://u:***@db.internal:xx/db\" did not parse",
                 "invalid port",
             ],
             &["hunter2", "cannot connect"],
@@ -204,7 +212,7 @@ async fn messages_users_can_act_on() {
             Stdout,
             &[
                 "invalid_issuer_url",
-                "redis://cache.internal did not parse",
+                "\"redis://:***@cache.internal:notaport\" did not parse",
                 "correct the URL",
             ],
             &["cannot connect", "hunter2", "redis_unavailable"],
@@ -233,6 +241,47 @@ async fn messages_users_can_act_on() {
             Stderr,
             &["`pgfence audit`", &grant_msg, &not_as_app],
             &[],
+        ),
+        case(
+            "tables as the application role: who may read them, as audit says",
+            &[as_app],
+            &["tables"],
+            1,
+            Stderr,
+            &[
+                "`pgfence tables` reads pgfence.guarded_tables",
+                &grant_msg,
+                &not_as_app,
+                "permission denied for view guarded_tables",
+            ],
+            &["database error", "SQLSTATE"],
+        ),
+        case(
+            "doctor as a role pgfence grant never ran for: a problem, naming the grant",
+            &[as_stranger],
+            &["doctor", "--no-redis"],
+            1,
+            Stdout,
+            &[
+                "not_granted",
+                "lacks pgfence's grants",
+                &grant_stranger,
+                "1 problem(s) found",
+            ],
+            &["ok: no problems found", "not_permitted"],
+        ),
+        case(
+            "tables as a role pgfence grant never ran for",
+            &[as_stranger],
+            &["tables"],
+            1,
+            Stderr,
+            &[
+                "`pgfence tables`",
+                &grant_msg,
+                "permission denied for schema pgfence",
+            ],
+            &["database error"],
         ),
         case(
             "audit prune as the application role",
@@ -346,7 +395,7 @@ async fn messages_users_can_act_on() {
             &["doctor"],
             1,
             Stdout,
-            &["redis_unavailable", "did not answer"],
+            &["redis_unavailable", "refused the connection"],
             &[],
         ),
     ];

@@ -4,11 +4,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use pgfence::{
-    Repository, Resource, TokenIssuer,
-    issuer::{IssuerOptions, PgIssuer},
-    table::TableName,
-};
+use pgfence::{Repository, Resource, TokenIssuer, issuer::PgIssuer, table::TableName};
 use pgfence_testkit::{Kind, Server, ServerError, url_or_start};
 use sqlx::AssertSqlSafe;
 
@@ -163,11 +159,10 @@ pub async fn setup(servers: &Servers, fenced: bool, say: &Narrator) -> Result<Ar
                 .issuer_url
                 .as_deref()
                 .context("no issuer to run the demo on")?;
-            let options = match &servers.key_prefix {
-                Some(prefix) => IssuerOptions::new().key_prefix(prefix),
-                None => IssuerOptions::new(),
-            };
-            (connect_issuer(url, options).await?, None)
+            (
+                connect_issuer(url, servers.key_prefix.as_deref(), None).await?,
+                None,
+            )
         }
     };
     let applied = pgfence::admin::migrate(&pool).await?;

@@ -1,5 +1,7 @@
 //! `pgfence guard` / `unguard`: bad table names change nothing, `--emit-migration`, the help's
-//! file name, a busy table, SQL case folding of table names; the guard modes are in [`modes`].
+//! file name, a busy table, several tables in one transaction, SQL case folding of table
+//! names; the guard modes are in [`modes`], the emitted migrations applied by sqlx and
+//! refinery in [`emit`].
 
 use crate::common::exact_env::{ok, output};
 use crate::common::urls::{one_error, pg_snapshot, pgfence};
@@ -12,6 +14,7 @@ use sqlx::{Connection, PgConnection};
 
 use support::{TestDb, redis_url};
 
+mod emit;
 mod modes;
 
 #[tokio::test]
@@ -86,14 +89,16 @@ async fn emit_migration_writes_the_next_version() {
 fn guard_help_shows_the_migration_file_name_on_one_line() {
     for flag in ["--help", "-h"] {
         let help = ok(&output(&[], &["guard", flag]));
-        let line = help
-            .lines()
-            .find(|l| l.contains("--emit-migration"))
+        let lines: Vec<&str> = help.lines().collect();
+        let at = lines
+            .iter()
+            .position(|l| l.contains("--emit-migration <DIR>"))
             .unwrap_or_else(|| panic!("no --emit-migration: {help}"));
-        assert!(
-            line.contains("V{n}__guard_<table>.sql"),
-            "the file name is cut: {help}"
-        );
+        // `-h` has the help on the flag's line, `--help` on the next one.
+        let text = format!("{} {}", lines[at], lines.get(at + 1).unwrap_or(&""));
+        for name in ["V{n}__guard_<table>.sql", "`<version>_guard_<table>.sql`"] {
+            assert!(text.contains(name), "the file name is cut: {help}");
+        }
         assert!(
             !help.contains('\x1b'),
             "escape codes in piped help: {help:?}"
@@ -188,4 +193,92 @@ async fn unquoted_table_names_fold_to_lower_case() {
     );
     let out = pgfence(&db.url(), &redis, &["unguard", "PUBLIC.MIXEDCASE"]);
     assert!(text(&out.stdout).contains(r#"unguarded "public"."mixedcase""#));
+}
+
+/// Several tables in one call are one transaction: all guarded, or, when one of them does
+/// not exist or stays busy, none (the others' `fence` columns and triggers rolled back).
+/// `unguard` likewise.
+#[tokio::test]
+async fn several_tables_change_in_one_transaction() {
+    let db = TestDb::new().await;
+    db.exec(
+        "CREATE TABLE victim (id int PRIMARY KEY, v text NOT NULL); INSERT INTO victim VALUES (1, 'a');
+         CREATE TABLE orders (id int PRIMARY KEY); CREATE TABLE lines (id int PRIMARY KEY);",
+    )
+    .await;
+    let redis = redis_url().await;
+    let before = pg_snapshot(&db.pool).await;
+    let err = one_error(&pgfence(
+        &db.url(),
+        &redis,
+        &["guard", "orders", "lines", "no_such_table"],
+    ));
+    assert!(
+        err.contains("nothing was changed (the 3 tables are guarded in one transaction")
+            && err.contains("no_such_table does not exist"),
+        "{err}"
+    );
+    assert_eq!(
+        pg_snapshot(&db.pool).await,
+        before,
+        "orders, lines untouched"
+    );
+
+    // The last table busy: the first is rolled back with it.
+    let mut holder = PgConnection::connect_with(&db.options).await.unwrap();
+    sqlx::raw_sql("BEGIN; UPDATE victim SET v = 'b'")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let err = one_error(&pgfence(
+        &db.url(),
+        &redis,
+        &["guard", "orders", "victim", "--lock-timeout", "300ms"],
+    ));
+    assert!(
+        err.contains(r#"table "public"."victim" is busy"#) && err.contains("nothing was changed"),
+        "{err}"
+    );
+    assert_eq!(pg_snapshot(&db.pool).await, before, "orders untouched");
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+
+    let out = pgfence(&db.url(), &redis, &["guard", "orders", "lines", "victim"]);
+    assert_eq!(
+        text(&out.stdout),
+        "guarded \"public\".\"orders\" (enforce)\nguarded \"public\".\"lines\" (enforce)\nguarded \"public\".\"victim\" (enforce)\n",
+        "{}",
+        text(&out.stderr)
+    );
+    let out = pgfence(&db.url(), &redis, &["guard", "orders", "lines"]);
+    assert!(text(&out.stdout).contains("\"public\".\"orders\" was already guarded"));
+    let guarded = pg_snapshot(&db.pool).await;
+
+    let err = one_error(&pgfence(
+        &db.url(),
+        &redis,
+        &["unguard", "orders", "no_such_table", "--drop-column"],
+    ));
+    assert!(
+        err.contains("nothing was changed (the 2 tables are unguarded"),
+        "{err}"
+    );
+    assert_eq!(pg_snapshot(&db.pool).await, guarded, "orders still guarded");
+    let err = one_error(&pgfence(&db.url(), &redis, &["unguard", "lines", "LINES"]));
+    assert!(err.contains("is named twice"), "{err}");
+    let out = pgfence(
+        &db.url(),
+        &redis,
+        &["unguard", "orders", "lines", "--drop-column"],
+    );
+    assert_eq!(
+        text(&out.stdout),
+        "unguarded \"public\".\"orders\"\nunguarded \"public\".\"lines\"\n",
+        "{}",
+        text(&out.stderr)
+    );
+    let tables = text(&pgfence(&db.url(), &redis, &["tables"]).stdout);
+    assert_eq!(tables, "\"public\".\"victim\"\tenforce\n");
 }

@@ -63,6 +63,8 @@ async fn guard_observe_enforce_and_tables_show_the_mode() {
             "jobs",
             "--emit-migration",
             dir.to_str().unwrap(),
+            "--migration-format",
+            "refinery",
         ],
     )
     .await;
