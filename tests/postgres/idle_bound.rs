@@ -280,3 +280,85 @@ async fn unbounded_holder_stalls_the_next() {
     assert!(f.commit.starts_with("COMMIT Ok"), "{f:?}");
     assert_eq!(f.body, "zombie");
 }
+
+/// The per-role default (`admin::bound_idle_transactions`, `pgfence grant
+/// --idle-in-transaction-timeout`) bounds a transaction of repository writes alone (no
+/// `Fence::check`): its holder sits idle (as a paused process does, for the server) and the
+/// server ends it after the bound; the next holder's write waits no longer; `None` removes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_default_bounds_the_roles_idle_transactions() {
+    let db = TestDb::new().await;
+    db.exec("CREATE TABLE docs (id bigint PRIMARY KEY, body text NOT NULL); INSERT INTO docs VALUES (1, 'initial');")
+        .await;
+    pgfence::guard::guard(&db.pool, &TableName::parse("docs").unwrap())
+        .await
+        .unwrap();
+    let app = support::Role::create(&db, "idle_app", "NOSUPERUSER").await;
+    db.exec(&format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON docs TO {}",
+        app.quoted()
+    ))
+    .await;
+    pgfence::admin::grant(&db.pool, &app.ident()).await.unwrap();
+    let bound = Duration::from_millis(1500);
+    assert!(matches!(
+        pgfence::admin::bound_idle_transactions(&db.pool, &app.ident(), Some(Duration::ZERO)).await,
+        Err(pgfence::Error::Invalid(
+            pgfence::error::InvalidInput::Duration(_)
+        ))
+    ));
+    pgfence::admin::bound_idle_transactions(&db.pool, &app.ident(), Some(bound))
+        .await
+        .unwrap();
+
+    let pool = app.pool(&db).await;
+    let shown: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(shown, "1500ms");
+    let repo = Repository::<Doc>::new(pool.clone()).unwrap();
+    let old = support::token(1);
+    let mut tx = pool.begin().await.unwrap();
+    let zombie = Doc {
+        id: 1,
+        body: "zombie".into(),
+    };
+    repo.update(&mut *tx, old, &zombie).await.unwrap();
+    let idle_since = Instant::now();
+    // The holder sits idle in its transaction; the next lease writes the row meanwhile.
+    let next = Doc {
+        id: 1,
+        body: "next holder".into(),
+    };
+    repo.with_call_timeout(Duration::from_secs(20))
+        .unwrap()
+        .update(&pool, support::token(2), &next)
+        .await
+        .unwrap();
+    let waited = idle_since.elapsed();
+    assert!(
+        waited < bound + Duration::from_secs(5),
+        "the next holder waited {waited:?} (bound {bound:?})"
+    );
+    eprintln!(
+        "role default {bound:?}: the next holder's write returned {waited:?} after the holder went idle"
+    );
+    let err = tx.commit().await.unwrap_err();
+    assert!(err.to_string().contains("idle-in-transaction"), "{err}");
+    let body: String = sqlx::query_scalar("SELECT body FROM docs WHERE id = 1")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(body, "next holder");
+
+    pgfence::admin::bound_idle_transactions(&db.pool, &app.ident(), None)
+        .await
+        .unwrap();
+    let fresh = app.pool(&db).await;
+    let shown: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
+        .fetch_one(&fresh)
+        .await
+        .unwrap();
+    assert_eq!(shown, "0", "RESET: the server's default again");
+}

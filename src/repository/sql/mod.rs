@@ -789,6 +789,11 @@ mod tests {
                 texts.push(st.text().to_owned());
             }
             texts.push(s.update_columns(&[0]).text().to_owned());
+            let cond = crate::repository::Condition::eq("amount", 1_i64).unwrap();
+            texts.push(s.update_if(None, &cond).text().to_owned());
+            texts.push(s.update_if(Some(&[0]), &cond).text().to_owned());
+            texts.push(s.delete_if(&cond).text().to_owned());
+            texts.push(s.explain_if(&s.explain_update, &cond).text().to_owned());
         }
         texts
     }
@@ -878,6 +883,66 @@ mod tests {
             text.contains("'\"we''ird\"\"; DROP TABLE x; --\".\"t\"'"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_conditional_write_is_the_write_and_its_condition_binds_last() {
+        use crate::repository::Condition;
+        let s = build("inventory", &["sku"], &["payload", "qty"]);
+        let cond = Condition::eq("ver\"sion", 7_i64)
+            .unwrap()
+            .and(Condition::is_null("archived_at").unwrap())
+            .and(Condition::le("qty", 3_i32).unwrap());
+        let update = s.update_if(None, &cond);
+        assert_eq!(
+            update.text(),
+            format!(
+                "{} AND (\"ver\"\"sion\" OPERATOR(pg_catalog.=) $6 AND \"archived_at\" IS NULL \
+                 AND \"qty\" OPERATOR(pg_catalog.<=) $7)",
+                s.update.text()
+            )
+        );
+        assert_eq!(
+            update.slots,
+            [
+                Slot::Key,
+                Slot::Columns,
+                Slot::LeaseFence,
+                Slot::Timeline,
+                Slot::Condition(0),
+                Slot::Condition(2)
+            ]
+        );
+        let partial = s.update_if(Some(&[1]), &cond);
+        assert!(
+            partial
+                .text()
+                .starts_with(&format!("{} AND (", s.update_columns(&[1]).text()))
+        );
+        assert!(
+            partial.text().ends_with(
+                "$5 AND \"archived_at\" IS NULL AND \"qty\" OPERATOR(pg_catalog.<=) $6)"
+            )
+        );
+        let delete = s.delete_if(&cond);
+        assert!(
+            delete
+                .text()
+                .contains("pgfence.timeline())) AND (\"ver\"\"sion\" OPERATOR(pg_catalog.=) $4 ")
+        );
+        // The explaining statement is wrapped whole; the condition's values follow its own.
+        let explain = s.explain_if(&s.explain_update, &cond);
+        assert_eq!(
+            explain.text(),
+            format!(
+                "SELECT e.*, (SELECT (\"ver\"\"sion\" OPERATOR(pg_catalog.=) $8 AND \"archived_at\" \
+                 IS NULL AND \"qty\" OPERATOR(pg_catalog.<=) $9) IS TRUE FROM \"public\".\"inventory\" \
+                 WHERE \"sku\" OPERATOR(pg_catalog.=) $1) AS condition FROM ({}) e",
+                s.explain_update.text()
+            )
+        );
+        assert_eq!(explain.slots.len(), s.explain_update.slots.len() + 2);
+        assert!(explain.condition().is_some() && s.explain_update.condition().is_none());
     }
 
     #[test]
