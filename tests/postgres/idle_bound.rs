@@ -39,6 +39,7 @@ fn resource() -> Resource {
 /// commits; prints what the COMMIT got.
 #[tokio::test]
 #[ignore = "the worker of a_paused_holders_transaction_ends_at_its_lease_ttl, run by it"]
+#[allow(clippy::print_stdout)] // Its stdout is how the parent follows it.
 async fn paused_worker() {
     let Ok(url) = std::env::var(WORKER_URL) else {
         return;
