@@ -232,6 +232,10 @@ impl From<&Lease> for Fencing {
             .resource(lease.fencing.clone())
             .holder(lease.owner.clone());
         fencing.timeline = lease.timeline.clone();
+        // A resumed lease's deadline is "now": it carries no TTL worth bounding by.
+        if !lease.remaining().is_zero() {
+            fencing.idle_bound = Some(lease.ttl);
+        }
         fencing
     }
 }

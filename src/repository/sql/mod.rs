@@ -80,6 +80,9 @@ pub(crate) enum Slot {
     Timelines,
     /// Partial update: one data column, by its position in [`FencedTable::COLUMNS`].
     Column(usize),
+    /// Conditional write: the value of the caller's condition's test at this position
+    /// ([`Condition`](crate::repository::Condition), carried by the statement).
+    Condition(usize),
 }
 
 /// Hands out `$1, $2, ...` in bind order and records what each placeholder binds.
@@ -118,6 +121,7 @@ impl Params {
         Statement {
             text: AssertSqlSafe(text).into_sql_str(),
             slots: self.slots,
+            condition: None,
         }
     }
 }
@@ -139,6 +143,9 @@ impl std::fmt::Display for LeaseParams {
 pub(crate) struct Statement {
     text: SqlStr,
     slots: Vec<Slot>,
+    /// A conditional write's condition, whose values its [`Slot::Condition`]s bind (built per
+    /// call: `sql/single.rs`).
+    condition: Option<crate::repository::Condition>,
 }
 
 /// What a statement's [`Slot::Key`] and [`Slot::Columns`] take their values from.
@@ -185,6 +192,7 @@ impl Statement {
                     (Slot::Resource, _) => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
                     (Slot::Holder, _) => q.bind(fencing.holder.clone()),
                     (Slot::OwnTransaction, _) => q.bind(own_transaction),
+                    (Slot::Condition(i), _) => self.bind_condition(*i, q),
                     // Array slots belong to batch statements (`bind_batch`), single columns
                     // to partial updates (`bind_partial`).
                     (
@@ -238,6 +246,7 @@ impl Statement {
                     Slot::Key
                     | Slot::Columns
                     | Slot::Column(_)
+                    | Slot::Condition(_)
                     | Slot::LeaseFences
                     | Slot::Timelines,
                     _,
@@ -290,6 +299,7 @@ impl Statement {
                 Slot::Resource => q.bind(fencing.resource.as_ref().map(|r| r.to_string())),
                 Slot::Holder => q.bind(fencing.holder.clone()),
                 Slot::OwnTransaction => q.bind(false),
+                Slot::Condition(i) => self.bind_condition(*i, q),
                 Slot::KeyArrays
                 | Slot::ColumnArrays
                 | Slot::Ordinals
@@ -298,6 +308,24 @@ impl Statement {
             };
         }
         Some(q)
+    }
+
+    /// Binds the value of the statement's condition's test `i` (nothing for a test without
+    /// a value; the builder hands out a slot only for those that have one).
+    fn bind_condition(&self, i: usize, q: PgQuery) -> PgQuery {
+        use crate::repository::condition::Test;
+        match self.condition.as_ref().and_then(|c| c.terms().get(i)) {
+            Some(term) => match &term.test {
+                Test::Compare(_, value) => value.bind(q),
+                Test::IsNull | Test::IsNotNull => q,
+            },
+            None => q,
+        }
+    }
+
+    /// The condition of a conditional write's statement (`None` for every other).
+    pub(crate) fn condition(&self) -> Option<&crate::repository::Condition> {
+        self.condition.as_ref()
     }
 
     /// A statement that binds only a key (`fetch`).
@@ -318,6 +346,8 @@ pub(crate) struct Statements {
     /// The quoted table, key and data columns, for statements built later
     /// ([`Statements::update_columns`]).
     table: String,
+    /// The table's OID, as SQL (the tombstone's `rel`), for statements built later.
+    rel: String,
     keys: Vec<Ident>,
     cols: Vec<Ident>,
     pub update: Statement,
@@ -444,8 +474,9 @@ impl Statements {
     ) -> Result<Self> {
         let t = table.quoted();
         let table_literal = quote_literal(&t)?;
+        let rel = format!("{table_literal}::pg_catalog.regclass::pg_catalog.oid");
         let shape = single::Shape {
-            rel: format!("{table_literal}::pg_catalog.regclass::pg_catalog.oid"),
+            rel: rel.clone(),
             t: t.clone(),
             table_literal: table_literal.clone(),
             keys,
@@ -454,6 +485,7 @@ impl Statements {
         };
         Ok(Self {
             table: t.clone(),
+            rel,
             keys: keys.to_vec(),
             cols: cols.to_vec(),
             fetch: shape.fetch(),
@@ -757,6 +789,11 @@ mod tests {
                 texts.push(st.text().to_owned());
             }
             texts.push(s.update_columns(&[0]).text().to_owned());
+            let cond = crate::repository::Condition::eq("amount", 1_i64).unwrap();
+            texts.push(s.update_if(None, &cond).text().to_owned());
+            texts.push(s.update_if(Some(&[0]), &cond).text().to_owned());
+            texts.push(s.delete_if(&cond).text().to_owned());
+            texts.push(s.explain_if(&s.explain_update, &cond).text().to_owned());
         }
         texts
     }
@@ -846,6 +883,66 @@ mod tests {
             text.contains("'\"we''ird\"\"; DROP TABLE x; --\".\"t\"'"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_conditional_write_is_the_write_and_its_condition_binds_last() {
+        use crate::repository::Condition;
+        let s = build("inventory", &["sku"], &["payload", "qty"]);
+        let cond = Condition::eq("ver\"sion", 7_i64)
+            .unwrap()
+            .and(Condition::is_null("archived_at").unwrap())
+            .and(Condition::le("qty", 3_i32).unwrap());
+        let update = s.update_if(None, &cond);
+        assert_eq!(
+            update.text(),
+            format!(
+                "{} AND (\"ver\"\"sion\" OPERATOR(pg_catalog.=) $6 AND \"archived_at\" IS NULL \
+                 AND \"qty\" OPERATOR(pg_catalog.<=) $7)",
+                s.update.text()
+            )
+        );
+        assert_eq!(
+            update.slots,
+            [
+                Slot::Key,
+                Slot::Columns,
+                Slot::LeaseFence,
+                Slot::Timeline,
+                Slot::Condition(0),
+                Slot::Condition(2)
+            ]
+        );
+        let partial = s.update_if(Some(&[1]), &cond);
+        assert!(
+            partial
+                .text()
+                .starts_with(&format!("{} AND (", s.update_columns(&[1]).text()))
+        );
+        assert!(
+            partial.text().ends_with(
+                "$5 AND \"archived_at\" IS NULL AND \"qty\" OPERATOR(pg_catalog.<=) $6)"
+            )
+        );
+        let delete = s.delete_if(&cond);
+        assert!(
+            delete
+                .text()
+                .contains("pgfence.timeline())) AND (\"ver\"\"sion\" OPERATOR(pg_catalog.=) $4 ")
+        );
+        // The explaining statement is wrapped whole; the condition's values follow its own.
+        let explain = s.explain_if(&s.explain_update, &cond);
+        assert_eq!(
+            explain.text(),
+            format!(
+                "SELECT e.*, (SELECT (\"ver\"\"sion\" OPERATOR(pg_catalog.=) $8 AND \"archived_at\" \
+                 IS NULL AND \"qty\" OPERATOR(pg_catalog.<=) $9) IS TRUE FROM \"public\".\"inventory\" \
+                 WHERE \"sku\" OPERATOR(pg_catalog.=) $1) AS condition FROM ({}) e",
+                s.explain_update.text()
+            )
+        );
+        assert_eq!(explain.slots.len(), s.explain_update.slots.len() + 2);
+        assert!(explain.condition().is_some() && s.explain_update.condition().is_none());
     }
 
     #[test]
