@@ -112,14 +112,23 @@ impl Fence {
                             .seen
                             .bind(&fencing.timeline, lent.conn())
                             .await?;
-                        let outcome: sqlx::Result<i64> =
-                            sqlx::query_scalar("SELECT pgfence.check_on($1, $2, $3, $4)")
-                                .bind(resource.as_str())
-                                .bind(fencing.token.get())
-                                .bind(i32::from(fencing.tag()))
-                                .bind(timeline)
-                                .fetch_one(lent.conn())
-                                .await;
+                        // In the caller's transaction the check also bounds how long that
+                        // transaction may then sit idle (`Fencing::idle_bound`), in the same
+                        // statement; its own transaction has its call bound already.
+                        let bound = fencing.idle_bound.filter(|_| !lent.own_transaction());
+                        let query = sqlx::query_scalar(match bound {
+                            Some(_) => CHECK_BOUNDED,
+                            None => CHECK,
+                        })
+                        .bind(resource.as_str())
+                        .bind(fencing.token.get())
+                        .bind(i32::from(fencing.tag()))
+                        .bind(timeline);
+                        let query = match bound {
+                            Some(bound) => query.bind(idle_ms(bound)),
+                            None => query,
+                        };
+                        let outcome: sqlx::Result<i64> = query.fetch_one(lent.conn()).await;
                         let now = match outcome.map_err(Error::from) {
                             Ok(now) => now,
                             Err(e) => {
@@ -206,6 +215,21 @@ impl Fence {
     pub async fn high_water(&self, resource: &Resource) -> Result<i64> {
         crate::admin::high_water(self.pool(), resource).await
     }
+}
+
+/// The check.
+const CHECK: &str = "SELECT pgfence.check_on($1, $2, $3, $4)";
+
+/// The check in a caller's transaction with an idle bound: it also sets the transaction's
+/// `idle_in_transaction_session_timeout` (`set_config(..., true)`: this transaction only), so a
+/// paused holder's locks are released by the server ([`Fencing::idle_bound`]).
+const CHECK_BOUNDED: &str = "SELECT pgfence.check_on($1, $2, $3, $4), \
+     pg_catalog.set_config('idle_in_transaction_session_timeout', $5, true)";
+
+/// A bound as `idle_in_transaction_session_timeout` takes it: whole milliseconds, at least 1
+/// (0 would switch the timeout off), at most `i32::MAX`.
+pub(crate) fn idle_ms(bound: std::time::Duration) -> String {
+    bound.as_millis().clamp(1, i32::MAX as u128).to_string()
 }
 
 /// The name `fencing`'s lease checks `resource` under: its key prefix's name when the lease's

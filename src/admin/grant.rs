@@ -183,3 +183,75 @@ where
     conn.commit().await?;
     Ok(())
 }
+
+/// Sets `role`'s default `idle_in_transaction_session_timeout` in the connected database to
+/// `bound` (`ALTER ROLE ... IN DATABASE ... SET`), or removes it with `None` (`RESET`: the
+/// server's default again): PostgreSQL then ends any transaction of that role that sits idle
+/// longer than `bound`, whatever statements it ran. The server-side bound for a lease's
+/// transaction that does not start with [`Fence::check`](crate::Fence::check) (which bounds it
+/// by the lease's TTL itself, [`Fencing::idle_bound`](crate::Fencing::idle_bound)): a worker
+/// paused inside a transaction of repository writes or raw SQL releases its row locks `bound`
+/// after its last statement. Pick the longest lease TTL the role's jobs use, and longer than
+/// any transaction it leaves idle on purpose. New sessions take it (pools: new connections);
+/// `pgfence grant ROLE --idle-in-transaction-timeout DURATION` runs it. See
+/// docs/operations.md, "A paused lease's transaction".
+///
+/// # Errors
+/// [`InvalidInput::Duration`](crate::error::InvalidInput::Duration) for a bound under 1 ms or
+/// over `i32::MAX` ms (nothing is sent); [`Error::NotPermitted`](crate::Error::NotPermitted)
+/// when the connected role may not alter `role` (it needs `CREATEROLE`, with `ADMIN` on
+/// `role` from PostgreSQL 16, or superuser); [`Error::Backend`](crate::Error::Backend) when
+/// the role does not exist.
+///
+/// # Example
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool) -> pgfence::Result<()> {
+/// let role = pgfence::table::Ident::new("billing_app")?;
+/// pgfence::admin::bound_idle_transactions(&pool, &role, Some(std::time::Duration::from_secs(30))).await?;
+/// # Ok(()) }
+/// ```
+pub async fn bound_idle_transactions<'c, A>(
+    conn: A,
+    role: &Ident,
+    bound: Option<std::time::Duration>,
+) -> Result<()>
+where
+    A: Acquire<'c, Database = Postgres>,
+{
+    let setting = match bound {
+        Some(bound) => {
+            let ms = i32::try_from(bound.as_millis())
+                .ok()
+                .filter(|ms| *ms >= 1)
+                .ok_or_else(|| {
+                    Error::Invalid(InvalidInput::Duration(format!(
+                        "idle-in-transaction timeout {bound:?}: it must be between 1 ms and {} ms",
+                        i32::MAX
+                    )))
+                })?;
+            format!("SET idle_in_transaction_session_timeout = {ms}")
+        }
+        None => "RESET idle_in_transaction_session_timeout".to_owned(),
+    };
+    let mut conn = conn.acquire().await?;
+    let database: String =
+        sqlx::query_scalar("SELECT pg_catalog.current_database()::pg_catalog.text")
+            .persistent(false)
+            .fetch_one(&mut *conn)
+            .await?;
+    // The role and database names are quoted by `Ident::quoted`; the rest is constant text
+    // and a number.
+    let sql = format!(
+        "ALTER ROLE {} IN DATABASE {} {setting}",
+        role.quoted(),
+        Ident::new(database)?.quoted()
+    );
+    sqlx::raw_sql(AssertSqlSafe(sql))
+        .execute(&mut *conn)
+        .await
+        .map_err(crate::error::deploy_time(
+            "pgfence grant --idle-in-transaction-timeout",
+            "a role with CREATEROLE (and, from PostgreSQL 16, ADMIN on the role) or a superuser",
+        ))?;
+    Ok(())
+}

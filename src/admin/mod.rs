@@ -13,6 +13,6 @@ pub use doctor::{
     DEFAULT_LIMIT_MARGIN, DoctorOptions, Finding, FindingKind, Severity, acknowledge_failover,
     doctor,
 };
-pub use grant::{grant, grant_sql};
+pub use grant::{bound_idle_transactions, grant, grant_sql};
 pub use marks::{counter_floor, high_water};
 pub use migrate::{MigrationInfo, migrate, migration_status};

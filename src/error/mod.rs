@@ -183,6 +183,10 @@ pub enum ErrorKind {
     Refused,
     /// The row ([`Error::NotFound`]) or table ([`Error::TableNotFound`]) does not exist.
     NotFound,
+    /// The row is not as the caller expected: its own condition on a conditional write did
+    /// not hold ([`Error::ConditionFailed`]). The lease still holds the row: re-read it and
+    /// decide (retrying the same write fails the same way).
+    Conflict,
     /// Input refused before anything was sent: a token, resource, owner, identifier, table
     /// declaration, batch, duration, effect, key prefix, issuer URL ([`InvalidInput::IssuerUrl`],
     /// for every issuer) or TLS setting.
@@ -353,6 +357,27 @@ pub enum Error {
         table: String,
         /// The key, as a JSON array.
         key: String,
+    },
+
+    /// A conditional write ([`Repository::update_if`](crate::Repository::update_if),
+    /// `update_columns_if`, `delete_if`) found the row, its fence admitted the lease, and the
+    /// caller's own [`Condition`](crate::repository::Condition) did not hold (an optimistic
+    /// lock's `version = $n` met another version): nothing was applied. Not a fence's refusal
+    /// (those report [`Error::StaleToken`] and the other fenced errors, and win when both
+    /// refuse), not audited. The lease may go on: re-read the row and decide.
+    #[error(
+        "{operation} on {table} {key} not applied: the row does not meet the write's condition ({condition}); the lease still holds the row: re-read it and decide"
+    )]
+    ConditionFailed {
+        /// The quoted table.
+        table: String,
+        /// The key, as a JSON array.
+        key: String,
+        /// `update` or `delete`.
+        operation: &'static str,
+        /// The condition, without its values ([`Condition`](crate::repository::Condition)'s
+        /// `Display`).
+        condition: String,
     },
 
     /// Input refused before anything was sent (nothing changed): which input and why is
@@ -539,6 +564,7 @@ impl Error {
             | Error::FencedByFailover { .. } => ErrorKind::Fenced,
             Error::BypassRefused { .. } | Error::LeaselessWrite { .. } => ErrorKind::Refused,
             Error::NotFound { .. } | Error::TableNotFound(_) => ErrorKind::NotFound,
+            Error::ConditionFailed { .. } => ErrorKind::Conflict,
             Error::Invalid(_) | Error::Decode { .. } => ErrorKind::Invalid,
             Error::IssuerNotBuilt { .. }
             | Error::TlsUnsupported { .. }
@@ -846,6 +872,15 @@ mod tests {
                 ErrorKind::Setup,
             ),
             (Error::NotGuarded { table: "t".into() }, ErrorKind::Setup),
+            (
+                Error::ConditionFailed {
+                    table: "t".into(),
+                    key: "[1]".into(),
+                    operation: "update",
+                    condition: "\"version\" = $value".into(),
+                },
+                ErrorKind::Conflict,
+            ),
             (
                 Error::Invalid(InvalidInput::IssuerUrl("x".into())),
                 ErrorKind::Invalid,

@@ -21,6 +21,7 @@
 
 pub(crate) mod batch;
 pub(crate) mod coalesce;
+pub(crate) mod condition;
 pub(crate) mod executor;
 pub(crate) mod outcome;
 pub(crate) mod rejection;
@@ -39,7 +40,7 @@ use sqlx::{PgPool, Row};
 use crate::audit::Auditor;
 use crate::ident::{Ident, TableName};
 use crate::repository::executor::Lent;
-use crate::repository::rejection::{Explained, Rejecting, audit_failure, judge};
+use crate::repository::rejection::{Explained, Judgement, Rejecting, audit_failure, judge};
 use crate::repository::sql::{Source, Statement, Statements};
 use crate::table::FencedTable;
 use crate::timeline::Seen;
@@ -48,6 +49,7 @@ use crate::{Error, Fencing, Result};
 pub use crate::repository::coalesce::{
     Coalescer, CoalescerStats, DEFAULT_LANES, DEFAULT_MAX_GROUP,
 };
+pub use crate::repository::condition::Condition;
 pub use crate::repository::executor::{DEFAULT_CALL_TIMEOUT, WriteExecutor};
 pub use crate::repository::outcome::{
     BatchOutcome, BatchSummary, Claimed, MAX_BATCH_ROWS, RowOutcome, Upserted,
@@ -621,8 +623,172 @@ impl<T: FencedTable> Repository<T> {
         )
     }
 
+    /// Like [`Repository::update`], but applied only where the row also meets `condition`, in
+    /// the same statement (`... WHERE <key> AND <fence admits the lease> AND <condition>`): the
+    /// caller's own check — an optimistic lock's `version = $n` — kept beside the fence, and
+    /// checked atomically with it. Which check refused a write that changed nothing is told
+    /// apart by the one explaining statement: the fence first, then the condition.
+    ///
+    /// # Errors
+    /// [`Error::ConditionFailed`] when the row exists, the fence admits the lease and
+    /// `condition` does not hold (not audited: the lease is not fenced out); otherwise as
+    /// [`Repository::update`] — [`Error::StaleToken`] (and the other fenced errors) when the
+    /// fence refuses, whatever the condition; [`Error::NotFound`] when there is no such row.
+    ///
+    /// # Example
+    /// ```no_run
+    /// # #[derive(Clone)] struct Doc { id: i64, body: String, version: i64 }
+    /// # pgfence::fenced_table!(Doc { table: "docs", key: id: i64, columns: [body, version] });
+    /// use pgfence::{Error, repository::Condition};
+    /// # async fn f(pool: sqlx::PgPool, lease: pgfence::Lease, read: Doc) -> pgfence::Result<()> {
+    /// let repo = pgfence::Repository::<Doc>::new(pool.clone())?;
+    /// let next = Doc { body: "edited".into(), version: read.version + 1, ..read.clone() };
+    /// match repo.update_if(&pool, &lease, &next, &Condition::eq("version", read.version)?).await {
+    ///     Ok(()) => {}
+    ///     // Someone wrote the row since we read it (the lease still holds it): re-read.
+    ///     Err(Error::ConditionFailed { .. }) => { /* re-read and decide */ }
+    ///     // A newer lease took over: stop.
+    ///     Err(e) => return Err(e),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn update_if<'c, E: WriteExecutor<'c>>(
+        &self,
+        exec: E,
+        fencing: impl Into<Fencing>,
+        row: &T,
+        condition: &Condition,
+    ) -> Result<()> {
+        let _timer = crate::metrics::Timer::write("update_if");
+        let fencing = fencing.into();
+        let source = Source::Row(row);
+        let statement = self.sql.update_if(None, condition);
+        let explain = self.sql.explain_if(&self.sql.explain_update, condition);
+        ordered_write!(
+            self,
+            exec,
+            ("update_if", "update"),
+            fencing,
+            source,
+            row.key_hash(),
+            &explain,
+            |lent, expected| async {
+                let write = statement.bind_expecting(source, &fencing, false, expected);
+                let done = self
+                    .written(write.fetch_optional(lent.conn()).await, &fencing, "update")
+                    .await?;
+                done.map(|d| Ok(((), Some(d.try_get::<i64, _>(0)?))))
+                    .transpose()
+            }
+        )
+    }
+
+    /// [`Repository::update_columns`] with a [`Condition`], as [`Repository::update_if`]:
+    /// sets only `columns`, and only where the row also meets `condition`.
+    ///
+    /// # Errors
+    /// As [`Repository::update_columns`], and [`Error::ConditionFailed`] as
+    /// [`Repository::update_if`].
+    pub async fn update_columns_if<'c, E: WriteExecutor<'c>>(
+        &self,
+        exec: E,
+        fencing: impl Into<Fencing>,
+        row: &T,
+        columns: &[&str],
+        condition: &Condition,
+    ) -> Result<()> {
+        let _timer = crate::metrics::Timer::write("update_columns_if");
+        let fencing = fencing.into();
+        let set = self.column_positions(columns)?;
+        let statement = self.sql.update_if(Some(&set), condition);
+        let unbound = || {
+            self.invalid_table(
+                "its FencedTable impl does not bind single columns (implement \
+                 FencedTable::bind_column, or use #[derive(FencedTable)] / fenced_table!)",
+            )
+        };
+        // Refused before anything is sent (or bound).
+        let _ = statement
+            .bind_partial(row, &fencing, 0)
+            .ok_or_else(unbound)?;
+        let explain = self.sql.explain_if(&self.sql.explain_update, condition);
+        let source = Source::Row(row);
+        ordered_write!(
+            self,
+            exec,
+            ("update_columns_if", "update"),
+            fencing,
+            source,
+            row.key_hash(),
+            &explain,
+            |lent, expected| async {
+                let write = statement
+                    .bind_partial(row, &fencing, expected)
+                    .ok_or_else(unbound)?;
+                let done = self
+                    .written(write.fetch_optional(lent.conn()).await, &fencing, "update")
+                    .await?;
+                done.map(|d| Ok(((), Some(d.try_get::<i64, _>(0)?))))
+                    .transpose()
+            }
+        )
+    }
+
+    /// Like [`Repository::delete`] (a tombstone included), but applied only where the row also
+    /// meets `condition`, in the same statement, as [`Repository::update_if`].
+    ///
+    /// # Errors
+    /// As [`Repository::delete`], and [`Error::ConditionFailed`] as [`Repository::update_if`].
+    pub async fn delete_if<'c, E: WriteExecutor<'c>>(
+        &self,
+        exec: E,
+        fencing: impl Into<Fencing>,
+        key: &T::Key,
+        condition: &Condition,
+    ) -> Result<()> {
+        let _timer = crate::metrics::Timer::write("delete_if");
+        let fencing = fencing.into();
+        let source = Source::<T>::Key(key);
+        let statement = self.sql.delete_if(condition);
+        let explain = self.sql.explain_if(&self.sql.explain_delete, condition);
+        ordered_write!(
+            self,
+            exec,
+            ("delete_if", "delete"),
+            fencing,
+            source,
+            T::key_value_hash(key),
+            &explain,
+            |lent, expected| async {
+                let write = statement.bind_expecting(source, &fencing, false, expected);
+                let deleted = self
+                    .written(write.fetch_one(lent.conn()).await, &fencing, "delete")
+                    .await?;
+                let tomb: Option<i64> = deleted.try_get(1)?;
+                Ok(deleted.try_get::<bool, _>(0)?.then_some(((), tomb)))
+            }
+        )
+    }
+
     /// The partial-update statement for `columns`, from the cache or built (and cached).
     fn partial_update(&self, columns: &[&str]) -> Result<Arc<Statement>> {
+        let set = self.column_positions(columns)?;
+        // A poisoned lock only means another thread panicked while inserting: the map is
+        // still a valid cache.
+        let mut cache = self.partial.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(statement) = cache.get(&set) {
+            return Ok(statement.clone());
+        }
+        let statement = Arc::new(self.sql.update_columns(&set));
+        if cache.len() < MAX_CACHED_PARTIAL {
+            cache.insert(set, statement.clone());
+        }
+        Ok(statement)
+    }
+
+    /// The positions in [`FencedTable::COLUMNS`] of `columns` (sorted, distinct), or why they
+    /// cannot be set by a partial update.
+    fn column_positions(&self, columns: &[&str]) -> Result<Vec<usize>> {
         let mut set = Vec::with_capacity(columns.len());
         for name in columns {
             match T::COLUMNS.iter().position(|c| c == name) {
@@ -645,17 +811,7 @@ impl<T: FencedTable> Repository<T> {
         if set.is_empty() {
             return Err(self.invalid_table("update_columns needs at least one column"));
         }
-        // A poisoned lock only means another thread panicked while inserting: the map is
-        // still a valid cache.
-        let mut cache = self.partial.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(statement) = cache.get(&set) {
-            return Ok(statement.clone());
-        }
-        let statement = Arc::new(self.sql.update_columns(&set));
-        if cache.len() < MAX_CACHED_PARTIAL {
-            cache.insert(set, statement.clone());
-        }
-        Ok(statement)
+        Ok(set)
     }
 
     fn invalid_table(&self, reason: &str) -> Error {
@@ -754,9 +910,14 @@ impl<T: FencedTable> Repository<T> {
             out.current()?
         };
         let judgement = judge(fencing, met);
-        if let (crate::repository::rejection::Judgement::Contended, Some(current)) =
-            (judgement, met)
+        // The fence admits the lease: a conditional write's own condition may be why.
+        if let Some(condition) = explain.condition()
+            && judgement == Judgement::Contended
+            && out.condition_refused()?
         {
+            return Ok(Next::Fail(rejecting.condition_failed(&out, condition)));
+        }
+        if let (Judgement::Contended, Some(current)) = (judgement, met) {
             return Ok(Next::Expect(current));
         }
         let err = rejecting

@@ -81,6 +81,17 @@ impl Explained<'_> {
         }
     }
 
+    /// Whether the row is there and does not meet the write's own condition: the `condition`
+    /// column of a conditional write's explaining statement (`false`; NULL is no row). `false`
+    /// for every other explaining statement (no such column).
+    pub(crate) fn condition_refused(&self) -> Result<bool> {
+        match self.row.try_get::<Option<bool>, _>("condition") {
+            Ok(holds) => Ok(holds == Some(false)),
+            Err(sqlx::Error::ColumnNotFound(_)) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// The row's key, as JSON text.
     pub(crate) fn key(&self) -> String {
         self.row
@@ -274,6 +285,22 @@ impl Rejecting<'_> {
         };
         self.record(out, judgement, lent).await?;
         Ok(err)
+    }
+
+    /// A conditional write whose fence admitted the lease and whose own `condition` did not
+    /// hold ([`Explained::condition_refused`]): not a rejection of the lease, so neither
+    /// logged at WARN nor audited.
+    pub(crate) fn condition_failed(
+        &self,
+        out: &Explained<'_>,
+        condition: &crate::repository::Condition,
+    ) -> Error {
+        Error::ConditionFailed {
+            table: self.table.clone(),
+            key: out.key(),
+            operation: self.operation,
+            condition: condition.to_string(),
+        }
     }
 
     /// A batch row's outcome for `judgement`, after recording it.

@@ -162,6 +162,9 @@ pub struct Fencing {
     pub(crate) timeline: Binding,
     /// The fence this lease last saw on each row it wrote; shared like `timeline`.
     pub(crate) rows: order::RowLog,
+    /// How long a caller's transaction that carries this lease's check may sit idle
+    /// ([`Fencing::idle_bound`]).
+    pub(crate) idle_bound: Option<std::time::Duration>,
 }
 
 impl PartialEq for Fencing {
@@ -185,6 +188,7 @@ impl Fencing {
             holder: None,
             timeline: Binding::default(),
             rows: order::RowLog::default(),
+            idle_bound: None,
         }
     }
 
@@ -206,6 +210,44 @@ impl Fencing {
     #[must_use]
     pub fn on_timeline(self, timeline: i64) -> Self {
         self.timeline.pin(timeline);
+        self
+    }
+
+    /// How long a caller's transaction that carries this lease's
+    /// [`Fence::check`](crate::Fence::check) may then sit idle before PostgreSQL ends it
+    /// (`idle_in_transaction_session_timeout`, set for that transaction by the check's own
+    /// statement): a process paused inside its transaction (SIGSTOP, a GC pause, a stalled VM)
+    /// releases its locks at most this long after its last statement, instead of stalling
+    /// every newer holder until it wakes. The woken process's next statement or `COMMIT` then
+    /// fails and nothing of the transaction is applied.
+    ///
+    /// A `Fencing` made from a [`Lease`](crate::Lease) (`&lease`) is bounded by the lease's TTL
+    /// while the lease's local deadline has not passed (a TTL, not the time left: a lease
+    /// renewed by [`KeepAlive`](crate::issuer::KeepAlive) keeps its old deadline in the
+    /// caller's handle); one made from a bare token, or a resumed lease, is not bounded.
+    /// `None` turns the bound off (a job that holds a transaction open while it computes
+    /// for longer than its TTL). A check on `&pool`, or outside a transaction, runs in its own
+    /// transaction with its call bound instead. See docs/operations.md, "A paused lease's
+    /// transaction".
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use pgfence::{FenceToken, Fencing};
+    /// let f = Fencing::new(FenceToken::new(5).unwrap());
+    /// assert_eq!(f.idle_bound(), None);
+    /// let f = f.with_idle_bound(Some(Duration::from_secs(10)));
+    /// assert_eq!(f.idle_bound(), Some(Duration::from_secs(10)));
+    /// ```
+    #[must_use]
+    pub fn idle_bound(&self) -> Option<std::time::Duration> {
+        self.idle_bound
+    }
+
+    /// The same lease with its idle bound set to `bound` ([`Fencing::idle_bound`]; whole
+    /// milliseconds, at least 1 ms).
+    #[must_use]
+    pub fn with_idle_bound(mut self, bound: Option<std::time::Duration>) -> Self {
+        self.idle_bound = bound;
         self
     }
 

@@ -133,7 +133,7 @@ mod tests {
         );
         log.forget((1, 2));
         assert_eq!(log.get((1, 2)), None);
-        for k in 0..u64::try_from(MAX_ROWS).unwrap() {
+        for k in 0..u64::try_from(MAX_ROWS - 1).unwrap() {
             log.saw((2, k), 1);
         }
         // Full: the next new row forgets the oldest half (row (1, 1) among them).

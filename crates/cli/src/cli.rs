@@ -140,6 +140,13 @@ pub enum Command {
     Grant {
         /// The role, as in SQL: unquoted names fold to lower case; double-quote to keep case.
         role: String,
+        /// Also set the role's default `idle_in_transaction_session_timeout` in this database
+        /// (e.g. 30s, your longest lease TTL): PostgreSQL ends a transaction of the role that
+        /// sits idle longer, so a worker paused inside one releases its row locks. `0s`
+        /// removes the role's setting. Needs CREATEROLE (or superuser). docs/operations.md,
+        /// "A paused lease's transaction".
+        #[arg(long, value_parser = util::parse_duration, value_name = "DURATION")]
+        idle_in_transaction_timeout: Option<std::time::Duration>,
     },
     /// The effect ledger, for calls outside PostgreSQL (a payment provider) from jobs under
     /// `pgfence run`: record a call and get its idempotency key, record its outcome.

@@ -83,6 +83,9 @@ pub(crate) enum Slot {
     /// The fence the lease last saw on the row (`0`: none of its own): its write applies over
     /// exactly that fence, or over an older lease's ([`crate::token::order`]).
     Expected,
+    /// Conditional write: the value of the caller's condition's test at this position
+    /// ([`Condition`](crate::repository::Condition), carried by the statement).
+    Condition(usize),
 }
 
 /// Hands out `$1, $2, ...` in bind order and records what each placeholder binds.
@@ -121,6 +124,7 @@ impl Params {
         Statement {
             text: AssertSqlSafe(text).into_sql_str(),
             slots: self.slots,
+            condition: None,
         }
     }
 }
@@ -142,6 +146,9 @@ impl std::fmt::Display for LeaseParams {
 pub(crate) struct Statement {
     text: SqlStr,
     slots: Vec<Slot>,
+    /// A conditional write's condition, whose values its [`Slot::Condition`]s bind (built per
+    /// call: `sql/single.rs`).
+    condition: Option<crate::repository::Condition>,
 }
 
 /// What a statement's [`Slot::Key`] and [`Slot::Columns`] take their values from.
@@ -200,6 +207,7 @@ impl Statement {
                     (Slot::Holder, _) => q.bind(fencing.holder.clone()),
                     (Slot::OwnTransaction, _) => q.bind(own_transaction),
                     (Slot::Expected, _) => q.bind(expected),
+                    (Slot::Condition(i), _) => self.bind_condition(*i, q),
                     // Array slots belong to batch statements (`bind_batch`), single columns
                     // to partial updates (`bind_partial`).
                     (
@@ -253,6 +261,7 @@ impl Statement {
                     Slot::Key
                     | Slot::Columns
                     | Slot::Column(_)
+                    | Slot::Condition(_)
                     | Slot::LeaseFences
                     | Slot::Timelines
                     | Slot::Expected,
@@ -308,6 +317,7 @@ impl Statement {
                 Slot::Holder => q.bind(fencing.holder.clone()),
                 Slot::OwnTransaction => q.bind(false),
                 Slot::Expected => q.bind(expected),
+                Slot::Condition(i) => self.bind_condition(*i, q),
                 Slot::KeyArrays
                 | Slot::ColumnArrays
                 | Slot::Ordinals
@@ -316,6 +326,24 @@ impl Statement {
             };
         }
         Some(q)
+    }
+
+    /// Binds the value of the statement's condition's test `i` (nothing for a test without
+    /// a value; the builder hands out a slot only for those that have one).
+    fn bind_condition(&self, i: usize, q: PgQuery) -> PgQuery {
+        use crate::repository::condition::Test;
+        match self.condition.as_ref().and_then(|c| c.terms().get(i)) {
+            Some(term) => match &term.test {
+                Test::Compare(_, value) => value.bind(q),
+                Test::IsNull | Test::IsNotNull => q,
+            },
+            None => q,
+        }
+    }
+
+    /// The condition of a conditional write's statement (`None` for every other).
+    pub(crate) fn condition(&self) -> Option<&crate::repository::Condition> {
+        self.condition.as_ref()
     }
 
     /// A statement that binds only a key (`fetch`).
@@ -336,6 +364,8 @@ pub(crate) struct Statements {
     /// The quoted table, key and data columns, for statements built later
     /// ([`Statements::update_columns`]).
     table: String,
+    /// The table's OID, as SQL (the tombstone's `rel`), for statements built later.
+    rel: String,
     keys: Vec<Ident>,
     cols: Vec<Ident>,
     pub update: Statement,
@@ -474,8 +504,9 @@ impl Statements {
     ) -> Result<Self> {
         let t = table.quoted();
         let table_literal = quote_literal(&t)?;
+        let rel = format!("{table_literal}::pg_catalog.regclass::pg_catalog.oid");
         let shape = single::Shape {
-            rel: format!("{table_literal}::pg_catalog.regclass::pg_catalog.oid"),
+            rel: rel.clone(),
             t: t.clone(),
             table_literal: table_literal.clone(),
             keys,
@@ -484,6 +515,7 @@ impl Statements {
         };
         Ok(Self {
             table: t.clone(),
+            rel,
             keys: keys.to_vec(),
             cols: cols.to_vec(),
             fetch: shape.fetch(),
@@ -603,7 +635,13 @@ mod tests {
         let s = build("inventory", &["sku"], &["payload", "qty"]);
         assert_eq!(
             s.update.slots,
-            [Slot::Key, Slot::Columns, Slot::LeaseFence, Slot::Timeline]
+            [
+                Slot::Key,
+                Slot::Columns,
+                Slot::LeaseFence,
+                Slot::Timeline,
+                Slot::Expected
+            ]
         );
         assert_eq!(
             s.update.text(),
@@ -612,11 +650,10 @@ mod tests {
              OPERATOR(pg_catalog.+) ((\"fence\" OPERATOR(pg_catalog.-) $4 OPERATOR(pg_catalog.+) \
              2731::pg_catalog.int8) OPERATOR(pg_catalog.%) 4095::pg_catalog.int8) END \
              WHERE \"sku\" OPERATOR(pg_catalog.=) $1 AND ((\"fence\" OPERATOR(pg_catalog.<) \
-             ($4 OPERATOR(pg_catalog.&) (-16777216)::pg_catalog.int8) OR (\"fence\" \
-             OPERATOR(pg_catalog.>=) $4 AND \"fence\" OPERATOR(pg_catalog.<) ($4 \
-             OPERATOR(pg_catalog.+) 4095::pg_catalog.int8))) AND ($5::pg_catalog.int8 \
+             ($4 OPERATOR(pg_catalog.&) (-16777216)::pg_catalog.int8) OR \"fence\" \
+             OPERATOR(pg_catalog.=) $6) AND ($5::pg_catalog.int8 \
              OPERATOR(pg_catalog.=) 0 OR $5::pg_catalog.int8 OPERATOR(pg_catalog.=) \
-             pgfence.timeline()))"
+             pgfence.timeline())) RETURNING \"fence\""
         );
         assert_eq!(
             s.claim.text(),
@@ -625,9 +662,8 @@ mod tests {
              OPERATOR(pg_catalog.-) $2 OPERATOR(pg_catalog.+) 2731::pg_catalog.int8) \
              OPERATOR(pg_catalog.%) 4095::pg_catalog.int8) END WHERE \"sku\" \
              OPERATOR(pg_catalog.=) $1 AND ((\"fence\" OPERATOR(pg_catalog.<) ($2 \
-             OPERATOR(pg_catalog.&) (-16777216)::pg_catalog.int8) OR (\"fence\" \
-             OPERATOR(pg_catalog.>=) $2 AND \"fence\" OPERATOR(pg_catalog.<) ($2 \
-             OPERATOR(pg_catalog.+) 4095::pg_catalog.int8))) AND ($3::pg_catalog.int8 \
+             OPERATOR(pg_catalog.&) (-16777216)::pg_catalog.int8) OR \"fence\" \
+             OPERATOR(pg_catalog.=) $4) AND ($3::pg_catalog.int8 \
              OPERATOR(pg_catalog.=) 0 OR $3::pg_catalog.int8 OPERATOR(pg_catalog.=) \
              pgfence.timeline())) RETURNING *"
         );
@@ -642,8 +678,8 @@ mod tests {
                 .find(|n| text.contains(&format!("${n}")))
                 .unwrap_or(0)
         };
-        // update: 2 keys, 1 column, the lease and its timeline.
-        assert_eq!(highest(s.update.text()), 5);
+        // update: 2 keys, 1 column, the lease, its timeline and the fence it expects.
+        assert_eq!(highest(s.update.text()), 6);
         assert!(s.update.text().contains(
             "\"batch\" OPERATOR(pg_catalog.=) $1 AND \"line\" OPERATOR(pg_catalog.=) $2"
         ));
@@ -655,10 +691,10 @@ mod tests {
                 .contains("(\"batch\", \"line\", \"amount\", \"fence\") SELECT $1, $2, $3, $4")
         );
         // delete and claim: keys, then the lease.
-        assert_eq!(highest(s.delete.text()), 4);
+        assert_eq!(highest(s.delete.text()), 5);
         assert_eq!(
             s.delete.slots,
-            [Slot::Key, Slot::LeaseFence, Slot::Timeline]
+            [Slot::Key, Slot::LeaseFence, Slot::Timeline, Slot::Expected]
         );
         // explaining statements: keys, lease, then the audit context.
         assert_eq!(
@@ -735,14 +771,21 @@ mod tests {
                 Slot::Column(0),
                 Slot::Column(1),
                 Slot::LeaseFence,
-                Slot::Timeline
+                Slot::Timeline,
+                Slot::Expected
             ]
         );
         // One column: the same predicate and next fence, one assignment.
         let qty = s.update_columns(&[1]);
         assert_eq!(
             qty.slots,
-            [Slot::Key, Slot::Column(1), Slot::LeaseFence, Slot::Timeline]
+            [
+                Slot::Key,
+                Slot::Column(1),
+                Slot::LeaseFence,
+                Slot::Timeline,
+                Slot::Expected
+            ]
         );
         assert_eq!(
             qty.text(),
@@ -751,6 +794,7 @@ mod tests {
                 .replace("\"payload\" = $2, \"qty\" = $3", "\"qty\" = $2")
                 .replace("$4", "$3")
                 .replace("$5", "$4")
+                .replace("$6", "$5")
         );
         assert_eq!(
             s.fetch.text(),
@@ -789,6 +833,11 @@ mod tests {
                 texts.push(st.text().to_owned());
             }
             texts.push(s.update_columns(&[0]).text().to_owned());
+            let cond = crate::repository::Condition::eq("amount", 1_i64).unwrap();
+            texts.push(s.update_if(None, &cond).text().to_owned());
+            texts.push(s.update_if(Some(&[0]), &cond).text().to_owned());
+            texts.push(s.delete_if(&cond).text().to_owned());
+            texts.push(s.explain_if(&s.explain_update, &cond).text().to_owned());
         }
         texts
     }
@@ -878,6 +927,68 @@ mod tests {
             text.contains("'\"we''ird\"\"; DROP TABLE x; --\".\"t\"'"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_conditional_write_is_the_write_and_its_condition_binds_last() {
+        use crate::repository::Condition;
+        let s = build("inventory", &["sku"], &["payload", "qty"]);
+        let cond = Condition::eq("ver\"sion", 7_i64)
+            .unwrap()
+            .and(Condition::is_null("archived_at").unwrap())
+            .and(Condition::le("qty", 3_i32).unwrap());
+        let update = s.update_if(None, &cond);
+        assert_eq!(
+            update.text(),
+            format!(
+                "{} AND (\"ver\"\"sion\" OPERATOR(pg_catalog.=) $7 AND \"archived_at\" IS NULL \
+                 AND \"qty\" OPERATOR(pg_catalog.<=) $8) RETURNING \"fence\"",
+                s.update.text().trim_end_matches(" RETURNING \"fence\"")
+            )
+        );
+        assert_eq!(
+            update.slots,
+            [
+                Slot::Key,
+                Slot::Columns,
+                Slot::LeaseFence,
+                Slot::Timeline,
+                Slot::Expected,
+                Slot::Condition(0),
+                Slot::Condition(2)
+            ]
+        );
+        let partial = s.update_if(Some(&[1]), &cond);
+        assert!(partial.text().starts_with(&format!(
+                    "{} AND (",
+                    s.update_columns(&[1])
+                        .text()
+                        .trim_end_matches(" RETURNING \"fence\"")
+                )));
+        assert!(
+            partial.text().ends_with(
+                "$6 AND \"archived_at\" IS NULL AND \"qty\" OPERATOR(pg_catalog.<=) $7) RETURNING \"fence\""
+            )
+        );
+        let delete = s.delete_if(&cond);
+        assert!(
+            delete
+                .text()
+                .contains("pgfence.timeline())) AND (\"ver\"\"sion\" OPERATOR(pg_catalog.=) $5 ")
+        );
+        // The explaining statement is wrapped whole; the condition's values follow its own.
+        let explain = s.explain_if(&s.explain_update, &cond);
+        assert_eq!(
+            explain.text(),
+            format!(
+                "SELECT e.*, (SELECT (\"ver\"\"sion\" OPERATOR(pg_catalog.=) $8 AND \"archived_at\" \
+                 IS NULL AND \"qty\" OPERATOR(pg_catalog.<=) $9) IS TRUE FROM \"public\".\"inventory\" \
+                 WHERE \"sku\" OPERATOR(pg_catalog.=) $1) AS condition FROM ({}) e",
+                s.explain_update.text()
+            )
+        );
+        assert_eq!(explain.slots.len(), s.explain_update.slots.len() + 2);
+        assert!(explain.condition().is_some() && s.explain_update.condition().is_none());
     }
 
     #[test]

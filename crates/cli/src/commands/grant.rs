@@ -14,12 +14,22 @@ use crate::util::{self, cell};
 
 /// Grants `role` what an application needs on the `pgfence` schema (after revoking everything
 /// else it had there, schema `CREATE` included), and prints the grants. Refuses `PUBLIC`.
-pub async fn grant(conn: &Conn, role: &str) -> Result<ExitCode> {
+/// With `idle_bound`, also sets the role's default `idle_in_transaction_session_timeout` in
+/// this database (`0s`: removes it), in the same transaction.
+pub async fn grant(
+    conn: &Conn,
+    role: &str,
+    idle_bound: Option<std::time::Duration>,
+) -> Result<ExitCode> {
     let role = util::role(role)?;
     let pool = conn.pg_migrated().await?;
     let granted = async {
         let mut session = Session::begin(&pool).await?;
         pgfence::admin::grant(session.conn(), &role).await?;
+        if let Some(bound) = idle_bound {
+            let bound = (!bound.is_zero()).then_some(bound);
+            pgfence::admin::bound_idle_transactions(session.conn(), &role, bound).await?;
+        }
         session.commit().await
     }
     .await;
@@ -44,6 +54,18 @@ pub async fn grant(conn: &Conn, role: &str) -> Result<ExitCode> {
             }
             statement.clear();
         }
+    }
+    match idle_bound {
+        Some(bound) if bound.is_zero() => outln!(
+            "  removed {}'s idle_in_transaction_session_timeout in this database (the server's default applies)",
+            cell(&role.quoted())
+        )?,
+        Some(bound) => outln!(
+            "  {}'s transactions in this database end after {} ms idle (idle_in_transaction_session_timeout)",
+            cell(&role.quoted()),
+            bound.as_millis()
+        )?,
+        None => {}
     }
     Ok(ExitCode::SUCCESS)
 }

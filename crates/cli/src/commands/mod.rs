@@ -185,7 +185,10 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
             floor,
             json,
         } => reseed::reseed(&conn, &resource, floor, json).await,
-        Command::Grant { role } => grant::grant(&conn, &role).await,
+        Command::Grant {
+            role,
+            idle_in_transaction_timeout,
+        } => grant::grant(&conn, &role, idle_in_transaction_timeout).await,
         Command::Effect { action } => match action {
             EffectAction::Begin {
                 work,

@@ -48,3 +48,50 @@ async fn grant_gives_an_application_role_its_privileges() {
     let err = one_error(&pgfence(&db.url(), &redis, &["grant", "no_such_role_xyz"]));
     assert!(err.contains("does not exist"), "{err}");
 }
+
+/// `--idle-in-transaction-timeout` sets the role's default in this database (what a paused
+/// worker's transaction is bounded by), says so, and `0s` removes it.
+#[tokio::test]
+async fn grant_sets_and_removes_the_roles_idle_transaction_bound() {
+    let db = TestDb::new().await;
+    let redis = redis_url().await;
+    let role = format!("pgfence_app_{}", rand::random::<u32>());
+    db.exec(&format!("CREATE ROLE {role}")).await;
+    let setting = || async {
+        sqlx::query_scalar::<_, Vec<String>>(
+            "SELECT s.setconfig FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole \
+             JOIN pg_database d ON d.oid = s.setdatabase \
+             WHERE r.rolname = $1 AND d.datname = current_database()",
+        )
+        .bind(&role)
+        .fetch_optional(&db.pool)
+        .await
+        .unwrap()
+    };
+    let out = pgfence(
+        &db.url(),
+        &redis,
+        &["grant", &role, "--idle-in-transaction-timeout", "45s"],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(stdout.contains("end after 45000 ms idle"), "{stdout}");
+    assert_eq!(
+        setting().await,
+        Some(vec!["idle_in_transaction_session_timeout=45000".to_owned()])
+    );
+    let out = pgfence(
+        &db.url(),
+        &redis,
+        &["grant", &role, "--idle-in-transaction-timeout", "0s"],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("removed"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert_eq!(setting().await, None);
+    db.exec(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))
+        .await;
+}
