@@ -22,6 +22,7 @@
 mod certs;
 pub mod clock;
 mod etcd;
+pub mod optional;
 mod patroni;
 mod pgbouncer;
 mod process;
@@ -32,18 +33,16 @@ mod sentinel;
 mod zk;
 
 pub use certs::Certs;
-pub use etcd::{ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, EtcdCluster, EtcdMember, etcd_installed};
-pub use patroni::{
-    PATRONI_LOOP_WAIT_S, PATRONI_TTL_S, PatroniCluster, PatroniConfig, patroni_installed,
-};
-pub use pgbouncer::{PgBouncer, PoolMode, pgbouncer_installed};
+pub use etcd::{ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, EtcdCluster, EtcdMember};
+pub use optional::{Installed, needs};
+pub use patroni::{PATRONI_LOOP_WAIT_S, PATRONI_TTL_S, PatroniCluster, PatroniConfig};
+pub use pgbouncer::{PgBouncer, PoolMode};
 pub use provider::Provider;
 pub use redis_tls::{ClientAuth, RedisTls, RedisTlsCluster, SentinelTls};
 pub use replica::{Failover, PgReplicaSet, Replication};
-pub use sentinel::{RedisNode, SentinelConfig, SentinelSet, sentinel_installed};
+pub use sentinel::{RedisNode, SentinelConfig, SentinelSet};
 pub use zk::{
     ZK_MAX_SESSION_TIMEOUT_MS, ZK_MIN_SESSION_TIMEOUT_MS, ZK_TICK_MS, ZkEnsemble, ZkMember,
-    zk_installed,
 };
 
 use std::io::Read;
@@ -551,7 +550,12 @@ fn sh_quote(p: &Path) -> String {
     format!("'{}'", p.to_string_lossy().replace('\'', r"'\''"))
 }
 
+/// `name` on `PATH` (or in `/usr/sbin`, `/usr/bin`, `/usr/local/bin`); `None` as well when
+/// [`optional::HIDE_ENV`] hides it.
 fn find_in_path(name: &str) -> Option<PathBuf> {
+    if optional::hidden(name) {
+        return None;
+    }
     std::env::var_os("PATH")
         .into_iter()
         .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
