@@ -41,7 +41,7 @@ const ENV: &str = "PGFENCE_ETCD_URL";
 
 /// `Some` when `test` can run: `PGFENCE_ETCD_URL` names a running server, or the throwaway one can be
 /// started (the testkit's skip line otherwise).
-pub(crate) fn skip(test: &str) -> Option<Shared<Etcd>> {
+pub(crate) fn needs_etcd(test: &str) -> Option<Shared<Etcd>> {
     issuer_suite::external_or_needs(ENV, test)
 }
 
@@ -85,11 +85,11 @@ async fn raw(url: &str) -> etcd_client::Client {
 // retried_acquire_by_the_same_owner_returns_the_same_token,
 // wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time,
 // paused_holder_is_fenced_by_postgres.
-issuer_suite::lease_tests!(ETCD, skip, issuer);
+issuer_suite::lease_tests!(ETCD, needs_etcd, issuer);
 
 #[tokio::test]
 async fn bad_ttls_and_owners_are_refused_before_touching_etcd() {
-    let Some(etcd) = skip("bad_ttls") else {
+    let Some(etcd) = needs_etcd("bad_ttls") else {
         return;
     };
     issuer_suite::bad_ttls_and_owners_are_refused(&ETCD, issuer(etcd).await).await;
@@ -101,7 +101,7 @@ async fn bad_ttls_and_owners_are_refused_before_touching_etcd() {
 /// `redis_through_the_trait` in `issuer_trait.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_through_the_trait() {
-    let Some(etcd) = skip("etcd_through_the_trait") else {
+    let Some(etcd) = needs_etcd("etcd_through_the_trait") else {
         return;
     };
     let issuer = connect_issuer(&etcd_url(etcd).await).await.unwrap();
@@ -114,7 +114,7 @@ async fn etcd_through_the_trait() {
 /// Revisions never go backwards: raise_floor and recover_from do nothing.
 #[tokio::test]
 async fn etcd_floor_and_recovery_are_no_ops() {
-    let Some(etcd) = skip("etcd_floor_and_recovery_are_no_ops") else {
+    let Some(etcd) = needs_etcd("etcd_floor_and_recovery_are_no_ops") else {
         return;
     };
     let issuer = connect_issuer(&etcd_url(etcd).await).await.unwrap();
@@ -127,7 +127,7 @@ async fn etcd_floor_and_recovery_are_no_ops() {
 /// Two prefixes on one etcd: two locks for one resource.
 #[tokio::test]
 async fn etcd_key_prefixes_separate_locks() {
-    let Some(etcd) = skip("etcd_key_prefixes_separate_locks") else {
+    let Some(etcd) = needs_etcd("etcd_key_prefixes_separate_locks") else {
         return;
     };
     let url = etcd_url(etcd).await;
@@ -144,7 +144,7 @@ async fn etcd_key_prefixes_separate_locks() {
 /// The lock's layout in etcd, tokens across resources, and a lock deleted by hand.
 #[tokio::test]
 async fn tokens_are_create_revisions_and_compare_across_resources() {
-    let Some(etcd) = skip("layout") else {
+    let Some(etcd) = needs_etcd("layout") else {
         return;
     };
     let url = etcd_url(etcd).await;

@@ -70,7 +70,7 @@ mod through_sentinel {
 
     const ENV: &str = "PGFENCE_SENTINEL_URL";
 
-    fn skip(test: &str) -> Option<Shared<Sentinel>> {
+    fn needs_sentinel(test: &str) -> Option<Shared<Sentinel>> {
         issuer_suite::external_or_needs(ENV, test)
     }
 
@@ -89,7 +89,7 @@ mod through_sentinel {
             .expect("connect through the sentinels")
     }
 
-    issuer_suite::lease_tests!(REDIS, skip, issuer);
+    issuer_suite::lease_tests!(REDIS, needs_sentinel, issuer);
 }
 
 #[tokio::test]

@@ -561,7 +561,7 @@ async fn wait_for_event(seen: &std::sync::Mutex<Vec<String>>, what: &str, within
 #[tokio::test]
 async fn etcd_black_holed_acquire_leaves_no_lock_after_the_heal() {
     let Some(etcd) =
-        crate::etcd_issuer::skip("etcd_black_holed_acquire_leaves_no_lock_after_the_heal")
+        crate::etcd_issuer::needs_etcd("etcd_black_holed_acquire_leaves_no_lock_after_the_heal")
     else {
         return;
     };
@@ -621,7 +621,7 @@ async fn etcd_black_holed_acquire_leaves_no_lock_after_the_heal() {
 #[cfg(feature = "etcd")]
 #[tokio::test]
 async fn etcd_clean_up_of_a_failed_acquire_spares_the_same_owners_later_lease() {
-    let Some(etcd) = crate::etcd_issuer::skip(
+    let Some(etcd) = crate::etcd_issuer::needs_etcd(
         "etcd_clean_up_of_a_failed_acquire_spares_the_same_owners_later_lease",
     ) else {
         return;
@@ -673,7 +673,7 @@ async fn etcd_clean_up_of_a_failed_acquire_spares_the_same_owners_later_lease() 
 #[tokio::test]
 async fn etcd_late_transaction_of_a_failed_acquire_leaves_no_lock() {
     let Some(etcd) =
-        crate::etcd_issuer::skip("etcd_late_transaction_of_a_failed_acquire_leaves_no_lock")
+        crate::etcd_issuer::needs_etcd("etcd_late_transaction_of_a_failed_acquire_leaves_no_lock")
     else {
         return;
     };

@@ -43,7 +43,7 @@ const ENV: &str = "PGFENCE_ZK_URL";
 
 /// `Some` when `test` can run: `PGFENCE_ZK_URL` names a running server, or the throwaway one can be
 /// started (the testkit's skip line otherwise).
-fn skip(test: &str) -> Option<Shared<ZooKeeper>> {
+fn needs_zk(test: &str) -> Option<Shared<ZooKeeper>> {
     issuer_suite::external_or_needs(ENV, test)
 }
 
@@ -81,11 +81,11 @@ async fn raw(url: &str) -> zookeeper_client::Client {
 // retried_acquire_by_the_same_owner_returns_the_same_token,
 // wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time,
 // paused_holder_is_fenced_by_postgres.
-issuer_suite::lease_tests!(ZK, skip, issuer);
+issuer_suite::lease_tests!(ZK, needs_zk, issuer);
 
 #[tokio::test]
 async fn bad_ttls_and_owners_are_refused_before_touching_zookeeper() {
-    let Some(zk) = skip("bad_ttls") else {
+    let Some(zk) = needs_zk("bad_ttls") else {
         return;
     };
     issuer_suite::bad_ttls_and_owners_are_refused(&ZK, issuer(zk).await).await;
@@ -109,7 +109,7 @@ async fn bad_ttls_and_owners_are_refused_before_touching_zookeeper() {
 /// `redis_through_the_trait` in `issuer_trait.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zk_through_the_trait() {
-    let Some(zk) = skip("zk_through_the_trait") else {
+    let Some(zk) = needs_zk("zk_through_the_trait") else {
         return;
     };
     let issuer = connect_issuer(&zk_url(zk).await).await.unwrap();
@@ -123,7 +123,7 @@ async fn zk_through_the_trait() {
 /// zxids never go backwards: raise_floor and recover_from do nothing.
 #[tokio::test]
 async fn zk_floor_and_recovery_are_no_ops() {
-    let Some(zk) = skip("zk_floor_and_recovery_are_no_ops") else {
+    let Some(zk) = needs_zk("zk_floor_and_recovery_are_no_ops") else {
         return;
     };
     let issuer = connect_issuer(&zk_url(zk).await).await.unwrap();
@@ -139,7 +139,7 @@ async fn zk_floor_and_recovery_are_no_ops() {
 /// Two prefixes on one ensemble: two locks for one resource.
 #[tokio::test]
 async fn zk_key_prefixes_separate_locks() {
-    let Some(zk) = skip("zk_key_prefixes_separate_locks") else {
+    let Some(zk) = needs_zk("zk_key_prefixes_separate_locks") else {
         return;
     };
     let url = zk_url(zk).await;
@@ -156,7 +156,7 @@ async fn zk_key_prefixes_separate_locks() {
 /// The lock's layout in ZooKeeper, tokens across resources, and a lock deleted by hand.
 #[tokio::test]
 async fn tokens_are_creation_zxids_and_compare_across_resources() {
-    let Some(zk) = skip("layout") else {
+    let Some(zk) = needs_zk("layout") else {
         return;
     };
     let url = zk_url(zk).await;
@@ -231,7 +231,7 @@ async fn tokens_are_creation_zxids_and_compare_across_resources() {
 /// behind once its session ends, whatever its lease's TTL.
 #[tokio::test]
 async fn a_dead_holders_lock_ends_with_its_session() {
-    let Some(zk) = skip("dead_holder") else {
+    let Some(zk) = needs_zk("dead_holder") else {
         return;
     };
     let url = format!("{}?session_timeout_ms=2000", zk_url(zk).await);
