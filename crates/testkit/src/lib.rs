@@ -18,6 +18,10 @@
 //! streaming standby behind such a proxy, to fail PostgreSQL over for real.
 //! [`PatroniCluster`] is a real Patroni cluster (the installed package, an etcd as its DCS)
 //! with a proxy that follows its leader.
+//!
+//! Sentinel, etcd, ZooKeeper, PgBouncer and Patroni are optional: their start functions take
+//! the proof [`needs`] hands a test (or prints the test's skip line, naming the Debian package
+//! to install), so no test can start one without having asked ([`optional`]).
 
 mod certs;
 pub mod clock;
