@@ -111,7 +111,13 @@ impl OptionalServer for Patroni {
 
 /// Proof that the optional server `S` was found: what its start functions take.
 ///
-/// Made only by [`needs`] (tests) and [`installed`] (programs).
+/// Made only by [`needs`] (tests) and [`installed`] (programs); nothing outside the testkit can
+/// make one otherwise:
+///
+/// ```compile_fail,E0451
+/// let etcd: pgfence_testkit::Installed<pgfence_testkit::optional::Etcd> =
+///     pgfence_testkit::Installed { _server: std::marker::PhantomData };
+/// ```
 pub struct Installed<S> {
     _server: PhantomData<fn() -> S>,
 }
@@ -189,4 +195,31 @@ pub fn needs<S: OptionalServer>(test: &str) -> Option<Installed<S>> {
 /// [`ServerError::NotInstalled`] naming what is missing and what to install.
 pub fn installed<S: OptionalServer>() -> Result<Installed<S>, ServerError> {
     S::probe().map(|()| Installed::assume())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_skip_line_names_the_test_the_server_and_the_package() {
+        let missing = ServerError::NotInstalled {
+            what: "java (for ZooKeeper)",
+            hint: "install ZooKeeper",
+        };
+        let line = skip_line::<ZooKeeper>("leader_failover", &missing);
+        assert!(
+            line.starts_with(
+                "SKIPPED leader_failover: ZooKeeper is not installed (Debian: apt-get install \
+                 zookeeper; java (for ZooKeeper) not found"
+            ),
+            "{line}"
+        );
+        assert_eq!(line.lines().count(), 1, "{line}");
+        let line = skip_line::<Patroni>("t", &missing);
+        assert!(
+            line.contains("apt-get install patroni python3-etcd etcd-server;"),
+            "{line}"
+        );
+    }
 }
