@@ -275,6 +275,85 @@ fn tests_ask_through_needs_not_installed() {
     );
 }
 
+/// Each `fn` of `text`, as (name, body from its `{` to the matching `}`).
+fn fn_bodies(text: &str) -> Vec<(String, String)> {
+    let code: String = text
+        .lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut out = Vec::new();
+    for (at, _) in code.match_indices("fn ") {
+        let name: String = code[at + 3..]
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let Some(open) = code[at..].find(['{', ';']).map(|i| at + i) else {
+            continue;
+        };
+        if name.is_empty() || code.as_bytes()[open] == b';' {
+            continue;
+        }
+        let mut depth = 0;
+        for (i, c) in code[open..].char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        out.push((name.clone(), code[open..=open + i].to_owned()));
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+/// The ways around the mechanism a reading can see: a test that unwraps `needs` (a panic
+/// where it should skip), and a test that starts the race harness's replicated or
+/// consensus-store deployment (`Deployment::start`, a program's API, which asks
+/// `optional::installed`) without asking `needs` first.
+#[test]
+fn no_test_unwraps_needs_or_starts_a_deployment_without_it() {
+    let mut broken = Vec::new();
+    for file in test_files() {
+        let text = std::fs::read_to_string(&file.path).unwrap();
+        let rel = file
+            .path
+            .strip_prefix(workspace())
+            .unwrap()
+            .display()
+            .to_string();
+        for (name, body) in fn_bodies(&text) {
+            let flat: String = body.split_whitespace().collect();
+            for call in ["needs::<", "needs_"] {
+                for (i, _) in flat.match_indices(call) {
+                    let rest = &flat[i..];
+                    let statement = rest.split(';').next().unwrap_or(rest);
+                    if statement.contains(").unwrap()") || statement.contains(").expect(") {
+                        broken.push(format!("{rel}: {name} unwraps {call}...: it must skip"));
+                    }
+                }
+            }
+            let optional_deployment = [
+                "Deployment::start(IssuerKind::Etcd",
+                "Deployment::start(IssuerKind::ZooKeeper",
+                "Deployment::start(IssuerKind::Redis,true",
+            ];
+            if optional_deployment.iter().any(|d| flat.contains(d)) && !flat.contains("needs::<") {
+                broken.push(format!(
+                    "{rel}: {name} starts an optional server's Deployment without asking \
+                     pgfence_testkit::needs first"
+                ));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}
+
 /// The scanner itself: a test asking in a nested module, a wrapper definition, and a
 /// `lease_tests!` invocation.
 #[test]
@@ -299,4 +378,12 @@ fn the_scanner_finds_tests_by_module_and_name() {
     let found: Vec<String> = asking_tests(&file).into_iter().map(|(t, _)| t).collect();
     std::fs::remove_dir_all(&dir).unwrap();
     assert_eq!(found, ["m::", "m::inner::first", "m::second"]);
+
+    let bodies = fn_bodies(
+        "fn a() { if x { y(); } }\nfn decl();\nasync fn b(s: &str) -> u8 {\n    needs::<Etcd>(s).unwrap();\n}\n",
+    );
+    let names: Vec<&str> = bodies.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["a", "b"]);
+    assert_eq!(bodies[0].1, "{ if x { y(); } }");
+    assert!(bodies[1].1.contains("needs::<Etcd>(s).unwrap()"));
 }
