@@ -4,6 +4,8 @@
 //! * they go through the one skip mechanism, `pgfence_testkit::needs` (or a module's
 //!   `needs_*` wrapper of it), never the programs' `optional::installed` — the start
 //!   functions take the proof `needs` hands out, so a test that forgets cannot start one;
+//! * they never unwrap `needs` (a panic where they must skip), and a test that starts the race
+//!   harness's Sentinel, etcd or ZooKeeper deployment (a program's API) asks `needs` first;
 //! * every such test is named in `.ci/optional-tests`, the list `.ci/run` runs again with the
 //!   servers hidden (`PGFENCE_TESTKIT_HIDE`), which proves that each one skips instead of
 //!   failing on a machine without them.
