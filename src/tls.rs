@@ -247,8 +247,23 @@ fn check_pem(bytes: &[u8], _want: Pem) -> std::result::Result<(), String> {
 #[cfg(feature = "tls")]
 pub(crate) fn ensure_crypto_provider() {
     if rustls::crypto::CryptoProvider::get_default().is_none() {
-        let _ = rustls::crypto::ring::default_provider().install_default();
+        let _ = ring_provider().install_default();
     }
+}
+
+/// rustls's `ring` provider.
+///
+/// rustls 0.23.48 deprecates `ring::default_provider` ("no support for post-quantum
+/// algorithms", pointing at aws-lc-rs, which needs cmake) and gives 0.23 no other way to make
+/// ring's provider: the selection from crate features that `ClientConfig::builder()` does is
+/// private, and panics when two providers are compiled in, which is the case this function is
+/// for. So the call is allowed here, once, instead of copying rustls's tables; with the
+/// version `Cargo.lock` pins (0.23.46) it is not deprecated at all. rustls 0.24 moves ring to
+/// the `rustls-ring` crate: the place to change then.
+#[cfg(feature = "tls")]
+#[allow(deprecated)]
+fn ring_provider() -> rustls::crypto::CryptoProvider {
+    rustls::crypto::ring::default_provider()
 }
 
 /// Decodes `%XX` escapes (no `+` to space: these are URLs, not forms). `None` for a bad escape

@@ -12,12 +12,14 @@ use crate::support;
 
 use std::time::Duration;
 
+use issuer_suite::Shared;
 use issuer_suite::{Cluster, Profile};
 use pgfence::{
     Resource, connect_issuer,
     issuer::{EtcdIssuer, IssuerKind, ReleaseOutcome, etcd},
 };
-use pgfence_testkit::{EtcdCluster, etcd_installed};
+use pgfence_testkit::optional::Etcd;
+use pgfence_testkit::{EtcdCluster, needs};
 use support::unique_resource;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
@@ -35,29 +37,30 @@ const ETCD: Profile = Profile {
     counter_is_last_token: false,
 };
 
-pub(crate) fn skip(test: &str) -> bool {
-    let external = std::env::var("PGFENCE_ETCD_URL").is_ok_and(|u| !u.is_empty());
-    issuer_suite::skipped(
-        test,
-        external || etcd_installed(),
-        "etcd is not installed (Debian: apt-get install etcd-server; or set PGFENCE_ETCD_BIN to \
-         the binary, or PGFENCE_ETCD_URL to a running cluster)",
-    )
+const ENV: &str = "PGFENCE_ETCD_URL";
+
+/// `Some` when `test` can run: `PGFENCE_ETCD_URL` names a running server, or the throwaway one can be
+/// started (the testkit's skip line otherwise).
+pub(crate) fn needs_etcd(test: &str) -> Option<Shared<Etcd>> {
+    issuer_suite::external_or_needs(ENV, test)
 }
 
 /// The URL of the etcd the single-node tests share (one throwaway member per test binary).
-pub(crate) async fn etcd_url() -> String {
+pub(crate) async fn etcd_url(etcd: Shared<Etcd>) -> String {
     static SINGLE: OnceCell<(String, Option<EtcdCluster>)> = OnceCell::const_new();
-    issuer_suite::shared_url(&SINGLE, "PGFENCE_ETCD_URL", async {
-        let node = EtcdCluster::single().await.expect("start throwaway etcd");
+    issuer_suite::shared_url(&SINGLE, ENV, async {
+        let etcd = issuer_suite::proof(etcd, ENV);
+        let node = EtcdCluster::single(etcd)
+            .await
+            .expect("start throwaway etcd");
         (node.url(), node)
     })
     .await
 }
 
 /// An issuer on the shared etcd (one client per test: each test has its own runtime).
-async fn issuer() -> EtcdIssuer {
-    EtcdIssuer::connect(&etcd_url().await)
+async fn issuer(etcd: Shared<Etcd>) -> EtcdIssuer {
+    EtcdIssuer::connect(&etcd_url(etcd).await)
         .await
         .expect("connect to etcd")
 }
@@ -82,14 +85,14 @@ async fn raw(url: &str) -> etcd_client::Client {
 // retried_acquire_by_the_same_owner_returns_the_same_token,
 // wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time,
 // paused_holder_is_fenced_by_postgres.
-issuer_suite::lease_tests!(ETCD, skip, issuer);
+issuer_suite::lease_tests!(ETCD, needs_etcd, issuer);
 
 #[tokio::test]
 async fn bad_ttls_and_owners_are_refused_before_touching_etcd() {
-    if skip("bad_ttls") {
+    let Some(etcd) = needs_etcd("bad_ttls") else {
         return;
-    }
-    issuer_suite::bad_ttls_and_owners_are_refused(&ETCD, issuer().await).await;
+    };
+    issuer_suite::bad_ttls_and_owners_are_refused(&ETCD, issuer(etcd).await).await;
     assert!(EtcdIssuer::connect("redis://127.0.0.1:6379").await.is_err());
     assert!(EtcdIssuer::connect("etcd://").await.is_err());
 }
@@ -98,10 +101,10 @@ async fn bad_ttls_and_owners_are_refused_before_touching_etcd() {
 /// `redis_through_the_trait` in `issuer_trait.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_through_the_trait() {
-    if skip("etcd_through_the_trait") {
+    let Some(etcd) = needs_etcd("etcd_through_the_trait") else {
         return;
-    }
-    let issuer = connect_issuer(&etcd_url().await).await.unwrap();
+    };
+    let issuer = connect_issuer(&etcd_url(etcd).await).await.unwrap();
     assert_eq!(issuer.kind(), IssuerKind::Etcd);
     assert!(!issuer.kind().can_reseed());
     // etcd leases count whole seconds, with a server minimum of 2 s by default.
@@ -111,10 +114,10 @@ async fn etcd_through_the_trait() {
 /// Revisions never go backwards: raise_floor and recover_from do nothing.
 #[tokio::test]
 async fn etcd_floor_and_recovery_are_no_ops() {
-    if skip("etcd_floor_and_recovery_are_no_ops") {
+    let Some(etcd) = needs_etcd("etcd_floor_and_recovery_are_no_ops") else {
         return;
-    }
-    let issuer = connect_issuer(&etcd_url().await).await.unwrap();
+    };
+    let issuer = connect_issuer(&etcd_url(etcd).await).await.unwrap();
     let resource = unique_resource("trait-etcd-floor");
     let revision = issuer.status(&resource).await.unwrap().counter;
     // The revision reported may have moved on with other keys: the suite checks its bounds.
@@ -124,10 +127,10 @@ async fn etcd_floor_and_recovery_are_no_ops() {
 /// Two prefixes on one etcd: two locks for one resource.
 #[tokio::test]
 async fn etcd_key_prefixes_separate_locks() {
-    if skip("etcd_key_prefixes_separate_locks") {
+    let Some(etcd) = needs_etcd("etcd_key_prefixes_separate_locks") else {
         return;
-    }
-    let url = etcd_url().await;
+    };
+    let url = etcd_url(etcd).await;
     let a = EtcdIssuer::connect(&url)
         .await
         .unwrap()
@@ -141,11 +144,11 @@ async fn etcd_key_prefixes_separate_locks() {
 /// The lock's layout in etcd, tokens across resources, and a lock deleted by hand.
 #[tokio::test]
 async fn tokens_are_create_revisions_and_compare_across_resources() {
-    if skip("layout") {
+    let Some(etcd) = needs_etcd("layout") else {
         return;
-    }
-    let url = etcd_url().await;
-    let issuer = issuer().await;
+    };
+    let url = etcd_url(etcd).await;
+    let issuer = issuer(etcd).await;
     let mut raw = raw(&url).await;
     let one = unique_resource("etcd-one");
     let two =
@@ -183,13 +186,13 @@ async fn tokens_are_create_revisions_and_compare_across_resources() {
 /// the failover is fenced by Postgres.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn leader_failover_keeps_tokens_increasing() {
-    let why = "etcd is not installed (Debian: apt-get install etcd-server; or set \
-               PGFENCE_ETCD_BIN to the binary)";
-    if issuer_suite::skipped("leader_failover", etcd_installed(), why) {
+    let Some(etcd) = needs::<Etcd>("leader_failover") else {
         return;
-    }
+    };
     let test_started = Instant::now();
-    let mut cluster = EtcdCluster::start(3).await.expect("start a 3-member etcd");
+    let mut cluster = EtcdCluster::start(etcd, 3)
+        .await
+        .expect("start a 3-member etcd");
     let issuer = EtcdIssuer::connect(&cluster.url()).await.unwrap();
     issuer_suite::leader_failover_keeps_tokens_increasing(
         &ETCD,

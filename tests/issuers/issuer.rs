@@ -30,8 +30,13 @@ const REDIS: issuer_suite::Profile = issuer_suite::Profile {
 };
 
 /// Nothing to skip: Redis is what every issuer test of this crate needs.
-fn skip(_test: &str) -> bool {
-    false
+fn skip(_test: &str) -> Option<()> {
+    Some(())
+}
+
+/// The suite's issuer: [`issuer`] (nothing optional to start).
+async fn suite_issuer((): ()) -> RedisIssuer {
+    issuer().await
 }
 
 async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
@@ -49,32 +54,31 @@ async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
 // retried_acquire_by_the_same_owner_returns_the_same_token,
 // wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time,
 // paused_holder_is_fenced_by_postgres.
-issuer_suite::lease_tests!(REDIS, skip, issuer);
+issuer_suite::lease_tests!(REDIS, skip, suite_issuer);
 
 /// The suite's shared tests again through Redis Sentinel (a master, a replica and a sentinel,
 /// shared by this binary's tests): the same backend behind the connections that follow the
 /// master.
 mod through_sentinel {
     use pgfence::{RedisIssuer, issuer::redis::SentinelConnections};
-    use pgfence_testkit::{SentinelConfig, SentinelSet, sentinel_installed};
+    use pgfence_testkit::optional::Sentinel;
+    use pgfence_testkit::{SentinelConfig, SentinelSet};
     use tokio::sync::OnceCell;
 
     use super::REDIS;
-    use crate::issuer_suite;
+    use crate::issuer_suite::{self, Shared};
 
-    fn skip(test: &str) -> bool {
-        issuer_suite::skipped(
-            test,
-            sentinel_installed(),
-            "redis-server and redis-sentinel are not installed (Debian: apt-get install \
-             redis-server redis-sentinel)",
-        )
+    const ENV: &str = "PGFENCE_SENTINEL_URL";
+
+    fn needs_sentinel(test: &str) -> Option<Shared<Sentinel>> {
+        issuer_suite::external_or_needs(ENV, test)
     }
 
-    async fn issuer() -> RedisIssuer<SentinelConnections> {
+    async fn issuer(sentinel: Shared<Sentinel>) -> RedisIssuer<SentinelConnections> {
         static SET: OnceCell<(String, Option<SentinelSet>)> = OnceCell::const_new();
-        let url = issuer_suite::shared_url(&SET, "PGFENCE_SENTINEL_URL", async {
-            let set = SentinelSet::start("pgfence-suite", SentinelConfig::default())
+        let url = issuer_suite::shared_url(&SET, ENV, async {
+            let sentinel = issuer_suite::proof(sentinel, ENV);
+            let set = SentinelSet::start(sentinel, "pgfence-suite", SentinelConfig::default())
                 .await
                 .expect("start a throwaway Sentinel deployment");
             (set.url(), set)
@@ -85,7 +89,7 @@ mod through_sentinel {
             .expect("connect through the sentinels")
     }
 
-    issuer_suite::lease_tests!(REDIS, skip, issuer);
+    issuer_suite::lease_tests!(REDIS, needs_sentinel, issuer);
 }
 
 #[tokio::test]

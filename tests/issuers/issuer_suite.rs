@@ -6,7 +6,9 @@
 //!
 //! A test module invokes [`lease_tests!`] once per issuer (a second one in a module of its
 //! own), which defines there the `#[tokio::test]` functions of the tests whose names the
-//! modules share, each skipped through the module's own `skip` and run on the module's issuer.
+//! modules share, each asking the module's `skip` (which goes through the testkit's one skip
+//! mechanism, [`pgfence_testkit::needs`], for an optional server) and run on the module's
+//! issuer.
 //! The modules call the rest themselves: the bad-TTL test
 //! (named after the issuer, with their URL checks after it), the layout tests (after a lock
 //! deleted by hand: [`deleted_lock_is_lost_to_its_holder`]), [`lease_semantics`] through
@@ -27,6 +29,8 @@ use pgfence::{
     issuer::{IssuerOptions, KeepAlive, LeaseState, ReleaseOutcome, connect_issuer_with},
     table::TableName,
 };
+use pgfence_testkit::optional::OptionalServer;
+use pgfence_testkit::{Installed, needs};
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
@@ -97,24 +101,35 @@ pub async fn shared_url<S: Send + Sync>(
     .clone()
 }
 
-/// Prints why `test` is skipped and returns true unless `runnable` (the files' skip messages
-/// are theirs: `why` names what is missing and how to get it).
-pub fn skipped(test: &str, runnable: bool, why: &str) -> bool {
-    if !runnable {
-        eprintln!("SKIPPED {test}: {why}");
+/// How a test binary's shared optional server is reached: `None` when the URL environment
+/// variable names a running one, else the proof that the throwaway one can be started.
+pub type Shared<S> = Option<Installed<S>>;
+
+/// `Some` when `test` can run on the shared server of `S`: `env` names a running one, or `S`
+/// is installed (the testkit's [`needs`], which prints the skip line otherwise).
+pub fn external_or_needs<S: OptionalServer>(env: &str, test: &str) -> Option<Shared<S>> {
+    if std::env::var(env).is_ok_and(|url| !url.is_empty()) {
+        return Some(None);
     }
-    !runnable
+    needs::<S>(test).map(Some)
+}
+
+/// The proof a throwaway shared server starts with: there whenever `env` is unset (the start
+/// future of [`shared_url`] is awaited only then).
+pub fn proof<S>(shared: Shared<S>, env: &str) -> Installed<S> {
+    shared.unwrap_or_else(|| panic!("{env} is unset, yet the skip check found it set"))
 }
 
 /// Defines the suite's shared `#[tokio::test]` functions in the invoking test file:
-/// `lease_tests!(PROFILE, skip, issuer)`, where `skip(test: &str) -> bool` prints the file's
-/// skip message and `issuer()` connects a fresh issuer (each test has its own runtime).
+/// `lease_tests!(PROFILE, skip, issuer)`, where `skip(test: &str) -> Option<T>` is `None` for a
+/// skipped test (after the testkit's skip line) and `issuer(t: T)` connects a fresh issuer
+/// (each test has its own runtime).
 macro_rules! lease_tests {
     ($profile:expr, $skip:ident, $issuer:ident) => {
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn concurrent_acquisitions_are_exclusive_and_strictly_increasing() {
-            if !$skip("concurrent_acquisitions") {
-                let issuer = $issuer().await;
+            if let Some(have) = $skip("concurrent_acquisitions") {
+                let issuer = $issuer(have).await;
                 $crate::issuer_suite::concurrent_acquisitions_are_exclusive_and_strictly_increasing(
                                                                             &$profile, issuer,
                                                                         )
@@ -124,8 +139,8 @@ macro_rules! lease_tests {
 
         #[tokio::test]
         async fn expired_lease_cannot_release_or_extend_the_next_holders_lock() {
-            if !$skip("expired_lease") {
-                let issuer = $issuer().await;
+            if let Some(have) = $skip("expired_lease") {
+                let issuer = $issuer(have).await;
                 $crate::issuer_suite::expired_lease_cannot_release_or_extend_the_next_holders_lock(
                     &$profile, issuer,
                 )
@@ -135,8 +150,8 @@ macro_rules! lease_tests {
 
         #[tokio::test]
         async fn owner_extend_keeps_the_lock_past_its_ttl() {
-            if !$skip("owner_extend") {
-                let issuer = $issuer().await;
+            if let Some(have) = $skip("owner_extend") {
+                let issuer = $issuer(have).await;
                 $crate::issuer_suite::owner_extend_keeps_the_lock_past_its_ttl(&$profile, issuer)
                     .await;
             }
@@ -144,8 +159,8 @@ macro_rules! lease_tests {
 
         #[tokio::test]
         async fn retried_acquire_by_the_same_owner_returns_the_same_token() {
-            if !$skip("retried_acquire") {
-                let issuer = $issuer().await;
+            if let Some(have) = $skip("retried_acquire") {
+                let issuer = $issuer(have).await;
                 $crate::issuer_suite::retried_acquire_by_the_same_owner_returns_the_same_token(
                     &$profile, issuer,
                 )
@@ -155,8 +170,8 @@ macro_rules! lease_tests {
 
         #[tokio::test]
         async fn wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time() {
-            if !$skip("wait_acquire") {
-                let issuer = $issuer().await;
+            if let Some(have) = $skip("wait_acquire") {
+                let issuer = $issuer(have).await;
                 $crate::issuer_suite::wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time(
                                                                             &$profile, issuer,
                                                                         )
@@ -166,8 +181,8 @@ macro_rules! lease_tests {
 
         #[tokio::test]
         async fn paused_holder_is_fenced_by_postgres() {
-            if !$skip("paused_holder") {
-                let issuer = $issuer().await;
+            if let Some(have) = $skip("paused_holder") {
+                let issuer = $issuer(have).await;
                 $crate::issuer_suite::paused_holder_is_fenced_by_postgres(&$profile, issuer).await;
             }
         }

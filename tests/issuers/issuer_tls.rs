@@ -20,7 +20,7 @@ use pgfence::{
 };
 use pgfence_testkit::{
     Certs, ClientAuth, EtcdCluster, RedisTls, RedisTlsCluster, SentinelConfig, SentinelSet,
-    SentinelTls, Server, etcd_installed, sentinel_installed,
+    SentinelTls, Server, needs, optional,
 };
 use support::{TestDb, token, unique_resource};
 use tokio::time::Instant;
@@ -233,8 +233,13 @@ async fn redis_cluster_over_tls() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_over_tls() {
+    let Some(sentinel) = needs::<optional::Sentinel>("sentinel_over_tls") else {
+        return;
+    };
     let certs = Certs::generate().unwrap();
-    let set = SentinelTls::start(&certs, "tlsmaster").await.unwrap();
+    let set = SentinelTls::start(sentinel, &certs, "tlsmaster")
+        .await
+        .unwrap();
     let conns = bounded("open", 30, SentinelConnections::open(&set.url_with_ca()))
         .await
         .unwrap();
@@ -275,12 +280,11 @@ async fn sentinel_over_tls() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_over_mutual_tls() {
-    if !etcd_installed() {
-        eprintln!("skipped: no etcd binary");
+    let Some(etcd_bin) = needs::<optional::Etcd>("etcd_over_mutual_tls") else {
         return;
-    }
+    };
     let certs = Certs::generate().unwrap();
-    let etcd = EtcdCluster::start_tls(1, &certs).await.unwrap();
+    let etcd = EtcdCluster::start_tls(etcd_bin, 1, &certs).await.unwrap();
     assert!(etcd.url().starts_with("etcd+https://"), "{}", etcd.url());
 
     let url = format!("{}{}", etcd.url(), mtls_params(&certs, "pgfence-app"));
@@ -572,15 +576,16 @@ async fn a_missing_acl_permission_is_named() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_documented_acls_through_sentinel() {
-    if !sentinel_installed() {
-        eprintln!("skipped: no redis-sentinel");
+    let Some(sentinel) = needs::<optional::Sentinel>("the_documented_acls_through_sentinel") else {
         return;
-    }
+    };
     let config = SentinelConfig {
         replicas: 0,
         ..SentinelConfig::default()
     };
-    let set = SentinelSet::start("aclmaster", config).await.unwrap();
+    let set = SentinelSet::start(sentinel, "aclmaster", config)
+        .await
+        .unwrap();
     // With no replica to wait for, the set may return before its sentinel listens.
     let connect = |port: u16| async move {
         let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();

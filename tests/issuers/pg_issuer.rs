@@ -41,8 +41,8 @@ const PG: Profile = Profile {
 };
 
 /// Nothing to skip: PostgreSQL is what every test of this crate needs.
-fn skip(_test: &str) -> bool {
-    false
+fn skip(_test: &str) -> Option<()> {
+    Some(())
 }
 
 /// The URL of the migrated database the suite's tests share (one per test binary; on a
@@ -75,7 +75,12 @@ async fn issuer() -> PgIssuer {
 // retried_acquire_by_the_same_owner_returns_the_same_token,
 // wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time,
 // paused_holder_is_fenced_by_postgres.
-issuer_suite::lease_tests!(PG, skip, issuer);
+/// The suite's issuer: [`issuer`] (nothing optional to start).
+async fn suite_issuer((): ()) -> PgIssuer {
+    issuer().await
+}
+
+issuer_suite::lease_tests!(PG, skip, suite_issuer);
 
 #[tokio::test]
 async fn bad_ttls_owners_and_urls_are_refused_before_touching_postgres() {
@@ -494,17 +499,16 @@ async fn start_time(url: &str) -> String {
 /// three client connections, collide on them. Also in session mode.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_issuer_works_through_pgbouncer_in_transaction_and_session_mode() {
-    use pgfence_testkit::{PgBouncer, PoolMode, pgbouncer_installed};
-    if !pgbouncer_installed() {
-        eprintln!(
-            "SKIPPED the_issuer_works_through_pgbouncer: PgBouncer is not installed (Debian: apt-get install pgbouncer)"
-        );
+    use pgfence_testkit::{PgBouncer, PoolMode, needs, optional};
+    let Some(pgbouncer) = needs::<optional::PgBouncer>(
+        "the_issuer_works_through_pgbouncer_in_transaction_and_session_mode",
+    ) else {
         return;
-    }
+    };
     let server = Server::postgres().await.expect("throwaway PostgreSQL");
     let direct = sqlx::PgPool::connect(&server.url()).await.unwrap();
     pgfence::admin::migrate(&direct).await.unwrap();
-    let bouncer = PgBouncer::start(server.port(), PoolMode::Transaction, 2)
+    let bouncer = PgBouncer::start(pgbouncer, server.port(), PoolMode::Transaction, 2)
         .await
         .expect("start PgBouncer");
     let url = bouncer.url("postgres");
@@ -553,7 +557,7 @@ async fn the_issuer_works_through_pgbouncer_in_transaction_and_session_mode() {
     issuer.pool().close().await;
     drop(bouncer);
 
-    let session = PgBouncer::start(server.port(), PoolMode::Session, 16)
+    let session = PgBouncer::start(pgbouncer, server.port(), PoolMode::Session, 16)
         .await
         .expect("start PgBouncer (session mode)");
     assert_eq!(session.mode(), PoolMode::Session);

@@ -18,7 +18,8 @@ use pgfence::{
     issuer::{LeaseState, redis::SentinelConnections},
     table::TableName,
 };
-use pgfence_testkit::{SentinelConfig, SentinelSet, sentinel_installed};
+use pgfence_testkit::optional::Sentinel;
+use pgfence_testkit::{Installed, SentinelConfig, SentinelSet, needs};
 use tokio::time::Instant;
 
 use support::{TestDb, audit_count, unique_resource};
@@ -149,20 +150,18 @@ async fn setup_db() -> TestDb {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sentinel_failover_that_loses_incrs_is_fenced_and_recovers() {
-    if !sentinel_installed() {
-        eprintln!(
-            "SKIPPED test_redis_failover: redis-server and redis-sentinel are not both installed \
-             (Debian: apt-get install redis-server redis-sentinel)"
-        );
+    let Some(sentinel) =
+        needs::<Sentinel>("a_sentinel_failover_that_loses_incrs_is_fenced_and_recovers")
+    else {
         return;
-    }
-    tokio::time::timeout(Duration::from_secs(150), failover())
+    };
+    tokio::time::timeout(Duration::from_secs(150), failover(sentinel))
         .await
         .expect("the failover test is bounded to 150 s");
 }
 
 #[allow(clippy::too_many_lines)]
-async fn failover() {
+async fn failover(sentinel: Installed<Sentinel>) {
     let db = setup_db().await;
     let repo = Repository::<Account>::new(db.pool.clone()).unwrap();
     let fence = Fence::new(db.pool.clone());
@@ -173,7 +172,7 @@ async fn failover() {
         down_after: Duration::from_millis(1000),
         failover_timeout: Duration::from_secs(3),
     };
-    let mut set = SentinelSet::start("pgfence-failover", config)
+    let mut set = SentinelSet::start(sentinel, "pgfence-failover", config)
         .await
         .expect("start master, replica and sentinels");
     let url = set.url();
@@ -601,20 +600,18 @@ async fn failover() {
 /// the new master (which had every INCR) hands out the next token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_demoted_master_sends_the_issuer_back_to_the_sentinels() {
-    if !sentinel_installed() {
-        eprintln!(
-            "SKIPPED test_redis_failover: redis-server and redis-sentinel are not both installed \
-             (Debian: apt-get install redis-server redis-sentinel)"
-        );
+    let Some(sentinel) =
+        needs::<Sentinel>("a_demoted_master_sends_the_issuer_back_to_the_sentinels")
+    else {
         return;
-    }
-    tokio::time::timeout(Duration::from_secs(120), demoted_master())
+    };
+    tokio::time::timeout(Duration::from_secs(120), demoted_master(sentinel))
         .await
         .expect("the switch-over test is bounded to 120 s");
 }
 
-async fn demoted_master() {
-    let set = SentinelSet::start("pgfence-switchover", SentinelConfig::default())
+async fn demoted_master(sentinel: Installed<Sentinel>) {
+    let set = SentinelSet::start(sentinel, "pgfence-switchover", SentinelConfig::default())
         .await
         .expect("start master, replica and sentinel");
     let old_master = set.master().port();

@@ -18,7 +18,7 @@ use crate::support;
 use std::time::Duration;
 
 use pgfence::{Error, RedisIssuer, Resource, issuer::PgIssuer, token::MAX_TOKEN};
-use pgfence_testkit::{RedisCluster, SentinelConfig, SentinelSet, sentinel_installed};
+use pgfence_testkit::{RedisCluster, SentinelConfig, SentinelSet, needs, optional};
 use redis::AsyncCommands;
 use redis::aio::ConnectionLike;
 use support::{TestDb, redis_url, unique_resource};
@@ -210,18 +210,18 @@ async fn redis_cluster_refuses_at_the_limit_and_changes_nothing() {
 
 #[tokio::test]
 async fn redis_sentinel_refuses_at_the_limit_and_changes_nothing() {
-    if !sentinel_installed() {
-        eprintln!(
-            "SKIPPED redis_sentinel_refuses_at_the_limit_and_changes_nothing: redis-sentinel is \
-             not installed"
-        );
+    let Some(sentinel) =
+        needs::<optional::Sentinel>("redis_sentinel_refuses_at_the_limit_and_changes_nothing")
+    else {
         return;
-    }
+    };
     let config = SentinelConfig {
         replicas: 0,
         ..SentinelConfig::default()
     };
-    let set = SentinelSet::start("pgfence-limit", config).await.unwrap();
+    let set = SentinelSet::start(sentinel, "pgfence-limit", config)
+        .await
+        .unwrap();
     let issuer = RedisIssuer::connect_sentinel(&set.url()).await.unwrap();
     redis_refuses_at_the_limit(&issuer, &mut raw(&set.master().url()).await, "sentinel").await;
 }
@@ -270,13 +270,14 @@ async fn pg_issuer_refuses_at_the_limit_and_changes_nothing() {
 mod zk {
     use super::*;
     use pgfence::issuer::ZkIssuer;
-    use pgfence_testkit::{ZkEnsemble, zk_installed};
+    use pgfence_testkit::optional::ZooKeeper;
+    use pgfence_testkit::{Installed, ZkEnsemble};
 
     /// A standalone server whose zxid is `MAX_TOKEN`: every change from now on gets a zxid
     /// above the limit. Its snapshot is renamed to that zxid (a standalone server takes its
     /// last zxid from the newest snapshot's name) and its transaction logs removed.
-    async fn server_at_the_limit() -> ZkEnsemble {
-        let mut zk = ZkEnsemble::single().await.unwrap();
+    async fn server_at_the_limit(zk: Installed<ZooKeeper>) -> ZkEnsemble {
+        let mut zk = ZkEnsemble::single(zk).await.unwrap();
         zk.kill(0).unwrap();
         let dir = zk.members()[0].dir().join("data").join("version-2");
         let mut snapshots = Vec::new();
@@ -314,11 +315,11 @@ mod zk {
 
     #[tokio::test]
     async fn zk_refuses_past_the_limit_and_leaves_no_node() {
-        if !zk_installed() {
-            eprintln!("SKIPPED zk_refuses_past_the_limit_and_leaves_no_node: no ZooKeeper");
+        let Some(zk) = needs::<optional::ZooKeeper>("zk_refuses_past_the_limit_and_leaves_no_node")
+        else {
             return;
-        }
-        let zk = server_at_the_limit().await;
+        };
+        let zk = server_at_the_limit(zk).await;
         let url = zk.url();
         let issuer = ZkIssuer::connect(&url).await.unwrap();
         let resource = unique_resource("zk-limit");
@@ -354,17 +355,16 @@ mod zk {
 mod etcd {
     use super::*;
     use pgfence::issuer::EtcdIssuer;
-    use pgfence_testkit::{EtcdCluster, etcd_installed};
+    use pgfence_testkit::EtcdCluster;
 
     /// etcd's revision cannot be driven to 2^39 here; what a test can reach: an acquire
     /// refused because another owner holds the lock writes nothing (no revision, no lease).
     #[tokio::test]
     async fn etcd_busy_refusal_writes_nothing() {
-        if !etcd_installed() {
-            eprintln!("SKIPPED etcd_busy_refusal_writes_nothing: etcd is not installed");
+        let Some(etcd_bin) = needs::<optional::Etcd>("etcd_busy_refusal_writes_nothing") else {
             return;
-        }
-        let etcd = EtcdCluster::single().await.unwrap();
+        };
+        let etcd = EtcdCluster::single(etcd_bin).await.unwrap();
         let issuer = EtcdIssuer::connect(&etcd.url()).await.unwrap();
         let resource = unique_resource("etcd-busy");
         let lease = issuer.acquire(&resource, 30 * SEC).await.unwrap().unwrap();

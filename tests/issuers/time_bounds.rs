@@ -430,8 +430,10 @@ async fn redis_one_way_partitions_leave_no_lock_after_the_heal() {
 /// An etcd issuer whose connections all go through a fresh proxy, and one that goes straight to
 /// the same etcd (to look under the black hole).
 #[cfg(feature = "etcd")]
-async fn etcd_behind_proxy() -> (std::sync::Arc<Proxy>, EtcdIssuer, EtcdIssuer) {
-    let url = crate::etcd_issuer::etcd_url().await;
+async fn etcd_behind_proxy(
+    etcd: crate::issuer_suite::Shared<pgfence_testkit::optional::Etcd>,
+) -> (std::sync::Arc<Proxy>, EtcdIssuer, EtcdIssuer) {
+    let url = crate::etcd_issuer::etcd_url(etcd).await;
     let first = url.trim_start_matches("etcd://");
     let first = first.rsplit_once('@').map_or(first, |(_, h)| h);
     let first = first.split(',').next().unwrap();
@@ -558,10 +560,12 @@ async fn wait_for_event(seen: &std::sync::Mutex<Vec<String>>, what: &str, within
 #[cfg(feature = "etcd")]
 #[tokio::test]
 async fn etcd_black_holed_acquire_leaves_no_lock_after_the_heal() {
-    if crate::etcd_issuer::skip("etcd_black_holed_acquire_leaves_no_lock_after_the_heal") {
+    let Some(etcd) =
+        crate::etcd_issuer::needs_etcd("etcd_black_holed_acquire_leaves_no_lock_after_the_heal")
+    else {
         return;
-    }
-    let (proxy, issuer, direct) = etcd_behind_proxy().await;
+    };
+    let (proxy, issuer, direct) = etcd_behind_proxy(etcd).await;
     let bound = Duration::from_millis(1500);
     let issuer = issuer.with_call_timeout(bound);
     let resource = unique_resource("etcd-black-hole-heal");
@@ -617,12 +621,12 @@ async fn etcd_black_holed_acquire_leaves_no_lock_after_the_heal() {
 #[cfg(feature = "etcd")]
 #[tokio::test]
 async fn etcd_clean_up_of_a_failed_acquire_spares_the_same_owners_later_lease() {
-    if crate::etcd_issuer::skip(
+    let Some(etcd) = crate::etcd_issuer::needs_etcd(
         "etcd_clean_up_of_a_failed_acquire_spares_the_same_owners_later_lease",
-    ) {
+    ) else {
         return;
-    }
-    let (proxy, issuer, direct) = etcd_behind_proxy().await;
+    };
+    let (proxy, issuer, direct) = etcd_behind_proxy(etcd).await;
     let issuer = issuer.with_call_timeout(Duration::from_millis(1500));
     let resource = unique_resource("etcd-black-hole-same-owner");
     let hold = Duration::from_secs(4);
@@ -668,10 +672,12 @@ async fn etcd_clean_up_of_a_failed_acquire_spares_the_same_owners_later_lease() 
 #[cfg(feature = "etcd")]
 #[tokio::test]
 async fn etcd_late_transaction_of_a_failed_acquire_leaves_no_lock() {
-    if crate::etcd_issuer::skip("etcd_late_transaction_of_a_failed_acquire_leaves_no_lock") {
+    let Some(etcd) =
+        crate::etcd_issuer::needs_etcd("etcd_late_transaction_of_a_failed_acquire_leaves_no_lock")
+    else {
         return;
-    }
-    let (proxy, issuer, direct) = etcd_behind_proxy().await;
+    };
+    let (proxy, issuer, direct) = etcd_behind_proxy(etcd).await;
     let bound = Duration::from_millis(1500);
     let issuer = issuer.with_call_timeout(bound);
     let resource = unique_resource("etcd-late-txn");

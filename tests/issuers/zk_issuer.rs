@@ -14,12 +14,14 @@ use crate::support;
 
 use std::time::Duration;
 
+use issuer_suite::Shared;
 use issuer_suite::{Cluster, Profile};
 use pgfence::{
     Error, Resource, connect_issuer,
     issuer::{IssuerKind, ReleaseOutcome, ZkIssuer, zk},
 };
-use pgfence_testkit::{ZkEnsemble, zk_installed};
+use pgfence_testkit::optional::ZooKeeper;
+use pgfence_testkit::{ZkEnsemble, needs};
 use support::unique_resource;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
@@ -37,21 +39,20 @@ const ZK: Profile = Profile {
     counter_is_last_token: false,
 };
 
-fn skip(test: &str) -> bool {
-    let external = std::env::var("PGFENCE_ZK_URL").is_ok_and(|u| !u.is_empty());
-    issuer_suite::skipped(
-        test,
-        external || zk_installed(),
-        "ZooKeeper is not installed (Debian: apt-get install zookeeper; or set PGFENCE_ZK_URL to \
-         a running ensemble)",
-    )
+const ENV: &str = "PGFENCE_ZK_URL";
+
+/// `Some` when `test` can run: `PGFENCE_ZK_URL` names a running server, or the throwaway one can be
+/// started (the testkit's skip line otherwise).
+fn needs_zk(test: &str) -> Option<Shared<ZooKeeper>> {
+    issuer_suite::external_or_needs(ENV, test)
 }
 
 /// The URL of the ZooKeeper the single-server tests share (one throwaway server per binary).
-async fn zk_url() -> String {
+async fn zk_url(zk: Shared<ZooKeeper>) -> String {
     static SINGLE: OnceCell<(String, Option<ZkEnsemble>)> = OnceCell::const_new();
-    issuer_suite::shared_url(&SINGLE, "PGFENCE_ZK_URL", async {
-        let node = ZkEnsemble::single()
+    issuer_suite::shared_url(&SINGLE, ENV, async {
+        let zk = issuer_suite::proof(zk, ENV);
+        let node = ZkEnsemble::single(zk)
             .await
             .expect("start throwaway ZooKeeper");
         (node.url(), node)
@@ -60,8 +61,8 @@ async fn zk_url() -> String {
 }
 
 /// An issuer on the shared ZooKeeper (one session per test: each test has its own runtime).
-async fn issuer() -> ZkIssuer {
-    ZkIssuer::connect(&zk_url().await)
+async fn issuer(zk: Shared<ZooKeeper>) -> ZkIssuer {
+    ZkIssuer::connect(&zk_url(zk).await)
         .await
         .expect("connect to ZooKeeper")
 }
@@ -80,14 +81,14 @@ async fn raw(url: &str) -> zookeeper_client::Client {
 // retried_acquire_by_the_same_owner_returns_the_same_token,
 // wait_acquire_gets_the_lock_when_it_frees_and_gives_up_on_time,
 // paused_holder_is_fenced_by_postgres.
-issuer_suite::lease_tests!(ZK, skip, issuer);
+issuer_suite::lease_tests!(ZK, needs_zk, issuer);
 
 #[tokio::test]
 async fn bad_ttls_and_owners_are_refused_before_touching_zookeeper() {
-    if skip("bad_ttls") {
+    let Some(zk) = needs_zk("bad_ttls") else {
         return;
-    }
-    issuer_suite::bad_ttls_and_owners_are_refused(&ZK, issuer().await).await;
+    };
+    issuer_suite::bad_ttls_and_owners_are_refused(&ZK, issuer(zk).await).await;
     for url in [
         "redis://127.0.0.1:6379",
         "zk://",
@@ -108,10 +109,10 @@ async fn bad_ttls_and_owners_are_refused_before_touching_zookeeper() {
 /// `redis_through_the_trait` in `issuer_trait.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zk_through_the_trait() {
-    if skip("zk_through_the_trait") {
+    let Some(zk) = needs_zk("zk_through_the_trait") else {
         return;
-    }
-    let issuer = connect_issuer(&zk_url().await).await.unwrap();
+    };
+    let issuer = connect_issuer(&zk_url(zk).await).await.unwrap();
     assert_eq!(issuer.kind(), IssuerKind::ZooKeeper);
     assert_eq!(issuer.kind().name(), "zk");
     assert!(!issuer.kind().can_reseed());
@@ -122,10 +123,10 @@ async fn zk_through_the_trait() {
 /// zxids never go backwards: raise_floor and recover_from do nothing.
 #[tokio::test]
 async fn zk_floor_and_recovery_are_no_ops() {
-    if skip("zk_floor_and_recovery_are_no_ops") {
+    let Some(zk) = needs_zk("zk_floor_and_recovery_are_no_ops") else {
         return;
-    }
-    let issuer = connect_issuer(&zk_url().await).await.unwrap();
+    };
+    let issuer = connect_issuer(&zk_url(zk).await).await.unwrap();
     let resource = unique_resource("trait-zk-floor");
     let first = issuer.acquire(&resource, 10 * SEC).await.unwrap().unwrap();
     issuer.release(&first).await.unwrap();
@@ -138,10 +139,10 @@ async fn zk_floor_and_recovery_are_no_ops() {
 /// Two prefixes on one ensemble: two locks for one resource.
 #[tokio::test]
 async fn zk_key_prefixes_separate_locks() {
-    if skip("zk_key_prefixes_separate_locks") {
+    let Some(zk) = needs_zk("zk_key_prefixes_separate_locks") else {
         return;
-    }
-    let url = zk_url().await;
+    };
+    let url = zk_url(zk).await;
     let a = ZkIssuer::connect(&url)
         .await
         .unwrap()
@@ -155,11 +156,11 @@ async fn zk_key_prefixes_separate_locks() {
 /// The lock's layout in ZooKeeper, tokens across resources, and a lock deleted by hand.
 #[tokio::test]
 async fn tokens_are_creation_zxids_and_compare_across_resources() {
-    if skip("layout") {
+    let Some(zk) = needs_zk("layout") else {
         return;
-    }
-    let url = zk_url().await;
-    let issuer = issuer().await;
+    };
+    let url = zk_url(zk).await;
+    let issuer = issuer(zk).await;
     let raw = raw(&url).await;
     let one = unique_resource("zk-one");
     let two =
@@ -230,14 +231,14 @@ async fn tokens_are_creation_zxids_and_compare_across_resources() {
 /// behind once its session ends, whatever its lease's TTL.
 #[tokio::test]
 async fn a_dead_holders_lock_ends_with_its_session() {
-    if skip("dead_holder") {
+    let Some(zk) = needs_zk("dead_holder") else {
         return;
-    }
-    let url = format!("{}?session_timeout_ms=2000", zk_url().await);
+    };
+    let url = format!("{}?session_timeout_ms=2000", zk_url(zk).await);
     let resource = unique_resource("zk-dead");
     let dead = ZkIssuer::connect(&url).await.unwrap();
     let lease = dead.acquire(&resource, 600 * SEC).await.unwrap().unwrap();
-    let issuer = issuer().await;
+    let issuer = issuer(zk).await;
     assert!(
         issuer.acquire(&resource, SEC).await.unwrap().is_none(),
         "held"
@@ -262,12 +263,11 @@ async fn a_dead_holders_lock_ends_with_its_session() {
 /// a holder paused across the failover is fenced by Postgres.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn leader_failover_keeps_tokens_increasing() {
-    let why = "ZooKeeper is not installed (Debian: apt-get install zookeeper)";
-    if issuer_suite::skipped("leader_failover", zk_installed(), why) {
+    let Some(zk) = needs::<ZooKeeper>("leader_failover") else {
         return;
-    }
+    };
     let test_started = Instant::now();
-    let mut cluster = ZkEnsemble::start(3)
+    let mut cluster = ZkEnsemble::start(zk, 3)
         .await
         .expect("start a 3-server ZooKeeper");
     let issuer = ZkIssuer::connect(&cluster.url()).await.unwrap();

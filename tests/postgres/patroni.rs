@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 
 use pgfence::admin::{DoctorOptions, FindingKind};
 use pgfence::{Error, Fence, FenceToken, Fencing, Repository, Resource};
-use pgfence_testkit::{PatroniCluster, PatroniConfig, patroni_installed};
+use pgfence_testkit::optional::Patroni;
+use pgfence_testkit::{Installed, PatroniCluster, PatroniConfig, needs};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
@@ -39,17 +40,6 @@ struct Account {
 }
 
 pgfence::fenced_table!(Account { table: "accounts", key: id: i64, columns: [balance] });
-
-fn skipped() -> bool {
-    if patroni_installed() {
-        return false;
-    }
-    eprintln!(
-        "SKIPPED: Patroni is not installed with its etcd client, or etcd is missing \
-         (Debian: apt-get install patroni python3-etcd etcd-server)"
-    );
-    true
-}
 
 async fn bounded<F: Future<Output = ()>>(test: F) {
     tokio::time::timeout(BOUND, test)
@@ -170,11 +160,13 @@ async fn failed_over_findings(pool: &PgPool) -> Vec<pgfence::admin::Finding> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn patroni_async_failover_refuses_every_lease_from_before_the_promotion() {
-    if skipped() {
+    let Some(patroni) =
+        needs::<Patroni>("patroni_async_failover_refuses_every_lease_from_before_the_promotion")
+    else {
         return;
-    }
+    };
     bounded(async {
-        let mut cluster = PatroniCluster::start(PatroniConfig::default())
+        let mut cluster = PatroniCluster::start(patroni, PatroniConfig::default())
             .await
             .unwrap();
         let pool = setup(&cluster).await;
@@ -261,14 +253,19 @@ async fn patroni_async_failover_refuses_every_lease_from_before_the_promotion() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn patroni_synchronous_mode_keeps_the_acknowledged_write_and_still_refuses_older_leases() {
-    if skipped() {
+    let Some(patroni) = needs::<Patroni>(
+        "patroni_synchronous_mode_keeps_the_acknowledged_write_and_still_refuses_older_leases",
+    ) else {
         return;
-    }
+    };
     bounded(async {
-        let mut cluster = PatroniCluster::start(PatroniConfig {
-            synchronous_mode: true,
-            ..PatroniConfig::default()
-        })
+        let mut cluster = PatroniCluster::start(
+            patroni,
+            PatroniConfig {
+                synchronous_mode: true,
+                ..PatroniConfig::default()
+            },
+        )
         .await
         .unwrap();
         let pool = setup(&cluster).await;
@@ -310,11 +307,13 @@ async fn patroni_synchronous_mode_keeps_the_acknowledged_write_and_still_refuses
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn patroni_rewind_and_switchover_back_keep_leases_of_every_earlier_timeline_out() {
-    if skipped() {
+    let Some(patroni) = needs::<Patroni>(
+        "patroni_rewind_and_switchover_back_keep_leases_of_every_earlier_timeline_out",
+    ) else {
         return;
-    }
+    };
     bounded(async {
-        let mut cluster = PatroniCluster::start(PatroniConfig::default())
+        let mut cluster = PatroniCluster::start(patroni, PatroniConfig::default())
             .await
             .unwrap();
         let pool = setup(&cluster).await;
@@ -393,13 +392,17 @@ async fn patroni_rewind_and_switchover_back_keep_leases_of_every_earlier_timelin
 /// timeline 2), the other replica `y` (still on timeline 1), and lease `l` bound to `x`'s
 /// timeline 2 and fenced out there by lease `m`.
 async fn two_failovers_apart(
+    patroni: Installed<Patroni>,
     check_timeline: bool,
 ) -> (PatroniCluster, PgPool, usize, usize, Fencing, Fencing) {
-    let mut cluster = PatroniCluster::start(PatroniConfig {
-        members: 3,
-        check_timeline,
-        ..PatroniConfig::default()
-    })
+    let mut cluster = PatroniCluster::start(
+        patroni,
+        PatroniConfig {
+            members: 3,
+            check_timeline,
+            ..PatroniConfig::default()
+        },
+    )
     .await
     .unwrap();
     let pool = setup(&cluster).await;
@@ -446,11 +449,13 @@ async fn two_failovers_apart(
 /// fenced out there, writes on y's. Documented in docs/failover.md.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn patroni_a_second_timeline_2_lets_a_lease_fenced_out_on_the_first_one_land() {
-    if skipped() {
+    let Some(patroni) = needs::<Patroni>(
+        "patroni_a_second_timeline_2_lets_a_lease_fenced_out_on_the_first_one_land",
+    ) else {
         return;
-    }
+    };
     bounded(async {
-        let (cluster, pool, x, y, l, _m) = two_failovers_apart(false).await;
+        let (cluster, pool, x, y, l, _m) = two_failovers_apart(patroni, false).await;
         let leader = cluster.wait_leader(None).await.unwrap();
         assert_eq!(
             leader, y,
@@ -505,11 +510,13 @@ async fn patroni_a_second_timeline_2_lets_a_lease_fenced_out_on_the_first_one_la
 /// promoted, so the second timeline 2 never starts (the cluster waits without a leader).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn patroni_check_timeline_refuses_to_start_a_second_timeline_2() {
-    if skipped() {
+    let Some(patroni) =
+        needs::<Patroni>("patroni_check_timeline_refuses_to_start_a_second_timeline_2")
+    else {
         return;
-    }
+    };
     bounded(async {
-        let (cluster, _pool, _x, y, _l, _m) = two_failovers_apart(true).await;
+        let (cluster, _pool, _x, y, _l, _m) = two_failovers_apart(patroni, true).await;
         // Well past the leader key's TTL: nobody leads.
         let until = Instant::now() + Duration::from_secs(pgfence_testkit::PATRONI_TTL_S + 6);
         while Instant::now() < until {

@@ -11,7 +11,7 @@ use crate::support;
 use std::time::Duration;
 
 use pgfence::{Repository, Resource};
-use pgfence_testkit::{PgBouncer, PoolMode, pgbouncer_installed};
+use pgfence_testkit::{PgBouncer, PoolMode, needs, optional};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use support::{TestDb, issuer, unique_resource};
 
@@ -98,10 +98,11 @@ async fn fenced_writes(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn service_pools_need_session_mode_on_pgbouncer_1_18() {
-    if !pgbouncer_installed() {
-        eprintln!("SKIPPED: PgBouncer is not installed (Debian: apt-get install pgbouncer)");
+    let Some(pgbouncer) =
+        needs::<optional::PgBouncer>("service_pools_need_session_mode_on_pgbouncer_1_18")
+    else {
         return;
-    }
+    };
     let db = TestDb::new().await;
     db.exec(
         "CREATE TABLE pooled_counter (id int PRIMARY KEY, n bigint NOT NULL);
@@ -122,7 +123,7 @@ async fn service_pools_need_session_mode_on_pgbouncer_1_18() {
         // Session mode holds a server connection per client connection: as many as the
         // client pool. Transaction mode shares 2 among the 8.
         let servers = if mode == PoolMode::Session { 8 } else { 2 };
-        let bouncer = PgBouncer::start(db.options.get_port(), mode, servers)
+        let bouncer = PgBouncer::start(pgbouncer, db.options.get_port(), mode, servers)
             .await
             .expect("PgBouncer");
         let mut options = db.options.clone().host("127.0.0.1").port(bouncer.port());

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use pgfence::issuer::IssuerKind;
+use pgfence_testkit::optional::{Etcd, Sentinel, ZooKeeper, installed};
 use pgfence_testkit::{EtcdCluster, SentinelConfig, SentinelSet, Server, ZkEnsemble};
 use tokio::time::Instant;
 
@@ -83,14 +84,16 @@ impl Deployment {
                     down_after: Duration::from_millis(1_000),
                     failover_timeout: Duration::from_secs(3),
                 };
-                Servers::Sentinel(SentinelSet::start(SENTINEL_MASTER, config).await?)
+                Servers::Sentinel(
+                    SentinelSet::start(installed::<Sentinel>()?, SENTINEL_MASTER, config).await?,
+                )
             }
-            (IssuerKind::Etcd, failover) => {
-                Servers::Etcd(EtcdCluster::start(if failover { 3 } else { 1 }).await?)
-            }
-            (IssuerKind::ZooKeeper, failover) => {
-                Servers::Zk(ZkEnsemble::start(if failover { 3 } else { 1 }).await?)
-            }
+            (IssuerKind::Etcd, failover) => Servers::Etcd(
+                EtcdCluster::start(installed::<Etcd>()?, if failover { 3 } else { 1 }).await?,
+            ),
+            (IssuerKind::ZooKeeper, failover) => Servers::Zk(
+                ZkEnsemble::start(installed::<ZooKeeper>()?, if failover { 3 } else { 1 }).await?,
+            ),
             (IssuerKind::Postgres, _) => {
                 return Err(ChaosError::Config(
                     "the postgres issuer has no servers of its own: it runs on the harness's \

@@ -23,9 +23,7 @@ use pgfence_chaos::{
     ChaosError, Config, Deployment, FailoverEvent, FailoverFigures, Harness, LeaselessOutcome,
     Mode, Outcome, PgFailoverFigures, Recovery, Report, ReseedCounter, Target, pg_failover_at,
 };
-use pgfence_testkit::{
-    PgReplicaSet, Replication, Server, etcd_installed, sentinel_installed, zk_installed,
-};
+use pgfence_testkit::{PgReplicaSet, Replication, Server, needs, optional};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use support::{TestDb, redis_url, unique_resource};
 
@@ -919,13 +917,9 @@ fn assert_tokens_kept_rising(report: &Report, f: &FailoverFigures) {
 /// before; every row writes again. The Redis-only settings are refused, not ignored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_leader_failover_mid_run_is_safe() {
-    if !etcd_installed() {
-        eprintln!(
-            "SKIPPED etcd_leader_failover_mid_run_is_safe: etcd is not installed (Debian: \
-             apt-get install etcd-server; or set PGFENCE_ETCD_BIN)"
-        );
+    let Some(_etcd) = needs::<optional::Etcd>("etcd_leader_failover_mid_run_is_safe") else {
         return;
-    }
+    };
     tokio::time::timeout(Duration::from_secs(120), async {
         let db = TestDb::new().await;
         let deployment = Deployment::start(IssuerKind::Etcd, true)
@@ -982,13 +976,10 @@ async fn etcd_leader_failover_mid_run_is_safe() {
 /// writes again; each unit's increment lands at most once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn zookeeper_leader_failover_mid_run_is_safe() {
-    if !zk_installed() {
-        eprintln!(
-            "SKIPPED zookeeper_leader_failover_mid_run_is_safe: ZooKeeper is not installed \
-             (Debian: apt-get install zookeeper; or set PGFENCE_ZK_CLASSPATH)"
-        );
+    let Some(_zk) = needs::<optional::ZooKeeper>("zookeeper_leader_failover_mid_run_is_safe")
+    else {
         return;
-    }
+    };
     tokio::time::timeout(Duration::from_secs(120), async {
         let db = TestDb::new().await;
         let deployment = Deployment::start(IssuerKind::ZooKeeper, true)
@@ -1028,14 +1019,11 @@ async fn zookeeper_leader_failover_mid_run_is_safe() {
 /// source) brings every row back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_sentinel_failover_mid_run_is_safe_and_recovers() {
-    if !sentinel_installed() {
-        eprintln!(
-            "SKIPPED redis_sentinel_failover_mid_run_is_safe_and_recovers: redis-server and \
-             redis-sentinel are not both installed (Debian: apt-get install redis-server \
-             redis-sentinel)"
-        );
+    let Some(_sentinel) =
+        needs::<optional::Sentinel>("redis_sentinel_failover_mid_run_is_safe_and_recovers")
+    else {
         return;
-    }
+    };
     tokio::time::timeout(Duration::from_secs(150), async {
         let db = TestDb::new().await;
         for (mode, seed) in [(Mode::Fenced, 47), (Mode::RowClaim, 53)] {

@@ -19,6 +19,7 @@ use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::optional::{Etcd, Installed};
 use crate::process::{self, Member, Supervisor};
 use crate::{Certs, ServerError, find_in_path, sh_quote};
 
@@ -33,14 +34,11 @@ pub const ETCD_HEARTBEAT_MS: u64 = 50;
 /// Election timeout of throwaway members, in milliseconds.
 pub const ETCD_ELECTION_MS: u64 = 500;
 
-/// Whether an `etcd` binary is available (`PGFENCE_ETCD_BIN`, or `etcd` on `PATH`).
-#[must_use]
-pub fn etcd_installed() -> bool {
-    etcd_bin().is_ok()
-}
-
-fn etcd_bin() -> Result<PathBuf, ServerError> {
+/// The `etcd` binary: `PGFENCE_ETCD_BIN`, or `etcd` on `PATH` (none when
+/// [`crate::optional::HIDE_ENV`] hides `etcd`).
+pub(crate) fn etcd_bin() -> Result<PathBuf, ServerError> {
     let found = match std::env::var_os("PGFENCE_ETCD_BIN") {
+        Some(_) if crate::optional::hidden("etcd") => None,
         Some(bin) => Some(PathBuf::from(bin)).filter(|p| p.is_file()),
         None => find_in_path("etcd"),
     };
@@ -216,8 +214,8 @@ impl EtcdCluster {
     ///
     /// # Errors
     /// As [`EtcdCluster::start`].
-    pub async fn single() -> Result<Self, ServerError> {
-        Self::start(1).await
+    pub async fn single(etcd: Installed<Etcd>) -> Result<Self, ServerError> {
+        Self::start(etcd, 1).await
     }
 
     /// Starts `size` members (1 for a single node; 3 for a cluster that survives losing one)
@@ -227,7 +225,7 @@ impl EtcdCluster {
     /// [`ServerError::NotInstalled`] when no `etcd` binary is found;
     /// [`ServerError::StartFailed`] when the cluster does not form within 30 s (after three
     /// tries with fresh ports).
-    pub async fn start(size: usize) -> Result<Self, ServerError> {
+    pub async fn start(_etcd: Installed<Etcd>, size: usize) -> Result<Self, ServerError> {
         assert!(size >= 1, "an etcd cluster has at least one member");
         let bin = etcd_bin()?;
         process::retry(3, || Self::try_start(&bin, size, None)).await
@@ -240,7 +238,11 @@ impl EtcdCluster {
     ///
     /// # Errors
     /// As [`EtcdCluster::start`].
-    pub async fn start_tls(size: usize, certs: &Certs) -> Result<Self, ServerError> {
+    pub async fn start_tls(
+        _etcd: Installed<Etcd>,
+        size: usize,
+        certs: &Certs,
+    ) -> Result<Self, ServerError> {
         assert!(size >= 1, "an etcd cluster has at least one member");
         let bin = etcd_bin()?;
         let (ca, cert, key) = (certs.ca(), certs.server_cert(), certs.server_key());

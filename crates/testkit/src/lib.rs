@@ -18,10 +18,15 @@
 //! streaming standby behind such a proxy, to fail PostgreSQL over for real.
 //! [`PatroniCluster`] is a real Patroni cluster (the installed package, an etcd as its DCS)
 //! with a proxy that follows its leader.
+//!
+//! Sentinel, etcd, ZooKeeper, PgBouncer and Patroni are optional: their start functions take
+//! the proof [`needs`] hands a test (or prints the test's skip line, naming the Debian package
+//! to install), so no test can start one without having asked ([`optional`]).
 
 mod certs;
 pub mod clock;
 mod etcd;
+pub mod optional;
 mod patroni;
 mod pgbouncer;
 mod process;
@@ -32,18 +37,16 @@ mod sentinel;
 mod zk;
 
 pub use certs::Certs;
-pub use etcd::{ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, EtcdCluster, EtcdMember, etcd_installed};
-pub use patroni::{
-    PATRONI_LOOP_WAIT_S, PATRONI_TTL_S, PatroniCluster, PatroniConfig, patroni_installed,
-};
-pub use pgbouncer::{PgBouncer, PoolMode, pgbouncer_installed};
+pub use etcd::{ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, EtcdCluster, EtcdMember};
+pub use optional::{Installed, needs};
+pub use patroni::{PATRONI_LOOP_WAIT_S, PATRONI_TTL_S, PatroniCluster, PatroniConfig};
+pub use pgbouncer::{PgBouncer, PoolMode};
 pub use provider::Provider;
 pub use redis_tls::{ClientAuth, RedisTls, RedisTlsCluster, SentinelTls};
 pub use replica::{Failover, PgReplicaSet, Replication};
-pub use sentinel::{RedisNode, SentinelConfig, SentinelSet, sentinel_installed};
+pub use sentinel::{RedisNode, SentinelConfig, SentinelSet};
 pub use zk::{
     ZK_MAX_SESSION_TIMEOUT_MS, ZK_MIN_SESSION_TIMEOUT_MS, ZK_TICK_MS, ZkEnsemble, ZkMember,
-    zk_installed,
 };
 
 use std::io::Read;
@@ -558,7 +561,12 @@ fn sh_quote(p: &Path) -> String {
     format!("'{}'", p.to_string_lossy().replace('\'', r"'\''"))
 }
 
+/// `name` on `PATH` (or in `/usr/sbin`, `/usr/bin`, `/usr/local/bin`); `None` as well when
+/// [`optional::HIDE_ENV`] hides it.
 fn find_in_path(name: &str) -> Option<PathBuf> {
+    if optional::hidden(name) {
+        return None;
+    }
     std::env::var_os("PATH")
         .into_iter()
         .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())

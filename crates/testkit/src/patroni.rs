@@ -24,6 +24,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::etcd::EtcdCluster;
+use crate::optional::{Installed, Patroni};
 use crate::process::{self, Supervisor, process_alive};
 use crate::replica::{kill_postgres, psql};
 use crate::{Proxy, ServerError, find_in_path, is_root, postgres_bindir, sh_quote};
@@ -42,15 +43,9 @@ pub const PATRONI_LOOP_WAIT_S: u64 = 1;
 /// How long a wait on the cluster may take before it fails.
 const WAIT: Duration = Duration::from_secs(60);
 
-/// Whether Patroni can be started here: `patroni` on `PATH`, its etcd client module
-/// (`python3 -c 'import etcd'`, Debian's `python3-etcd`), the etcd server and the PostgreSQL
-/// server binaries.
-#[must_use]
-pub fn patroni_installed() -> bool {
-    patroni_bin().is_ok() && crate::etcd_installed() && postgres_bindir().is_ok()
-}
-
-fn patroni_bin() -> Result<PathBuf, ServerError> {
+/// The `patroni` binary, when its Python has the etcd client module (`python3 -c 'import
+/// etcd'`, Debian's `python3-etcd`).
+pub(crate) fn patroni_bin() -> Result<PathBuf, ServerError> {
     let not_installed = || ServerError::NotInstalled {
         what: "patroni (with python3-etcd)",
         hint: PATRONI_HINT,
@@ -142,14 +137,18 @@ impl PatroniCluster {
     /// # Errors
     /// [`ServerError::NotInstalled`] without Patroni, its etcd module, etcd or PostgreSQL;
     /// [`ServerError::StartFailed`] when the cluster does not form within 60 s.
-    pub async fn start(config: PatroniConfig) -> Result<Self, ServerError> {
+    pub async fn start(
+        _patroni: Installed<Patroni>,
+        config: PatroniConfig,
+    ) -> Result<Self, ServerError> {
         assert!(
             (1..=5).contains(&config.members),
             "a Patroni cluster of 1 to 5 members"
         );
         let bin = patroni_bin()?;
         let bindir = postgres_bindir()?;
-        let etcd = EtcdCluster::single().await?;
+        // Patroni's probe found etcd too.
+        let etcd = EtcdCluster::single(Installed::assume()).await?;
         let etcd_port = etcd.members()[0].client_port();
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

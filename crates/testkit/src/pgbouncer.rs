@@ -6,15 +6,18 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::optional::{self, Installed};
 use crate::process::{self, Supervisor};
 use crate::{ServerError, find_in_path, is_root};
 
 const HINT: &str = "install PgBouncer (Debian: apt-get install pgbouncer)";
 
-/// Whether a `pgbouncer` binary is installed.
-#[must_use]
-pub fn pgbouncer_installed() -> bool {
-    find_in_path("pgbouncer").is_some()
+/// The `pgbouncer` binary.
+pub(crate) fn pgbouncer_bin() -> Result<PathBuf, ServerError> {
+    find_in_path("pgbouncer").ok_or(ServerError::NotInstalled {
+        what: "pgbouncer",
+        hint: HINT,
+    })
 }
 
 /// PgBouncer's `pool_mode`.
@@ -52,8 +55,13 @@ impl PgBouncer {
     /// # Errors
     /// [`ServerError::NotInstalled`] without `pgbouncer`; [`ServerError::StartFailed`] when it
     /// does not accept connections within 20 s.
-    pub async fn start(pg_port: u16, mode: PoolMode, pool_size: u32) -> Result<Self, ServerError> {
-        Self::start_with_users(pg_port, mode, pool_size, &[]).await
+    pub async fn start(
+        pgbouncer: Installed<optional::PgBouncer>,
+        pg_port: u16,
+        mode: PoolMode,
+        pool_size: u32,
+    ) -> Result<Self, ServerError> {
+        Self::start_with_users(pgbouncer, pg_port, mode, pool_size, &[]).await
     }
 
     /// [`PgBouncer::start`], letting `users` log in too (trust authentication, as for
@@ -62,15 +70,13 @@ impl PgBouncer {
     /// # Errors
     /// As [`PgBouncer::start`].
     pub async fn start_with_users(
+        _pgbouncer: Installed<optional::PgBouncer>,
         pg_port: u16,
         mode: PoolMode,
         pool_size: u32,
         users: &[&str],
     ) -> Result<Self, ServerError> {
-        let bin = find_in_path("pgbouncer").ok_or(ServerError::NotInstalled {
-            what: "pgbouncer",
-            hint: HINT,
-        })?;
+        let bin = pgbouncer_bin()?;
         let port = process::free_ports(1)?[0];
         let script = script(&bin, port, pg_port, mode, pool_size, users);
         let cmd = if is_root() {

@@ -529,16 +529,18 @@ mod tests {
     /// The kit's async functions can run in spawned tasks (checked at compile time).
     #[test]
     fn public_futures_are_send() {
+        use crate::Installed;
         fn send<T: Send>(_: T) {}
         let _ = |etcd: &mut crate::EtcdCluster,
                  zk: &mut crate::ZkEnsemble,
                  sentinels: &crate::SentinelSet,
                  server: &mut crate::Server| {
-            send(crate::EtcdCluster::start(3));
+            send(crate::EtcdCluster::start(Installed::assume(), 3));
             send(etcd.restart(0));
-            send(crate::ZkEnsemble::start(3));
+            send(crate::ZkEnsemble::start(Installed::assume(), 3));
             send(zk.restart(0));
             send(crate::SentinelSet::start(
+                Installed::assume(),
                 "m",
                 crate::SentinelConfig::default(),
             ));
@@ -549,7 +551,10 @@ mod tests {
             send(crate::RedisCluster::start(3));
         };
         let _ = |patroni: &mut crate::PatroniCluster| {
-            send(crate::PatroniCluster::start(crate::PatroniConfig::default()));
+            send(crate::PatroniCluster::start(
+                Installed::assume(),
+                crate::PatroniConfig::default(),
+            ));
             send(patroni.wait_leader(None));
             send(patroni.wait_streaming(1));
             send(patroni.kill(0));

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::optional::{Installed, Sentinel};
 use crate::process::{self, Supervisor};
 use crate::{Certs, ServerError, find_in_path, sh_quote};
 
@@ -378,11 +379,12 @@ impl SentinelTls {
     /// # Errors
     /// [`ServerError::NotInstalled`] without `redis-server` / `redis-sentinel` / `redis-cli`;
     /// [`ServerError::StartFailed`] when the sentinel does not reach the master within 30 s.
-    pub async fn start(certs: &Certs, name: &str) -> Result<Self, ServerError> {
-        let sentinel_bin = find_in_path("redis-sentinel").ok_or(ServerError::NotInstalled {
-            what: "redis-sentinel",
-            hint: HINT,
-        })?;
+    pub async fn start(
+        _sentinel: Installed<Sentinel>,
+        certs: &Certs,
+        name: &str,
+    ) -> Result<Self, ServerError> {
+        let (_, sentinel_bin) = crate::sentinel::sentinel_bins()?;
         let master = RedisTls::start(certs, ClientAuth::None).await?;
         let cli = master.cli.clone();
         let port = process::free_ports(1)?[0];

@@ -9,19 +9,27 @@
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::optional::{Installed, Sentinel};
 use crate::process::{self, Supervisor};
 use crate::{ServerError, find_in_path, sh_quote};
 
 const SENTINEL_HINT: &str = "install Redis with Sentinel (Debian: apt-get install redis-server \
     redis-sentinel)";
 
-/// Whether `redis-server` and `redis-sentinel` are installed.
-#[must_use]
-pub fn sentinel_installed() -> bool {
-    find_in_path("redis-server").is_some() && find_in_path("redis-sentinel").is_some()
+/// The `redis-server` and `redis-sentinel` binaries.
+pub(crate) fn sentinel_bins() -> Result<(PathBuf, PathBuf), ServerError> {
+    let server = find_in_path("redis-server").ok_or(ServerError::NotInstalled {
+        what: "redis-server",
+        hint: SENTINEL_HINT,
+    })?;
+    let sentinel = find_in_path("redis-sentinel").ok_or(ServerError::NotInstalled {
+        what: "redis-sentinel",
+        hint: SENTINEL_HINT,
+    })?;
+    Ok((server, sentinel))
 }
 
 /// Timing of a [`SentinelSet`]'s sentinels.
@@ -195,15 +203,12 @@ impl SentinelSet {
     /// # Errors
     /// [`ServerError::NotInstalled`] without `redis-server` / `redis-sentinel`;
     /// [`ServerError::StartFailed`] when the deployment does not form within 30 s.
-    pub async fn start(name: &str, config: SentinelConfig) -> Result<Self, ServerError> {
-        let server = find_in_path("redis-server").ok_or(ServerError::NotInstalled {
-            what: "redis-server",
-            hint: SENTINEL_HINT,
-        })?;
-        let sentinel = find_in_path("redis-sentinel").ok_or(ServerError::NotInstalled {
-            what: "redis-sentinel",
-            hint: SENTINEL_HINT,
-        })?;
+    pub async fn start(
+        _sentinel: Installed<Sentinel>,
+        name: &str,
+        config: SentinelConfig,
+    ) -> Result<Self, ServerError> {
+        let (server, sentinel) = sentinel_bins()?;
         assert!(config.sentinels >= 1 && config.quorum >= 1);
         let ports = process::free_ports(1 + config.replicas + config.sentinels)?;
         let server_cmd = |port: u16, extra: &str| {

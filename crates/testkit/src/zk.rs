@@ -21,6 +21,7 @@ use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::optional::{Installed, ZooKeeper};
 use crate::process::{self, Member, Supervisor};
 use crate::{ServerError, find_in_path, sh_quote};
 
@@ -47,15 +48,14 @@ pub const ZK_MAX_SESSION_TIMEOUT_MS: u64 = 60_000;
 /// serve: JVMs start slowly on a busy machine.
 const SERVE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Whether ZooKeeper can be started: `java` on `PATH`, and `PGFENCE_ZK_CLASSPATH` set or
-/// `/usr/share/java/zookeeper.jar` present.
-#[must_use]
-pub fn zk_installed() -> bool {
-    zk_launch().is_ok()
-}
-
 /// The `java` binary and the classpath to start ZooKeeper with.
-fn zk_launch() -> Result<(PathBuf, String), ServerError> {
+pub(crate) fn zk_launch() -> Result<(PathBuf, String), ServerError> {
+    if crate::optional::hidden("zookeeper") {
+        return Err(ServerError::NotInstalled {
+            what: "zookeeper",
+            hint: ZK_HINT,
+        });
+    }
     let java = find_in_path("java").ok_or(ServerError::NotInstalled {
         what: "java (for ZooKeeper)",
         hint: ZK_HINT,
@@ -260,8 +260,8 @@ impl ZkEnsemble {
     ///
     /// # Errors
     /// As [`ZkEnsemble::start`].
-    pub async fn single() -> Result<Self, ServerError> {
-        Self::start(1).await
+    pub async fn single(zk: Installed<ZooKeeper>) -> Result<Self, ServerError> {
+        Self::start(zk, 1).await
     }
 
     /// Starts `size` members (1 for a standalone server; 3 for an ensemble that survives
@@ -272,7 +272,7 @@ impl ZkEnsemble {
     /// [`ServerError::NotInstalled`] when `java` or the ZooKeeper jar is not found;
     /// [`ServerError::StartFailed`] when the ensemble does not form within 60 s (after three
     /// tries with fresh ports; a member that exits ends its try at once).
-    pub async fn start(size: usize) -> Result<Self, ServerError> {
+    pub async fn start(_zk: Installed<ZooKeeper>, size: usize) -> Result<Self, ServerError> {
         assert!(size >= 1, "a ZooKeeper ensemble has at least one member");
         let (java, classpath) = zk_launch()?;
         process::retry(3, || Self::try_start(&java, &classpath, size)).await

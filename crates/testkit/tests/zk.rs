@@ -3,18 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use pgfence_testkit::{ZkEnsemble, zk_installed};
-
-fn skip(test: &str) -> bool {
-    if zk_installed() {
-        return false;
-    }
-    eprintln!(
-        "SKIPPED {test}: ZooKeeper is not installed (Debian: apt-get install zookeeper; or set \
-         PGFENCE_ZK_CLASSPATH)"
-    );
-    true
-}
+use pgfence_testkit::optional::ZooKeeper;
+use pgfence_testkit::{ZkEnsemble, needs};
 
 /// Polls `ensemble.leader()` off the runtime until it names a member other than `old`.
 async fn wait_new_leader(ensemble: &ZkEnsemble, old: usize, within: Duration) -> Option<usize> {
@@ -32,11 +22,11 @@ async fn wait_new_leader(ensemble: &ZkEnsemble, old: usize, within: Duration) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_server_is_standalone() {
-    if skip("single_server_is_standalone") {
+    let Some(zk) = needs::<ZooKeeper>("single_server_is_standalone") else {
         return;
-    }
+    };
     let started = Instant::now();
-    let zk = ZkEnsemble::single()
+    let zk = ZkEnsemble::single(zk)
         .await
         .expect("start throwaway ZooKeeper");
     eprintln!("standalone ZooKeeper serving after {:?}", started.elapsed());
@@ -62,11 +52,11 @@ async fn single_server_is_standalone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ensemble_elects_a_new_leader_after_a_kill() {
-    if skip("ensemble_elects_a_new_leader_after_a_kill") {
+    let Some(zk) = needs::<ZooKeeper>("ensemble_elects_a_new_leader_after_a_kill") else {
         return;
-    }
+    };
     let started = Instant::now();
-    let mut zk = ZkEnsemble::start(3)
+    let mut zk = ZkEnsemble::start(zk, 3)
         .await
         .expect("start throwaway ensemble");
     eprintln!(

@@ -37,7 +37,7 @@ impl LocalServer for EtcdCluster {
     const WHAT: &'static str = "throwaway single-node etcd";
 
     async fn start() -> std::result::Result<Self, ServerError> {
-        EtcdCluster::single().await
+        EtcdCluster::single(pgfence_testkit::optional::installed()?).await
     }
 
     fn url(&self) -> String {

@@ -45,7 +45,7 @@ impl LocalServer for ZkEnsemble {
     const WHAT: &'static str = "throwaway standalone ZooKeeper";
 
     async fn start() -> std::result::Result<Self, ServerError> {
-        ZkEnsemble::single().await
+        ZkEnsemble::single(pgfence_testkit::optional::installed()?).await
     }
 
     fn url(&self) -> String {

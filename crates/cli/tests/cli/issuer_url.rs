@@ -238,16 +238,17 @@ async fn etcd_url_without_the_feature_says_how_to_enable_it() {
 
 #[tokio::test]
 async fn lock_run_and_reseed_with_etcd() {
-    use pgfence_testkit::{EtcdCluster, etcd_installed};
+    use pgfence_testkit::{EtcdCluster, needs, optional};
     if !built(pgfence::issuer::IssuerKind::Etcd) {
         eprintln!("SKIPPED lock_run_and_reseed_with_etcd: this build has no etcd issuer");
         return;
     }
-    if !etcd_installed() {
-        eprintln!("SKIPPED lock_run_and_reseed_with_etcd: etcd is not installed");
+    let Some(etcd) = needs::<optional::Etcd>("lock_run_and_reseed_with_etcd") else {
         return;
-    }
-    let node = EtcdCluster::single().await.expect("start throwaway etcd");
+    };
+    let node = EtcdCluster::single(etcd)
+        .await
+        .expect("start throwaway etcd");
     let db = TestDb::new().await;
     let db_url = db.url();
     let url = node.url();
@@ -295,16 +296,15 @@ async fn lock_run_and_reseed_with_etcd() {
 
 #[tokio::test]
 async fn run_status_and_reseed_with_zookeeper() {
-    use pgfence_testkit::{ZkEnsemble, zk_installed};
+    use pgfence_testkit::{ZkEnsemble, needs, optional};
     if !built(pgfence::issuer::IssuerKind::ZooKeeper) {
         eprintln!("SKIPPED run_status_and_reseed_with_zookeeper: this build has no zk issuer");
         return;
     }
-    if !zk_installed() {
-        eprintln!("SKIPPED run_status_and_reseed_with_zookeeper: ZooKeeper is not installed");
+    let Some(zk) = needs::<optional::ZooKeeper>("run_status_and_reseed_with_zookeeper") else {
         return;
-    }
-    let node = ZkEnsemble::single()
+    };
+    let node = ZkEnsemble::single(zk)
         .await
         .expect("start throwaway ZooKeeper");
     let db = TestDb::new().await;

@@ -8,7 +8,7 @@ use crate::support;
 use std::net::Ipv4Addr;
 use std::process::{Command, Output, Stdio};
 
-use pgfence_testkit::{Certs, PgBouncer, PoolMode, Proxy, Server};
+use pgfence_testkit::{Certs, Installed, PgBouncer, PoolMode, Proxy, Server, needs, optional};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Row};
 use support::{Role, TestDb, redis_url, unique_resource};
 
@@ -322,15 +322,16 @@ async fn server_state(url: &str) -> (String, String, i64, i64) {
     state
 }
 
-async fn admin_commands_through(mode: PoolMode) {
+async fn admin_commands_through(pgbouncer: Installed<optional::PgBouncer>, mode: PoolMode) {
     let db = TestDb::empty().await;
     db.exec("CREATE TABLE acct (id int PRIMARY KEY, balance int NOT NULL)")
         .await;
     let app = Role::create(&db, "pgb_app", "").await;
     // One server connection: every client of the bouncer shares it.
-    let bouncer = PgBouncer::start_with_users(db.options.get_port(), mode, 1, &[&app.name])
-        .await
-        .expect("PgBouncer");
+    let bouncer =
+        PgBouncer::start_with_users(pgbouncer, db.options.get_port(), mode, 1, &[&app.name])
+            .await
+            .expect("PgBouncer");
     let url = bouncer.url(&db.name);
     let env = [("DATABASE_URL", url.as_str())];
     let baseline = server_state(&url).await;
@@ -368,20 +369,22 @@ async fn admin_commands_through(mode: PoolMode) {
 
 #[tokio::test]
 async fn admin_commands_through_pgbouncer_in_transaction_mode_leave_nothing_behind() {
-    if !pgfence_testkit::pgbouncer_installed() {
-        eprintln!("skipped: pgbouncer is not installed (Debian: apt-get install pgbouncer)");
+    let Some(pgbouncer) = needs::<optional::PgBouncer>(
+        "admin_commands_through_pgbouncer_in_transaction_mode_leave_nothing_behind",
+    ) else {
         return;
-    }
-    admin_commands_through(PoolMode::Transaction).await;
+    };
+    admin_commands_through(pgbouncer, PoolMode::Transaction).await;
 }
 
 #[tokio::test]
 async fn admin_commands_through_pgbouncer_in_session_mode() {
-    if !pgfence_testkit::pgbouncer_installed() {
-        eprintln!("skipped: pgbouncer is not installed (Debian: apt-get install pgbouncer)");
+    let Some(pgbouncer) =
+        needs::<optional::PgBouncer>("admin_commands_through_pgbouncer_in_session_mode")
+    else {
         return;
-    }
-    admin_commands_through(PoolMode::Session).await;
+    };
+    admin_commands_through(pgbouncer, PoolMode::Session).await;
 }
 
 #[tokio::test]

@@ -134,18 +134,19 @@ fn read(path: &Path) -> String {
 
 #[tokio::test]
 async fn a_paused_zookeeper_holder_loses_the_lock_and_its_late_write_is_fenced() {
-    use pgfence_testkit::{ZkEnsemble, zk_installed};
+    use pgfence_testkit::{ZkEnsemble, needs, optional};
     let name = "a_paused_zookeeper_holder_loses_the_lock_and_its_late_write_is_fenced";
     if !pgfence::issuer::IssuerKind::ZooKeeper.is_built() {
         eprintln!("SKIPPED {name}: this build has no zk issuer (--features pgfence/zk)");
         return;
     }
-    if !zk_installed() {
-        eprintln!("SKIPPED {name}: ZooKeeper is not installed");
+    let Some(zk) = needs::<optional::ZooKeeper>(
+        "a_paused_zookeeper_holder_loses_the_lock_and_its_late_write_is_fenced",
+    ) else {
         return;
-    }
+    };
     let test_started = Instant::now();
-    let zk = ZkEnsemble::single()
+    let zk = ZkEnsemble::single(zk)
         .await
         .expect("start throwaway ZooKeeper");
     let url = format!("{}?session_timeout_ms={SESSION_TIMEOUT_MS}", zk.url());
