@@ -25,6 +25,9 @@ use super::token_issuer::{BoxFuture, IssuerKind, TokenIssuer};
 use super::{Lease, LeaseState, LockStatus, ReleaseOutcome};
 use crate::{Error, FenceToken, Resource, Result};
 
+/// The least time [`TokenIssuer::state`] is given (it counts every key or row of a prefix).
+const STATE_BOUND: Duration = Duration::from_secs(60);
+
 /// How many times an acquire is sent, with the same owner id, when it fails in transit.
 const ACQUIRE_ATTEMPTS: u32 = 3;
 
@@ -159,7 +162,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     }
 
     /// What the issuer keeps per resource, counted on its server ([`TokenIssuer::state`]);
-    /// `None` where it is not counted. Bounded by the call bound.
+    /// `None` where it is not counted. Bounded by the call bound, at least 60 s.
     fn state_once(&self) -> impl Future<Output = Result<Option<IssuerState>>> + Send {
         async { Ok(None) }
     }
@@ -575,7 +578,8 @@ impl<B: Backend> TokenIssuer for B {
 
     fn state(&self) -> BoxFuture<'_, Result<Option<IssuerState>>> {
         Box::pin(async move {
-            let bound = self.call_timeout();
+            // A scan of every key or row: longer than one call, still bounded.
+            let bound = self.call_timeout().max(STATE_BOUND);
             tokio::time::timeout(bound, self.state_once())
                 .await
                 .map_err(|_| B::no_reply(bound))?

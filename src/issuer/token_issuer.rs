@@ -242,6 +242,8 @@ pub trait TokenIssuer: Send + Sync + std::fmt::Debug + 'static {
     /// What the issuer keeps per resource, counted on its server: counters, locks, how many
     /// are idle ([`IssuerState`](crate::issuer::IssuerState)). `None` where the issuer does not
     /// count (Redis Cluster; an issuer outside this crate). `pgfence doctor` reports it.
+    /// Bounded by the issuer's call bound, and at least 60 s (it reads every key or row of
+    /// the key prefix).
     fn state(&self) -> BoxFuture<'_, Result<Option<super::idle::IssuerState>>> {
         Box::pin(async { Ok(None) })
     }

@@ -384,3 +384,83 @@ async fn pg_issuer_expires_idle_state_in_the_background() {
         "above the floor the first counter left"
     );
 }
+
+/// etcd keeps a lock key per held resource, under the lease's etcd lease, and nothing else
+/// per resource (tokens are revisions): 40 resources whose leases lapse leave no key, and the
+/// next lease of each has a larger token.
+#[cfg(feature = "etcd")]
+#[tokio::test]
+async fn etcd_keeps_no_state_for_idle_resources() {
+    if crate::etcd_issuer::skip("idle_state") {
+        return;
+    }
+    let prefix = test_prefix("etcdidle");
+    let issuer = pgfence::issuer::EtcdIssuer::connect(&crate::etcd_issuer::etcd_url().await)
+        .await
+        .unwrap()
+        .with_key_prefix(&prefix)
+        .unwrap();
+    let names: Vec<Resource> = (0..40)
+        .map(|i| Resource::new(format!("etcd-idle:{i}")).unwrap())
+        .collect();
+    let mut before = Vec::new();
+    for resource in &names {
+        // Left to lapse: never released.
+        before.push(issuer.acquire(resource, SEC).await.unwrap().unwrap());
+    }
+    let held = issuer.state().await.unwrap().unwrap();
+    assert_eq!((held.locks, held.counters), (40, 0), "{held:?}");
+    let gone = state_until(&issuer, 20 * SEC, |s| s.locks == 0).await;
+    assert_eq!((gone.locks, gone.counters), (0, 0), "{gone:?}");
+    for (resource, old) in names.iter().zip(&before) {
+        let lease = issuer.acquire(resource, SEC).await.unwrap().unwrap();
+        assert!(lease.token() > old.token(), "{resource}");
+        issuer.release(&lease).await.unwrap();
+    }
+}
+
+/// ZooKeeper keeps one container node per resource while it has lock nodes; ZooKeeper deletes
+/// it once it is empty (the test server checks every second; production: every minute,
+/// `znode.container.checkIntervalMs`): 40 released resources leave no node under the
+/// prefix's lock directory, and the next lease of each has a larger token.
+#[cfg(feature = "zk")]
+#[tokio::test]
+async fn zk_keeps_no_state_for_idle_resources() {
+    if crate::zk_issuer::skip("idle_state") {
+        return;
+    }
+    let url = crate::zk_issuer::zk_url().await;
+    let prefix = test_prefix("zkidle");
+    let issuer = pgfence::issuer::ZkIssuer::connect(&url)
+        .await
+        .unwrap()
+        .with_key_prefix(&prefix)
+        .unwrap();
+    let names: Vec<Resource> = (0..40)
+        .map(|i| Resource::new(format!("zk-idle:{i}")).unwrap())
+        .collect();
+    let mut before = Vec::new();
+    for resource in &names {
+        let lease = issuer.acquire(resource, 5 * SEC).await.unwrap().unwrap();
+        issuer.release(&lease).await.unwrap();
+        before.push(lease);
+    }
+    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .unwrap();
+    let root = format!("/{prefix}/lock");
+    let (dirs, _) = raw.get_children(&root).await.unwrap();
+    assert!(
+        !dirs.is_empty(),
+        "a directory per resource until ZooKeeper reaps it"
+    );
+    let gone = state_until(&issuer, 20 * SEC, |s| s.other == 0).await;
+    assert_eq!((gone.other, gone.locks), (0, 0), "{gone:?}");
+    let (dirs, _) = raw.get_children(&root).await.unwrap();
+    assert!(dirs.is_empty(), "{dirs:?}");
+    for (resource, old) in names.iter().zip(&before) {
+        let lease = issuer.acquire(resource, SEC).await.unwrap().unwrap();
+        assert!(lease.token() > old.token(), "{resource}");
+        issuer.release(&lease).await.unwrap();
+    }
+}

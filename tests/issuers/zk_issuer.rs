@@ -37,7 +37,7 @@ const ZK: Profile = Profile {
     counter_is_last_token: false,
 };
 
-fn skip(test: &str) -> bool {
+pub(crate) fn skip(test: &str) -> bool {
     let external = std::env::var("PGFENCE_ZK_URL").is_ok_and(|u| !u.is_empty());
     issuer_suite::skipped(
         test,
@@ -48,7 +48,7 @@ fn skip(test: &str) -> bool {
 }
 
 /// The URL of the ZooKeeper the single-server tests share (one throwaway server per binary).
-async fn zk_url() -> String {
+pub(crate) async fn zk_url() -> String {
     static SINGLE: OnceCell<(String, Option<ZkEnsemble>)> = OnceCell::const_new();
     issuer_suite::shared_url(&SINGLE, "PGFENCE_ZK_URL", async {
         let node = ZkEnsemble::single()

@@ -42,12 +42,12 @@ pub(crate) struct Config {
 /// Every section, in the order they run.
 pub(crate) const SECTIONS: &[&str] = &[
     "write", "pgbench", "batch", "acquire", "job", "storm", "scaling", "etcd", "zk", "pg", "parts",
-    "coalesce", "scale",
+    "coalesce", "scale", "idle",
 ];
 
 /// Sections that run only when named (or, for `scale`, when `PGFENCE_BENCH_SCALE_ROWS` is
-/// set): they are slow.
-pub(crate) const OPT_IN: &[&str] = &["scale"];
+/// set): they are slow (`idle` measures state, not speed).
+pub(crate) const OPT_IN: &[&str] = &["scale", "idle"];
 
 /// The environment variable `name`, parsed, or `default` when unset or blank.
 fn env_or<T: FromStr>(name: &str, default: T) -> Result<T>
