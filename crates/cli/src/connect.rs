@@ -54,9 +54,18 @@ impl Conn {
     }
 
     fn issuer_options(&self) -> Result<IssuerOptions> {
-        Ok(match self.key_prefix()? {
+        let options = match self.key_prefix()? {
             Some(prefix) => IssuerOptions::new().key_prefix(prefix),
             None => IssuerOptions::new(),
+        };
+        Ok(match self.idle_expiry {
+            Some(secs) => {
+                let idle = std::time::Duration::from_secs(secs);
+                pgfence::issuer::check_idle_expiry(idle)
+                    .context("bad --idle-expiry / PGFENCE_IDLE_EXPIRY")?;
+                options.idle_expiry(idle)
+            }
+            None => options,
         })
     }
 
