@@ -37,6 +37,9 @@ pub(crate) struct Config {
     pub(crate) scale_rows: i64,
     /// Whether `PGFENCE_BENCH_SCALE_ROWS` was set.
     scale_asked: bool,
+    /// Whether `PGFENCE_BENCH_IDLE_RESOURCES` was set (section `idle`'s N): it runs the
+    /// section without naming it, as CI's smoke run does.
+    idle_asked: bool,
 }
 
 /// Every section, in the order they run.
@@ -108,6 +111,8 @@ impl Config {
             json,
             sections,
             scale_rows: env_or("PGFENCE_BENCH_SCALE_ROWS", 10_000_000)?,
+            idle_asked: std::env::var("PGFENCE_BENCH_IDLE_RESOURCES")
+                .is_ok_and(|v| !v.trim().is_empty()),
             scale_asked: std::env::var("PGFENCE_BENCH_SCALE_ROWS")
                 .is_ok_and(|v| !v.trim().is_empty()),
         };
@@ -136,7 +141,8 @@ impl Config {
             return true;
         }
         if OPT_IN.contains(&section) {
-            return section == "scale" && self.scale_asked;
+            return (section == "scale" && self.scale_asked)
+                || (section == "idle" && self.idle_asked);
         }
         self.sections.is_empty()
     }

@@ -1,5 +1,5 @@
-//! Section `idle` (opt-in: run only when named): the issuer state idle resources leave
-//! behind, before and after idle expiry (`docs/issuers.md`, "Idle expiry"). N resources
+//! Section `idle` (opt-in: run when named, or when `PGFENCE_BENCH_IDLE_RESOURCES` is set): the
+//! issuer state idle resources leave behind, before and after idle expiry (`docs/issuers.md`, "Idle expiry"). N resources
 //! (`PGFENCE_BENCH_IDLE_RESOURCES`, 100,000) are each acquired and released once:
 //!
 //! - Redis, counters kept for ever (the default): keys of the run left (`SCAN`), and bytes
@@ -10,7 +10,7 @@
 //!   `PgIssuer::expire_idle` (counters folded into `pgfence.issuer_floor`, counted too).
 //!
 //! Runs once, not per round: it measures state, not speed (the acquire rate of each pass is
-//! printed for information).
+//! printed for information). It fails when state it should have expired is still there.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -146,6 +146,9 @@ async fn redis_idle(env: &Env, n: usize) -> Result<Value> {
             }
         }
         let keys = count_keys(&mut conn, &pattern).await?;
+        if idle.is_some() && keys > 0 {
+            bail!("{keys} Redis keys of {n} idle resources did not expire within 120 s");
+        }
         let bytes = used_memory(&mut conn).await? - before;
         println!(
             "idle: Redis, {label}: {n} resources locked once -> {keys} keys left ({:.2} per resource), {bytes} bytes ({:.1} per resource); {rate:.0} acquire+release/s",
@@ -209,6 +212,9 @@ async fn pg_idle(env: &Env, n: usize) -> Result<Value> {
     let done = issuer.expire_idle(Duration::from_secs(1)).await?;
     let took = start.elapsed();
     let after = pg_rows(env, "issuer_counter", prefix).await?;
+    if after > 0 {
+        bail!("{after} PostgreSQL issuer counters of idle resources were not expired");
+    }
     let floors = pg_rows(env, "issuer_floor", prefix).await?;
     let after_bytes = pg_bytes(env).await? - empty;
     println!(
