@@ -1285,7 +1285,9 @@ REVOKE ALL ON FUNCTION pgfence.bypass(text),
 --
 -- Leases and fence tokens kept in the database the fences live in. A lock is a row of
 -- pgfence.issuer_lock, a token counter a row of pgfence.issuer_counter; both are keyed by the
--- issuer's key prefix, so two prefixes on one database share no lock and no counter.
+-- issuer's key prefix, so two prefixes on one database share no lock and no counter. Idle
+-- counters and lapsed lock rows can be expired (pgfence.issuer_expire_idle): a counter's value
+-- is then kept in one of 4,096 floors per prefix (pgfence.issuer_floor) it restarts above.
 --
 -- * Expiry is by the database clock (clock_timestamp()), never the client's.
 -- * Every operation is one statement calling one function: no session state (no advisory
@@ -1304,11 +1306,16 @@ REVOKE ALL ON FUNCTION pgfence.bypass(text),
 ------------------------------------------------------------------------------------------------
 
 CREATE TABLE IF NOT EXISTS pgfence.issuer_counter (
-    prefix  text   NOT NULL,
-    counter text   NOT NULL,
-    value   bigint NOT NULL CHECK (value >= 0),
+    prefix     text        NOT NULL,
+    counter    text        NOT NULL,
+    value      bigint      NOT NULL CHECK (value >= 0),
+    -- When an acquire last drew a token from it (pgfence.issuer_expire_idle's idle time).
+    touched_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (prefix, counter)
 );
+-- A database that ran an earlier build of this migration has the table without it.
+ALTER TABLE pgfence.issuer_counter
+    ADD COLUMN IF NOT EXISTS touched_at timestamptz NOT NULL DEFAULT now();
 
 CREATE TABLE IF NOT EXISTS pgfence.issuer_lock (
     prefix     text        NOT NULL,
@@ -1320,6 +1327,29 @@ CREATE TABLE IF NOT EXISTS pgfence.issuer_lock (
 );
 
 REVOKE ALL ON pgfence.issuer_counter, pgfence.issuer_lock FROM PUBLIC;
+
+-- The floors of expired counters (pgfence.issuer_expire_idle): a counter that went idle is
+-- deleted and its value kept here, in one of 4,096 buckets per key prefix (the highest value
+-- of the counters that hash to it). A counter created again starts above its bucket's floor,
+-- so its tokens stay above every token it issued before: the state kept per prefix is bounded
+-- whatever the number of resources ever locked.
+CREATE TABLE IF NOT EXISTS pgfence.issuer_floor (
+    prefix text    NOT NULL,
+    bucket integer NOT NULL CHECK (bucket >= 0 AND bucket < 4096),
+    value  bigint  NOT NULL CHECK (value >= 0),
+    PRIMARY KEY (prefix, bucket)
+);
+
+REVOKE ALL ON pgfence.issuer_floor FROM PUBLIC;
+
+-- The bucket of pgfence.issuer_floor a counter's floor is kept in: 12 bits of its name's MD5
+-- (stable across PostgreSQL versions and platforms, unlike hashtext).
+CREATE OR REPLACE FUNCTION pgfence.issuer_floor_bucket(p_counter text) RETURNS integer
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT ('x' OPERATOR(pg_catalog.||) substr(md5(p_counter), 1, 3))::bit(12)::integer
+$$;
 
 -- The counter a resource draws tokens from: its fencing domain ('{D}NAME' -> 'D'), else itself.
 CREATE OR REPLACE FUNCTION pgfence.issuer_counter_id(p_resource text) RETURNS text
@@ -1370,7 +1400,9 @@ $$;
 --
 -- A counter that does not exist yet starts above the high-water mark PostgreSQL recorded for
 -- the resource (or the domain) under the issuer's key prefix, so a resource that was fenced
--- with another issuer's tokens keeps working. A token past pgfence.max_token() is refused with
+-- with another issuer's tokens keeps working, and above its bucket's floor in
+-- pgfence.issuer_floor, so a counter that expired idle (pgfence.issuer_expire_idle) never
+-- issues a token again that it issued before. A token past pgfence.max_token() is refused with
 -- 22003 and, since the whole statement then rolls back, the lock and the counter stay as they
 -- were.
 CREATE OR REPLACE FUNCTION pgfence.issuer_acquire(p_prefix text, p_resource text, p_owner text,
@@ -1419,7 +1451,8 @@ BEGIN
         RETURN;
     END IF;
     v_counter := pgfence.issuer_counter_id(p_resource);
-    UPDATE pgfence.issuer_counter c SET value = c.value OPERATOR(pg_catalog.+) 1
+    UPDATE pgfence.issuer_counter c
+       SET value = c.value OPERATOR(pg_catalog.+) 1, touched_at = now()
      WHERE c.prefix OPERATOR(pg_catalog.=) p_prefix
        AND c.counter OPERATOR(pg_catalog.=) v_counter
     RETURNING c.value INTO v_token;
@@ -1437,9 +1470,15 @@ BEGIN
                                                       ELSE p_prefix OPERATOR(pg_catalog.||) '{'
                                                            OPERATOR(pg_catalog.||) v_counter END);
         END IF;
+        -- Above what this counter issued before it expired idle (its bucket's floor).
+        v_floor := greatest(v_floor, coalesce((
+            SELECT f.value FROM pgfence.issuer_floor f
+             WHERE f.prefix OPERATOR(pg_catalog.=) p_prefix
+               AND f.bucket OPERATOR(pg_catalog.=) pgfence.issuer_floor_bucket(v_counter)), 0));
         INSERT INTO pgfence.issuer_counter AS c (prefix, counter, value)
         VALUES (p_prefix, v_counter, v_floor OPERATOR(pg_catalog.+) 1)
-        ON CONFLICT (prefix, counter) DO UPDATE SET value = c.value OPERATOR(pg_catalog.+) 1
+        ON CONFLICT (prefix, counter) DO UPDATE
+            SET value = c.value OPERATOR(pg_catalog.+) 1, touched_at = now()
         RETURNING c.value INTO v_token;
     END IF;
     IF v_token OPERATOR(pg_catalog.>) pgfence.max_token() THEN
@@ -1557,14 +1596,97 @@ BEGIN
 END
 $$;
 
+-- Expires the issuer state of p_prefix's idle resources (PgIssuer::with_idle_expiry): counters
+-- no acquire used for p_idle_ms are deleted and folded into pgfence.issuer_floor (a counter
+-- created again starts above its bucket's floor, so tokens never go back), and lock rows that
+-- lapsed p_idle_ms ago are deleted. At most p_limit of each per call; rows another transaction
+-- holds are skipped. Returns how many counters and lock rows were deleted. Safe to call at any
+-- time, by any role the issuer runs as: it can neither lower a token nor free a live lock.
+CREATE OR REPLACE FUNCTION pgfence.issuer_expire_idle(p_prefix text, p_idle_ms bigint,
+                                           p_limit integer)
+RETURNS TABLE (counters bigint, locks bigint)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_cut timestamptz;
+    v_counters bigint;
+    v_locks bigint;
+BEGIN
+    PERFORM pgfence.issuer_check_args(p_prefix, 'any', NULL, NULL);
+    IF p_idle_ms IS NULL OR p_idle_ms OPERATOR(pg_catalog.<) 1000
+       OR p_limit IS NULL OR p_limit OPERATOR(pg_catalog.<) 1 THEN
+        RAISE EXCEPTION 'pgfence: issuer_expire_idle takes an idle time of at least 1000 ms and a limit of at least 1'
+            USING ERRCODE = '22023';
+    END IF;
+    v_cut := clock_timestamp() OPERATOR(pg_catalog.-)
+             make_interval(secs => p_idle_ms::double precision OPERATOR(pg_catalog./) 1000);
+    WITH gone AS (
+        DELETE FROM pgfence.issuer_counter c
+         WHERE c.prefix OPERATOR(pg_catalog.=) p_prefix
+           AND c.counter IN (SELECT i.counter FROM pgfence.issuer_counter i
+                              WHERE i.prefix OPERATOR(pg_catalog.=) p_prefix
+                                AND i.touched_at OPERATOR(pg_catalog.<) v_cut
+                              LIMIT p_limit
+                                FOR UPDATE SKIP LOCKED)
+        RETURNING c.counter, c.value
+    ), folded AS (
+        INSERT INTO pgfence.issuer_floor AS f (prefix, bucket, value)
+        SELECT p_prefix, pgfence.issuer_floor_bucket(g.counter), max(g.value)
+          FROM gone g
+         GROUP BY 2
+        ON CONFLICT (prefix, bucket) DO UPDATE SET value = greatest(f.value, EXCLUDED.value)
+    )
+    SELECT count(*) INTO v_counters FROM gone;
+    DELETE FROM pgfence.issuer_lock l
+     WHERE l.prefix OPERATOR(pg_catalog.=) p_prefix
+       AND l.resource IN (SELECT i.resource FROM pgfence.issuer_lock i
+                           WHERE i.prefix OPERATOR(pg_catalog.=) p_prefix
+                             AND i.expires_at OPERATOR(pg_catalog.<) v_cut
+                           LIMIT p_limit
+                             FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS v_locks = ROW_COUNT;
+    RETURN QUERY SELECT v_counters, v_locks;
+END
+$$;
+
+-- What the issuer keeps for p_prefix: its counters, of them those no live lock draws from
+-- (idle), its lock rows (held or lapsed) and its floors (pgfence.issuer_floor).
+CREATE OR REPLACE FUNCTION pgfence.issuer_state(p_prefix text)
+RETURNS TABLE (counters bigint, idle bigint, locks bigint, floors bigint)
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH live AS (
+        SELECT DISTINCT pgfence.issuer_counter_id(l.resource) AS counter
+          FROM pgfence.issuer_lock l
+         WHERE l.prefix OPERATOR(pg_catalog.=) p_prefix
+           AND l.expires_at OPERATOR(pg_catalog.>) clock_timestamp()
+    )
+    SELECT (SELECT count(*) FROM pgfence.issuer_counter c
+             WHERE c.prefix OPERATOR(pg_catalog.=) p_prefix),
+           (SELECT count(*) FROM pgfence.issuer_counter c
+             WHERE c.prefix OPERATOR(pg_catalog.=) p_prefix
+               AND NOT EXISTS (SELECT 1 FROM live WHERE live.counter OPERATOR(pg_catalog.=) c.counter)),
+           (SELECT count(*) FROM pgfence.issuer_lock l
+             WHERE l.prefix OPERATOR(pg_catalog.=) p_prefix),
+           (SELECT count(*) FROM pgfence.issuer_floor f
+             WHERE f.prefix OPERATOR(pg_catalog.=) p_prefix)
+$$;
+
 REVOKE ALL ON FUNCTION
     pgfence.issuer_counter_id(text),
+    pgfence.issuer_floor_bucket(text),
     pgfence.issuer_check_args(text, text, text, bigint),
     pgfence.issuer_acquire(text, text, text, bigint),
     pgfence.issuer_not_held(text, text),
     pgfence.issuer_release(text, text, text, bigint),
     pgfence.issuer_extend(text, text, text, bigint, bigint),
-    pgfence.issuer_status(text, text)
+    pgfence.issuer_status(text, text),
+    pgfence.issuer_expire_idle(text, bigint, integer),
+    pgfence.issuer_state(text)
 FROM PUBLIC;
 
 ------------------------------------------------------------------------------------------------
@@ -1884,7 +2006,8 @@ BEGIN
         'pgfence.install_guard_trigger(regclass, text)',
         -- 9. - 10. The issuer's and the effect ledger's argument checks and lookups.
         'pgfence.issuer_counter_id(text)', 'pgfence.issuer_check_args(text, text, text, bigint)',
-        'pgfence.issuer_not_held(text, text)', 'pgfence.effect_check_args(text, text, text)'
+        'pgfence.issuer_not_held(text, text)', 'pgfence.issuer_floor_bucket(text)',
+        'pgfence.effect_check_args(text, text, text)'
     ]::regprocedure[] LOOP
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', v_fn);
         FOR v_grantee IN

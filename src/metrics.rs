@@ -8,6 +8,8 @@
 //! | `pgfence_audit_failures_total` | counter | `operation` | rejections whose audit row could not be written |
 //! | `pgfence_acquisitions_total` | counter | `result` (`acquired`, `busy`, `error`) | lock acquisition attempts |
 //! | `pgfence_lease_lost_total` | counter | | leases a keep-alive reported lost |
+//! | `pgfence_counter_reseeds_total` | counter | | Redis counters found missing (expired idle, or lost) and re-created above PostgreSQL's high-water mark (the floor source) |
+//! | `pgfence_idle_state_expired_total` | counter | `state` (`counter`, `lock`) | PostgreSQL issuer rows `PgIssuer::expire_idle` deleted |
 //! | `pgfence_write_seconds` | histogram | `operation` | fenced write latency (`update`, `upsert`, `delete`, `claim`, `*_many`) |
 //! | `pgfence_acquire_seconds` | histogram | | acquisition latency (one attempt) |
 //!
@@ -89,6 +91,23 @@ pub(crate) fn acquisition(result: &'static str) {
 pub(crate) fn lease_lost() {
     #[cfg(feature = "metrics")]
     ::metrics::counter!("pgfence_lease_lost_total").increment(1);
+}
+
+/// A Redis counter re-created above the floor source's mark.
+pub(crate) fn counter_reseeded() {
+    #[cfg(feature = "metrics")]
+    ::metrics::counter!("pgfence_counter_reseeds_total").increment(1);
+}
+
+/// Idle PostgreSQL issuer state deleted: `counters` counter rows, `locks` lock rows.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn idle_state_expired(counters: u64, locks: u64) {
+    #[cfg(feature = "metrics")]
+    {
+        ::metrics::counter!("pgfence_idle_state_expired_total", "state" => "counter")
+            .increment(counters);
+        ::metrics::counter!("pgfence_idle_state_expired_total", "state" => "lock").increment(locks);
+    }
 }
 
 /// Times an operation; records its latency when dropped.

@@ -40,6 +40,8 @@ const APP_FUNCTIONS: &[&str] = &[
     "pgfence.issuer_extend(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
      pg_catalog.int8)",
     "pgfence.issuer_status(pg_catalog.text, pg_catalog.text)",
+    "pgfence.issuer_expire_idle(pg_catalog.text, pg_catalog.int8, pg_catalog.int4)",
+    "pgfence.issuer_state(pg_catalog.text)",
     "pgfence.effect_begin(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
      pg_catalog.int4, pg_catalog.text)",
     "pgfence.effect_finish(pg_catalog.text, pg_catalog.text, pg_catalog.text, pg_catalog.int8, \
@@ -64,10 +66,10 @@ const APP_FUNCTIONS: &[&str] = &[
 /// | schema `pgfence` | `USAGE` (and not `CREATE`: an earlier grant of it is revoked) |
 /// | `check`, `check_on`, `try_check`, `admits`, `next_fence`, `lease_fence`, `high_water`, `domain_high_water`, `domain_mark_holder`, `note_timeline`, `append_audit` (owner's rights); `stop_unless`, `record_rejection`, `bypass` (caller's rights) | `EXECUTE` |
 /// | the effect ledger's `effect_begin`, `effect_finish`, `effect_status` (owner's rights: fenced like a row write) | `EXECUTE` |
-/// | the PostgreSQL issuer's `issuer_acquire`, `issuer_release`, `issuer_extend`, `issuer_status` (owner's rights: take a free lock, release or extend one's own, never lower a counter) | `EXECUTE` |
+/// | the PostgreSQL issuer's `issuer_acquire`, `issuer_release`, `issuer_extend`, `issuer_status`, `issuer_expire_idle`, `issuer_state` (owner's rights: take a free lock, release or extend one's own, expire idle state, never lower a counter) | `EXECUTE` |
 /// | `pgfence.tombstone` | `SELECT`, `INSERT`, `UPDATE (fence, deleted_at)`: a fenced delete writes its tombstone, an upsert reads it; a trigger refuses any update that lowers a tombstone's fence |
 /// | `pgfence.audit` | `INSERT` on the columns the library writes (not `id`, `at`, `db_user`), for the rows an [`Auditor`](crate::audit::Auditor)'s pool writes; no `SELECT`, `UPDATE` or `DELETE` |
-/// | `pgfence.resource_fence`, `guarded_tables`, `issuer_lock`, `issuer_counter`, `effect`, the migration history | nothing |
+/// | `pgfence.resource_fence`, `guarded_tables`, `issuer_lock`, `issuer_counter`, `issuer_floor`, `effect`, the migration history | nothing |
 /// | `guard`, `unguard`, `unpoison_resource` | nothing (owner and superusers only) |
 /// | the internal functions (the fence layout's helpers, `refuse_token_jump`, `require_timeline`, `failover_refusal`...: docs/sql.md, "Functions") | nothing, and no role but the owner has them: only pgfence's own functions call them |
 /// | `schema_version()` | `EXECUTE` (granted to every role: which migrations are applied) |

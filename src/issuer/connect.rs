@@ -17,6 +17,7 @@ pub struct IssuerOptions {
     key_prefix: Option<String>,
     floor_source: Option<PgPool>,
     call_timeout: Option<std::time::Duration>,
+    idle_expiry: Option<std::time::Duration>,
 }
 
 impl IssuerOptions {
@@ -49,6 +50,16 @@ impl IssuerOptions {
     #[must_use]
     pub fn call_timeout(mut self, bound: std::time::Duration) -> Self {
         self.call_timeout = Some(bound);
+        self
+    }
+
+    /// Idle issuer state expires after `idle` ([`RedisIssuer::with_idle_expiry`],
+    /// [`PgIssuer::with_idle_expiry`]); checked when connecting. Ignored by etcd and
+    /// ZooKeeper, which keep nothing per resource once its lock is gone. See
+    /// `docs/issuers.md`, "Idle expiry".
+    #[must_use]
+    pub fn idle_expiry(mut self, idle: std::time::Duration) -> Self {
+        self.idle_expiry = Some(idle);
         self
     }
 }
@@ -92,6 +103,9 @@ pub async fn connect_issuer_with(
 ) -> Result<Arc<dyn TokenIssuer>> {
     if let Some(prefix) = &options.key_prefix {
         check_key_prefix(prefix)?;
+    }
+    if let Some(idle) = options.idle_expiry {
+        super::check_idle_expiry(idle)?;
     }
     let prefix = options.key_prefix.as_deref();
     match IssuerKind::of_url(url)? {
@@ -141,6 +155,10 @@ pub async fn connect_issuer_with(
                 Some(bound) => issuer.with_call_timeout(bound),
                 None => issuer,
             };
+            let issuer = match options.idle_expiry {
+                Some(idle) => issuer.with_idle_expiry(idle)?,
+                None => issuer,
+            };
             Ok(Arc::new(prefixed(issuer, prefix, |i, p| {
                 i.with_key_prefix(p)
             })?))
@@ -169,6 +187,9 @@ where
     }
     if let Some(bound) = options.call_timeout {
         issuer = issuer.with_call_timeout(bound);
+    }
+    if let Some(idle) = options.idle_expiry {
+        issuer = issuer.with_idle_expiry(idle)?;
     }
     Ok(Arc::new(issuer))
 }

@@ -14,6 +14,7 @@ use etcd_client::{
 };
 use tokio::time::Instant;
 
+use super::idle::IssuerState;
 use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
 use super::lease::check_ttl;
 use super::methods::issuer_methods;
@@ -591,6 +592,33 @@ impl Backend for EtcdIssuer {
 
     fn call_timeout(&self) -> Duration {
         self.call_timeout
+    }
+
+    /// Counts this prefix's lock keys (`PREFIX/lock/`, count only): each lives under an etcd
+    /// lease and goes with it; there is no counter per resource (tokens are revisions).
+    async fn state_once(&self) -> Result<Option<IssuerState>> {
+        let prefix = format!("{}/lock/", self.prefix);
+        let reply = self
+            .client
+            .kv_client()
+            .get(
+                prefix,
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_count_only(),
+                ),
+            )
+            .await?;
+        Ok(Some(IssuerState {
+            counters: 0,
+            expiring: Some(0),
+            locks: u64::try_from(reply.count()).unwrap_or(0),
+            idle: 0,
+            other: 0,
+            floors: 0,
+            idle_expiry: None,
+        }))
     }
 
     fn no_reply(after: Duration) -> Error {

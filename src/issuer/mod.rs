@@ -30,6 +30,7 @@
 mod connect;
 #[cfg(feature = "etcd")]
 pub mod etcd;
+mod idle;
 mod keepalive;
 mod keys;
 mod lease;
@@ -48,11 +49,13 @@ pub use connect::{IssuerOptions, connect_issuer, connect_issuer_with};
 pub use etcd::EtcdIssuer;
 #[cfg(feature = "etcd")]
 pub(crate) use etcd::is_transient as etcd_is_transient;
+pub(crate) use idle::idle_millis;
+pub use idle::{ExpiredState, IssuerState, MAX_IDLE_EXPIRY, MIN_IDLE_EXPIRY, check_idle_expiry};
 pub use keepalive::{KeepAlive, LeaseLost};
 pub use keys::DEFAULT_KEY_PREFIX;
 pub(crate) use keys::fencing_name;
 pub use lease::{Lease, LeaseState, LockStatus, ReleaseOutcome};
-pub use pg::PgIssuer;
+pub use pg::{EXPIRE_BATCH, PgIssuer};
 pub use policy::DEFAULT_CALL_TIMEOUT;
 pub use redis::RedisIssuer;
 pub use token_issuer::{BoxFuture, IssuerKind, TokenIssuer};

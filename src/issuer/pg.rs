@@ -12,6 +12,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 use tokio::time::Instant;
 
+use super::idle::{ExpiredState, IssuerState};
 use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
 use super::lease::{check_owner, ttl_millis};
 use super::methods::issuer_methods;
@@ -36,6 +37,9 @@ pub(crate) fn is_postgres_url(url: &str) -> bool {
 
 /// Connections [`PgIssuer::connect`] opens at most.
 const POOL_SIZE: u32 = 16;
+
+/// Counters (and lock rows) one statement of [`PgIssuer::expire_idle`] deletes at most.
+pub const EXPIRE_BATCH: u64 = 10_000;
 
 /// Issues leases and fence tokens from PostgreSQL: no Redis, etcd or ZooKeeper needed.
 ///
@@ -85,6 +89,9 @@ pub struct PgIssuer {
     pool: PgPool,
     prefix: Arc<str>,
     call_timeout: Duration,
+    idle_expiry: Option<Duration>,
+    /// When the background expiry last started (shared by clones).
+    last_expiry: Arc<std::sync::Mutex<Option<Instant>>>,
 }
 
 impl std::fmt::Debug for PgIssuer {
@@ -92,6 +99,7 @@ impl std::fmt::Debug for PgIssuer {
         f.debug_struct("PgIssuer")
             .field("key_prefix", &self.prefix)
             .field("call_timeout", &self.call_timeout)
+            .field("idle_expiry", &self.idle_expiry)
             .finish_non_exhaustive()
     }
 }
@@ -158,7 +166,109 @@ impl PgIssuer {
             pool,
             prefix: Arc::from(DEFAULT_KEY_PREFIX),
             call_timeout: DEFAULT_CALL_TIMEOUT,
+            idle_expiry: None,
+            last_expiry: Arc::default(),
         }
+    }
+
+    /// The same issuer with idle state expiring: a resource's counter row that no acquire
+    /// used for `idle`, and a lock row that lapsed `idle` ago, are deleted by
+    /// [`PgIssuer::expire_idle`], which the issuer runs in the background (at most once per
+    /// `idle / 4`, and at least once a minute, while it acquires). Off by default. A deleted
+    /// counter's value is kept in one of 4,096 floors per key prefix
+    /// (`pgfence.issuer_floor`), and a counter created again starts above its floor and above
+    /// PostgreSQL's high-water mark: tokens never go back, so nothing about fencing changes
+    /// (the one edge: a re-created counter may start far above the resource's own last token,
+    /// by as much as the busiest counter of its bucket issued; see `docs/issuers.md`, "Idle
+    /// expiry").
+    ///
+    /// # Errors
+    /// [`InvalidInput::Duration`](crate::error::InvalidInput::Duration) outside
+    /// [`MIN_IDLE_EXPIRY`](crate::issuer::MIN_IDLE_EXPIRY)`..=`[`MAX_IDLE_EXPIRY`](crate::issuer::MAX_IDLE_EXPIRY).
+    pub fn with_idle_expiry(mut self, idle: Duration) -> Result<Self> {
+        self.idle_expiry = Some(crate::issuer::check_idle_expiry(idle)?);
+        Ok(self)
+    }
+
+    /// The idle expiry (see [`PgIssuer::with_idle_expiry`]); `None`: kept for ever.
+    #[must_use]
+    pub fn idle_expiry(&self) -> Option<Duration> {
+        self.idle_expiry
+    }
+
+    /// Deletes this key prefix's counters that no acquire used for `idle` (folding each into
+    /// its floor, `pgfence.issuer_floor`) and its lock rows that lapsed `idle` ago, in
+    /// batches of [`EXPIRE_BATCH`] (each a statement of its own within the call bound) until a
+    /// batch finds fewer. Returns how many counters and lock rows it deleted. Safe whenever
+    /// it runs: it lowers no token and frees no live lock.
+    ///
+    /// # Errors
+    /// [`InvalidInput::Duration`](crate::error::InvalidInput::Duration) for an `idle` outside
+    /// [`MIN_IDLE_EXPIRY`](crate::issuer::MIN_IDLE_EXPIRY)`..=`[`MAX_IDLE_EXPIRY`](crate::issuer::MAX_IDLE_EXPIRY);
+    /// [`Error::Backend`](crate::Error::Backend).
+    pub async fn expire_idle(&self, idle: Duration) -> Result<ExpiredState> {
+        let idle = crate::issuer::check_idle_expiry(idle)?;
+        let sql = format!(
+            "SELECT counters, locks FROM pgfence.issuer_expire_idle({}, {}, {EXPIRE_BATCH})",
+            self.prefix_literal()?,
+            crate::issuer::idle_millis(Some(idle)),
+        );
+        let mut total = ExpiredState::default();
+        loop {
+            let row = tokio::time::timeout(self.call_timeout, self.one_row(&sql))
+                .await
+                .map_err(|_| <Self as Backend>::no_reply(self.call_timeout))??;
+            let counters = u64::try_from(row.try_get::<i64, _>("counters")?).unwrap_or(0);
+            let locks = u64::try_from(row.try_get::<i64, _>("locks")?).unwrap_or(0);
+            total.counters += counters;
+            total.locks += locks;
+            crate::metrics::idle_state_expired(counters, locks);
+            if counters < EXPIRE_BATCH && locks < EXPIRE_BATCH {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Starts [`PgIssuer::expire_idle`] in the background when idle expiry is on and the last
+    /// run started `idle / 4` (at most a minute) ago; a failure is logged, and the next
+    /// acquire after the interval tries again.
+    fn expire_in_background(&self) {
+        let Some(idle) = self.idle_expiry else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let every = (idle / 4).min(Duration::from_secs(60));
+        {
+            let mut last = self
+                .last_expiry
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if last.is_some_and(|at| at.elapsed() < every) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let issuer = self.clone();
+        runtime.spawn(async move {
+            match issuer.expire_idle(idle).await {
+                Ok(done) if done.counters > 0 || done.locks > 0 => tracing::info!(
+                    target: "pgfence::issuer",
+                    key_prefix = &*issuer.prefix,
+                    counters = done.counters,
+                    locks = done.locks,
+                    "expired idle issuer state (counters folded into pgfence.issuer_floor)"
+                ),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(
+                    target: "pgfence::issuer",
+                    key_prefix = &*issuer.prefix,
+                    error = %e,
+                    "could not expire idle issuer state; the next acquire tries again"
+                ),
+            }
+        });
     }
 
     /// The same issuer with another call bound ([`DEFAULT_CALL_TIMEOUT`], 5 s, by default):
@@ -272,6 +382,36 @@ impl Backend for PgIssuer {
         self.call_timeout
     }
 
+    fn idle_expiry(&self) -> Option<Duration> {
+        self.idle_expiry
+    }
+
+    /// `pgfence.issuer_state`: counters, idle counters, lock rows, floors of the prefix.
+    async fn state_once(&self) -> Result<Option<IssuerState>> {
+        let sql = format!(
+            "SELECT counters, idle, locks, floors FROM pgfence.issuer_state({})",
+            self.prefix_literal()?
+        );
+        let row = self.one_row(&sql).await?;
+        let get = |name: &str| -> Result<u64> {
+            Ok(u64::try_from(row.try_get::<i64, _>(name)?).unwrap_or(0))
+        };
+        let counters = get("counters")?;
+        Ok(Some(IssuerState {
+            counters,
+            expiring: Some(if self.idle_expiry.is_some() {
+                counters
+            } else {
+                0
+            }),
+            locks: get("locks")?,
+            idle: get("idle")?,
+            other: 0,
+            floors: get("floors")?,
+            idle_expiry: self.idle_expiry,
+        }))
+    }
+
     fn no_reply(after: Duration) -> Error {
         Error::database(sqlx::Error::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
@@ -282,6 +422,7 @@ impl Backend for PgIssuer {
     /// One statement: `pgfence.issuer_acquire` takes a free or lapsed lock, or renews the
     /// same owner's, and reports the holder's remaining TTL otherwise.
     async fn try_acquire(&self, ask: &Ask<'_>) -> Result<Attempt> {
+        self.expire_in_background();
         let sql = format!(
             "SELECT acquired, token, ttl_ms FROM pgfence.issuer_acquire({}, {}, {}, {})",
             self.prefix_literal()?,

@@ -18,11 +18,15 @@ use std::time::Duration;
 use sqlx::PgPool;
 use tokio::time::Instant;
 
+use super::idle::IssuerState;
 use super::keys::fencing_name;
 use super::lease::{check_owner, check_ttl, new_owner_id};
 use super::token_issuer::{BoxFuture, IssuerKind, TokenIssuer};
 use super::{Lease, LeaseState, LockStatus, ReleaseOutcome};
 use crate::{Error, FenceToken, Resource, Result};
+
+/// The least time [`TokenIssuer::state`] is given (it counts every key or row of a prefix).
+const STATE_BOUND: Duration = Duration::from_secs(60);
 
 /// How many times an acquire is sent, with the same owner id, when it fails in transit.
 const ACQUIRE_ATTEMPTS: u32 = 3;
@@ -151,6 +155,17 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
 
     /// The key prefix.
     fn key_prefix(&self) -> &str;
+
+    /// The idle expiry ([`TokenIssuer::idle_expiry`]); `None` by default.
+    fn idle_expiry(&self) -> Option<Duration> {
+        None
+    }
+
+    /// What the issuer keeps per resource, counted on its server ([`TokenIssuer::state`]);
+    /// `None` where it is not counted. Bounded by the call bound, at least 60 s.
+    fn state_once(&self) -> impl Future<Output = Result<Option<IssuerState>>> + Send {
+        async { Ok(None) }
+    }
 
     /// The bound of each call (acquire, release, extend, status, floor raise), re-sends
     /// included.
@@ -555,6 +570,20 @@ impl<B: Backend> TokenIssuer for B {
 
     fn key_prefix(&self) -> &str {
         Backend::key_prefix(self)
+    }
+
+    fn idle_expiry(&self) -> Option<Duration> {
+        Backend::idle_expiry(self)
+    }
+
+    fn state(&self) -> BoxFuture<'_, Result<Option<IssuerState>>> {
+        Box::pin(async move {
+            // A scan of every key or row: longer than one call, still bounded.
+            let bound = self.call_timeout().max(STATE_BOUND);
+            tokio::time::timeout(bound, self.state_once())
+                .await
+                .map_err(|_| B::no_reply(bound))?
+        })
     }
 
     fn acquire<'a>(

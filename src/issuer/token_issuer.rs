@@ -231,6 +231,23 @@ pub trait TokenIssuer: Send + Sync + std::fmt::Debug + 'static {
         })
     }
 
+    /// How long a resource's counter (and anything else the issuer keeps for it) outlives
+    /// its last lease ([`RedisIssuer::with_idle_expiry`], [`PgIssuer::with_idle_expiry`](crate::issuer::PgIssuer::with_idle_expiry));
+    /// `None`: kept for ever (the default, and always for etcd and ZooKeeper, which keep
+    /// nothing per resource once its lock is gone). See `docs/issuers.md`, "Idle expiry".
+    fn idle_expiry(&self) -> Option<Duration> {
+        None
+    }
+
+    /// What the issuer keeps per resource, counted on its server: counters, locks, how many
+    /// are idle ([`IssuerState`](crate::issuer::IssuerState)). `None` where the issuer does not
+    /// count (Redis Cluster; an issuer outside this crate). `pgfence doctor` reports it.
+    /// Bounded by the issuer's call bound, and at least 60 s (it reads every key or row of
+    /// the key prefix).
+    fn state(&self) -> BoxFuture<'_, Result<Option<super::idle::IssuerState>>> {
+        Box::pin(async { Ok(None) })
+    }
+
     /// The key prefix ([`RedisIssuer::with_key_prefix`]; the default is
     /// [`DEFAULT_KEY_PREFIX`](crate::issuer::DEFAULT_KEY_PREFIX), which this default method returns).
     fn key_prefix(&self) -> &str {

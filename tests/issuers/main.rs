@@ -11,6 +11,7 @@ use pgfence_test_support as support;
 mod issuer_suite;
 
 mod etcd_issuer;
+mod idle_expiry;
 mod issuer;
 mod issuer_tls;
 mod issuer_trait;

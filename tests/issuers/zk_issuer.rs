@@ -43,12 +43,12 @@ const ENV: &str = "PGFENCE_ZK_URL";
 
 /// `Some` when `test` can run: `PGFENCE_ZK_URL` names a running server, or the throwaway one can be
 /// started (the testkit's skip line otherwise).
-fn needs_zk(test: &str) -> Option<Shared<ZooKeeper>> {
+pub(crate) fn needs_zk(test: &str) -> Option<Shared<ZooKeeper>> {
     issuer_suite::external_or_needs(ENV, test)
 }
 
 /// The URL of the ZooKeeper the single-server tests share (one throwaway server per binary).
-async fn zk_url(zk: Shared<ZooKeeper>) -> String {
+pub(crate) async fn zk_url(zk: Shared<ZooKeeper>) -> String {
     static SINGLE: OnceCell<(String, Option<ZkEnsemble>)> = OnceCell::const_new();
     issuer_suite::shared_url(&SINGLE, ENV, async {
         let zk = issuer_suite::proof(zk, ENV);

@@ -436,3 +436,78 @@ async fn a_postgres_issuers_counter_below_the_mark_is_named_as_such() {
     assert!(message.contains("PostgreSQL issuer's counter"), "{message}");
     assert!(!message.contains("Redis"), "{message}");
 }
+
+/// With idle expiry on, a resource whose counter expired is reported as expired (info), not
+/// as a counter that went backwards, and doctor reports what the issuer keeps: its counters,
+/// how many are idle and expiring, and the idle expiry.
+#[tokio::test]
+async fn an_expired_counter_is_not_a_counter_gone_backwards_and_state_is_reported() {
+    let db = healthy().await;
+    let prefix = format!("dr{:08x}", rand::random::<u32>());
+    let issuer = issuer()
+        .await
+        .with_key_prefix(&prefix)
+        .unwrap()
+        .with_idle_expiry(Duration::from_secs(1))
+        .unwrap();
+    let held = unique_resource("doctor:idle-held");
+    let lease = issuer
+        .acquire(&held, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    let resource = unique_resource("doctor:idle");
+    let fenced = resource.in_key_prefix(&prefix).unwrap();
+    let gone = issuer
+        .acquire(&resource, Duration::from_secs(1))
+        .await
+        .unwrap()
+        .unwrap();
+    sqlx::query("SELECT pgfence.check($1, $2, 0)")
+        .bind(fenced.as_str())
+        .bind(gone.token().get())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    issuer.release(&gone).await.unwrap();
+    let state = |findings: &[Finding]| {
+        findings
+            .iter()
+            .find(|f| f.kind == FindingKind::IssuerState)
+            .map(|f| f.message.clone())
+            .unwrap()
+    };
+    let findings = pgfence::admin::doctor(&db.pool, Some(&issuer), &DoctorOptions::default())
+        .await
+        .unwrap();
+    let said = state(&findings);
+    assert!(
+        said.contains("2 counter(s), 1 of them idle") && said.contains("2 of them expiring"),
+        "{said}"
+    );
+    assert!(said.contains("idle expiry 1s"), "{said}");
+    // The lease's TTL plus the idle expiry, and Redis's expiry cycle.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let findings = pgfence::admin::doctor(&db.pool, Some(&issuer), &DoctorOptions::default())
+        .await
+        .unwrap();
+    assert!(
+        !findings
+            .iter()
+            .any(|f| f.kind == FindingKind::CounterBelowMark),
+        "{findings:?}"
+    );
+    let expired: Vec<_> = findings
+        .iter()
+        .filter(|f| f.kind == FindingKind::CounterExpired)
+        .collect();
+    assert_eq!(expired.len(), 1, "{findings:?}");
+    assert_eq!(expired[0].severity, Severity::Info);
+    assert!(expired[0].object.contains(resource.as_str()), "{expired:?}");
+    let said = state(&findings);
+    assert!(
+        said.contains("1 counter(s), 0 of them idle"),
+        "the held lease's: {said}"
+    );
+    issuer.release(&lease).await.unwrap();
+}

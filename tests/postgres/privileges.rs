@@ -390,8 +390,10 @@ async fn grant_gives_exactly_the_documented_privileges() {
         ("effect_status", true),
         ("high_water", true),
         ("issuer_acquire", true),
+        ("issuer_expire_idle", true),
         ("issuer_extend", true),
         ("issuer_release", true),
+        ("issuer_state", true),
         ("issuer_status", true),
         ("lease_fence", true),
         // Every role: the poisoning bound.

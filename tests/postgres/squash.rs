@@ -348,8 +348,9 @@ async fn an_empty_database_gets_from_the_squash_what_the_chain_gave() {
             .collect::<Vec<_>>()
     );
     // 59 at the squash; since: fence_tag and record_rejection with a reason (issue 30),
-    // configure_timeline (issue 33); max_token_jump() is created inside a DO block (nested).
-    assert_eq!(squash_defs.len(), 61);
+    // configure_timeline (issue 33); issuer_floor_bucket, issuer_expire_idle, issuer_state
+    // (issue 45); max_token_jump() is created inside a DO block (nested).
+    assert_eq!(squash_defs.len(), 64);
 
     let chain = TestDb::empty().await;
     let mut conn = PgConnection::connect_with(&chain.options).await.unwrap();

@@ -240,6 +240,12 @@ pub struct Config {
     /// lost the counters). Redis only, through a `redis://` URL: [`Harness::new`](crate::Harness::new)
     /// refuses it for etcd, ZooKeeper and PostgreSQL, whose tokens cannot be reset.
     pub reset_counters_at: Vec<u64>,
+    /// Idle expiry of the issuer's counters ([`pgfence::RedisIssuer::with_idle_expiry`],
+    /// [`pgfence::issuer::PgIssuer::with_idle_expiry`]): a row's counter that no lease used
+    /// for this long past the last lease's TTL expires while the other rows' leases run, and
+    /// the row's next lease is re-created above the floor (or healed by `recover_from`).
+    /// `None`: counters are kept (the issuer's default).
+    pub idle_expiry: Option<Duration>,
     /// Terminate one busy worker backend (`pg_terminate_backend`) about this often; with the
     /// PostgreSQL issuer also one of the issuer's own backends each time (see
     /// [`Harness::new`](crate::Harness::new)).
@@ -299,6 +305,7 @@ impl Default for Config {
             retries: 2,
             outage_retry: None,
             reset_counters_at: Vec::new(),
+            idle_expiry: None,
             kill_every: None,
             recovery: Recovery {
                 floor_source: true,

@@ -307,6 +307,9 @@ impl Harness {
         if cfg.recovery.floor_source {
             options = options.floor_source(audit_pool.clone());
         }
+        if let Some(idle) = cfg.idle_expiry {
+            options = options.idle_expiry(idle);
+        }
         let issuer_app = (crate::issuer_of_url(&target.issuer_url) == Some(IssuerKind::Postgres))
             .then(|| format!("pgfence-chaos-issuer-{run}"));
         let issuer_url = match &issuer_app {

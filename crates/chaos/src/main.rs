@@ -254,6 +254,11 @@ struct Args {
     /// Do not call `recover_from` after a rejection. Redis only.
     #[arg(long)]
     no_recover_from: bool,
+    /// Idle expiry of the issuer's counters, in ms (Redis and the PostgreSQL issuer; at least
+    /// 1000): rows no lease used for this long past the last lease's TTL lose their counter
+    /// while the other rows' leases run (docs/issuers.md, "Idle expiry").
+    #[arg(long)]
+    idle_expiry_ms: Option<u64>,
     /// Batch mode: groups of rows, one resource (lock and token counter) each.
     #[arg(long, default_value_t = 1)]
     batch_groups: usize,
@@ -826,6 +831,7 @@ fn config(args: &Args, issuer: IssuerKind, mode: Mode) -> Config {
         pause_max: ms(args.pause_max_ms, timing.pause_max),
         retries: args.retries,
         reset_counters_at: args.reset_counter_at.clone(),
+        idle_expiry: args.idle_expiry_ms.map(Duration::from_millis),
         kill_every: args.kill_every_ms.map(Duration::from_millis),
         recovery: Recovery {
             floor_source: !args.no_floor_source,

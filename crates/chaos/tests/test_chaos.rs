@@ -200,6 +200,64 @@ async fn fenced_run_holds_under_faults_and_the_unfenced_control_breaks() {
     assert_eq!(c.rejected, 0);
 }
 
+/// Idle expiry on (1 s) while leases run: 64 rows, 4 workers, so a row's counter expires
+/// whenever the row sits idle past its last lease's TTL plus 1 s, while the other rows' leases
+/// (and stalls past the TTL) go on. Fenced: no violation, no lost update, every rejection
+/// audited; the expired counters were re-created above the marks (floor source) or healed
+/// (`recover_from`). The same run unfenced: violations and lost updates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn counters_expiring_idle_mid_run_are_safe_and_the_unfenced_control_breaks() {
+    let db = TestDb::new().await;
+    let target = Target {
+        database: db.options.clone(),
+        issuer_url: redis_url().await,
+    };
+    let cfg = Config {
+        workers: 4,
+        rows: 64,
+        units: 2_000,
+        idle_expiry: Some(Duration::from_secs(1)),
+        pause_probability: 0.1,
+        ..Config::default()
+    };
+    let fenced = run(cfg.clone(), &target).await;
+    let s = &fenced.summary;
+    assert!(!s.timed_out, "time limit hit");
+    assert_eq!(s.violations, 0, "{s}");
+    assert_eq!(s.lost_updates, 0, "{s}");
+    assert_eq!(s.stale_reads, 0, "{s}");
+    assert_eq!(s.audit_rows, s.rejected, "one audit row per rejection: {s}");
+    assert_failures_retryable(&fenced);
+    // Proof counters expired mid-run: re-created above the floor or raised after a refusal.
+    let recreated = s.reseed_events.unwrap_or(0) + s.counter_raises;
+    assert!(recreated > 0, "no counter expired during the run: {s}");
+    let total: i64 =
+        sqlx::query_scalar("SELECT sum(value)::bigint FROM pgfence_chaos.cell WHERE run = $1")
+            .bind(&s.run)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(u64::try_from(total).unwrap(), s.accepted);
+
+    let control = run(
+        Config {
+            mode: Mode::Unfenced,
+            ..cfg
+        },
+        &target,
+    )
+    .await;
+    let c = &control.summary;
+    assert!(
+        c.violations > 0,
+        "the harness must detect unfenced overwrites: {c}"
+    );
+    assert!(
+        c.lost_updates > 0,
+        "the harness must detect lost updates: {c}"
+    );
+}
+
 /// Restarting Redis (it comes back empty: counters and locks gone) mid-run. Safety holds;
 /// the floor source reseeds the counters and every row writes again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

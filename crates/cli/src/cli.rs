@@ -50,6 +50,16 @@ pub struct Conn {
     /// default `pgfence`. Applications sharing a Redis with different prefixes share no lock.
     #[arg(long, env = "PGFENCE_KEY_PREFIX", global = true)]
     pub key_prefix: Option<String>,
+    /// Idle expiry of the issuer's per-resource state, in seconds (Redis and the PostgreSQL
+    /// issuer; docs/issuers.md, "Idle expiry"): a counter no lease used for this long goes.
+    /// Default: off (counters are kept for ever). Give every process of a key prefix the same.
+    #[arg(
+        long,
+        env = "PGFENCE_IDLE_EXPIRY",
+        global = true,
+        value_name = "SECONDS"
+    )]
+    pub idle_expiry: Option<u64>,
 }
 
 /// `guard --emit-migration`'s help. clap turns every `{n}` of a help text into a line break

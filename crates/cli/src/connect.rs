@@ -97,6 +97,16 @@ impl Conn {
         }
     }
 
+    /// `--idle-expiry` / `PGFENCE_IDLE_EXPIRY`, checked (`None`: off).
+    fn idle_expiry(&self) -> Result<Option<Duration>> {
+        self.idle_expiry
+            .map(|secs| {
+                pgfence::issuer::check_idle_expiry(Duration::from_secs(secs))
+                    .context("bad --idle-expiry / PGFENCE_IDLE_EXPIRY")
+            })
+            .transpose()
+    }
+
     /// A pool of one connection on the configured PostgreSQL: an admin command runs its
     /// sessions one after the other on it, so behind a pooler in session mode it holds one
     /// server connection, never two (with a one-connection server pool a second client
@@ -128,7 +138,13 @@ impl Conn {
     /// The configured issuer (Redis, etcd or ZooKeeper, by the URL's scheme), with the key
     /// prefix.
     pub async fn issuer(&self) -> Result<Arc<dyn TokenIssuer>> {
-        connect_issuer(self.issuer_url()?, self.key_prefix()?, None).await
+        connect_issuer(
+            self.issuer_url()?,
+            self.key_prefix()?,
+            self.idle_expiry()?,
+            None,
+        )
+        .await
     }
 
     /// An issuer for taking locks: for Redis, when a PostgreSQL URL is configured, it
@@ -142,10 +158,10 @@ impl Conn {
         let url = self.issuer_url()?;
         let prefix = self.key_prefix()?;
         if issuer_kind(url)? != IssuerKind::Redis {
-            return connect_issuer(url, prefix, None).await;
+            return connect_issuer(url, prefix, self.idle_expiry()?, None).await;
         }
         // Standalone, TLS or Sentinel: the same options, one parser (the library's).
-        connect_issuer(url, prefix, self.floor().await).await
+        connect_issuer(url, prefix, self.idle_expiry()?, self.floor().await).await
     }
 
     /// The migrated database to recover a lost Redis counter from, when one is configured;
@@ -430,11 +446,13 @@ pub fn is_plain_redis(url: &str) -> bool {
 }
 
 /// The issuer `url` names ([`pgfence::issuer::connect_issuer_with`]) with the key `prefix`
-/// (`None`: the default) and, for Redis, the database to recover a lost counter from; giving
-/// up after a few seconds. The PostgreSQL issuer's own pool is one [`close_all`] closes.
+/// (`None`: the default), the idle expiry of its per-resource state (`None`: off) and, for
+/// Redis, the database to recover a lost counter from; giving up after a few seconds. The
+/// PostgreSQL issuer's own pool is one [`close_all`] closes.
 pub async fn connect_issuer(
     url: &str,
     prefix: Option<&str>,
+    idle: Option<Duration>,
     floor: Option<PgPool>,
 ) -> Result<Arc<dyn TokenIssuer>> {
     let kind = issuer_kind(url)?;
@@ -447,11 +465,18 @@ pub async fn connect_issuer(
                 Some(prefix) => issuer.with_key_prefix(prefix)?,
                 None => issuer,
             };
+            let issuer = match idle {
+                Some(idle) => issuer.with_idle_expiry(idle)?,
+                None => issuer,
+            };
             return Ok(Arc::new(issuer) as Arc<dyn TokenIssuer>);
         }
         let mut options = IssuerOptions::new();
         if let Some(prefix) = prefix {
             options = options.key_prefix(prefix);
+        }
+        if let Some(idle) = idle {
+            options = options.idle_expiry(idle);
         }
         if let Some(pool) = floor {
             options = options.floor_source(pool);

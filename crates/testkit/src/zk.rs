@@ -181,7 +181,8 @@ impl ZkMember {
         let zk = format!(
             "{java} -Xms16m -Xmx256m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 -XX:-UsePerfData \
              -XX:ErrorFile=\"$dir/hs_err_%p.log\" -Djava.io.tmpdir=\"$dir\" \
-             -Dzookeeper.cnxTimeout=1000 -Dorg.slf4j.simpleLogger.showDateTime=true \
+             -Dzookeeper.cnxTimeout=1000 -Dznode.container.checkIntervalMs=1000 \
+             -Dorg.slf4j.simpleLogger.showDateTime=true \
              -Dorg.slf4j.simpleLogger.dateTimeFormat=HH:mm:ss.SSS \
              -cp {classpath} org.apache.zookeeper.server.quorum.QuorumPeerMain \"$dir/zoo.cfg\"",
             java = sh_quote(java),

@@ -38,7 +38,56 @@ pub(super) async fn counters(
     if let Some(top) = compare(issuer, &checks, limit, findings).await {
         above_counters(top, highest, findings);
     }
+    state(issuer, findings).await;
     Ok(())
+}
+
+/// What the issuer keeps per resource ([`TokenIssuer::state`]), as an info finding.
+async fn state(issuer: &dyn TokenIssuer, findings: &mut Vec<Finding>) {
+    let kind = issuer.kind();
+    let object = format!(
+        "{} issuer (key prefix {})",
+        kind.name(),
+        issuer.key_prefix()
+    );
+    let expiry = match issuer.idle_expiry() {
+        Some(idle) => format!("idle expiry {idle:?}"),
+        None => "idle expiry off: counters are kept for ever".to_owned(),
+    };
+    let finding = match issuer.state().await {
+        Ok(Some(s)) => {
+            let expiring = s
+                .expiring
+                .map_or_else(String::new, |n| format!(", {n} of them expiring"));
+            let floors = if s.floors > 0 {
+                format!(", {} floor(s) of expired counters", s.floors)
+            } else {
+                String::new()
+            };
+            let other = if s.other > 0 {
+                format!(", {} other key(s)", s.other)
+            } else {
+                String::new()
+            };
+            Finding::new(Severity::Info, FindingKind::IssuerState, &object).says(format!(
+                "{} counter(s), {} of them idle (no lease holds their resource){expiring}; {} lock record(s){other}{floors}; {expiry}",
+                s.counters, s.idle, s.locks
+            ))
+        }
+        Ok(None) => {
+            let why = match kind {
+                IssuerKind::Redis => {
+                    "a Redis Cluster is not scanned (one connection reaches one node's keys)"
+                }
+                _ => "this issuer does not count its state",
+            };
+            Finding::new(Severity::Info, FindingKind::IssuerState, &object)
+                .says(format!("not counted: {why}; {expiry}"))
+        }
+        Err(e) => Finding::new(Severity::Info, FindingKind::IssuerState, &object)
+            .says(format!("could not count the issuer's state: {e}")),
+    };
+    findings.push(finding);
 }
 
 /// The resources' high-water marks (token), each checked against the limit.
@@ -183,7 +232,15 @@ async fn compare(
             Some(prefix) => format!("resource {resource} (key prefix {prefix})"),
             None => format!("resource {resource}"),
         };
-        if counter < *mark {
+        if counter == 0 && *mark > 0 && issuer.idle_expiry().is_some() {
+            findings.push(
+                Finding::new(Severity::Info, FindingKind::CounterExpired, &object)
+                    .says(format!(
+                        "no {} counter (Postgres's high-water mark is {mark}): it expired idle, and the next lease's token is created above the mark (the PostgreSQL issuer, or Redis with a floor source; without one the first check is refused and `recover_from` heals it)",
+                        store(kind)
+                    )),
+            );
+        } else if counter < *mark {
             findings.push(
                 Finding::new(Severity::Error, FindingKind::CounterBelowMark, &object)
                     .says(format!(

@@ -20,6 +20,8 @@
 //! | [`RedisUnavailable`](FindingKind::RedisUnavailable) | error | the issuer's counters could not be read (the name stays for compatibility: any issuer) |
 //! | [`InvalidIssuerUrl`](FindingKind::InvalidIssuerUrl) | error | the issuer URL did not parse (reported by the CLI: nothing was connected to) |
 //! | [`CountersNotChecked`](FindingKind::CountersNotChecked) | info | no issuer was given, or a recorded resource name is not a valid [`Resource`] |
+//! | [`CounterExpired`](FindingKind::CounterExpired) | info | a resource with a mark has no counter, and the issuer's idle expiry is on: it expired idle, and the next lease is re-created above the mark (instead of [`CounterBelowMark`](FindingKind::CounterBelowMark)) |
+//! | [`IssuerState`](FindingKind::IssuerState) | info | what the issuer keeps per resource, counted on its server ([`TokenIssuer::state`](crate::TokenIssuer::state)): counters, how many are idle and expiring, locks, floors; the idle expiry |
 //! | [`AuditRetention`](FindingKind::AuditRetention) | warning | audit rows older than [`DoctorOptions::audit_retention`] |
 //! | [`TimelineCheckOff`](FindingKind::TimelineCheckOff) | info | the database cannot tell its timeline (no WAL functions: Aurora without logical replication, or revoked): failover fencing by timeline is off; what is not protected, and where that is acceptable |
 //! | [`Protections`](FindingKind::Protections) | info | what is in force: the timeline check, the guarded tables by mode, the connected role's standing |
@@ -115,6 +117,11 @@ pub enum FindingKind {
     InvalidIssuerUrl,
     /// Some counters were not compared.
     CountersNotChecked,
+    /// A resource's counter is gone because it expired idle (the issuer's idle expiry is on),
+    /// below a mark: the next lease's token is re-created above the mark.
+    CounterExpired,
+    /// What the issuer keeps per resource: counters, locks, how many are idle.
+    IssuerState,
     /// Audit rows older than the retention.
     AuditRetention,
     /// A check was skipped: the connected role lacks a privilege it needs.

@@ -16,6 +16,7 @@ mod acl;
 mod connections;
 mod scripts;
 mod sentinel;
+mod state;
 
 use std::future::Future;
 use std::num::NonZeroUsize;
@@ -37,6 +38,7 @@ pub use sentinel::{
     SentinelConnections, SentinelUrl, is_sentinel_url,
 };
 
+use super::idle::IssuerState;
 use super::keys::{DEFAULT_KEY_PREFIX, check_key_prefix};
 use super::lease::ttl_millis;
 use super::methods::issuer_methods;
@@ -125,6 +127,7 @@ pub struct RedisIssuer<C = RedisConnections> {
     pub(crate) floor_source: Option<Arc<dyn FloorSource>>,
     prefix: Arc<str>,
     call_timeout: Duration,
+    idle_expiry: Option<Duration>,
 }
 
 impl<C> std::fmt::Debug for RedisIssuer<C> {
@@ -133,6 +136,7 @@ impl<C> std::fmt::Debug for RedisIssuer<C> {
             .field("key_prefix", &self.prefix)
             .field("floor_source", &self.floor_source.is_some())
             .field("call_timeout", &self.call_timeout)
+            .field("idle_expiry", &self.idle_expiry)
             .finish_non_exhaustive()
     }
 }
@@ -176,6 +180,37 @@ impl<C> RedisIssuer<C> {
     #[must_use]
     pub fn call_timeout(&self) -> Duration {
         self.call_timeout
+    }
+
+    /// The same issuer with idle counters expiring: a resource's counter key
+    /// (`PREFIX:{R}:fence`) gets a Redis expiry of `idle` past the TTL of each lease an
+    /// acquire or extend gives it (never shortened), so a resource nobody locked for `idle`
+    /// leaves no key behind; its lock and attempt keys expire with the lease as always. Off
+    /// by default (counters are kept for ever). Give every issuer of a key prefix the same
+    /// setting.
+    ///
+    /// A counter that expired restarts low. With a floor source
+    /// ([`with_floor_source`](RedisIssuer::with_floor_source)) the next lease's token is
+    /// re-issued above PostgreSQL's high-water mark for the resource (the marks
+    /// [`Fence::check`](crate::Fence::check) keeps), logged as a reseed; a row of a guarded
+    /// table that no mark covers refuses the first write as stale, and
+    /// [`recover_from`](RedisIssuer::recover_from) heals it in one call. PostgreSQL never
+    /// accepts a token below what a row or mark has seen. See `docs/issuers.md`, "Idle
+    /// expiry".
+    ///
+    /// # Errors
+    /// [`InvalidInput::Duration`](crate::error::InvalidInput::Duration) outside
+    /// [`MIN_IDLE_EXPIRY`](crate::issuer::MIN_IDLE_EXPIRY)`..=`[`MAX_IDLE_EXPIRY`](crate::issuer::MAX_IDLE_EXPIRY).
+    pub fn with_idle_expiry(mut self, idle: Duration) -> Result<Self> {
+        self.idle_expiry = Some(crate::issuer::check_idle_expiry(idle)?);
+        Ok(self)
+    }
+
+    /// The idle expiry (see [`RedisIssuer::with_idle_expiry`]); `None`: counters are kept for
+    /// ever.
+    #[must_use]
+    pub fn idle_expiry(&self) -> Option<Duration> {
+        self.idle_expiry
     }
 
     /// This issuer's Redis key for `resource`'s lock (see [`lock_key`]).
@@ -266,6 +301,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisIssuer<C> {
             floor_source: None,
             prefix: Arc::from(DEFAULT_KEY_PREFIX),
             call_timeout: DEFAULT_CALL_TIMEOUT,
+            idle_expiry: None,
         }
     }
 
@@ -368,13 +404,15 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisIssuer<C> {
                 other_counter: false,
             });
         }
+        crate::metrics::counter_reseeded();
         tracing::info!(
             target: "pgfence::issuer",
             resource = lease.resource.as_str(),
             lost_token = lease.token.get(),
             high_water = mark,
             token,
-            "fence counter was lost; reseeded from Postgres"
+            idle_expiry_ms = self.idle_expiry.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            "fence counter was missing (expired idle, or lost); re-created above Postgres's high-water mark"
         );
         lease.token = FenceToken::new(token)?;
         Ok(())
@@ -512,6 +550,23 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for RedisIssuer<
         self.call_timeout
     }
 
+    fn idle_expiry(&self) -> Option<Duration> {
+        self.idle_expiry
+    }
+
+    /// Counts this prefix's keys with `SCAN` (1,000 a step) and reads each counter's `PTTL`;
+    /// not on a Cluster (`None`: a scan would cover one node).
+    async fn state_once(&self) -> Result<Option<IssuerState>> {
+        let conn: &dyn std::any::Any = &self.conn;
+        if conn.is::<redis::cluster_async::ClusterConnection>() {
+            return Ok(None);
+        }
+        state::count(self.conn.clone(), &self.prefix, self.idle_expiry)
+            .await
+            .map(Some)
+            .map_err(|e| self.redis_error(e))
+    }
+
     fn no_reply(after: Duration) -> Error {
         Error::redis(redis::RedisError::from(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
@@ -542,6 +597,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for RedisIssuer<
             .arg(ttl_ms)
             .arg(MAX_TOKEN)
             .arg(call_id(ask.call))
+            .arg(crate::issuer::idle_millis(self.idle_expiry))
             .invoke_async::<Vec<Value>>(&mut conn)
             .await
             .map_err(|e| self.redis_error(e))?;
@@ -594,10 +650,15 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Backend for RedisIssuer<
         let ttl_ms = ttl_millis(ttl)?;
         let sent_at = Instant::now();
         let mut conn = self.conn.clone();
-        let code = EXTEND
-            .key(self.lock_key(&lease.resource))
+        let mut script = EXTEND.key(self.lock_key(&lease.resource));
+        // With idle expiry the counter lives on past the extended lease (same hash slot).
+        if self.idle_expiry.is_some() {
+            script.key(self.counter_key(&lease.resource));
+        }
+        let code = script
             .arg(lease.value())
             .arg(ttl_ms)
+            .arg(crate::issuer::idle_millis(self.idle_expiry))
             .invoke_async::<i64>(&mut conn)
             .await
             .map_err(|e| self.redis_error(e))?;

@@ -37,17 +37,20 @@ pub(crate) struct Config {
     pub(crate) scale_rows: i64,
     /// Whether `PGFENCE_BENCH_SCALE_ROWS` was set.
     scale_asked: bool,
+    /// Whether `PGFENCE_BENCH_IDLE_RESOURCES` was set (section `idle`'s N): it runs the
+    /// section without naming it, as CI's smoke run does.
+    idle_asked: bool,
 }
 
 /// Every section, in the order they run.
 pub(crate) const SECTIONS: &[&str] = &[
     "write", "pgbench", "batch", "acquire", "job", "storm", "scaling", "etcd", "zk", "pg", "parts",
-    "coalesce", "scale",
+    "coalesce", "scale", "idle",
 ];
 
 /// Sections that run only when named (or, for `scale`, when `PGFENCE_BENCH_SCALE_ROWS` is
-/// set): they are slow.
-pub(crate) const OPT_IN: &[&str] = &["scale"];
+/// set): they are slow (`idle` measures state, not speed).
+pub(crate) const OPT_IN: &[&str] = &["scale", "idle"];
 
 /// The environment variable `name`, parsed, or `default` when unset or blank.
 fn env_or<T: FromStr>(name: &str, default: T) -> Result<T>
@@ -108,6 +111,8 @@ impl Config {
             json,
             sections,
             scale_rows: env_or("PGFENCE_BENCH_SCALE_ROWS", 10_000_000)?,
+            idle_asked: std::env::var("PGFENCE_BENCH_IDLE_RESOURCES")
+                .is_ok_and(|v| !v.trim().is_empty()),
             scale_asked: std::env::var("PGFENCE_BENCH_SCALE_ROWS")
                 .is_ok_and(|v| !v.trim().is_empty()),
         };
@@ -136,7 +141,8 @@ impl Config {
             return true;
         }
         if OPT_IN.contains(&section) {
-            return section == "scale" && self.scale_asked;
+            return (section == "scale" && self.scale_asked)
+                || (section == "idle" && self.idle_asked);
         }
         self.sections.is_empty()
     }

@@ -46,6 +46,8 @@
 //!   writes on a table of N rows against 10,000, `pgfence.check` with N/10 resource marks,
 //!   the audit query on N audit rows, doctor on N/10,000 guarded tables, audit prune (see
 //!   `scale`).
+//! - `idle` (opt-in: run only when named): the issuer state 100,000 idle resources leave
+//!   (Redis keys and bytes, PostgreSQL issuer rows), kept and with idle expiry (see `idle`).
 //!
 //! Every figure waits for an idle machine first, and records CPU time per operation of the
 //! client, the PostgreSQL server, the Redis server and everything else (see BENCHMARKS.md).
@@ -95,6 +97,7 @@ mod coord;
 mod cpu;
 #[cfg(feature = "etcd")]
 mod etcd;
+mod idle;
 mod measure;
 mod parts;
 mod pg;
@@ -213,6 +216,11 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
     } else {
         None
     };
+    let idle_state = if env.cfg.runs("idle") {
+        Some(idle::idle(env).await?)
+    } else {
+        None
+    };
     let mut loads = Vec::new();
     for round in 1..=env.cfg.rounds {
         let mut out = Results::new();
@@ -274,6 +282,9 @@ async fn bench(env: &Env, servers: &Servers) -> Result<()> {
         loads.join(" | ")
     );
     doc["load_average_at_round_start"] = json!(loads);
+    if let Some(state) = idle_state {
+        doc["idle_state"] = state;
+    }
     let problems = report::problems(env, &rounds);
     doc["problems"] = json!(problems);
     if let Some(dir) = env.cfg.json.parent().filter(|d| !d.as_os_str().is_empty()) {

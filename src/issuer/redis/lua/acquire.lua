@@ -7,10 +7,14 @@
 -- failed call's clean-up (abandon.lua) removes the lock only if that call took it.
 -- Not given when the owner id is the call's own (`acquire` makes one up per call): no other
 -- call can present it, so the owner id alone names the call.
+-- ARGV[5] (optional) = the idle expiry in milliseconds (RedisIssuer::with_idle_expiry), "0"
+-- or absent for none: the counter then expires that long after the lease's TTL, unless a
+-- later acquire or extend pushes it further. It is never shortened here (a fencing domain's
+-- counter serves several locks).
 -- Lock value: "<owner>:<token>".
 -- Returns {1, token, fresh} when granted. `token` is the counter's exact decimal text (Lua
--- numbers are doubles); `fresh` is 1 when the counter did not exist before (new resource, or
--- a Redis that lost its data). Returns {0, pttl} when another owner holds the lock: a
+-- numbers are doubles); `fresh` is 1 when the counter did not exist before (new resource, a
+-- counter that expired idle, or a Redis that lost its data). Returns {0, pttl} when another owner holds the lock: a
 -- two-element reply starting with 0 is never a token. Returns {-1, counter} when the counter
 -- is already at (or past) the token limit: nothing was changed.
 local function stamp(adopting)
@@ -26,6 +30,16 @@ local function stamp(adopting)
   end
   redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[2])
 end
+local function keep_counter()
+  local idle = tonumber(ARGV[5] or '0')
+  if idle and idle > 0 then
+    local want = idle + tonumber(ARGV[2])
+    -- PTTL is -1 for a counter without expiry (made before idle expiry was on): it gets one.
+    if redis.call('PTTL', KEYS[2]) < want then
+      redis.call('PEXPIRE', KEYS[2], want)
+    end
+  end
+end
 local held = redis.call('GET', KEYS[1])
 if held then
   local owner, token = string.match(held, '^(.*):(%d+)$')
@@ -33,6 +47,7 @@ if held then
     -- The same owner retrying (its first reply was lost): same token, not a new one.
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     stamp(true)
+    keep_counter()
     return {1, token, 0}
   end
   return {0, redis.call('PTTL', KEYS[1])}
@@ -58,4 +73,5 @@ end
 local token = redis.call('GET', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1] .. ':' .. token, 'PX', ARGV[2])
 stamp(false)
+keep_counter()
 return {1, token, fresh}

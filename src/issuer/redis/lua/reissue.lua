@@ -1,5 +1,6 @@
 -- Re-issue the token of a lock this lease holds, after raising the counter to a floor.
--- Used when acquire found a fresh counter (data lost) and Postgres knows a higher mark.
+-- Used when acquire found a fresh counter (data lost, or a counter that expired idle) and
+-- Postgres knows a higher mark.
 -- KEYS[1] = lock key, KEYS[2] = fence counter
 -- ARGV[1] = "<owner>:<old token>", ARGV[2] = owner, ARGV[3] = floor, ARGV[4] = the token
 -- limit (pgfence::MAX_TOKEN), ARGV[5] = old token (decimals without leading zeros)
@@ -20,7 +21,8 @@ if not less(top, ARGV[4]) then
   if cur == ARGV[5] then redis.call('DEL', KEYS[2]) end
   return -1
 end
-if less(cur, ARGV[3]) then redis.call('SET', KEYS[2], ARGV[3]) end
+-- KEEPTTL: a counter that expires idle keeps the expiry the acquire gave it.
+if less(cur, ARGV[3]) then redis.call('SET', KEYS[2], ARGV[3], 'KEEPTTL') end
 redis.call('INCR', KEYS[2])
 local token = redis.call('GET', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[2] .. ':' .. token, 'KEEPTTL')

@@ -160,7 +160,7 @@ pub async fn setup(servers: &Servers, fenced: bool, say: &Narrator) -> Result<Ar
                 .as_deref()
                 .context("no issuer to run the demo on")?;
             (
-                connect_issuer(url, servers.key_prefix.as_deref(), None).await?,
+                connect_issuer(url, servers.key_prefix.as_deref(), None, None).await?,
                 None,
             )
         }
