@@ -684,7 +684,9 @@ where
         if let Some(l) = cluster.find_leader().await.filter(|l| *l != old_leader) {
             break l;
         }
-        assert!(killed_at.elapsed() < 20 * SEC, "no new leader after 20 s");
+        // A loaded CI host can take this long to elect (3 JVMs on 2 cores): the bound is the
+        // test environment's, the assertions below are the feature's.
+        assert!(killed_at.elapsed() < 45 * SEC, "no new leader after 45 s");
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     let elected_after = killed_at.elapsed();
