@@ -237,10 +237,6 @@ impl From<&Lease> for Fencing {
             .holder(lease.owner.clone());
         fencing.timeline = lease.timeline.clone();
         fencing.rows = lease.rows.clone();
-        // A resumed lease's deadline is "now": it carries no TTL worth bounding by.
-        if !lease.remaining().is_zero() {
-            fencing.idle_bound = Some(lease.ttl);
-        }
         fencing
     }
 }

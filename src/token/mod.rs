@@ -221,12 +221,15 @@ impl Fencing {
     /// every newer holder until it wakes. The woken process's next statement or `COMMIT` then
     /// fails and nothing of the transaction is applied.
     ///
-    /// A `Fencing` made from a [`Lease`](crate::Lease) (`&lease`) is bounded by the lease's TTL
-    /// while the lease's local deadline has not passed (a TTL, not the time left: a lease
-    /// renewed by [`KeepAlive`](crate::issuer::KeepAlive) keeps its old deadline in the
-    /// caller's handle); one made from a bare token, or a resumed lease, is not bounded.
-    /// `None` turns the bound off (a job that holds a transaction open while it computes
-    /// for longer than its TTL). A check on `&pool`, or outside a transaction, runs in its own
+    /// Off unless set: bound a lease's transactions by its TTL with
+    /// `Fencing::from(&lease).with_idle_bound(Some(lease.ttl()))` (a TTL, not the time left:
+    /// a lease renewed by [`KeepAlive`](crate::issuer::KeepAlive) keeps its old deadline in the
+    /// caller's handle), or give the role a default (`pgfence grant ROLE
+    /// --idle-in-transaction-timeout`). Not on by default: the chaos suite, whose workers stall
+    /// inside transactions past their TTL, failed with it on (its verifier reported a
+    /// violation in a PostgreSQL-issuer failover run that is not analysed yet), and a job that
+    /// holds a transaction open longer than its TTL while it computes would be ended. `None`
+    /// turns the bound off. A check on `&pool`, or outside a
     /// transaction with its call bound instead. See docs/operations.md, "A paused lease's
     /// transaction".
     ///

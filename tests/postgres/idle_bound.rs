@@ -51,12 +51,12 @@ async fn paused_worker() {
         .unwrap();
     let issuer = PgIssuer::new(pool.clone());
     let lease = issuer.acquire(&resource(), TTL).await.unwrap().unwrap();
-    let mut fencing = Fencing::from(&lease);
     assert_eq!(
-        fencing.idle_bound(),
-        Some(TTL),
-        "a lease is bounded by its TTL"
+        Fencing::from(&lease).idle_bound(),
+        None,
+        "the bound is the caller's choice"
     );
+    let mut fencing = Fencing::from(&lease).with_idle_bound(Some(lease.ttl()));
     if std::env::var(WORKER_BOUND).as_deref() == Ok("off") {
         fencing = fencing.with_idle_bound(None);
     }
